@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install the pinned set from constraints.txt once; later runs reuse it.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvskill-installed
+DEMO_DIR ?= demo-out
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned, so nothing can pull a CUDA build of it.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh $(PY)
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info

@@ -1,0 +1,1 @@
+"""Analyzer: read a model config and modeling code, decide its KV-cache design (the Plan)."""

@@ -1,0 +1,1 @@
+"""Implementer: libcst codemods that convert a model to paged KV, and verification."""

@@ -1,0 +1,1 @@
+"""Reference pages of the model-infer-kvcache skill (package data)."""

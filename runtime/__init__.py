@@ -1,0 +1,1 @@
+"""Runtime: paged KV-cache management, layouts, operators and the generation engine."""

@@ -1,0 +1,1 @@
+"""Operator surface identical to torch_npu, with reference implementations in PyTorch."""

@@ -1,0 +1,103 @@
+"""The ``kvskill`` command line: a click group whose commands live in ``kvskill.commands``.
+
+Every error a user can cause ends here as one line on stderr (or one JSON object on stdout
+with ``--format json``) and an exit code from ``kvskill.errors.ExitCode``; never a traceback
+unless ``--verbose`` asks for one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+
+import click
+from kvskill import __version__
+from kvskill.commands import COMMANDS
+from kvskill.errors import ExitCode, KvskillError
+
+EPILOG = """\b
+Examples:
+  kvskill analyze qwen3
+  kvskill apply qwen3 --mode framework --out converted/
+  kvskill verify converted/
+  kvskill run converted/ --random-weights --num-requests 8
+
+\b
+Exit codes: 0 success, 1 check failed, 2 bad input or usage,
+3 unsupported model, other: a bug in kvskill.
+"""
+
+
+@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="kvskill")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """Migrate an LLM's KV cache to paged attention for Ascend NPUs.
+
+    analyze decides the KV design with evidence, apply rewrites the model, verify proves the
+    conversion token-exact, run generates with the converted model in the bundled runtime.
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+for _command in COMMANDS:
+    cli.add_command(_command)
+
+
+def _wants_json(argv: list[str]) -> bool:
+    for i, arg in enumerate(argv):
+        if arg == "--format=json" or (arg == "--format" and argv[i + 1 : i + 2] == ["json"]):
+            return True
+    return False
+
+
+def _report(code: str, message: str, exit_code: int, as_json: bool) -> None:
+    message = " ".join(message.split()) or code  # one line, always
+    if as_json:
+        click.echo(json.dumps({"error": {"code": code, "message": message}}))
+    else:
+        click.echo(f"kvskill: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI and translate every failure into the documented exit codes."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(argv)
+    verbose = any(a in ("-v", "--verbose") or a.startswith("-vv") for a in argv)
+    try:
+        # NOTE: commands return None (success) or an int exit code (e.g. 1 for lint
+        # findings); --help and --version come back here as 0.
+        result = cli.main(args=argv, prog_name="kvskill", standalone_mode=False)
+    except KvskillError as exc:
+        if verbose:
+            traceback.print_exc()
+        _report(exc.code, str(exc), int(exc.exit_code), as_json)
+    except click.exceptions.Abort:
+        _report("aborted", "aborted", int(ExitCode.BAD_INPUT), as_json)
+    except click.ClickException as exc:
+        if not as_json:
+            exc.show()
+            sys.exit(int(ExitCode.BAD_INPUT))
+        _report("usage", exc.format_message(), int(ExitCode.BAD_INPUT), as_json)
+    except KeyboardInterrupt:
+        _report("interrupted", "interrupted", 130, as_json)
+    except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v
+        if verbose:
+            traceback.print_exc()
+        _report(
+            "internal",
+            f"internal error ({type(exc).__name__}: {exc}); rerun with -v for the traceback "
+            "and report it",
+            int(ExitCode.INTERNAL),
+            as_json,
+        )
+    sys.exit(result if isinstance(result, int) else int(ExitCode.OK))

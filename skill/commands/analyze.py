@@ -1,0 +1,58 @@
+"""``kvskill analyze``: decide the KV design of a model, with evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from kvskill.errors import NotImplementedYetError
+from kvskill.options import (
+    attn_tp_size_option,
+    block_size_option,
+    config_overrides_option,
+    format_option,
+)
+
+EPILOG = """\b
+Examples:
+  kvskill analyze qwen3
+  kvskill analyze ./my-model --format json
+  kvskill analyze deepseek_v3 --config-overrides num_hidden_layers=4 --attn-tp-size 8
+  kvskill analyze gpt_oss --format md --write-progress progress.md
+
+\b
+Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("model")
+@format_option(("table", "json", "yaml", "md"))
+@click.option(
+    "--mode",
+    "deploy_mode",
+    type=click.Choice(["auto", "framework", "standalone"]),
+    default="auto",
+    show_default=True,
+    help="Deployment mode; 'auto' detects it (a runner_*.py means standalone).",
+)
+@config_overrides_option
+@attn_tp_size_option
+@block_size_option
+@click.option("--hbm-gb", type=float, default=None, help="Device memory in GiB for the plan.")
+@click.option(
+    "--kv-memory", type=str, default=None, help="Memory for the KV cache, e.g. '8GiB', '512MiB'."
+)
+@click.option(
+    "--write-progress",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Add or update a 'KVCache selection' section in this Markdown progress file.",
+)
+def analyze(model: str, output_format: str, **options) -> None:
+    """Read MODEL's config and modeling code and decide its KV-cache design.
+
+    MODEL is a model directory (config.json, optional modeling_*.py) or a model type of
+    the installed transformers such as 'qwen3'. Nothing in MODEL is imported or executed.
+    """
+    raise NotImplementedYetError("`kvskill analyze` is not implemented yet")

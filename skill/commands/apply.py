@@ -1,0 +1,82 @@
+"""``kvskill apply``: rewrite a model so its KV cache is paged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from kvskill.errors import NotImplementedYetError
+from kvskill.options import (
+    attn_tp_size_option,
+    block_size_option,
+    config_overrides_option,
+    format_option,
+)
+
+EPILOG = """\b
+Examples:
+  kvskill apply qwen3 --mode framework --out converted/
+  kvskill apply ./my-model --mode framework --out converted/ --dry-run
+  kvskill apply qwen3 --mode standalone --kv-mode paged --out runner/
+
+\b
+Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
+3 model not supported by the implementer (nothing written).
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("model")
+@click.option(
+    "--mode",
+    "deploy_mode",
+    type=click.Choice(["framework", "standalone"]),
+    default="framework",
+    show_default=True,
+    help="framework: the bundled runtime owns the cache; standalone: a generated runner does.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output directory (required unless --dry-run).",
+)
+@click.option(
+    "--fa-version",
+    type=click.Choice(["auto", "v1", "v2"]),
+    default="auto",
+    show_default=True,
+    help="Fused-attention operator version; 'auto' follows the analyzer.",
+)
+@click.option(
+    "--kv-mode",
+    type=click.Choice(["contiguous", "paged"]),
+    default="paged",
+    show_default=True,
+    help="Standalone mode only: contiguous BSH caches or paged caches.",
+)
+@click.option(
+    "--mla-absorb",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="MLA models: absorb the up-projections into query and output.",
+)
+@attn_tp_size_option
+@block_size_option
+@config_overrides_option
+@click.option("--dry-run", is_flag=True, help="Print a unified diff; write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite a non-empty output directory.")
+@click.option(
+    "--copy-weights", is_flag=True, help="Copy weight files into DIR instead of linking them."
+)
+@format_option()
+def apply(model: str, **options) -> None:
+    """Rewrite MODEL so it declares cache_entries, implements get_cache_info and calls
+    the fused-attention and scatter operators.
+
+    The input files are never modified; the result goes to --out. Model code is parsed with
+    libcst, never executed.
+    """
+    raise NotImplementedYetError("`kvskill apply` is not implemented yet")

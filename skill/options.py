@@ -1,0 +1,72 @@
+"""Click options shared by several commands, each defined once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+OUTPUT_FORMATS_SIMPLE = ("table", "json")
+
+
+def format_option(choices: tuple[str, ...] = OUTPUT_FORMATS_SIMPLE, default: str = "table"):
+    return click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(choices),
+        default=default,
+        show_default=True,
+        help="Output format. 'json' prints exactly one JSON object on stdout.",
+    )
+
+
+attn_tp_size_option = click.option(
+    "--attn-tp-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Attention tensor-parallel size; KV heads per rank = max(num_kv_heads // size, 1).",
+)
+
+block_size_option = click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per KV block (default: 128 for apply/analyze, small for verify).",
+)
+
+config_overrides_option = click.option(
+    "--config-overrides",
+    default=None,
+    metavar="KEY=VALUE,...",
+    help="Override config keys before analysis, e.g. 'num_hidden_layers=4,sliding_window=64'. "
+    "Values are parsed as JSON when they can be (numbers, true/false/null, lists).",
+)
+
+trust_remote_code_option = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    default=False,
+    help="Allow executing modeling code that does not come from the installed transformers.",
+)
+
+seed_option = click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed for weights and sampling."
+)
+
+dtype_option = click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Compute dtype.",
+)
+
+log_layout_option = click.option(
+    "--log-layout",
+    is_flag=True,
+    default=False,
+    help="Log every cache view built (lines prefixed [non-contiguous-kv-cache]).",
+)
+
+existing_dir = click.Path(exists=True, file_okay=False, dir_okay=True, path_type=Path)

@@ -1,0 +1,1 @@
+"""Jinja2 templates used by the implementer (package data)."""

@@ -1,1 +1,62 @@
 """Runtime: paged KV-cache management, layouts, operators and the generation engine."""
+
+from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
+from kvskill.runtime.cache_info import (
+    AttnType,
+    CacheEntry,
+    CacheInfoError,
+    LayerCacheInfo,
+    MambaCacheEntry,
+    ModelCacheInfo,
+)
+from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
+from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.layout import bind_kv_cache, kv_lane_view, split_page, strided_view
+from kvskill.runtime.managers import (
+    ATTN_TYPE_MANAGER_MAP,
+    FIXED_BLOCK_ATTN_TYPES,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    register_attn_type,
+)
+from kvskill.runtime.masks import get_init_attn_mask
+from kvskill.runtime.state_access import gather_ssm_states, scatter_ssm_states_
+from kvskill.runtime.tables import (
+    prepare_block_tables,
+    prepare_slot_mapping,
+    prepare_token_positions,
+)
+
+__all__ = [
+    "ATTN_TYPE_MANAGER_MAP",
+    "FIXED_BLOCK_ATTN_TYPES",
+    "NULL_BLOCK_ID",
+    "AttnType",
+    "BlockPool",
+    "CacheEntry",
+    "CacheInfoError",
+    "FullAttentionManager",
+    "ForwardMetaData",
+    "KVCacheManager",
+    "LayerCacheInfo",
+    "MambaCacheEntry",
+    "MambaManager",
+    "ModelCacheInfo",
+    "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "bind_kv_cache",
+    "forward_context",
+    "gather_ssm_states",
+    "get_forward_metadata",
+    "get_init_attn_mask",
+    "kv_lane_view",
+    "prepare_block_tables",
+    "prepare_slot_mapping",
+    "prepare_token_positions",
+    "register_attn_type",
+    "scatter_ssm_states_",
+    "split_page",
+    "strided_view",
+]

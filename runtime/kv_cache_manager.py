@@ -1,0 +1,246 @@
+"""Coordinates the per-group managers: sizing, all-or-nothing allocation, freeing, reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvskill.errors import BadInputError
+from kvskill.runtime.block_pool import BlockPool
+from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.managers import (
+    ATTN_TYPE_MANAGER_MAP,
+    FIXED_BLOCK_ATTN_TYPES,
+    SingleTypeKVCacheManager,
+)
+
+
+@dataclass(eq=False)
+class KVCacheGroup:
+    """The entries served by one manager (same group key, block size and window)."""
+
+    key: str
+    attn_type: str
+    block_size: int
+    sliding_window: int | None
+    #: (layer info, that layer's entries of this group), in layer order
+    layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[CacheEntry]:
+        return [entry for _, entries in self.layers for entry in entries]
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across every layer of the group (contiguous layout)."""
+        return sum(entry.bytes_per_block(self.block_size) for entry in self.entries)
+
+    def layer_page_bytes(self) -> list[int]:
+        """Payload bytes per block of each layer (what one page must hold)."""
+        return [
+            sum(entry.bytes_per_block(self.block_size) for entry in entries)
+            for _, entries in self.layers
+        ]
+
+
+def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
+    """Group every entry that needs blocks by its group key, in first-seen order."""
+    groups: dict[str, KVCacheGroup] = {}
+    for layer in cache_info.layer_infos:
+        for entry in layer.caches:
+            if not entry.needs_block:
+                continue
+            group = groups.get(entry.group_key)
+            if group is None:
+                group = groups[entry.group_key] = KVCacheGroup(
+                    key=entry.group_key,
+                    attn_type=entry.attn_type,
+                    block_size=cache_info.group_block_size(entry),
+                    sliding_window=entry.sliding_window,
+                )
+            if not group.layers or group.layers[-1][0] is not layer:
+                group.layers.append((layer, []))
+            group.layers[-1][1].append(entry)
+    return groups
+
+
+class KVCacheManager:
+    """Owns one SingleTypeKVCacheManager per group and the block pools behind them.
+
+    Contiguous layout: one pool per group. Page-pool layout (``use_hybrid_blocks``): one pool
+    shared by all groups, so a block id names the same physical page in every group.
+    """
+
+    def __init__(
+        self,
+        cache_info: ModelCacheInfo,
+        *,
+        num_blocks: int | None = None,
+        memory_budget_bytes: int | None = None,
+        device: str = "cpu",
+        use_hybrid_blocks: bool = False,
+        free_block_order_seed: int | None = None,
+        page_alignment_bytes: int = 128,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        self.cache_info = cache_info
+        self.device = device
+        self.use_hybrid_blocks = use_hybrid_blocks
+        self.page_alignment_bytes = page_alignment_bytes
+        self.groups = build_groups(cache_info)
+        if not self.groups:
+            raise BadInputError("the model declares no cache entry that needs blocks")
+        if num_blocks is None and memory_budget_bytes is None:
+            raise BadInputError("give num_blocks or memory_budget_bytes to size the KV cache")
+        if num_blocks is not None:
+            self.num_blocks = dict.fromkeys(self.groups, num_blocks)
+        else:
+            self.num_blocks = self.calculate_block_num(
+                memory_budget_bytes,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+        for key, n in self.num_blocks.items():
+            if n < 2:
+                raise BadInputError(
+                    f"group {key!r} gets {n} blocks; at least 2 (null + 1) are needed. "
+                    "Raise the memory budget or num_blocks"
+                )
+        self.pools = self._build_pools(free_block_order_seed)
+        self.managers: dict[str, SingleTypeKVCacheManager] = {
+            key: ATTN_TYPE_MANAGER_MAP[g.attn_type](
+                self.pools[key],
+                group_key=key,
+                block_size=g.block_size,
+                sliding_window=g.sliding_window,
+            )
+            for key, g in self.groups.items()
+        }
+        self.initial_free_blocks = self.num_free_blocks
+        self.layout = None  # set by allocate_cache_tensors
+
+    def _build_pools(self, seed: int | None) -> dict[str, BlockPool]:
+        if self.use_hybrid_blocks:
+            shared = BlockPool(max(self.num_blocks.values()), free_block_order_seed=seed)
+            return dict.fromkeys(self.groups, shared)
+        return {key: BlockPool(n, free_block_order_seed=seed) for key, n in self.num_blocks.items()}
+
+    # ---- sizing ------------------------------------------------------------------------
+    def calculate_block_num(
+        self,
+        memory_budget_bytes: int,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ) -> dict[str, int]:
+        """Blocks per group (null block included) that fit in ``memory_budget_bytes``."""
+        from kvskill.runtime.layout import calculate_block_num
+
+        return calculate_block_num(
+            self.groups,
+            memory_budget_bytes,
+            use_hybrid_blocks=self.use_hybrid_blocks,
+            page_alignment_bytes=self.page_alignment_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            fixed_block_attn_types=FIXED_BLOCK_ATTN_TYPES,
+        )
+
+    def allocate_cache_tensors(self) -> None:
+        """Create every cache tensor and hand it to its layer (``tensor_setter``/bind)."""
+        from kvskill.runtime.layout import allocate_cache_tensors
+
+        self.layout = allocate_cache_tensors(
+            self.groups,
+            self.num_blocks,
+            device=self.device,
+            use_hybrid_blocks=self.use_hybrid_blocks,
+            page_alignment_bytes=self.page_alignment_bytes,
+        )
+
+    # ---- per-request -------------------------------------------------------------------
+    @property
+    def group_keys(self) -> list[str]:
+        return list(self.groups)
+
+    def block_size_of(self, group_key: str) -> int:
+        return self.groups[group_key].block_size
+
+    def _blocks_needed_per_pool(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int | None
+    ) -> dict[int, tuple[BlockPool, int]]:
+        needed: dict[int, tuple[BlockPool, int]] = {}
+        for key, mgr in self.managers.items():
+            computed = (
+                mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
+            )
+            pool = self.pools[key]
+            net = mgr.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+            needed[id(pool)] = (pool, needed.get(id(pool), (pool, 0))[1] + net)
+        return needed
+
+    def can_allocate(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
+    ) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed now."""
+        needed = self._blocks_needed_per_pool(request_id, num_tokens, num_computed_tokens)
+        return all(net <= pool.num_free_blocks for pool, net in needed.values())
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
+    ) -> bool:
+        """Make every group cover ``num_tokens`` tokens of the request, or change nothing.
+
+        Args:
+            request_id: any hashable string id.
+            num_tokens: TOTAL tokens that need a slot, already computed ones included.
+            num_computed_tokens: tokens whose KV is already in the cache; defaults to the
+                total of the previous allocation (the engine computes what it allocated).
+                Windowed groups release the blocks no query from there on can see.
+
+        Returns:
+            True on success; False (nothing changed) when some pool is short of blocks.
+        """
+        if not self.can_allocate(request_id, num_tokens, num_computed_tokens):
+            return False
+        for mgr in self.managers.values():
+            computed = (
+                mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
+            )
+            mgr.remove_skipped_blocks(request_id, computed)
+        for mgr in self.managers.values():
+            mgr.allocate_new_blocks(request_id, num_tokens)
+        return True
+
+    def free(self, request_id: str) -> None:
+        for mgr in self.managers.values():
+            mgr.free(request_id)
+
+    def get_block_ids(self, request_id: str) -> dict[str, list[int]]:
+        """Per group, the request's block ids in logical order (0 = released / null)."""
+        return {key: mgr.get_block_ids(request_id) for key, mgr in self.managers.items()}
+
+    @property
+    def num_free_blocks(self) -> dict[str, int]:
+        return {key: pool.num_free_blocks for key, pool in self.pools.items()}
+
+    def usage(self) -> dict:
+        """A JSON-ready report of groups, pools and the layout."""
+        groups = {}
+        for key, g in self.groups.items():
+            groups[key] = {
+                "attn_type": g.attn_type,
+                "block_size": g.block_size,
+                "sliding_window": g.sliding_window,
+                "num_layers": len(g.layers),
+                "num_entries": len(g.entries),
+                "bytes_per_block": g.bytes_per_block(),
+                "num_requests": len(self.managers[key].req_to_blocks),
+                "pool": self.pools[key].usage(),
+            }
+        report = {
+            "layout": "page_pool" if self.use_hybrid_blocks else "contiguous",
+            "groups": groups,
+        }
+        if self.layout is not None:
+            report["memory"] = self.layout.summary()
+        return report

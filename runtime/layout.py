@@ -1,0 +1,294 @@
+"""Cache allocation: dense per-entry tensors, or one page-aligned pool with strided views.
+
+Two paths behind one switch (``use_hybrid_blocks``):
+
+* contiguous-compatible: one dense tensor per entry, ``[num_blocks, block_size, heads, *dim]``
+  (Mamba: ``[num_blocks, *shape]``), each group with its own block ids.
+* page pool: one int8 allocation split into pages of ``page_size_bytes`` (the largest
+  per-layer block payload of any group, rounded up to the alignment). The j-th layer of
+  every group gets raw page view j, ``[num_blocks, page_size_bytes]``; all groups draw
+  block ids from one shared pool, so a page is owned by one group at a time. Inside a page,
+  the layer's entries sit at consecutive byte offsets (K lane, then V lane; conv state,
+  then SSM state). Typed views step ``page_size_bytes / itemsize`` elements per block, so
+  padding is skipped by the stride and never copied:
+
+      page (128 B): [ payload 96 B = 48 fp16 | pad 32 B ]  -> block stride 64 elements
+
+With ``KVSKILL_LOG_LAYOUT=1`` every build logs ``[non-contiguous-kv-cache]`` lines through
+the ``kvskill.runtime.layout`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from kvskill.errors import BadInputError
+from kvskill.runtime.cache_info import AttnType, CacheEntry, LayerCacheInfo
+from torch import Tensor
+
+logger = logging.getLogger("kvskill.runtime.layout")
+LOG_PREFIX = "[non-contiguous-kv-cache]"
+
+
+def layout_logging_enabled() -> bool:
+    return os.environ.get("KVSKILL_LOG_LAYOUT", "") == "1"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def entry_offsets(entries: list[CacheEntry], block_size: int) -> tuple[list[int], int]:
+    """Byte offset of each entry inside a page (each aligned to its itemsize) and the end."""
+    offsets, end = [], 0
+    for entry in entries:
+        end = _round_up(end, _itemsize(entry.dtype))
+        offsets.append(end)
+        end += entry.bytes_per_block(block_size)
+    return offsets, end
+
+
+def page_size_bytes(groups: Mapping, alignment: int) -> int:
+    """Largest per-layer block payload over all groups, rounded up to the alignment."""
+    payload = max(
+        entry_offsets(entries, g.block_size)[1] for g in groups.values() for _, entries in g.layers
+    )
+    # A page must also split evenly into elements of every dtype viewed through it.
+    itemsizes = [_itemsize(e.dtype) for g in groups.values() for e in g.entries]
+    return _round_up(payload, math.lcm(alignment, *itemsizes))
+
+
+def strided_view(
+    raw: Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset_bytes: int
+) -> Tensor:
+    """A typed ``[num_blocks, *shape]`` view of raw int8 pages ``[num_blocks, page_bytes]``.
+
+    Block stride = page size in elements; the inner dims are dense. No copy: the result
+    shares ``raw``'s storage and starts ``offset_bytes`` into each page.
+    """
+    num_blocks, page_bytes = raw.shape
+    item = _itemsize(dtype)
+    assert page_bytes % item == 0 and offset_bytes % item == 0, "page not aligned to dtype"
+    assert offset_bytes + math.prod(shape) * item <= page_bytes, "view overruns its page"
+    base = raw.view(-1).view(dtype)  # the raw view's elements, same storage
+    inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    start = (raw.storage_offset() + offset_bytes) // item
+    return torch.as_strided(base, (num_blocks, *shape), (page_bytes // item, *inner), start)
+
+
+def kv_lane_view(
+    raw: Tensor, dtype: torch.dtype, block_size: int, num_head: int, head_dim: int
+) -> Tensor:
+    """Combined K/V view ``(2, num_blocks, block_size, num_head, head_dim)`` of raw pages.
+
+    Each page holds ``[K lane][V lane]``; the lane stride is one lane's payload and the block
+    stride the physical page, both taken from the allocation, not from the logical size.
+    """
+    k = strided_view(raw, dtype, (block_size, num_head, head_dim), 0)
+    lane = block_size * num_head * head_dim
+    return torch.as_strided(k, (2, *k.shape), (lane, *k.stride()), k.storage_offset())
+
+
+def split_page(raw: Tensor, entries: list[CacheEntry], block_size: int) -> dict[str, Tensor]:
+    """Typed views of every entry of one layer, at consecutive byte offsets in its page."""
+    offsets, _ = entry_offsets(entries, block_size)
+    return {
+        e.cache_name: strided_view(raw, e.dtype, e.block_shape(block_size), off)
+        for e, off in zip(entries, offsets, strict=True)
+    }
+
+
+def bind_kv_cache(
+    layer: LayerCacheInfo,
+    storage: Tensor | dict[str, Tensor],
+    entries: list[CacheEntry],
+    block_size: int,
+) -> dict[str, Tensor]:
+    """Give a layer its storage: a raw page view (page pool) or dense tensors by name.
+
+    The layer's own ``bind_kv_cache`` wins when it has one (it receives ``storage`` as is);
+    otherwise each entry's ``tensor_setter`` gets its typed view.
+    """
+    views = storage if isinstance(storage, dict) else split_page(storage, entries, block_size)
+    for entry in entries:
+        entry.tensor = views[entry.cache_name]
+    if layer.bind_kv_cache is not None:
+        layer.bind_kv_cache(storage)
+    else:
+        for entry in entries:
+            entry.tensor_setter(views[entry.cache_name])
+    return views
+
+
+@dataclass
+class CacheLayout:
+    """What ``allocate_cache_tensors`` built, for reports and tests."""
+
+    mode: str  #: "contiguous" | "hybrid" | "gqa"
+    total_bytes: int
+    page_size_bytes: int | None = None
+    payload_bytes: int = 0
+    pool: Tensor | None = None
+    raw_views: list[Tensor] = field(default_factory=list)
+    #: (group key, layer idx) -> {cache_name: tensor}
+    views: dict[tuple[str, int], dict[str, Tensor]] = field(default_factory=dict)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.payload_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "mode": self.mode,
+            "total_bytes": self.total_bytes,
+            "page_size_bytes": self.page_size_bytes,
+            "padding_fraction": round(self.padding_fraction, 6),
+        }
+
+
+def _log_view(mode: str, key: str, layer_idx: int, name: str, t: Tensor, page: int | None):
+    line = (
+        f"{LOG_PREFIX} mode={mode} group={key} layer={layer_idx} cache={name} "
+        f"shape={tuple(t.shape)} stride={tuple(t.stride())} "
+        f"storage_offset={t.storage_offset()} contiguous={t.is_contiguous()}"
+    )
+    if page is not None:
+        line += f" page_size_bytes={page}"
+    logger.info(line)
+
+
+def _is_mamba_group(group) -> bool:
+    return group.attn_type == AttnType.MAMBA.value
+
+
+def allocate_cache_tensors(
+    groups: Mapping,
+    num_blocks: Mapping[str, int],
+    *,
+    device: str | torch.device = "cpu",
+    use_hybrid_blocks: bool = False,
+    page_alignment_bytes: int = 128,
+) -> CacheLayout:
+    """Allocate every group's caches and bind them to their layers (see module docstring)."""
+    log = layout_logging_enabled()
+    if not use_hybrid_blocks:
+        layout = CacheLayout(mode="contiguous", total_bytes=0)
+        for key, g in groups.items():
+            nb = num_blocks[key]
+            for layer, entries in g.layers:
+                dense = {
+                    e.cache_name: torch.zeros(
+                        (nb, *e.block_shape(g.block_size)), dtype=e.dtype, device=device
+                    )
+                    for e in entries
+                }
+                layout.views[(key, layer.layer_idx)] = bind_kv_cache(
+                    layer, dense, entries, g.block_size
+                )
+                for name, t in dense.items():
+                    layout.total_bytes += t.numel() * t.element_size()
+                    if log:
+                        _log_view("contiguous", key, layer.layer_idx, name, t, None)
+        layout.payload_bytes = layout.total_bytes
+        return layout
+
+    nb = max(num_blocks.values())
+    page = page_size_bytes(groups, page_alignment_bytes)
+    num_raw = max(len(g.layers) for g in groups.values())
+    has_mamba = any(_is_mamba_group(g) for g in groups.values())
+    mode = "hybrid" if has_mamba or len(groups) > 1 else "gqa"
+    pool = torch.zeros(num_raw * nb * page, dtype=torch.int8, device=device)
+    raws = [pool[j * nb * page : (j + 1) * nb * page].view(nb, page) for j in range(num_raw)]
+    layout = CacheLayout(
+        mode=mode, total_bytes=pool.numel(), page_size_bytes=page, pool=pool, raw_views=raws
+    )
+    # Payload per raw view: the widest group that uses it in a given block; blocks go to one
+    # group at a time, so report the page's widest user.
+    per_raw_payload = [0] * num_raw
+    for key, g in groups.items():
+        for j, (layer, entries) in enumerate(g.layers):
+            views = bind_kv_cache(layer, raws[j], entries, g.block_size)
+            layout.views[(key, layer.layer_idx)] = views
+            per_raw_payload[j] = max(per_raw_payload[j], entry_offsets(entries, g.block_size)[1])
+            if log:
+                for name, t in views.items():
+                    mamba_page = page if _is_mamba_group(g) else None
+                    _log_view(mode, key, layer.layer_idx, name, t, mamba_page)
+    layout.payload_bytes = sum(per_raw_payload) * nb
+    if log:
+        logger.info(
+            f"{LOG_PREFIX} mode={mode} pool_bytes={pool.numel()} page_size_bytes={page} "
+            f"num_blocks={nb} raw_views={num_raw} padding_fraction={layout.padding_fraction:.4f}"
+        )
+    return layout
+
+
+def calculate_block_num(
+    groups: Mapping,
+    memory_budget_bytes: int,
+    *,
+    use_hybrid_blocks: bool = False,
+    page_alignment_bytes: int = 128,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    fixed_block_attn_types: Collection[str] = (),
+) -> dict[str, int]:
+    """Blocks per group (null included) that fit the budget.
+
+    Page pool: every block costs one page in each raw view. Contiguous: fixed-block types
+    (when ``max_num_seqs`` bounds them) get ``max_num_seqs * max_blocks_per_request + 1``
+    blocks off the top; the growing groups share the rest with one common block count.
+    """
+    if memory_budget_bytes is None or memory_budget_bytes <= 0:
+        raise BadInputError(f"memory budget must be positive, got {memory_budget_bytes}")
+    if use_hybrid_blocks:
+        page = page_size_bytes(groups, page_alignment_bytes)
+        num_raw = max(len(g.layers) for g in groups.values())
+        return dict.fromkeys(groups, memory_budget_bytes // (page * num_raw))
+    result: dict[str, int] = {}
+    remaining = memory_budget_bytes
+    for key, g in groups.items():
+        n_fixed = calculate_fixed_block_num(
+            g, max_num_seqs, max_num_batched_tokens, fixed_block_attn_types
+        )
+        if n_fixed is not None:
+            result[key] = n_fixed
+            remaining -= n_fixed * g.bytes_per_block()
+    if remaining < 0:
+        raise BadInputError(
+            f"memory budget {memory_budget_bytes} B is smaller than the fixed-block groups "
+            f"need ({memory_budget_bytes - remaining} B); raise it or lower max_num_seqs"
+        )
+    growing = [k for k in groups if k not in result]
+    if growing:
+        per_block = sum(groups[k].bytes_per_block() for k in growing)
+        result.update(dict.fromkeys(growing, remaining // per_block))
+    return {key: result[key] for key in groups}
+
+
+def calculate_fixed_block_num(
+    group,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    fixed_block_attn_types: Collection[str],
+) -> int | None:
+    """Blocks a fixed-block group needs for ``max_num_seqs`` requests, or None if unbounded."""
+    from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
+
+    if group.attn_type not in fixed_block_attn_types or max_num_seqs is None:
+        return None
+    per_request = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
+        block_size=group.block_size,
+        sliding_window=group.sliding_window,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    return None if per_request is None else max_num_seqs * per_request + 1

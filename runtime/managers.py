@@ -1,0 +1,207 @@
+"""Per-attention-type block bookkeeping: which blocks each request holds, in logical order.
+
+Registering a new attn_type
+---------------------------
+1. Subclass ``SingleTypeKVCacheManager`` and override only the hooks that differ:
+   ``get_num_skipped_tokens`` (tokens no future query can see), ``num_blocks_for``
+   (blocks a request of n tokens spans) and, for a type whose per-request block count is
+   bounded, ``max_blocks_per_request``.
+2. Call ``register_attn_type("MyType", MyManager, fixed_block=True|False)``. It adds the
+   class to ``ATTN_TYPE_MANAGER_MAP`` and, for fixed-block types, the name to
+   ``FIXED_BLOCK_ATTN_TYPES`` so ``KVCacheManager.calculate_block_num`` budgets the type with
+   a fixed number of blocks per request instead of sharing the growing pool.
+3. Declare caches with ``CacheEntry(attn_type="MyType", ...)``; validation accepts it from
+   then on, and the group gets its own block table and slot mapping under that key.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
+from kvskill.runtime.cache_info import AttnType
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """Owns ``req_to_blocks`` for one group: each request's block ids in logical order.
+
+    Logical block i of a request covers token positions ``[i * block_size, (i+1) * block_size)``,
+    so ``slot = blocks[pos // block_size] * block_size + pos % block_size`` holds for every
+    live token. Blocks nobody can read any more are released and replaced by the null block,
+    which keeps those indices valid. Subclasses override narrow hooks only.
+    """
+
+    attn_type: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        *,
+        group_key: str,
+        block_size: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.block_pool = block_pool
+        self.group_key = group_key
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.req_to_blocks: dict[str, list[int]] = {}
+        #: tokens covered by the request's blocks after its last allocation
+        self.req_to_num_tokens: dict[str, int] = {}
+        #: logical blocks before this index are already null (released)
+        self._req_to_num_released: dict[str, int] = {}
+
+    # ---- hooks -------------------------------------------------------------------------
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no query from position ``num_computed_tokens`` on can attend to."""
+        return 0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks a request of ``num_tokens`` tokens spans."""
+        return cdiv(num_tokens, self.block_size)
+
+    @classmethod
+    def max_blocks_per_request(
+        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+    ) -> int | None:
+        """Upper bound on one request's live blocks, or None when it grows with the sequence."""
+        return None
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _num_releasable(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
+        """(first logical block still needed, live blocks before it)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return 0, 0
+        first_needed = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        first_needed = min(first_needed, len(blocks))
+        start = self._req_to_num_released.get(request_id, 0)
+        live = sum(1 for b in blocks[start:first_needed] if b != NULL_BLOCK_ID)
+        return first_needed, live
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int
+    ) -> int:
+        """Net blocks this allocation takes from the pool (new blocks minus released ones)."""
+        held = len(self.req_to_blocks.get(request_id, ()))
+        new = max(0, self.num_blocks_for(num_tokens) - held)
+        _, releasable = self._num_releasable(request_id, num_computed_tokens)
+        return new - releasable
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release blocks wholly before the first token a future query can see."""
+        first_needed, live = self._num_releasable(request_id, num_computed_tokens)
+        if live == 0:
+            if first_needed:
+                self._req_to_num_released[request_id] = max(
+                    first_needed, self._req_to_num_released.get(request_id, 0)
+                )
+            return
+        blocks = self.req_to_blocks[request_id]
+        start = self._req_to_num_released.get(request_id, 0)
+        released = [b for b in blocks[start:first_needed] if b != NULL_BLOCK_ID]
+        blocks[start:first_needed] = [NULL_BLOCK_ID] * (first_needed - start)
+        self._req_to_num_released[request_id] = first_needed
+        self.block_pool.free_blocks(released)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """Append blocks so the request covers ``num_tokens`` tokens; returns the new ids."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        new = self.block_pool.get_new_blocks(max(0, self.num_blocks_for(num_tokens) - len(blocks)))
+        blocks.extend(new)
+        self.req_to_num_tokens[request_id] = max(
+            num_tokens, self.req_to_num_tokens.get(request_id, 0)
+        )
+        return new
+
+    def free(self, request_id: str) -> None:
+        """Release every block the request holds (unknown ids are a no-op)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.req_to_num_tokens.pop(request_id, None)
+        self._req_to_num_released.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(blocks)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def num_live_blocks(self, request_id: str) -> int:
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b != NULL_BLOCK_ID)
+
+    def num_tokens(self, request_id: str) -> int:
+        return self.req_to_num_tokens.get(request_id, 0)
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every token stays visible: the block list only grows until the request is freed."""
+
+    attn_type = AttnType.FULL_ATTENTION.value
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A query at position p sees keys (p - W, p]; older blocks go back to the pool.
+
+    Worked example (W=4, block_size=2): with 7 tokens computed the next query is at
+    position 7 and needs keys 4..7, so tokens 0..3 are skipped (7 - 4 + 1 = 4) and
+    logical blocks 0 and 1 become null. After an allocation of ``n`` new tokens the live
+    blocks are at most ``ceil((W - 1 + n) / block_size) + 1`` (W - 1 old keys plus the new
+    tokens, possibly straddling one extra block); for decode (n=1) that is
+    ``ceil(W / block_size) + 1`` however long the request runs.
+    """
+
+    attn_type = AttnType.SLIDING_WINDOW.value
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        assert self.sliding_window is not None, "SlidingWindow group built without a window"
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    @classmethod
+    def max_blocks_per_request(
+        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+    ) -> int | None:
+        if sliding_window is None or max_num_batched_tokens is None:
+            return None
+        return cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """One state block per request, whatever its length (the state is overwritten in place)."""
+
+    attn_type = AttnType.MAMBA.value
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return 1
+
+    @classmethod
+    def max_blocks_per_request(
+        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+    ) -> int | None:
+        return 1
+
+
+#: attn_type -> manager class; extend with ``register_attn_type``
+ATTN_TYPE_MANAGER_MAP: dict[str, type[SingleTypeKVCacheManager]] = {
+    AttnType.FULL_ATTENTION.value: FullAttentionManager,
+    AttnType.SLIDING_WINDOW.value: SlidingWindowManager,
+    AttnType.MAMBA.value: MambaManager,
+}
+
+#: types whose per-request block count is bounded, budgeted with a fixed block count
+FIXED_BLOCK_ATTN_TYPES: set[str] = {AttnType.SLIDING_WINDOW.value, AttnType.MAMBA.value}
+
+
+def register_attn_type(
+    attn_type: str, manager_cls: type[SingleTypeKVCacheManager], *, fixed_block: bool = False
+) -> None:
+    """Make ``attn_type`` a valid ``CacheEntry.attn_type`` served by ``manager_cls``."""
+    if not (isinstance(manager_cls, type) and issubclass(manager_cls, SingleTypeKVCacheManager)):
+        raise TypeError(f"{manager_cls!r} is not a SingleTypeKVCacheManager subclass")
+    ATTN_TYPE_MANAGER_MAP[attn_type] = manager_cls
+    if fixed_block:
+        FIXED_BLOCK_ATTN_TYPES.add(attn_type)
+    else:
+        FIXED_BLOCK_ATTN_TYPES.discard(attn_type)

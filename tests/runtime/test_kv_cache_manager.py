@@ -1,0 +1,109 @@
+"""KVCacheManager: grouping, all-or-nothing allocation, free, sizing, usage."""
+
+import pytest
+import torch
+from kvskill.errors import BadInputError
+from kvskill.runtime import KVCacheManager
+from runtime_factories import Sink, attn_layer, full_and_sliding, mamba_layer, model_info
+
+
+def test_groups_follow_attn_type_and_tensors_are_injected():
+    sink = Sink()
+    mgr = KVCacheManager(full_and_sliding(sink), num_blocks=12)
+    assert mgr.group_keys == ["FullAttention", "SlidingWindow"]
+    assert mgr.block_size_of("SlidingWindow") == 4
+    mgr.allocate_cache_tensors()
+    # init chain: every declared entry received [num_blocks, block_size, heads, dim].
+    assert sorted(sink.tensors) == [(i, n) for i in range(3) for n in ("k_cache", "v_cache")]
+    for tensor in sink.tensors.values():
+        assert tensor.shape == (12, 4, 2, 8) and tensor.dtype == torch.float32
+
+
+def test_allocation_is_all_or_nothing_across_groups():
+    sink = Sink()
+    # Full attention pool: 5 usable blocks; sliding pool: 5 usable blocks.
+    mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=6)
+    assert mgr.allocate_slots("a", 16)  # 4 blocks in each group
+    before = (mgr.get_block_ids("a"), mgr.num_free_blocks)
+    # "b" needs 2 blocks per group; each pool has 1 left: nothing may change.
+    assert not mgr.can_allocate("b", 8)
+    assert not mgr.allocate_slots("b", 8)
+    assert (mgr.get_block_ids("a"), mgr.num_free_blocks) == before
+    assert mgr.get_block_ids("b") == {"FullAttention": [], "SlidingWindow": []}
+    mgr.free("a")
+    assert mgr.num_free_blocks == mgr.initial_free_blocks
+    assert mgr.allocate_slots("b", 8)
+
+
+def test_window_release_frees_room_only_in_its_group():
+    sink = Sink()
+    mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=40)
+    assert mgr.allocate_slots("a", 16)
+    for n in range(17, 33):
+        assert mgr.allocate_slots("a", n)
+    ids = mgr.get_block_ids("a")
+    assert len(ids["FullAttention"]) == len(ids["SlidingWindow"]) == 8
+    assert 0 not in ids["FullAttention"]
+    # 31 computed: the query at 31 needs keys 28..31, which is exactly logical block 7.
+    assert ids["SlidingWindow"] == [0] * 7 + [ids["SlidingWindow"][7]]
+    assert mgr.num_free_blocks == {"FullAttention": 31, "SlidingWindow": 38}
+
+
+def test_explicit_num_computed_tokens_controls_the_release():
+    sink = Sink()
+    mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=40)
+    mgr.allocate_slots("a", 12, num_computed_tokens=0)
+    # Recompute from scratch (e.g. after preemption): nothing is released.
+    mgr.allocate_slots("a", 12, num_computed_tokens=0)
+    assert 0 not in mgr.get_block_ids("a")["SlidingWindow"]
+    mgr.allocate_slots("a", 13, num_computed_tokens=12)
+    assert mgr.get_block_ids("a")["SlidingWindow"][:2] == [0, 0]
+
+
+def test_hybrid_pool_is_shared_by_every_group():
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0), mamba_layer(sink, 1)], block_size=4)
+    mgr = KVCacheManager(info, num_blocks=8, use_hybrid_blocks=True)
+    assert mgr.allocate_slots("a", 9)  # 3 attention blocks + 1 state block
+    assert mgr.num_free_blocks == {"FullAttention": 3, "Mamba": 3}
+    ids = mgr.get_block_ids("a")
+    assert len(set(ids["FullAttention"]) | set(ids["Mamba"])) == 4
+    # 4 free blocks would be enough for one group but not for both together.
+    assert not mgr.allocate_slots("b", 12)
+    assert mgr.allocate_slots("b", 8)
+
+
+def test_calculate_block_num_contiguous_with_fixed_groups():
+    sink = Sink()
+    info = full_and_sliding(sink, window=8, block_size=4)
+    # fp32, 2 heads x 8 dims x 4 tokens x (K+V) = 512 B per layer block.
+    mgr = KVCacheManager(info, memory_budget_bytes=512 * 2 * 100)
+    assert mgr.num_blocks == {"FullAttention": 66, "SlidingWindow": 66}
+    bounded = KVCacheManager(
+        info, memory_budget_bytes=512 * 2 * 100, max_num_seqs=4, max_num_batched_tokens=4
+    )
+    # Window 8 + 4 new tokens: ceil(11 / 4) + 1 = 4 blocks per request, 4 requests + null.
+    assert bounded.num_blocks["SlidingWindow"] == 17
+    assert bounded.num_blocks["FullAttention"] == (512 * 200 - 17 * 512) // 1024
+    with pytest.raises(BadInputError, match="smaller than the fixed-block groups"):
+        KVCacheManager(info, memory_budget_bytes=1000, max_num_seqs=4, max_num_batched_tokens=4)
+
+
+def test_sizing_errors_are_bad_input():
+    sink = Sink()
+    with pytest.raises(BadInputError, match="num_blocks or memory_budget_bytes"):
+        KVCacheManager(model_info([attn_layer(sink, 0)]))
+    with pytest.raises(BadInputError, match="at least 2"):
+        KVCacheManager(model_info([attn_layer(sink, 0)]), memory_budget_bytes=100)
+
+
+def test_usage_report():
+    sink = Sink()
+    mgr = KVCacheManager(full_and_sliding(sink), num_blocks=12)
+    mgr.allocate_cache_tensors()
+    mgr.allocate_slots("a", 5)
+    report = mgr.usage()
+    assert report["layout"] == "contiguous"
+    assert report["groups"]["FullAttention"]["num_layers"] == 2
+    assert report["groups"]["FullAttention"]["pool"]["num_used_blocks"] == 2
+    assert report["memory"]["total_bytes"] == 6 * 12 * 4 * 2 * 8 * 4

@@ -1,0 +1,147 @@
+"""Masked softmax attention over padded batches: the numerics shared by FA v1 and v2.
+
+Everything here works on a padded, head-major view that the layout layer builds once per call:
+
+    q      [B, N,  Sq,  D]    (query rows past q_lens[b] are padding)
+    k      [B, KVN, Skv, D]   (key columns past kv_lens[b] are padding)
+    v      [B, KVN, Skv, Dv]
+
+Query head h reads kv head h // G with G = N / KVN (groups are contiguous). Masks are built per
+request from index arithmetic, never as a dense T x T matrix across requests. Scores, softmax and
+the weighted sum run in fp32; the caller casts the result to the query dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Score elements materialised at once; larger problems are split over query rows.
+_SCORE_BUDGET = 1 << 25
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Which key j a query row i of request b may use (npu_ops.md §1.5).
+
+    Coordinates are local to the request: i in [0, S1), j in [0, S2) with S1 = q_lens[b] and
+    S2 = kv_lens[b]. Padding rows/columns are never admitted.
+    """
+
+    #: 0..4; ignored when ``decode_branch`` is set
+    sparse_mode: int = 0
+    #: inclusive window bounds; only used by mode 0 with a mask and by mode 4
+    pre_tokens: int = 2147483647
+    next_tokens: int = 2147483647
+    #: bool [B or 1, >=Sq, >=Skv], True = masked out; modes 0/1 only
+    user_mask: Tensor | None = None
+    #: the single-query (decode) kernel: only kv length and an optional per-request key mask
+    decode_branch: bool = False
+    #: bool [B, >=Skv], True = masked out; decode branch only
+    key_mask: Tensor | None = None
+
+    def allowed(self, rows: range, num_keys: int, q_lens: Tensor, kv_lens: Tensor) -> Tensor:
+        """Return bool [B, len(rows), num_keys], True where the key is used."""
+        device = q_lens.device
+        i = torch.arange(rows.start, rows.stop, device=device).view(1, -1, 1)
+        j = torch.arange(num_keys, device=device).view(1, 1, -1)
+        s1 = q_lens.view(-1, 1, 1)
+        s2 = kv_lens.view(-1, 1, 1)
+        ok = (i < s1) & (j < s2)
+        if self.decode_branch:
+            if self.key_mask is not None:
+                ok = ok & ~self.key_mask[:, None, :num_keys]
+            return ok
+        mode = self.sparse_mode
+        if mode in (0, 1) and self.user_mask is not None:
+            ok = ok & ~self.user_mask[:, rows.start : rows.stop, :num_keys]
+        if mode == 0 and self.user_mask is not None:
+            ok = ok & (j >= i - self.pre_tokens) & (j <= i + self.next_tokens)
+        elif mode == 2:
+            ok = ok & (j <= i)
+        elif mode == 3:
+            ok = ok & (j <= i + (s2 - s1))
+        elif mode == 4:
+            diag = i + (s2 - s1)
+            ok = ok & (j >= diag - self.pre_tokens) & (j <= diag + self.next_tokens)
+        return ok
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    q_lens: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    admission: Admission,
+    q_rope: Tensor | None = None,
+    k_rope: Tensor | None = None,
+    sink: Tensor | None = None,
+    pse_shift: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of padded requests.
+
+    Args:
+        q, k, v: [B, N, Sq, D], [B, KVN, Skv, D], [B, KVN, Skv, Dv].
+        q_lens, kv_lens: int64 [B] actual lengths (<= Sq, <= Skv).
+        scale: multiplies q.k (and q_rope.k_rope) before the softmax.
+        admission: the masking rule.
+        q_rope, k_rope: MLA rope parts [B, N, Sq, Dr], [B, KVN, Skv, Dr], added to the scores.
+        sink: per query head logit [N] (already in score units, not scaled).
+        pse_shift: additive bias broadcastable to [B, N, Sq, Skv].
+
+    Returns:
+        out fp32 [B, N, Sq, Dv] (zeros in padding rows and in rows with no admitted key) and
+        lse fp32 [B, N, Sq] (natural log of the softmax denominator; -inf for empty rows).
+    """
+    b, n, sq, _ = q.shape
+    kvn, skv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = n // kvn
+    kf = k.float().unsqueeze(2).transpose(-1, -2)  # [B, KVN, 1, D, Skv]
+    vf = v.float().unsqueeze(2)  # [B, KVN, 1, Skv, Dv]
+    krf = k_rope.float().unsqueeze(2).transpose(-1, -2) if k_rope is not None else None
+    sink_f = sink.float().view(1, kvn, g, 1) if sink is not None else None
+
+    out = q.new_zeros((b, n, sq, dv), dtype=torch.float32)
+    lse = q.new_full((b, n, sq), float("-inf"), dtype=torch.float32)
+    rows_per_chunk = max(1, _SCORE_BUDGET // max(1, b * n * skv))
+    for r0 in range(0, sq, rows_per_chunk):
+        rows = range(r0, min(sq, r0 + rows_per_chunk))
+        qc = q[:, :, rows.start : rows.stop].float().view(b, kvn, g, len(rows), -1)
+        scores = torch.matmul(qc, kf)  # [B, KVN, G, R, Skv]
+        if krf is not None:
+            qr = q_rope[:, :, rows.start : rows.stop].float().view(b, kvn, g, len(rows), -1)
+            scores = scores + torch.matmul(qr, krf)
+        scores = scores * scale
+        if pse_shift is not None:
+            # unconfirmed: whether the hardware adds pse_shift before or after `scale`;
+            # the reference adds it to the scaled scores.
+            bias = pse_shift[..., rows.start : rows.stop, :skv].float()
+            scores = scores + bias.expand(b, n, len(rows), skv).view(b, kvn, g, len(rows), skv)
+        ok = admission.allowed(rows, skv, q_lens, kv_lens)[:, None, None]  # [B,1,1,R,Skv]
+        scores = scores.masked_fill(~ok, float("-inf"))
+        row_max = scores.amax(dim=-1)  # [B, KVN, G, R]
+        if sink_f is not None:
+            row_max = torch.maximum(row_max, sink_f)
+        # Rows with no admitted key (and no sink) have max -inf; shift by 0 to avoid NaN.
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        probs = torch.exp(scores - row_max.unsqueeze(-1))
+        denom = probs.sum(dim=-1)
+        if sink_f is not None:
+            denom = denom + torch.exp(sink_f - row_max)
+        weighted = torch.matmul(probs, vf)  # [B, KVN, G, R, Dv]
+        # unconfirmed: the device output for rows with no admitted key (docs say accuracy
+        # "may be lost" without invalid-row correction; most likely zeros). The reference
+        # writes zeros and lse = -inf there.
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        chunk = weighted / safe.unsqueeze(-1)
+        out[:, :, rows.start : rows.stop] = chunk.reshape(b, n, len(rows), dv)
+        # unconfirmed: whether the device lse includes the sink term; the reference includes
+        # it, so that out == sum_j exp(s_j - lse) v_j holds in every case.
+        chunk_lse = torch.where(denom > 0, row_max + torch.log(safe), float("-inf"))
+        lse[:, :, rows.start : rows.stop] = chunk_lse.reshape(b, n, len(rows))
+    return out, lse

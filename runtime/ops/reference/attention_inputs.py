@@ -1,0 +1,188 @@
+"""Layout handling for the fused attention: query/KV layouts to padded head-major views and back.
+
+Padded view (what ``attention_core`` consumes): ``[B, N, S, D]``. Packed layouts (TND, NTD)
+are padded per request with one gather; paged KV is gathered once per call:
+
+    block_table[b] = [7, 2, 9]   block_size = 4   kv_len[b] = 10
+    token t of request b lives in physical block block_table[b, t // 4], row t % 4:
+    tokens 0-3 -> block 7, 4-7 -> block 2, 8-9 -> block 9 (rows 0, 1; rows 2, 3 unused)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._checks import OpInputError, ReferenceUnsupportedError, describe
+
+#: every input_layout string the torch_npu adapter accepts (npu_ops.md §1.2), minus NSD
+ACCEPTED_LAYOUTS = (
+    "BSH",
+    "BSND",
+    "BNSD",
+    "TND",
+    "NTD",
+    "BNSD_BSND",
+    "BSH_BNSD",
+    "BSND_BNSD",
+    "NTD_TND",
+    "BSH_NBSD",
+    "BSND_NBSD",
+    "BNSD_NBSD",
+    "TND_NTD",
+)
+PACKED = ("TND", "NTD")
+_QUERY_RANK = {"BSH": 3, "TND": 3, "NTD": 3, "BSND": 4, "BNSD": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A parsed ``input_layout``: how the query is laid out and how the output must be."""
+
+    query: str
+    output: str
+
+    @property
+    def is_packed(self) -> bool:
+        return self.query in PACKED
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        if text == "NSD":
+            raise ReferenceUnsupportedError(
+                "input_layout 'NSD' is accepted by the operator but not supported by the "
+                "reference backend"
+            )
+        if text not in ACCEPTED_LAYOUTS:
+            raise OpInputError(
+                f"input_layout {text!r} is not supported; expected one of {list(ACCEPTED_LAYOUTS)}"
+            )
+        query, _, output = text.partition("_")
+        return cls(query=query, output=output or query)
+
+
+def split_heads_bsh(x: Tensor, num_heads: int, what: str) -> Tensor:
+    """[B, S, N*D] -> [B, S, N, D]."""
+    if x.size(2) % num_heads:
+        raise OpInputError(
+            f"{what} hidden size {x.size(2)} is not divisible by its head count {num_heads}"
+        )
+    return x.view(x.size(0), x.size(1), num_heads, x.size(2) // num_heads)
+
+
+def dense_to_padded(x: Tensor, layout: str, num_heads: int, what: str) -> Tensor:
+    """A BSH / BSND / BNSD tensor -> [B, N, S, D] (a view where possible)."""
+    if layout == "BSH":
+        x = split_heads_bsh(x, num_heads, what)
+        return x.permute(0, 2, 1, 3)
+    if layout == "BSND":
+        check_heads(x.size(2), num_heads, what)
+        return x.permute(0, 2, 1, 3)
+    check_heads(x.size(1), num_heads, what)
+    return x
+
+
+def check_heads(actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise OpInputError(
+            f"{what} has {actual} heads on its N axis but the head-count argument says {expected}"
+        )
+
+
+def packed_to_padded(x: Tensor, lens: list[int], layout: str, num_heads: int, what: str) -> Tensor:
+    """A TND ([T, N, D]) or NTD ([N, T, D]) tensor -> [B, N, max(lens), D] (one gather)."""
+    if layout == "NTD":
+        x = x.transpose(0, 1)
+    check_heads(x.size(1), num_heads, what)
+    idx, _ = packed_index(lens, x.device)
+    if x.size(0) == 0:
+        return x.new_zeros((len(lens), x.size(1), idx.size(1), x.size(2)))
+    return x[idx.clamp_(max=x.size(0) - 1)].permute(0, 2, 1, 3)
+
+
+def packed_index(lens: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row index [B, max_len] into the packed tensor and the valid mask [B, max_len]."""
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    width = max(lens) if lens else 0
+    pos = torch.arange(width, device=device).view(1, -1)
+    return starts.view(-1, 1) + pos, pos < lens_t.view(-1, 1)
+
+
+def padded_to_packed(x: Tensor, lens: list[int]) -> Tensor:
+    """[B, N, S, ...] -> [T, N, ...] keeping only the first lens[b] rows of each request."""
+    _, valid = packed_index(lens, x.device)
+    return x.transpose(1, 2)[valid]
+
+
+def gather_paged(
+    cache: Tensor, block_table: Tensor, kv_lens: list[int], num_kv_heads: int, what: str
+) -> Tensor:
+    """Gather each request's blocks once -> [B, KVN, max(kv_lens), D].
+
+    Cache forms by rank (npu_ops.md §1.7):
+      3-D [num_blocks, block_size, KVN*D]           token t: [blk, t % bs, n*D:(n+1)*D]
+      4-D [num_blocks, KVN, block_size, D]          token t: [blk, n, t % bs, :]
+      5-D [num_blocks, KVN, D // C0, block_size, C0] (NZ shape, ND memory): [blk, n, d // C0,
+          t % bs, d % C0]
+    """
+    max_len = max(kv_lens) if kv_lens else 0
+    block_size = cache.size(1) if cache.dim() == 3 else cache.size(-2)
+    num_used = -(-max_len // block_size) if block_size else 0
+    ids = block_table[:, :num_used].long()
+    b = ids.size(0)
+    if cache.dim() == 3:
+        if cache.size(2) % num_kv_heads:
+            raise OpInputError(
+                f"{what} cache hidden size {cache.size(2)} is not divisible by "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        g = cache[ids]  # [B, nb, bs, KVN*D]
+        g = g.view(b, num_used * block_size, num_kv_heads, -1)[:, :max_len]
+        return g.permute(0, 2, 1, 3)
+    check_heads(cache.size(1), num_kv_heads, f"{what} cache")
+    if cache.dim() == 4:
+        g = cache[ids]  # [B, nb, KVN, bs, D]
+        g = g.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, num_used * block_size, -1)
+        return g[:, :, :max_len]
+    if cache.dim() == 5:
+        g = cache[ids]  # [B, nb, KVN, D/C0, bs, C0]
+        g = g.permute(0, 2, 1, 4, 3, 5)  # [B, KVN, nb, bs, D/C0, C0]
+        g = g.reshape(b, num_kv_heads, num_used * block_size, -1)
+        return g[:, :, :max_len]
+    raise OpInputError(
+        f"paged {what} must be 3-D [num_blocks, block_size, H], 4-D [num_blocks, N, "
+        f"block_size, D] or 5-D NZ [num_blocks, N, D/C0, block_size, C0]; got {describe(cache)}"
+    )
+
+
+def paged_block_size(cache: Tensor) -> int:
+    """The block_size axis of a 3-D, 4-D or 5-D paged cache."""
+    return cache.size(1) if cache.dim() == 3 else cache.size(-2)
+
+
+def format_output(out: Tensor, layout: Layout, q_lens: list[int]) -> Tensor:
+    """[B, N, S, Dv] -> the output layout of ``input_layout``."""
+    kind = layout.output
+    if kind == "BNSD":
+        return out
+    if kind == "BSND":
+        return out.permute(0, 2, 1, 3).contiguous()
+    if kind == "BSH":
+        b, n, s, d = out.shape
+        return out.permute(0, 2, 1, 3).reshape(b, s, n * d)
+    if kind == "NBSD":
+        return out.permute(1, 0, 2, 3).contiguous()
+    packed = padded_to_packed(out, q_lens)  # [T, N, Dv]
+    if kind == "NTD":
+        return packed.transpose(0, 1).contiguous()
+    return packed
+
+
+def format_lse(lse: Tensor, layout: Layout, q_lens: list[int]) -> Tensor:
+    """[B, N, S] -> (B, N, S, 1), or (T, N, 1) for packed query layouts (npu_ops.md §1.9)."""
+    if layout.is_packed:
+        return padded_to_packed(lse.unsqueeze(-1), q_lens)
+    return lse.unsqueeze(-1)

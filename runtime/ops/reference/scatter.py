@@ -1,0 +1,117 @@
+"""In-place cache writes: npu_scatter_nd_update_ and scatter_update_ (plus out-of-place twins)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import OpInputError, describe
+
+
+def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:  # noqa: A002
+    """ScatterNdUpdate in place: ``input[tuple(indices[r])] = updates[r]``; returns ``input``.
+
+    ``indices`` [..., a] (int32/int64) addresses the first ``a`` dims of ``input``; ``updates``
+    has shape ``indices.shape[:-1] + input.shape[a:]``. Paged-cache use: ``cache.view(-1, N, D)``,
+    ``slot_mapping.view(-1, 1)``, ``k`` [T, N, D]. Duplicate indices: undefined winner on device.
+
+    NOTE: the device does not bound-check; negative ids (vLLM's -1 padding) are out of range
+    there. The reference rejects them so the mistake surfaces here instead of as corruption.
+    """
+    _check_nd(input, indices, updates)
+    a = indices.size(-1)
+    flat = indices.reshape(-1, a).long()
+    if flat.numel():
+        lo = int(flat.min())
+        bounds = torch.tensor(input.shape[:a], device=flat.device)
+        if lo < 0 or bool((flat >= bounds).any()):
+            raise OpInputError(
+                f"npu_scatter_nd_update_: indices out of range for input of shape "
+                f"{tuple(input.shape)} (min {lo}); slice padded slot ids (-1) away first"
+            )
+    src = updates.reshape(flat.size(0), *input.shape[a:]).to(input.dtype)
+    input.index_put_(tuple(flat.unbind(-1)), src)
+    return input
+
+
+def npu_scatter_nd_update(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:  # noqa: A002
+    """Out-of-place twin of ``npu_scatter_nd_update_``."""
+    return npu_scatter_nd_update_(input.clone(), indices, updates)
+
+
+def _check_nd(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa: A002
+    if indices.is_floating_point() or indices.dim() < 2:
+        raise OpInputError(
+            f"npu_scatter_nd_update_: indices must be int32/int64 with rank >= 2, got "
+            f"{describe(indices)}"
+        )
+    a = indices.size(-1)
+    if not 1 <= a <= input.dim():
+        raise OpInputError(
+            f"npu_scatter_nd_update_: indices last dim {a} must be in [1, input.dim() = "
+            f"{input.dim()}]"
+        )
+    expected = tuple(indices.shape[:-1]) + tuple(input.shape[a:])
+    if tuple(updates.shape) != expected:
+        raise OpInputError(
+            f"npu_scatter_nd_update_: updates must have shape indices.shape[:-1] + "
+            f"input.shape[{a}:] = {expected}, got {tuple(updates.shape)}"
+        )
+
+
+def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
+    """Write ``updates[i]`` into batch ``i`` of ``data`` along ``axis`` at offset ``indices[i]``.
+
+    1-D indices (n,): ``data[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
+    2-D indices (n, 2): row i writes batch ``indices[i, 0]`` at offset ``indices[i, 1]``.
+    0-D indices behave as shape (1,). Example: BNSD cache (B, N, S_max, D), ``indices = kv_len``,
+    updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``data``.
+    """
+    rank = data.dim()
+    if not -rank < axis < rank or axis % rank == 0:
+        raise OpInputError(
+            f"scatter_update_: axis must be in (-{rank}, {rank}) and not 0, got {axis}"
+        )
+    axis %= rank
+    if updates.dim() != rank:
+        raise OpInputError(
+            f"scatter_update_: updates rank {updates.dim()} must equal data rank {rank}"
+        )
+    if indices.is_floating_point() or indices.dim() > 2:
+        raise OpInputError(
+            f"scatter_update_: indices must be int32/int64 of rank 0, 1 or 2, got "
+            f"{describe(indices)}"
+        )
+    idx = indices.long().reshape(-1) if indices.dim() < 2 else indices.long()
+    n = idx.size(0)
+    if idx.dim() == 2:
+        batch, offset = idx[:, 0], idx[:, 1]
+    else:
+        batch, offset = torch.arange(n, device=idx.device), idx
+    for d in range(1, rank):
+        if d != axis and data.size(d) != updates.size(d):
+            raise OpInputError(
+                f"scatter_update_: dim {d} of updates ({updates.size(d)}) must equal data's "
+                f"({data.size(d)})"
+            )
+    if updates.size(0) != n:
+        raise OpInputError(
+            f"scatter_update_: updates has {updates.size(0)} rows but indices address {n}"
+        )
+    length = updates.size(axis)
+    if n and (int(offset.min()) < 0 or int(offset.max()) + length > data.size(axis)):
+        raise OpInputError(
+            f"scatter_update_: offset + length ({length}) must fit data.shape[{axis}] = "
+            f"{data.size(axis)}; offsets {offset.tolist()[:8]}"
+        )
+    # Move the write axis next to the batch axis: views, so the write lands in ``data``.
+    dst = data.movedim(axis, 1)
+    src = updates.movedim(axis, 1).to(data.dtype)
+    pos = offset.view(-1, 1) + torch.arange(length, device=idx.device).view(1, -1)
+    dst[batch.view(-1, 1), pos] = src
+    return data
+
+
+def scatter_update(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
+    """Out-of-place twin of ``scatter_update_``."""
+    return scatter_update_(data.clone(), indices, updates, axis)

@@ -60,3 +60,28 @@ __all__ = [
     "split_page",
     "strided_view",
 ]
+
+# Engine and Python API.
+from kvskill.runtime.engine import EngineStats, LLMEngine, StepRecord  # noqa: E402
+from kvskill.runtime.llm import LLM  # noqa: E402
+from kvskill.runtime.loader import LoadedModel, load_model, prepare_kv_cache  # noqa: E402
+from kvskill.runtime.request import (  # noqa: E402
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepOutput,
+)
+
+__all__ += [
+    "LLM",
+    "EngineStats",
+    "FinishReason",
+    "LLMEngine",
+    "LoadedModel",
+    "RequestOutput",
+    "SamplingParams",
+    "StepOutput",
+    "StepRecord",
+    "load_model",
+    "prepare_kv_cache",
+]

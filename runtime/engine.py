@@ -1,0 +1,287 @@
+"""The generation loop: schedule, build inputs, run the model, sample, release (one step)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from kvskill.errors import BadInputError
+from kvskill.runtime.forward_context import ForwardMetaData, forward_context
+from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
+from kvskill.runtime.sampler import Sampler, make_generator
+from kvskill.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvskill.runtime.step_inputs import build_step_inputs
+from torch import Tensor, nn
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step fed the model and got back; handed to step hooks (chains, verify)."""
+
+    step_index: int
+    metadata: ForwardMetaData
+    request_ids: list[str]
+    #: generated tokens each request had before this step
+    num_output_tokens: list[int]
+    #: ``[B, V]`` logits of each request's last token this step (fp32)
+    logits: Tensor
+    #: the token sampled per request, None for a prefill chunk that does not end a prompt
+    sampled: list[int | None]
+    preempted_ids: list[str]
+
+
+StepHook = Callable[[StepRecord], None]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_prompt_tokens: int = 0  #: prompt tokens computed (recomputation included)
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    #: highest number of blocks in use at once, per group
+    peak_blocks_used: dict[str, int] = field(default_factory=dict)
+    step_s: float = 0.0  #: wall time inside ``step()``
+    forward_s: float = 0.0  #: of which inside the model forward
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "num_prefill_steps": self.num_prefill_steps,
+            "num_decode_steps": self.num_decode_steps,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.num_preemptions,
+            "peak_blocks_used": dict(self.peak_blocks_used),
+            "step_s": self.step_s,
+            "forward_s": self.forward_s,
+        }
+
+
+class LLMEngine:
+    """Continuous batching over a converted model and its KV-cache manager.
+
+    The engine owns the loop (``step``); the scheduler owns the queues; the KV manager owns
+    the blocks. Requests may be added between any two steps.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_manager,
+        *,
+        config: SchedulerConfig,
+        vocab_size: int,
+        eos_token_ids: Iterable[int] = (),
+        attention_mask: Tensor | None,
+        device: torch.device,
+        seed: int = 0,
+        step_hooks: Sequence[StepHook] = (),
+    ) -> None:
+        self.model = model
+        self.kv_manager = kv_manager
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = device
+        self.seed = seed
+        self.attention_mask = attention_mask
+        self.scheduler = Scheduler(kv_manager, config, frozenset(int(t) for t in eos_token_ids))
+        self.sampler = Sampler()
+        self.step_hooks: list[StepHook] = list(step_hooks)
+        self.stats = EngineStats(peak_blocks_used=dict.fromkeys(kv_manager.group_keys, 0))
+        self._requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._counter = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int] | Tensor,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises:
+            BadInputError: for an empty prompt, an id outside the vocabulary, a prompt that
+                leaves no room under max_model_len, bad sampling parameters or a duplicate
+                id. Nothing is queued then, and requests already queued are unaffected.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise BadInputError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            )
+        index = next(self._counter)
+        request_id = str(index) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise BadInputError(f"request id {request_id!r} is already in use")
+        prompt = self.validate_prompt(prompt_token_ids, request_id)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            arrival_time=time.perf_counter(),
+            index=index,
+        )
+        self._requests[request_id] = request
+        self._generators[request_id] = make_generator(
+            params, engine_seed=self.seed, index=index, device=self.device
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def validate_prompt(
+        self, prompt_token_ids: Sequence[int] | Tensor, request_id: str
+    ) -> list[int]:
+        """The prompt as a list of ints, or a BadInputError naming the request and the fault."""
+        if isinstance(prompt_token_ids, Tensor):
+            if prompt_token_ids.dim() != 1 or prompt_token_ids.is_floating_point():
+                raise BadInputError(
+                    f"request {request_id}: prompt tensor must be 1-D integer, got "
+                    f"{tuple(prompt_token_ids.shape)} {prompt_token_ids.dtype}"
+                )
+            prompt = prompt_token_ids.tolist()
+        elif isinstance(prompt_token_ids, (str, bytes)):
+            raise BadInputError(
+                f"request {request_id}: prompts are token id lists (this runtime has no tokenizer)"
+            )
+        else:
+            prompt = list(prompt_token_ids)
+        if not prompt:
+            raise BadInputError(
+                f"request {request_id}: the prompt is empty; give at least one token id"
+            )
+        for pos, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise BadInputError(
+                    f"request {request_id}: prompt[{pos}] = {token!r} is not an integer token id"
+                )
+            if not 0 <= token < self.vocab_size:
+                raise BadInputError(
+                    f"request {request_id}: prompt[{pos}] = {token} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if len(prompt) >= self.config.max_model_len:
+            raise BadInputError(
+                f"request {request_id}: the prompt has {len(prompt)} tokens, which leaves no room "
+                f"to generate under max_model_len={self.config.max_model_len}; shorten it "
+                "or raise max_model_len"
+            )
+        return prompt
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return RequestOutput.from_request(self._requests[request_id])
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The request's output; forgets a finished request so long runs do not accumulate."""
+        request = self._requests[request_id]
+        output = RequestOutput.from_request(request)
+        if output.finished:
+            del self._requests[request_id]
+            self._generators.pop(request_id, None)
+        return output
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one prefill or decode step over the scheduled requests."""
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return []
+        self._account_blocks()
+        inputs = build_step_inputs(
+            output, self.kv_manager, attention_mask=self.attention_mask, device=self.device
+        )
+        forward_started = time.perf_counter()
+        logits = self._forward(
+            inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
+        )
+        forward_s = time.perf_counter() - forward_started
+
+        sampled = self._sample(output, logits)
+        num_outputs_before = [len(s.request.output_token_ids) for s in output.scheduled]
+        step_outputs, _ = self.scheduler.update_from_output(output, sampled, time.perf_counter())
+        self._count(output, sampled, forward_s)
+        if self.step_hooks:
+            record = StepRecord(
+                step_index=self.stats.num_steps - 1,
+                metadata=inputs.metadata,
+                request_ids=[s.request.request_id for s in output.scheduled],
+                num_output_tokens=num_outputs_before,
+                logits=logits,
+                sampled=sampled,
+                preempted_ids=[r.request_id for r in output.preempted],
+            )
+            for hook in self.step_hooks:
+                hook(record)
+        self.stats.step_s += time.perf_counter() - started
+        return step_outputs
+
+    def _forward(
+        self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
+    ) -> Tensor:
+        with torch.inference_mode(), forward_context(md):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=logits_indices,
+            )
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+        expected = (1, logits_indices.numel())
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
+            raise RuntimeError(
+                f"the model returned logits of shape {tuple(logits.shape)}; expected "
+                f"[1, {expected[1]}, vocab] (one row per request: does its forward honour "
+                "logits_to_keep given as an index tensor?)"
+            )
+        return logits[0].float()
+
+    def _sample(self, output: SchedulerOutput, logits: Tensor) -> list[int | None]:
+        # Only rows whose step reaches the end of the request's prefill (or decodes) sample;
+        # a chunk in the middle of a prompt has no next token yet.
+        rows = [
+            i
+            for i, s in enumerate(output.scheduled)
+            if s.start + s.num_new_tokens >= s.request.num_prefill_tokens
+        ]
+        sampled: list[int | None] = [None] * len(output.scheduled)
+        if not rows:
+            return sampled
+        requests = [output.scheduled[i].request for i in rows]
+        row_logits = logits if len(rows) == len(sampled) else logits[rows]
+        tokens = self.sampler(
+            row_logits,
+            [r.sampling_params for r in requests],
+            [self._generators[r.request_id] for r in requests],
+        )
+        for i, token in zip(rows, tokens, strict=True):
+            sampled[i] = token
+        return sampled
+
+    def _account_blocks(self) -> None:
+        free = self.kv_manager.num_free_blocks
+        peak = self.stats.peak_blocks_used
+        for key, initial in self.kv_manager.initial_free_blocks.items():
+            peak[key] = max(peak.get(key, 0), initial - free[key])
+
+    def _count(self, output: SchedulerOutput, sampled: list[int | None], forward_s: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        if output.is_prefill:
+            stats.num_prefill_steps += 1
+            stats.num_prompt_tokens += output.num_tokens
+        else:
+            stats.num_decode_steps += 1
+        stats.num_generated_tokens += sum(t is not None for t in sampled)
+        stats.num_preemptions += len(output.preempted)
+        stats.forward_s += forward_s

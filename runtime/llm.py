@@ -1,0 +1,282 @@
+"""The Python API: ``LLM(dir_or_model).generate(prompt_token_ids, SamplingParams)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from kvskill.errors import BadInputError
+from kvskill.runtime.device import select_device
+from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
+from kvskill.runtime.loader import (
+    load_model,
+    max_tokens_per_request,
+    prepare_kv_cache,
+    resolve_dtype,
+)
+from kvskill.runtime.masks import get_init_attn_mask
+from kvskill.runtime.request import RequestOutput, SamplingParams, StepOutput
+from kvskill.runtime.scheduler import SchedulerConfig
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+Prompt = Sequence[int] | Tensor
+
+
+class LLM:
+    """A converted model, its paged KV cache and a continuous-batching engine.
+
+    Examples::
+
+        llm = LLM("converted/", random_weights=True, num_blocks=256, block_size=16)
+        outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
+        outs[0].token_ids, outs[0].finish_reason, outs[0].ttft_s
+
+    ``model`` may also be an already-built ``nn.Module`` with ``get_cache_info()`` (e.g. a
+    converted model that shares its weights with a reference), in which case ``dtype``,
+    ``random_weights`` and ``trust_remote_code`` are ignored and the module stays on its
+    device.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | nn.Module,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        random_weights: bool = False,
+        trust_remote_code: bool = False,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        enable_chunked_prefill: bool = True,
+        free_block_order_seed: int | None = None,
+        use_hybrid_blocks: bool = False,
+        log_layout: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+        step_hooks: Sequence[StepHook] = (),
+    ) -> None:
+        if isinstance(model, nn.Module):
+            self.model = model
+            self.config = getattr(model, "config", None)
+            self.model_dir = None
+            param = next(model.parameters(), None)
+            self.device = param.device if param is not None else select_device(device)
+        else:
+            loaded = load_model(
+                model,
+                dtype=resolve_dtype(dtype),
+                device=device,
+                seed=seed,
+                random_weights=random_weights,
+                trust_remote_code=trust_remote_code,
+            )
+            self.model, self.config, self.model_dir = loaded.model, loaded.config, loaded.model_dir
+            self.device = next(self.model.parameters()).device
+        with _layout_logging(log_layout):
+            setup = prepare_kv_cache(
+                self.model,
+                device=self.device,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_memory_bytes=kv_memory_bytes,
+                free_block_order_seed=free_block_order_seed,
+                use_hybrid_blocks=use_hybrid_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+        self.cache_info, self.kv_manager = setup.cache_info, setup.manager
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=self._resolve_max_model_len(
+                max_model_len, max_num_batched_tokens, enable_chunked_prefill
+            ),
+        )
+        self.engine = LLMEngine(
+            self.model,
+            self.kv_manager,
+            config=scheduler_config,
+            vocab_size=self._vocab_size(),
+            eos_token_ids=self._eos_token_ids(eos_token_id),
+            attention_mask=get_init_attn_mask(2048, device=self.device),
+            device=self.device,
+            seed=seed,
+            step_hooks=step_hooks,
+        )
+        self._batch_ids = itertools.count()
+
+    # ---- set-up helpers -----------------------------------------------------------------
+    def _resolve_max_model_len(self, requested: int | None, budget: int, chunked: bool) -> int:
+        capacity = max_tokens_per_request(
+            self.kv_manager, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        )
+        if requested is not None:
+            if requested < 2:
+                raise BadInputError(f"max_model_len must be >= 2, got {requested}")
+            if requested > capacity:
+                raise BadInputError(
+                    f"the KV cache holds at most {capacity} tokens for one request but "
+                    f"max_model_len={requested}; give more blocks or KV memory, or a smaller "
+                    "max_model_len"
+                )
+            return requested
+        limit = getattr(self.config, "max_position_embeddings", None) or capacity
+        if capacity < 2:
+            raise BadInputError(
+                f"the KV cache holds only {capacity} token(s) for one request; give more "
+                "blocks or KV memory"
+            )
+        if capacity < limit:
+            logger.info(
+                "max_model_len capped by the KV cache at %d tokens (model allows %d)",
+                capacity,
+                limit,
+            )
+        return min(limit, capacity)
+
+    def _vocab_size(self) -> int:
+        vocab = getattr(self.config, "vocab_size", None)
+        if vocab is None:
+            head = (
+                self.model.get_output_embeddings()
+                if hasattr(self.model, "get_output_embeddings")
+                else None
+            )
+            vocab = getattr(head, "out_features", None)
+        if vocab is None:
+            raise BadInputError(
+                "cannot tell the vocabulary size: the model has no config.vocab_size"
+            )
+        return int(vocab)
+
+    def _eos_token_ids(self, override: int | Sequence[int] | None) -> list[int]:
+        value = override if override is not None else getattr(self.config, "eos_token_id", None)
+        if value is None:
+            return []
+        return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+    # ---- generation ---------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_step: Callable[[list[StepOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        Raises:
+            BadInputError: for any bad prompt or parameter, before anything runs; the
+                message names the prompt's index.
+        """
+        request_ids = self._add_all(prompts, sampling_params)
+        for step_outputs in self._run():
+            if on_step is not None:
+                on_step(step_outputs)
+        return [self.engine.pop_output(rid) for rid in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StepOutput]:
+        """Yield tokens as they come: one StepOutput per request per step that produced one.
+
+        The last item for a request has ``finish_reason`` set. Request ids are the ones
+        ``llm.engine.get_output`` accepts, and are returned in order by ``last_request_ids``.
+        """
+        self.last_request_ids = self._add_all(prompts, sampling_params)
+        for step_outputs in self._run():
+            for item in step_outputs:
+                if item.new_token_ids or item.finish_reason is not None:
+                    yield item
+
+    def _run(self) -> Iterator[list[StepOutput]]:
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            yield engine.step()
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        prompts = _as_prompt_list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise BadInputError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or "
+                    "one per prompt"
+                )
+        batch = next(self._batch_ids)
+        ids = [f"{batch}-{i}" for i in range(len(prompts))]
+        # Validate everything first, so a bad prompt never leaves half a batch queued.
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            if not isinstance(p, SamplingParams):
+                raise BadInputError(
+                    f"request {rid}: expected SamplingParams, got {type(p).__name__}"
+                )
+            self.engine.validate_prompt(prompt, f"{rid} (prompt #{rid.split('-')[1]})")
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.engine.add_request(prompt, p, request_id=rid)
+        return ids
+
+    # ---- hooks --------------------------------------------------------------------------
+    @contextmanager
+    def step_hook(self, hook: StepHook) -> Iterator[StepHook]:
+        """Call ``hook(StepRecord)`` after every step inside the block."""
+        self.engine.step_hooks.append(hook)
+        try:
+            yield hook
+        finally:
+            self.engine.step_hooks.remove(hook)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, Tensor):
+        return [prompts] if prompts.dim() == 1 else list(prompts)
+    if isinstance(prompts, (str, bytes)):
+        raise BadInputError("prompts are token id lists (this runtime has no tokenizer)")
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+        return [prompts]  # a single prompt given as one list of ids
+    return prompts
+
+
+@contextmanager
+def _layout_logging(enabled: bool) -> Iterator[None]:
+    """Turn on the cache-layout log lines for one cache build."""
+    if not enabled:
+        yield
+        return
+    layout_logger = logging.getLogger("kvskill.runtime.layout")
+    previous_env, previous_level = os.environ.get("KVSKILL_LOG_LAYOUT"), layout_logger.level
+    os.environ["KVSKILL_LOG_LAYOUT"] = "1"
+    layout_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        layout_logger.setLevel(previous_level)
+        if previous_env is None:
+            os.environ.pop("KVSKILL_LOG_LAYOUT", None)
+        else:
+            os.environ["KVSKILL_LOG_LAYOUT"] = previous_env

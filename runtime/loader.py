@@ -1,0 +1,412 @@
+"""Load a converted model directory and give it its KV caches.
+
+A converted directory holds ``config.json``, the converted ``modeling_*.py`` (plus any
+``configuration_*.py`` it imports relatively) and, usually, ``*.safetensors`` weights.
+The modeling file is imported as a submodule of a synthetic package rooted at the
+directory, so ``from .configuration_x import XConfig`` works without copying anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.runtime.cache_info import ModelCacheInfo
+from kvskill.runtime.device import select_device
+from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: KV budget when neither a block count nor a budget is given: a share of free memory
+DEFAULT_KV_MEMORY_FRACTION = 0.1
+DEFAULT_KV_MEMORY_CAP_BYTES = 4 << 30
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: object  #: the transformers PretrainedConfig the model was built from
+    model_dir: Path
+    module: ModuleType  #: the imported modeling module
+    weights_loaded: bool  #: False when the weights are random
+
+
+@dataclass(slots=True)
+class KVCacheSetup:
+    cache_info: ModelCacheInfo
+    manager: KVCacheManager
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise BadInputError(
+            f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}"
+        ) from None
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    random_weights: bool = False,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Import the converted modeling code in ``model_dir`` and build its ``*ForCausalLM``.
+
+    Args:
+        random_weights: allow a directory without ``*.safetensors`` (weights drawn with
+            ``seed``); refused unless the parameters fit in the device's free memory.
+        trust_remote_code: required when ``config.json`` maps its config class to code in
+            the directory (``auto_map``).
+
+    Raises:
+        BadInputError: missing/malformed files, weights missing or mismatched, no memory.
+        UnsupportedModelError: no causal-LM class, or no ``get_cache_info`` (not converted).
+    """
+    model_dir = Path(model_dir).resolve()
+    torch_dtype = resolve_dtype(dtype)
+    device = select_device(device)
+    raw_config = _read_config(model_dir)
+    package = import_model_package(model_dir)
+    auto_map = raw_config.get("auto_map") or {}
+    module = _import_modeling_module(model_dir, package, auto_map)
+    config = _build_config(model_dir, raw_config, package, module, trust_remote_code)
+    model_cls = _find_causal_lm_class(module, config, auto_map)
+    if not callable(getattr(model_cls, "get_cache_info", None)):
+        raise UnsupportedModelError(
+            f"{model_cls.__name__} in {module.__file__} has no get_cache_info(); it is not a "
+            "converted model. Convert it with `kvskill apply` first"
+        )
+    weight_files = sorted(model_dir.glob("*.safetensors"))
+    if not weight_files and not random_weights:
+        raise BadInputError(
+            f"{model_dir} has no *.safetensors weights; pass --random-weights "
+            "(random_weights=True) to run with randomly initialised weights"
+        )
+    _check_fits_in_memory(model_cls, config, torch_dtype, device)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    if weight_files:
+        _load_safetensors(model, weight_files)
+    model = model.to(device=device, dtype=torch_dtype).eval()
+    return LoadedModel(model, config, model_dir, module, weights_loaded=bool(weight_files))
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise BadInputError(f"{model_dir} has no config.json; is it a converted model directory?")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def import_model_package(model_dir: Path) -> str:
+    """Register ``model_dir`` as a fresh package; returns its import name.
+
+    The name is derived from the path, and any previous import of the same directory is
+    dropped first, so a regenerated modeling file is always re-read.
+    """
+    name = "kvskill_model_" + hashlib.sha1(str(model_dir).encode()).hexdigest()[:12]
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(model_dir)]
+    package = importlib.util.module_from_spec(spec)
+    package.__path__ = [str(model_dir)]
+    sys.modules[name] = package
+    return name
+
+
+def _import(package: str, module_name: str, model_dir: Path) -> ModuleType:
+    try:
+        return importlib.import_module(f"{package}.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.endswith(module_name):
+            raise BadInputError(f"{model_dir} has no {module_name}.py") from exc
+        raise BadInputError(f"cannot import {module_name}.py from {model_dir}: {exc}") from exc
+    except Exception as exc:  # the file is user code: any failure is reported as input
+        raise BadInputError(
+            f"cannot import {module_name}.py from {model_dir}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _import_modeling_module(model_dir: Path, package: str, auto_map: dict) -> ModuleType:
+    target = auto_map.get("AutoModelForCausalLM")
+    if isinstance(target, str) and "." in target:
+        return _import(package, target.rsplit(".", 1)[0], model_dir)
+    candidates = sorted(p.stem for p in model_dir.glob("modeling_*.py"))
+    if len(candidates) != 1:
+        found = ", ".join(candidates) or "none"
+        raise BadInputError(
+            f"{model_dir} must hold exactly one modeling_*.py (found: {found}); or name the "
+            "class in config.json auto_map.AutoModelForCausalLM"
+        )
+    return _import(package, candidates[0], model_dir)
+
+
+def _build_config(model_dir: Path, raw: dict, package: str, module: ModuleType, trust: bool):
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    auto_config = (raw.get("auto_map") or {}).get("AutoConfig")
+    model_type = raw.get("model_type")
+    if isinstance(auto_config, str) and "." in auto_config:
+        if not trust:
+            raise BadInputError(
+                f"config.json of {model_dir} takes its config class from code in the directory "
+                f"({auto_config}); pass --trust-remote-code to allow running it"
+            )
+        module_name, cls_name = auto_config.rsplit(".", 1)
+        config_cls = getattr(_import(package, module_name, model_dir), cls_name, None)
+    elif model_type in CONFIG_MAPPING:
+        config_cls = CONFIG_MAPPING[model_type]
+    else:
+        # A converted remote-code model may define its config next to the model.
+        config_cls = next(
+            (
+                obj
+                for obj in vars(module).values()
+                if isinstance(obj, type)
+                and issubclass(obj, PretrainedConfig)
+                and getattr(obj, "model_type", None) == model_type
+            ),
+            None,
+        )
+    if config_cls is None:
+        raise UnsupportedModelError(
+            f"no config class for model_type {model_type!r}: the installed transformers does "
+            "not know it and config.json has no usable auto_map.AutoConfig"
+        )
+    try:
+        return config_cls.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise BadInputError(
+            f"cannot build {config_cls.__name__} from {model_dir}/config.json: {exc}"
+        ) from exc
+
+
+def _find_causal_lm_class(module: ModuleType, config, auto_map: dict) -> type[nn.Module]:
+    names: list[str] = []
+    target = auto_map.get("AutoModelForCausalLM")
+    if isinstance(target, str):
+        names.append(target.rsplit(".", 1)[-1])
+    names += list(getattr(config, "architectures", None) or [])
+    for name in names:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls
+    found = [
+        obj
+        for name, obj in vars(module).items()
+        if name.endswith("ForCausalLM")
+        and isinstance(obj, type)
+        and issubclass(obj, nn.Module)
+        and obj.__module__ == module.__name__
+    ]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"cannot pick the causal-LM class in {module.__file__}: found "
+            f"{[c.__name__ for c in found] or 'no *ForCausalLM class'}; list it in "
+            "config.json architectures"
+        )
+    return found[0]
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (host RAM for the CPU), or None when unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "npu":
+            return torch.npu.mem_get_info(device)[0]
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
+def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.device) -> None:
+    # Build on the meta device first: counting parameters costs no memory.
+    with torch.device("meta"):
+        shell = model_cls(config)
+    num_bytes = (
+        sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
+    )
+    # NOTE: on the CPU the model is built in fp32 and then cast, so the peak is larger.
+    peak = (
+        num_bytes + sum(p.numel() * 4 for p in shell.parameters())
+        if device.type == "cpu"
+        else num_bytes
+    )
+    free = available_memory_bytes(device)
+    if free is not None and peak > free:
+        raise BadInputError(
+            f"the model needs about {peak / 2**30:.2f} GiB for its parameters but only "
+            f"{free / 2**30:.2f} GiB is free on {device}; shrink the config (fewer layers, "
+            "smaller hidden size) or use a larger device"
+        )
+
+
+def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            state.update(load_file(str(path)))
+        except Exception as exc:
+            raise BadInputError(f"cannot read weights {path}: {exc}") from exc
+    result = model.load_state_dict(state, strict=False)
+    tied = _tied_parameter_names(model)
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise BadInputError(
+            f"weights do not match the model: missing {missing[:5]}"
+            f"{' …' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
+            f"{' …' if len(result.unexpected_keys) > 5 else ''}"
+        )
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Parameters stored under another name (e.g. an lm_head tied to the embeddings)."""
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        else:
+            seen[id(param)] = name
+    return tied
+
+
+def prepare_kv_cache(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    kv_memory_bytes: int | None = None,
+    free_block_order_seed: int | None = None,
+    use_hybrid_blocks: bool = False,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> KVCacheSetup:
+    """Ask the model for its cache declarations, size the pools and inject the tensors.
+
+    Args:
+        block_size: overrides the model's default tokens per block (entries that set their
+            own block size keep it).
+        num_blocks / kv_memory_bytes: size of each pool in blocks (null block included), or
+            a byte budget; with neither, a tenth of the free memory (at most 4 GiB).
+
+    Raises:
+        UnsupportedModelError: the model has no ``get_cache_info``.
+        BadInputError: inconsistent cache declarations or a budget below two blocks.
+    """
+    get_cache_info = getattr(model, "get_cache_info", None)
+    if not callable(get_cache_info):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no get_cache_info(); it is not a converted model"
+        )
+    if block_size is not None:
+        if block_size < 1:
+            raise BadInputError(f"block_size must be >= 1, got {block_size}")
+        if hasattr(model, "block_size"):
+            model.block_size = block_size
+    info = get_cache_info()
+    if not isinstance(info, ModelCacheInfo):
+        raise BadInputError(
+            f"{type(model).__name__}.get_cache_info() returned {type(info).__name__}; "
+            "expected kvskill.runtime.ModelCacheInfo"
+        )
+    if block_size is not None and info.block_size != block_size:
+        info = ModelCacheInfo(
+            num_layers=info.num_layers,
+            block_size=block_size,
+            layer_infos=info.layer_infos,
+            is_mla_backend=info.is_mla_backend,
+        )
+    if num_blocks is None and kv_memory_bytes is None:
+        free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
+        kv_memory_bytes = min(int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES)
+    manager = KVCacheManager(
+        info,
+        num_blocks=num_blocks,
+        memory_budget_bytes=None if num_blocks is not None else kv_memory_bytes,
+        device=str(device),
+        use_hybrid_blocks=use_hybrid_blocks,
+        free_block_order_seed=free_block_order_seed,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    manager.allocate_cache_tensors()
+    return KVCacheSetup(info, manager)
+
+
+def max_tokens_per_request(
+    manager: KVCacheManager, *, max_num_batched_tokens: int, enable_chunked_prefill: bool
+) -> int:
+    """The longest request (prompt + output) one empty pool set can hold.
+
+    Growing groups need ``ceil(n / block_size)`` blocks; windowed and state groups are
+    bounded by what one step can add (a whole prompt when prefill is not chunked).
+    """
+
+    def fits(num_tokens: int) -> bool:
+        step = min(num_tokens, max_num_batched_tokens) if enable_chunked_prefill else num_tokens
+        need: dict[int, int] = {}
+        for key, mgr in manager.managers.items():
+            group = manager.groups[key]
+            blocks = mgr.num_blocks_for(num_tokens)
+            bound = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
+                block_size=group.block_size,
+                sliding_window=group.sliding_window,
+                max_num_batched_tokens=step,
+            )
+            if bound is not None:
+                blocks = min(blocks, bound)
+            pool = manager.pools[key]
+            need[id(pool)] = need.get(id(pool), 0) + blocks
+        return all(
+            need[id(pool)] <= pool.num_usable_blocks
+            for pool in {id(p): p for p in manager.pools.values()}.values()
+        )
+
+    low, high = 0, 1
+    while fits(high) and high < 1 << 24:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -1,0 +1,212 @@
+"""Continuous-batching scheduler: waiting/running queues, packed prefill, decode, preemption.
+
+Policy (one step is either all-prefill or all-decode, ``ForwardMetaData.is_prefill``):
+
+1. Prefill first. Requests part-way through a chunked prefill continue, then waiting
+   requests are admitted in arrival order while the token budget
+   (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the KV manager
+   allow. A prompt longer than the remaining budget is chunked (or, with chunking off,
+   admitted alone in a step of its own).
+2. Otherwise a decode step feeds every running request its last sampled token. When the
+   KV manager cannot grow a request, the most recently admitted running request is
+   preempted: its blocks are freed and it goes back to the front of the waiting queue to
+   recompute prompt + generated tokens later (its tokens are unchanged by this).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvskill.runtime.request import FinishReason, Request, RequestStatus, StepOutput
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    #: tokens of all requests in one step at most (a lone unchunked prompt may exceed it)
+    max_num_batched_tokens: int = 2048
+    #: requests running at once at most
+    max_num_seqs: int = 128
+    #: split prompts longer than the step budget across several prefill steps
+    enable_chunked_prefill: bool = True
+    #: a request stops with "length" when prompt + output reaches this
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    #: tokens fed this step
+    num_new_tokens: int
+    #: position of the first of them (= tokens already in the cache)
+    start: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    is_prefill: bool
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    #: requests preempted while building this step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting and running queues; asks the KV manager before admitting or growing."""
+
+    def __init__(self, kv_manager, config: SchedulerConfig, eos_token_ids: frozenset[int]) -> None:
+        self.kv_manager = kv_manager
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        #: in admission order; preemption takes from the end
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step. Preempts running requests when the pool cannot serve any."""
+        preempted: list[Request] = []
+        while True:
+            output = self._schedule_prefill()
+            if not output.scheduled:
+                output = self._schedule_decode()
+            output.preempted[:0] = preempted
+            if output.scheduled or not self.running:
+                assert output.scheduled or not self.waiting, (
+                    "a waiting request cannot be admitted into an empty KV pool; the engine "
+                    "must check at start-up that one request of max_model_len fits"
+                )
+                return output
+            # Every running request is part-way through a prefill and none can grow: make
+            # room by recomputing the newest one later.
+            preempted.append(self._preempt(self.running[-1]))
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        output = SchedulerOutput(is_prefill=True)
+        for request in self.running:
+            if not request.is_prefilling or budget <= 0:
+                continue
+            remaining = request.num_prefill_tokens - request.num_computed_tokens
+            num_new = self._num_new_tokens(remaining, budget, output)
+            if num_new == 0 or not self._allocate(request, num_new):
+                # NOTE: admitting newcomers now would take the blocks this request waits for.
+                return output
+            budget -= num_new
+            output.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request.num_tokens, budget, output)
+            if num_new == 0 or not self._allocate(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_prefill_tokens = request.num_tokens
+            self.running.append(request)
+            budget -= num_new
+            output.scheduled.append(ScheduledRequest(request, num_new, 0))
+        return output
+
+    def _num_new_tokens(self, remaining: int, budget: int, output: SchedulerOutput) -> int:
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill:
+            return budget
+        # Unchunked: a prompt longer than the budget runs alone in its own step.
+        return 0 if output.scheduled else remaining
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        output = SchedulerOutput(is_prefill=False)
+        for request in [r for r in self.running if not r.is_prefilling]:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self._allocate(request, 1):
+                victim = self._preempt(self.running[-1])
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(ScheduledRequest(request, 1, request.num_computed_tokens))
+        return output
+
+    def _allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.kv_manager.allocate_slots(
+            request.request_id,
+            request.num_computed_tokens + num_new_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _preempt(self, request: Request) -> Request:
+        self.kv_manager.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_prefill_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        return request
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: list[int | None], now: float
+    ) -> tuple[list[StepOutput], list[Request]]:
+        """Advance every scheduled request by the step's tokens and append its sample.
+
+        Args:
+            sampled: one entry per scheduled request: the token sampled from its last
+                position, or None for a prefill chunk that does not end the prefill.
+
+        Returns:
+            the per-request step outputs and the requests that finished (blocks freed).
+        """
+        step_outputs: list[StepOutput] = []
+        finished: list[Request] = []
+        for item, token in zip(output.scheduled, sampled, strict=True):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if token is None:
+                step_outputs.append(StepOutput(request.request_id, [], None))
+                continue
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+            step_outputs.append(StepOutput(request.request_id, [token], reason))
+        return step_outputs, finished
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        # Release chain: blocks go back to the pool the moment a request ends.
+        self.kv_manager.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = now

@@ -109,6 +109,8 @@ class Plan:
     memory: dict[str, Any] = field(default_factory=dict)
     #: reasons the implementer cannot convert this model yet (not a refusal of analysis)
     implementer_blockers: list[str] = field(default_factory=list)
+    #: MLA models: the model class sets ModelCacheInfo(is_mla_backend=True)
+    is_mla_backend: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract as plain data (lists, dicts, str, int, float, bool, None)."""

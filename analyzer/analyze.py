@@ -1,0 +1,272 @@
+"""``analyze_model``: MODEL -> Plan (inputs, config, code scan, rules, memory)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any
+
+from kvskill.analyzer.code_facts import code_facts, rope_style
+from kvskill.analyzer.config import normalise
+from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.inputs import (
+    ModelSource,
+    causal_lm_class_name,
+    causal_lm_model_types,
+    resolve_model,
+)
+from kvskill.analyzer.memory import plan_memory
+from kvskill.analyzer.pitfalls import add_pitfalls
+from kvskill.analyzer.plan import AttnType, Plan
+from kvskill.analyzer.roles import find_roles
+from kvskill.analyzer.rules import (
+    CodeView,
+    cache_entries,
+    decide_attention,
+    decide_deploy_mode,
+    decide_fa_version,
+    decide_kv_heads,
+    decide_kv_mode,
+    decide_layers,
+    decide_layout,
+    decide_scale,
+    decide_sparse_modes,
+    sinks_line,
+)
+from kvskill.analyzer.scan import scan_file
+from kvskill.errors import BadInputError, UnsupportedModelError
+
+DEFAULT_BLOCK_SIZE = 128
+_ATTN_TYPE_ORDER = {t.value: i for i, t in enumerate(AttnType)}
+
+
+@contextmanager
+def _quiet_transformers():
+    # Config classes log validation chatter (token ids outside a default vocab, ...).
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def analyze_model(
+    model: str,
+    *,
+    deploy_mode: str = "auto",
+    config_overrides: dict[str, Any] | None = None,
+    attn_tp_size: int = 1,
+    block_size: int | None = None,
+    kv_memory_bytes: int | None = None,
+    hbm_gb: float | None = None,
+) -> Plan:
+    """Decide the KV-cache design of MODEL (a directory or a transformers model type).
+
+    Raises BadInputError (exit 2) for unusable input and UnsupportedModelError (exit 3) for
+    a model that cannot be served (no causal decoder). Never imports the model's code.
+    """
+    if deploy_mode not in ("auto", "framework", "standalone"):
+        raise BadInputError(
+            f"deploy mode '{deploy_mode}' is not one of auto, framework, standalone"
+        )
+    if attn_tp_size < 1:
+        raise BadInputError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
+    if block_size is not None and block_size < 1:
+        raise BadInputError(f"block_size must be >= 1, got {block_size}")
+    with _quiet_transformers():
+        source = resolve_model(model, config_overrides)
+    return plan_for_source(
+        source,
+        deploy_mode=deploy_mode,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size or DEFAULT_BLOCK_SIZE,
+        kv_memory_bytes=kv_memory_bytes,
+        hbm_gb=hbm_gb,
+    )
+
+
+def _refuse_non_causal(source: ModelSource) -> None:
+    if source.config.get("is_encoder_decoder"):
+        raise UnsupportedModelError(
+            f"'{source.model_type}' is an encoder-decoder model (cross-attention); kvskill "
+            "serves causal decoders only"
+        )
+    if source.kind != "remote_code" and source.model_type not in causal_lm_model_types():
+        raise UnsupportedModelError(
+            f"'{source.model_type}' has no causal-LM class in the installed transformers "
+            "(encoder-only or not a text decoder)"
+        )
+    if source.modeling_file is None:
+        raise UnsupportedModelError(
+            f"no modeling file for '{source.model_type}' in the installed transformers"
+        )
+
+
+def plan_for_source(
+    source: ModelSource,
+    *,
+    deploy_mode: str,
+    attn_tp_size: int,
+    block_size: int,
+    kv_memory_bytes: int | None,
+    hbm_gb: float | None,
+) -> Plan:
+    """All decisions for a resolved source."""
+    _refuse_non_causal(source)
+    facts = scan_file(source.modeling_file)
+    hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
+    if source.kind == "remote_code":
+        auto = (source.config.get("auto_map") or {}).get("AutoModelForCausalLM")
+        hint = auto.split(".")[-1] if isinstance(auto, str) else None
+    roles = find_roles(facts, hint)
+    code = CodeView(facts=facts, roles=roles)
+    if roles.causal_lm is None:
+        raise UnsupportedModelError(
+            f"{facts.file_name} defines no *ForCausalLM class; not a causal decoder"
+        )
+    reads_window = _code_reads_window(code)
+    spec = normalise(source.config, uses_sliding_window=reads_window)
+    if not roles.attention and not roles.linear_attention:
+        raise UnsupportedModelError(
+            f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
+        )
+    book = Notebook(source=source)
+    mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
+    layers = decide_layers(spec, book)
+    if not layers:
+        raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
+    attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
+    attention = decide_attention(spec, book)
+    kv_mode, legacy_reason = decide_kv_mode(spec, code, book)
+    fa_version, fa_reason = decide_fa_version(code, book)
+    layout, absorb = decide_layout(kv_mode, attention, book)
+    modes, windows = decide_sparse_modes(kv_mode, attention, attn_types, spec.sliding_window, book)
+    scale = decide_scale(spec, code, book)
+    kv_heads = decide_kv_heads(spec, attn_tp_size, book)
+    entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size)
+    counts = {t: sum(1 for layer in layers if layer.attn_type == t) for t in attn_types}
+    memory = plan_memory(
+        spec=spec,
+        config=source.config,
+        cache_entries=entries,
+        layer_counts=counts,
+        block_size=block_size,
+        kv_memory_bytes=kv_memory_bytes,
+        hbm_gb=hbm_gb,
+    )
+    kv_bytes = sum(memory["bytes_per_token"].values())
+    book.cite(
+        "kv_bytes_per_token",
+        f"{kv_bytes} bytes per token per rank over all layers ({spec.dtype})",
+        "sum of cache_entries dim x num_head x dtype size x layers",
+    )
+    facts_dict = code_facts(code, source)
+    _code_notes(facts_dict, spec, book)
+    add_pitfalls(
+        spec=spec,
+        book=book,
+        kv_mode=kv_mode,
+        deploy_mode=mode,
+        attention=attention,
+        fa_version=fa_version,
+        attn_types=attn_types,
+        kv_heads_per_rank=kv_heads,
+        attn_tp_size=attn_tp_size,
+        scale_has_mscale=any(
+            e.decision == "softmax_scale" and "mscale" in e.reason for e in book.evidence
+        ),
+    )
+    style, style_source = rope_style(code, spec)
+    book.cite("rope_style", f"rope style: {style}", style_source)
+    mla = dict(spec.mla) if spec.mla else None
+    return Plan(
+        model_type=source.model_type,
+        architecture=roles.causal_lm,
+        source=source.as_plan_source(),
+        deploy_mode=mode,
+        kv_mode=kv_mode,
+        legacy_reason=legacy_reason,
+        attention=attention,
+        layers=layers,
+        attn_types=attn_types,
+        mixed_attn_types=len(attn_types) > 1,
+        fa_version=fa_version,
+        fa_version_reason=fa_reason,
+        mla_absorb=absorb,
+        input_layout=layout,
+        sparse_mode=modes,
+        softmax_scale=scale,
+        num_key_value_heads_per_rank=kv_heads,
+        cache_entries=entries,
+        kv_bytes_per_token=kv_bytes,
+        warnings=list(book.warnings),
+        evidence=list(book.evidence),
+        num_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
+        window_tokens=windows,
+        has_sinks=sinks_line(code) is not None,
+        rope_style=style,
+        mla=mla,
+        code=facts_dict,
+        config=dict(source.config),
+        memory=memory,
+        implementer_blockers=list(book.blockers),
+        is_mla_backend=attention == "mla",
+    )
+
+
+def _code_reads_window(code: CodeView) -> bool:
+    """Whether the attention code reads a sliding window at all."""
+    for name in code.roles.attention:
+        cls = code.facts.classes.get(name)
+        if cls is None:
+            continue
+        if "sliding_window" in cls.self_attrs:
+            return True
+        if any("sliding_window" in call.keywords for call in cls.calls):
+            return True
+    return False
+
+
+def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
+    if facts.get("already_converted"):
+        book.warn("the modeling code is already converted (cache_entries / get_cache_info)")
+        book.cite(
+            "code",
+            "already paged: the attention declares cache_entries or the model get_cache_info",
+            facts["already_converted_source"],
+        )
+    if facts.get("legacy_framework"):
+        book.cite(
+            "code",
+            "current code is the Legacy framework path (cache_unit + scatter_update_); "
+            "converting it to Paged",
+            facts["legacy_framework_source"],
+        )
+    if facts.get("cache_api") == "transformers4":
+        book.cite(
+            "code",
+            "transformers 4 style cache write (past_key_value.update)",
+            facts["cache_update_source"],
+        )
+    kinds = set(spec.layer_kinds)
+    for kind, note in (
+        ("hybrid", "layers that hold both attention KV and a Mamba state"),
+        ("indexed_attention", "indexed sparse attention (a top-k indexer with its own cache)"),
+        ("compressed_attention", "compressed sparse attention layers"),
+    ):
+        if kind in kinds:
+            msg = f"{note}: planned as FullAttention; the extra cache is not converted"
+            book.warn(msg)
+            book.block(msg)
+    if spec.num_mtp_layers:
+        book.warn(
+            f"{spec.num_mtp_layers} MTP layer(s): their caches are outside the decoder layers "
+            "planned here"
+        )

@@ -1,0 +1,100 @@
+"""The ``code`` section of the Plan: class names and line numbers the implementer needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.inputs import ModelSource
+from kvskill.analyzer.rules import CodeView
+from kvskill.analyzer.scan import ClassFacts
+
+
+def _line(cls: ClassFacts | None, kind: str) -> int | None:
+    call = cls.first_call(kind) if cls else None
+    return call.line if call else None
+
+
+def _attention_entry(cls: ClassFacts) -> dict[str, Any]:
+    update = cls.first_call("cache_update")
+    call = cls.first_call("attention_call") or cls.first_call("fa_call")
+    return {
+        "line": cls.line,
+        "init_line": cls.methods.get("__init__"),
+        "forward_line": cls.methods.get("forward"),
+        "cache_update_line": update.line if update else None,
+        "cache_update_receiver": update.receiver if update else None,
+        "attention_call_line": call.line if call else None,
+        "attention_callee": call.callee if call else None,
+        "attention_call_keywords": list(call.keywords) if call else [],
+        "scaling_line": cls.self_attrs.get("scaling"),
+        "sinks_line": cls.self_attrs.get("sinks"),
+        "sliding_window_line": cls.self_attrs.get("sliding_window"),
+    }
+
+
+def code_facts(code: CodeView, source: ModelSource) -> dict[str, Any]:
+    facts, roles = code.facts, code.roles
+    classes = facts.classes
+    primary = code.attention_class()
+    attention = {name: _attention_entry(classes[name]) for name in roles.attention}
+    update = primary.first_call("cache_update") if primary else None
+    result: dict[str, Any] = {
+        "modeling_file": facts.file_name,
+        "causal_lm_class": roles.causal_lm,
+        "causal_lm_line": classes[roles.causal_lm].line if roles.causal_lm in classes else None,
+        "model_class": roles.model,
+        "model_line": classes[roles.model].line if roles.model in classes else None,
+        "decoder_layer_class": roles.decoder_layer,
+        "decoder_layer_line": (
+            classes[roles.decoder_layer].line if roles.decoder_layer in classes else None
+        ),
+        "attention_classes": list(roles.attention),
+        "attention": attention,
+        "linear_attention_classes": list(roles.linear_attention),
+        "cache_update_line": update.line if update else None,
+        "attention_interface_line": _line(primary, "attention_call"),
+        "cache_api": _cache_api(update.receiver if update else None),
+        "cache_update_source": facts.where(update.line) if update else None,
+    }
+    _converted(facts, result)
+    return result
+
+
+def _cache_api(receiver: str | None) -> str | None:
+    if receiver is None:
+        return None
+    return "transformers4" if receiver in ("past_key_value", "layer_past") else "transformers5"
+
+
+def _converted(facts, result: dict[str, Any]) -> None:
+    converted = None
+    legacy = None
+    for cls in facts.classes.values():
+        if converted is None:
+            if "cache_entries" in cls.self_attrs:
+                converted = facts.where(cls.self_attrs["cache_entries"])
+            elif "get_cache_info" in cls.methods:
+                converted = facts.where(cls.methods["get_cache_info"])
+        scatter = next((c for c in cls.calls if c.callee == "scatter_update_"), None)
+        if legacy is None and "cache_unit" in cls.self_attrs and scatter is not None:
+            legacy = f"{facts.where(cls.self_attrs['cache_unit'])}, {facts.where(scatter.line)}"
+    result["already_converted"] = converted is not None
+    result["already_converted_source"] = converted
+    result["legacy_framework"] = legacy is not None and converted is None
+    result["legacy_framework_source"] = legacy
+
+
+def rope_style(code: CodeView, spec: ModelSpec) -> tuple[str, str]:
+    """ "interleaved" | "half" | "none", and where that was read."""
+    functions = code.facts.functions
+    if spec.rope_interleave:
+        return "interleaved", "config rope_interleave=true"
+    if "rotate_half" in functions:
+        return "half", code.facts.where(functions["rotate_half"])
+    for name, line in functions.items():
+        if "rotary" in name or "rope" in name:
+            return "half", code.facts.where(line)
+    if not spec.rope_parameters:
+        return "none", "config has no rope parameters"
+    return "half", "config rope_parameters (rotation helper not found in the file)"

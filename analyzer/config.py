@@ -1,0 +1,268 @@
+"""One typed spec from any causal-LM config dict, with the key each value came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvskill.errors import UnsupportedModelError
+
+#: raw layer-type strings -> the analyzer's layer kind
+_LAYER_KIND = {
+    "full_attention": "attention",
+    "attention": "attention",
+    "global": "attention",
+    "global_attention": "attention",
+    "sliding_attention": "sliding",
+    "sliding": "sliding",
+    "local": "sliding",
+    "local_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "linear_attention",
+    "mamba": "mamba",
+    "mamba2": "mamba",
+    "conv": "conv",
+    "recurrent": "recurrent",
+    "hybrid": "hybrid",
+    "hybrid_sliding": "hybrid",
+    "indexed_attention": "indexed_attention",
+    "compressed_sparse_attention": "compressed_attention",
+    "heavily_compressed_attention": "compressed_attention",
+    "mlp": "mlp",
+    "moe": "mlp",
+}
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Normalised facts of a model config. ``sources`` maps each field to its config key."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    #: per layer: "attention" | "sliding" | "chunked" | "linear_attention" | "mamba" | ...
+    layer_kinds: list[str]
+    #: where the per-layer pattern came from (a config key or a rule)
+    layer_pattern_source: str
+    sliding_window: int | None
+    attention_chunk_size: int | None
+    #: MLA ranks, or None for non-MLA attention
+    mla: dict[str, int | None] | None
+    rope_parameters: dict[str, Any]
+    rope_interleave: bool
+    dtype: str
+    dtype_known: bool
+    num_experts: int
+    num_mtp_layers: int
+    attn_logit_softcapping: float | None
+    #: linear-attention / SSM dimensions for state entries ({} when there are none)
+    state: dict[str, int] = field(default_factory=dict)
+    is_encoder_decoder: bool = False
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 2)
+
+
+def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value, key
+    return None, None
+
+
+def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The decoder's config: ``text_config`` for composite configs, else the config."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+        return inner, "text_config."
+    return config, ""
+
+
+def normalise(config: dict[str, Any], *, uses_sliding_window: bool = True) -> ModelSpec:
+    """Build the ModelSpec. ``uses_sliding_window`` says whether the code reads a window.
+
+    Raises UnsupportedModelError when the config has no decoder layer count or heads.
+    """
+    cfg, prefix = text_config(config)
+    sources: dict[str, str] = {}
+
+    def get(name: str, *keys: str) -> Any:
+        value, key = _first(cfg, *keys)
+        if key is not None:
+            sources[name] = prefix + key
+        return value
+
+    num_layers = get("num_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    hidden = get("hidden_size", "hidden_size", "n_embd", "d_model", "dim")
+    heads = get("num_heads", "num_attention_heads", "n_head", "num_heads", "n_heads")
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise UnsupportedModelError(
+            f"config of '{config.get('model_type')}' has no decoder layer count "
+            "(num_hidden_layers); not a causal decoder"
+        )
+    hidden = int(hidden or 0)
+    heads = int(heads or 0)
+    kv_heads = get(
+        "num_kv_heads", "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"
+    )
+    if kv_heads is None:
+        multi_query = cfg.get("multi_query")
+        kv_heads = 1 if multi_query else heads
+        if multi_query:
+            sources["num_kv_heads"] = prefix + "multi_query"
+    head_dim = get("head_dim", "head_dim", "attention_head_size", "kv_channels")
+    if not head_dim:
+        head_dim = hidden // heads if heads else 0
+        sources.setdefault("head_dim", f"{prefix}hidden_size / num_attention_heads")
+    v_head_dim = get("v_head_dim", "v_head_dim") or head_dim
+    mla = _mla(cfg, sources, prefix)
+    sliding_window = get("sliding_window", "sliding_window", "window_size")
+    if not isinstance(sliding_window, int) or sliding_window <= 0:
+        sliding_window = None
+    kinds, pattern_source = _layer_kinds(cfg, int(num_layers), sliding_window, prefix)
+    if sliding_window is None or not uses_sliding_window:
+        # A sliding layer without a window (or code that never reads it) is full attention.
+        kinds = ["attention" if k == "sliding" else k for k in kinds]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope:
+        sources["rope_parameters"] = prefix + (
+            "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+        )
+    dtype_value = get("dtype", "dtype", "torch_dtype")
+    dtype = str(dtype_value).replace("torch.", "") if dtype_value else "bfloat16"
+    experts = get("num_experts", "num_experts", "n_routed_experts", "num_local_experts") or 0
+    mtp = get("num_mtp_layers", "num_nextn_predict_layers", "mtp_num_layers") or 0
+    softcap = get("attn_logit_softcapping", "attn_logit_softcapping")
+    chunk = get("attention_chunk_size", "attention_chunk_size")
+    return ModelSpec(
+        model_type=str(config.get("model_type", "")),
+        num_layers=int(num_layers),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads or heads),
+        head_dim=int(head_dim),
+        v_head_dim=int(v_head_dim),
+        layer_kinds=kinds,
+        layer_pattern_source=pattern_source,
+        sliding_window=sliding_window,
+        attention_chunk_size=chunk if isinstance(chunk, int) else None,
+        mla=mla,
+        rope_parameters=dict(rope) if isinstance(rope, dict) else {},
+        rope_interleave=bool(cfg.get("rope_interleave")),
+        dtype=dtype,
+        dtype_known=dtype_value is not None,
+        num_experts=int(experts) if isinstance(experts, int) else 0,
+        num_mtp_layers=int(mtp) if isinstance(mtp, int) else 0,
+        attn_logit_softcapping=float(softcap) if softcap else None,
+        state=_state_dims(cfg, hidden),
+        is_encoder_decoder=bool(config.get("is_encoder_decoder")),
+        sources=sources,
+    )
+
+
+def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int | None] | None:
+    rank = cfg.get("kv_lora_rank")
+    rope_dim = cfg.get("qk_rope_head_dim")
+    if not rank or not rope_dim:
+        return None
+    sources["mla"] = prefix + "kv_lora_rank"
+    return {
+        "kv_lora_rank": int(rank),
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "qk_nope_head_dim": int(cfg.get("qk_nope_head_dim") or 0),
+        "qk_rope_head_dim": int(rope_dim),
+        "v_head_dim": int(cfg.get("v_head_dim") or 0),
+    }
+
+
+def _layer_kinds(
+    cfg: dict[str, Any], num_layers: int, window: int | None, prefix: str
+) -> tuple[list[str], str]:
+    """Per-layer kinds from ``layer_types`` or the older per-model patterns."""
+    for key in ("layer_types", "layers_block_type"):
+        types = cfg.get(key)
+        if isinstance(types, list) and types:
+            kinds = [_LAYER_KIND.get(str(t), "attention") for t in types[:num_layers]]
+            kinds += ["attention"] * (num_layers - len(kinds))
+            return kinds, prefix + key
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        # nemotron-h style: "M" mamba, "*" attention, "-"/"E" MLP or MoE (no cache)
+        char_kind = {"M": "mamba", "*": "attention", "-": "mlp", "E": "mlp"}
+        kinds = [char_kind.get(ch, "attention") for ch in pattern[:num_layers]]
+        return kinds, prefix + "hybrid_override_pattern"
+    if cfg.get("use_sliding_window") is not None and "max_window_layers" in cfg:
+        if cfg.get("use_sliding_window") and window:
+            first = int(cfg.get("max_window_layers") or 0)
+            kinds = ["sliding" if i >= first else "attention" for i in range(num_layers)]
+        else:
+            kinds = ["attention"] * num_layers
+        return kinds, prefix + "use_sliding_window+max_window_layers"
+    period = cfg.get("sliding_window_pattern")
+    if isinstance(period, int) and period > 0 and window:
+        kinds = ["attention" if (i + 1) % period == 0 else "sliding" for i in range(num_layers)]
+        return kinds, prefix + "sliding_window_pattern"
+    if cfg.get("attn_layer_period"):
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset") or 0)
+        kinds = ["attention" if i % period == offset else "mamba" for i in range(num_layers)]
+        return kinds, prefix + "attn_layer_period+attn_layer_offset"
+    if window:
+        # Mistral style: a window with no per-layer pattern applies to every layer.
+        return ["sliding"] * num_layers, prefix + "sliding_window"
+    return ["attention"] * num_layers, "default (every layer full attention)"
+
+
+def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
+    """Conv / recurrent state dimensions of linear-attention or Mamba layers."""
+    if cfg.get("linear_num_value_heads"):
+        # gated delta net (qwen3-next style)
+        k_heads = int(cfg.get("linear_num_key_heads") or 0)
+        v_heads = int(cfg["linear_num_value_heads"])
+        k_dim = int(cfg.get("linear_key_head_dim") or 0)
+        v_dim = int(cfg.get("linear_value_head_dim") or 0)
+        return {
+            "conv_kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
+            "conv_dim": 2 * k_heads * k_dim + v_heads * v_dim,
+            "num_state_heads": v_heads,
+            "state_k_dim": k_dim,
+            "state_v_dim": v_dim,
+        }
+    d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
+    if d_state:
+        expand = cfg.get("mamba_expand") or cfg.get("expand") or 2
+        inner = cfg.get("mamba_d_inner") or cfg.get("intermediate_size") or int(expand * hidden)
+        n_heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or cfg.get("num_heads")
+        head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim") or cfg.get("head_dim")
+        groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1
+        kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or cfg.get("mamba_conv_kernel")
+        if isinstance(n_heads, int) and isinstance(head_dim, int) and n_heads * head_dim:
+            # Mamba-2: per-head [head_dim, d_state] state; conv over x, B and C
+            return {
+                "conv_kernel": int(kernel or 4),
+                "conv_dim": int(inner) + 2 * int(groups) * int(d_state),
+                "num_state_heads": int(n_heads),
+                "state_k_dim": int(head_dim),
+                "state_v_dim": int(d_state),
+            }
+        # Mamba-1: [d_inner, d_state] state, conv over x only
+        return {
+            "conv_kernel": int(kernel or 4),
+            "conv_dim": int(inner),
+            "num_state_heads": 1,
+            "state_k_dim": int(inner),
+            "state_v_dim": int(d_state),
+        }
+    conv = cfg.get("conv_L_cache")
+    if conv:
+        # short-convolution layers (lfm2 style): only a conv state over the hidden size
+        return {"conv_kernel": int(conv), "conv_dim": hidden, "num_state_heads": 0}
+    return {}

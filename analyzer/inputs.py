@@ -1,0 +1,250 @@
+"""Resolve MODEL (a directory or a transformers model type) to its config and modeling file.
+
+Nothing here imports or executes code from a model directory: config.json is read as JSON,
+and only the installed transformers' own configuration classes are instantiated (to apply
+their defaults and derived keys such as ``layer_types``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kvskill.errors import BadInputError
+
+#: keys whose change must re-derive ``layer_types`` in the config class
+_PATTERN_KEYS = frozenset(
+    {"use_sliding_window", "max_window_layers", "sliding_window", "sliding_window_pattern"}
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where the model's config and code come from, and the config after overrides."""
+
+    #: "transformers" | "directory" | "remote_code"
+    kind: str
+    #: the MODEL argument resolved: a directory path or the model type
+    path: str
+    model_type: str
+    #: absolute path of the modeling file that will be scanned, or None if there is none
+    modeling_file: str | None
+    config_file: str | None
+    #: full config dict after overrides
+    config: dict[str, Any]
+    #: the keys the user overrode (for evidence)
+    overridden: tuple[str, ...] = ()
+    #: runner_*.py files shipped next to the model (standalone deployment)
+    runner_files: tuple[str, ...] = ()
+    #: other python files in the directory (for already-converted detection)
+    extra_files: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_plan_source(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "modeling_file": self.modeling_file,
+            "config_file": self.config_file,
+        }
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """Parse ``key=value,key=value``; values are JSON when they parse, else strings.
+
+    Commas inside brackets or braces belong to the value, so
+    ``layer_types=["full_attention","sliding_attention"],sliding_window=8`` works.
+    """
+    if not text:
+        return {}
+    result: dict[str, Any] = {}
+    for item in _split_top_level(text):
+        if not item.strip():
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInputError(
+                f"--config-overrides item '{item}' is not KEY=VALUE "
+                "(example: num_hidden_layers=4,sliding_window=64)"
+            )
+        try:
+            result[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            result[key] = raw.strip()
+    return result
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start, quote = [], 0, 0, False
+    for i, ch in enumerate(text):
+        if ch == '"':
+            quote = not quote
+        elif not quote and ch in "[{":
+            depth += 1
+        elif not quote and ch in "]}":
+            depth -= 1
+        elif not quote and ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
+
+
+def transformers_root() -> Path:
+    import transformers
+
+    return Path(transformers.__file__).resolve().parent
+
+
+@lru_cache(maxsize=1)
+def known_model_types() -> frozenset[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return frozenset(CONFIG_MAPPING_NAMES)
+
+
+@lru_cache(maxsize=1)
+def causal_lm_model_types() -> frozenset[str]:
+    """Model types the installed transformers maps to a ``*ForCausalLM`` class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def causal_lm_class_name(model_type: str) -> str | None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def transformers_modeling_file(model_type: str) -> Path | None:
+    """The installed transformers' ``models/<module>/modeling_<module>.py`` for a type."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    path = transformers_root() / "models" / module / f"modeling_{module}.py"
+    return path if path.is_file() else None
+
+
+def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) -> ModelSource:
+    """Resolve MODEL to a ModelSource. Raises BadInputError for unusable input."""
+    overrides = dict(config_overrides or {})
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _resolve_directory(path.resolve(), overrides)
+    if path.exists():
+        raise BadInputError(f"MODEL '{model}' is a file; give a model directory or a model type")
+    if model in known_model_types():
+        modeling = transformers_modeling_file(model)
+        config = build_config(model, {}, overrides)
+        return ModelSource(
+            kind="transformers",
+            path=model,
+            model_type=model,
+            modeling_file=str(modeling) if modeling else None,
+            config_file=None,
+            config=config,
+            overridden=tuple(overrides),
+        )
+    raise BadInputError(
+        f"MODEL '{model}' is neither a directory nor a model type of the installed "
+        "transformers (examples: qwen3, llama, gpt_oss, deepseek_v3)"
+    )
+
+
+def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise BadInputError(f"model directory {path} has no config.json")
+    raw = _read_json(config_file)
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise BadInputError(f"{config_file} has no 'model_type' string")
+    runners = tuple(sorted(str(p) for p in path.glob("runner_*.py")))
+    extras = tuple(sorted(str(p) for p in path.glob("*.py")))
+    local_modeling = _local_modeling_file(path, raw)
+    if local_modeling is not None:
+        kind = "remote_code"
+        modeling: Path | None = local_modeling
+    else:
+        kind = "directory"
+        if model_type not in known_model_types():
+            raise BadInputError(
+                f"{config_file}: model_type '{model_type}' is unknown to the installed "
+                "transformers and the directory ships no modeling_*.py"
+            )
+        modeling = transformers_modeling_file(model_type)
+    if model_type in known_model_types() and kind == "directory":
+        config = build_config(model_type, raw, overrides)
+    else:
+        # Remote code: its configuration class is the directory's own code, never run.
+        config = _merge(raw, overrides)
+    return ModelSource(
+        kind=kind,
+        path=str(path),
+        model_type=model_type,
+        modeling_file=str(modeling) if modeling else None,
+        config_file=str(config_file),
+        config=config,
+        overridden=tuple(overrides),
+        runner_files=runners,
+        extra_files=extras,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    except OSError as exc:
+        raise BadInputError(f"cannot read {path}: {exc.strerror}") from exc
+    if not isinstance(data, dict):
+        raise BadInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _local_modeling_file(path: Path, raw: dict[str, Any]) -> Path | None:
+    """The directory's own modeling file: the one auto_map names, else modeling_*.py."""
+    auto_map = raw.get("auto_map") or {}
+    ref = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+    if isinstance(ref, list):
+        ref = ref[0] if ref else None
+    if isinstance(ref, str) and "." in ref:
+        module = ref.split("--")[-1].rsplit(".", 1)[0]
+        candidate = path / f"{module.replace('.', '/')}.py"
+        if candidate.is_file():
+            return candidate
+    found = sorted(path.glob("modeling_*.py"))
+    return found[0] if found else None
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = {**base, **overrides}
+    if _PATTERN_KEYS & set(overrides) and "layer_types" not in overrides:
+        # NOTE: a stale layer_types would hide the new pattern; let it be re-derived.
+        merged.pop("layer_types", None)
+    return merged
+
+
+def build_config(
+    model_type: str, base: dict[str, Any], overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """Instantiate transformers' config class for the type and return ``to_dict()``."""
+    from transformers import CONFIG_MAPPING
+
+    merged = _merge(base, overrides)
+    merged.pop("model_type", None)
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+        config = config_class(**merged)
+    except (TypeError, ValueError, KeyError, AttributeError, AssertionError) as exc:
+        message = " ".join(str(exc).split())[:300]
+        raise BadInputError(f"config for '{model_type}' is not valid: {message}") from exc
+    data = config.to_dict()
+    data.setdefault("model_type", model_type)
+    return data

@@ -1,0 +1,159 @@
+"""KV memory: bytes per token per layer kind, and blocks / tokens for a memory budget.
+
+Per-token groups (FullAttention) grow with every token; a SlidingWindow layer holds at most
+``ceil((W - 1) / block_size) + 1`` blocks per request; a Mamba layer holds one fixed state per
+request. All sizes are per attention-TP rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvskill.analyzer.config import ModelSpec, text_config
+from kvskill.analyzer.plan import AttnType
+
+GIB = 1 << 30
+#: fraction of device memory usable by weights + KV (activations and workspace take the rest)
+HBM_UTILISATION = 0.9
+
+
+def bytes_per_token_by_type(
+    cache_entries: dict[str, list[dict]], layer_counts: dict[str, int], dtype_bytes: int
+) -> dict[str, int]:
+    """KV bytes one token adds, summed over all layers of each per-token attn_type."""
+    result: dict[str, int] = {}
+    for attn_type, entries in cache_entries.items():
+        if attn_type == AttnType.MAMBA.value:
+            continue
+        per_layer = sum(int(e["dim"]) * int(e["num_head"]) for e in entries) * dtype_bytes
+        result[attn_type] = per_layer * layer_counts.get(attn_type, 0)
+    return result
+
+
+def state_bytes_per_request(
+    cache_entries: dict[str, list[dict]], layer_counts: dict[str, int], dtype_bytes: int
+) -> int:
+    """Bytes of conv + recurrent state one request holds across all Mamba-type layers."""
+    entries = cache_entries.get(AttnType.MAMBA.value, [])
+    per_layer = 0
+    for entry in entries:
+        dims = entry["dim"] if isinstance(entry["dim"], list) else [entry["dim"]]
+        per_layer += math.prod(int(d) for d in dims) * int(entry["num_head"]) * dtype_bytes
+    return per_layer * layer_counts.get(AttnType.MAMBA.value, 0)
+
+
+def estimate_weight_bytes(config: dict[str, Any], spec: ModelSpec) -> int:
+    """A rough parameter count x dtype size (embeddings, attention, MLP or experts)."""
+    cfg, _ = text_config(config)
+    hidden = spec.hidden_size
+    vocab = int(cfg.get("vocab_size") or 0)
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    if spec.mla:
+        m = spec.mla
+        q_dim = spec.num_heads * (int(m["qk_nope_head_dim"] or 0) + int(m["qk_rope_head_dim"]))
+        attn = hidden * q_dim + hidden * (int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"]))
+        attn += (
+            int(m["kv_lora_rank"])
+            * spec.num_heads
+            * (int(m["qk_nope_head_dim"] or 0) + int(m["v_head_dim"] or 0))
+        )
+        attn += spec.num_heads * int(m["v_head_dim"] or 0) * hidden
+    else:
+        q = spec.num_heads * spec.head_dim
+        attn = 2 * hidden * q + hidden * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
+    experts = spec.num_experts
+    if experts:
+        inner = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+        mlp = experts * 3 * hidden * inner
+    else:
+        mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
+    return (embed + spec.num_layers * (attn + mlp)) * spec.dtype_bytes
+
+
+def plan_memory(
+    *,
+    spec: ModelSpec,
+    config: dict[str, Any],
+    cache_entries: dict[str, list[dict]],
+    layer_counts: dict[str, int],
+    block_size: int,
+    kv_memory_bytes: int | None,
+    hbm_gb: float | None,
+) -> dict[str, Any]:
+    """Per-token and per-request costs; with a budget, blocks and max tokens in flight."""
+    dtype_bytes = spec.dtype_bytes
+    per_token = bytes_per_token_by_type(cache_entries, layer_counts, dtype_bytes)
+    state = state_bytes_per_request(cache_entries, layer_counts, dtype_bytes)
+    window = spec.sliding_window or 0
+    sliding_bytes = per_token.get(AttnType.SLIDING.value, 0)
+    sliding_blocks = math.ceil((window - 1) / block_size) + 1 if window and sliding_bytes else 0
+    plan: dict[str, Any] = {
+        "block_size": block_size,
+        "dtype": spec.dtype,
+        "bytes_per_token": per_token,
+        "sliding_blocks_per_request": sliding_blocks,
+        "sliding_bytes_per_request": sliding_blocks * block_size * sliding_bytes,
+        "state_bytes_per_request": state,
+    }
+    budget, budget_source = _budget(spec, config, kv_memory_bytes, hbm_gb, plan)
+    if budget is None:
+        return plan
+    plan["kv_memory_bytes"] = budget
+    plan["kv_memory_source"] = budget_source
+    growing = sum(v for k, v in per_token.items() if k != AttnType.SLIDING.value)
+    fixed_per_request = plan["sliding_bytes_per_request"] + state
+    all_per_token = sum(per_token.values())
+    # NOTE: one request in flight; each further request costs fixed_per_request more.
+    available = budget - fixed_per_request
+    if growing:
+        plan["max_tokens"] = max(available // growing, 0)
+        plan["num_blocks"] = max(available // (growing * block_size), 0)
+    else:
+        plan["max_tokens"] = None  # window/state only: memory bounds requests, not length
+        plan["num_blocks"] = sliding_blocks
+    if fixed_per_request:
+        plan["max_requests_short"] = budget // fixed_per_request
+    if all_per_token:
+        plan["max_tokens_without_window_bound"] = budget // all_per_token
+    return plan
+
+
+def _budget(
+    spec: ModelSpec,
+    config: dict[str, Any],
+    kv_memory_bytes: int | None,
+    hbm_gb: float | None,
+    plan: dict[str, Any],
+) -> tuple[int | None, str]:
+    if kv_memory_bytes is not None:
+        return int(kv_memory_bytes), "flag --kv-memory"
+    if hbm_gb is None:
+        return None, ""
+    weights = estimate_weight_bytes(config, spec)
+    plan["weight_bytes_estimate"] = weights
+    budget = int(hbm_gb * GIB * HBM_UTILISATION) - weights
+    return max(budget, 0), (
+        f"--hbm-gb {hbm_gb:g} x {HBM_UTILISATION} minus ~{weights / GIB:.2f} GiB of weights"
+    )
+
+
+def parse_memory(text: str | None) -> int | None:
+    """'8GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    from kvskill.errors import BadInputError
+
+    if text is None:
+        return None
+    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    units.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 1 << 10})
+    units.update({"m": 1 << 20, "g": 1 << 30})
+    raw = text.strip().lower()
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number) :].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0:
+        raise BadInputError(f"memory size '{text}' is not understood; use e.g. 8GiB or 512MiB")
+    return int(value * units[unit])

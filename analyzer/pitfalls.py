@@ -1,0 +1,115 @@
+"""The common-error table: the known KV/FA mistakes that apply to this model's design."""
+
+from __future__ import annotations
+
+from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.plan import AttnType
+from kvskill.analyzer.rules import TND_HEAD_DIMS
+
+
+def add_pitfalls(
+    *,
+    spec: ModelSpec,
+    book: Notebook,
+    kv_mode: str,
+    deploy_mode: str,
+    attention: str,
+    fa_version: str,
+    attn_types: list[str],
+    kv_heads_per_rank: int,
+    attn_tp_size: int,
+    scale_has_mscale: bool,
+) -> None:
+    """Append one warning per applicable row of the common-error table (and operator limits)."""
+    warn = book.warn
+    if kv_mode == "legacy":
+        warn(
+            "Legacy mode serves offline inference only; online serving needs Paged once the "
+            "blocker is gone"
+        )
+        return
+    warn(
+        "atten_mask must be the bool [2048, 2048] tile (True = masked, triu(diagonal=1)); "
+        "float masks or other shapes are rejected by the operator"
+    )
+    if fa_version == "v1":
+        warn(
+            "FA v1 keywords: scale=, num_heads=, actual_seq_lengths=, actual_seq_lengths_kv=; "
+            "a v2 name (softmax_scale=) leaves the scale at its default 1.0"
+        )
+    else:
+        warn(
+            "FA v2 keywords: softmax_scale=, num_query_heads=, actual_seq_qlen=, "
+            "actual_seq_kvlen=; a v1 name (scale=) leaves the scale at its default 1.0"
+        )
+    full_like = [t for t in attn_types if t != AttnType.MAMBA.value]
+    if attention != "mla" and AttnType.FULL.value in full_like:
+        warn(
+            "full attention needs sparse_mode=3 with the causal mask in prefill and decode; "
+            "sparse_mode=0 without a mask removes causal masking (garbled prefill, no error)"
+        )
+    if attention == "mla":
+        warn(
+            "MLA absorb decode must use sparse_mode=0 with atten_mask=None; sparse_mode=3 "
+            "there gives large deviations"
+        )
+        warn(
+            "MLA absorb: the FA call's num_key_value_heads=1 must equal cache_entries "
+            "num_head=1, and the model class must set is_mla_backend=True"
+        )
+        rope = int(spec.mla["qk_rope_head_dim"] or 0) if spec.mla else 0
+        rank = int(spec.mla["kv_lora_rank"] or 0) if spec.mla else 0
+        if rope != 64:
+            msg = f"MLA rope head dim is {rope}; the fused operator's rope split requires 64"
+            warn(msg)
+            book.block(msg)
+        if rank not in (128, 512):
+            msg = f"MLA kv_lora_rank is {rank}; the fused operator supports 512 or 128"
+            warn(msg)
+            book.block(msg)
+    if AttnType.SLIDING.value in attn_types:
+        warn(
+            "sliding-window layers keep sparse_mode=4 with pre_tokens=W-1, next_tokens=0 in "
+            "decode too; sparse_mode=0 lets long sequences see keys outside the window"
+        )
+    if len(full_like) + (AttnType.MAMBA.value in attn_types) > 1:
+        warn(
+            "mixed attn_types: set attn_type per layer in the attention __init__ from the "
+            "layer pattern; one manager name for every layer is wrong"
+        )
+    if deploy_mode == "framework":
+        warn(
+            "framework: block_table and slot_mapping are dicts keyed by attn_type; pass "
+            "block_table[self.attn_type], never the dict"
+        )
+        warn(
+            "framework: get_cache_info() needs self.block_size saved in __init__ and one "
+            "LayerCacheInfo per decoder layer"
+        )
+    else:
+        warn(
+            "standalone: kv_len is a runner variable every layer reads; incrementing it inside "
+            "a layer shifts the cache write position layer by layer"
+        )
+    if attention != "mla":
+        warn(
+            f"cache_entries num_head = max(num_kv_heads // attn_tp_size, 1) = "
+            f"{kv_heads_per_rank} at attn_tp_size={attn_tp_size}; update it when the TP size "
+            "changes"
+        )
+        if spec.head_dim not in TND_HEAD_DIMS:
+            warn(
+                f"head_dim {spec.head_dim}: recent CANN accepts TND non-MLA head dims 64/128/192 "
+                "only (unconfirmed on hardware); the CPU reference runs it"
+            )
+        q_per_rank = max(spec.num_heads // attn_tp_size, 1)
+        if q_per_rank // max(kv_heads_per_rank, 1) > 64:
+            warn(f"GQA ratio {q_per_rank // kv_heads_per_rank} exceeds the operator's limit of 64")
+    if scale_has_mscale:
+        warn(
+            "YaRN mscale_all_dim: the FA scale must include mscale^2; leaving it out is "
+            "silently too small"
+        )
+    if not spec.dtype_known:
+        warn(f"config names no dtype; cache dtype {spec.dtype} assumed")

@@ -1,0 +1,414 @@
+"""The decisions of the KV design, each with its evidence.
+
+Order follows the selection flow: deployment mode, per-layer kinds, attention form, whether
+Paged is possible (else Legacy with the blocker), FA version, layout, sparse modes and window
+tokens, softmax scale, KV heads per rank, cache entries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
+from kvskill.analyzer.plan import AttnType, LayerPlan
+from kvskill.analyzer.roles import CodeRoles
+from kvskill.analyzer.scan import ModuleFacts, scan_file
+
+#: layer kinds whose cache is a fixed-size state per request (grouped as Mamba)
+STATE_KINDS = frozenset({"linear_attention", "mamba", "conv", "recurrent"})
+#: layer kinds without any cache
+NO_CACHE_KINDS = frozenset({"mlp"})
+#: head dims the fused operator accepts in TND for non-MLA attention (npu_ops §7 item 10)
+TND_HEAD_DIMS = frozenset({64, 128, 192})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeView:
+    """The scanned modeling file and the roles found in it."""
+
+    facts: ModuleFacts
+    roles: CodeRoles
+
+    def attention_class(self):
+        name = self.roles.attention[0] if self.roles.attention else None
+        return self.facts.classes.get(name) if name else None
+
+    def where(self, line: int | None) -> str:
+        return self.facts.where(line) if line else self.facts.file_name
+
+
+# -- deployment mode --------------------------------------------------------------------------
+
+
+def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> str:
+    """Explicit flag > a self-managing runner_*.py (standalone) > framework."""
+    if requested in ("framework", "standalone"):
+        book.cite("deploy_mode", f"set explicitly to {requested}", "flag --mode")
+        return requested
+    for runner in runner_files:
+        facts = scan_file(runner)
+        framework_imports = [m for m in facts.imports if m.startswith("kvskill.runtime")]
+        name = facts.file_name
+        if framework_imports:
+            line = facts.imports[framework_imports[0]]
+            book.cite(
+                "deploy_mode",
+                f"{name} drives the model through the bundled runtime ({framework_imports[0]})",
+                f"{name}:{line}",
+            )
+            return "framework"
+        book.cite(
+            "deploy_mode",
+            f"{name} manages its own inference loop and KV tensors (no framework import)",
+            name,
+        )
+        return "standalone"
+    book.cite("deploy_mode", "no runner_*.py next to the model; framework is the default", "rule")
+    return "framework"
+
+
+# -- layers -----------------------------------------------------------------------------------
+
+
+def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
+    """One LayerPlan per decoder layer that holds a cache (MLP-only layers have none)."""
+    layers: list[LayerPlan] = []
+    for index, kind in enumerate(spec.layer_kinds):
+        if kind in NO_CACHE_KINDS:
+            continue
+        if kind in STATE_KINDS:
+            layers.append(LayerPlan(index=index, kind=kind, attn_type=AttnType.MAMBA.value))
+        elif kind == "sliding":
+            layers.append(
+                LayerPlan(
+                    index=index,
+                    kind="attention",
+                    attn_type=AttnType.SLIDING.value,
+                    sliding_window=spec.sliding_window,
+                )
+            )
+        else:
+            layer_kind = "mla" if spec.mla and kind == "attention" else kind
+            layers.append(LayerPlan(index=index, kind=layer_kind, attn_type=AttnType.FULL.value))
+    _cite_layers(spec, layers, book)
+    return layers
+
+
+def _cite_layers(spec: ModelSpec, layers: list[LayerPlan], book: Notebook) -> None:
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.attn_type] = counts.get(layer.attn_type, 0) + 1
+    summary = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+    book.cite(
+        "layers",
+        f"{spec.num_layers} decoder layers: {summary} (pattern from {spec.layer_pattern_source})",
+        book.cfg(spec.layer_pattern_source.split(" ")[0])
+        if not spec.layer_pattern_source.startswith("default")
+        else book.cfg(spec.sources.get("num_layers")),
+    )
+    if spec.sliding_window is not None and AttnType.SLIDING.value not in counts:
+        book.cite(
+            "layers",
+            f"sliding_window={spec.sliding_window} is set but no layer uses it, so the model "
+            "is not a sliding-window model",
+            book.cfg(spec.sources.get("sliding_window")),
+        )
+
+
+# -- attention form, Paged vs Legacy --------------------------------------------------------
+
+
+def decide_attention(spec: ModelSpec, book: Notebook) -> str:
+    if spec.mla:
+        book.cite(
+            "attention",
+            f"MLA: kv_lora_rank={spec.mla['kv_lora_rank']} with a separate rope key of "
+            f"{spec.mla['qk_rope_head_dim']} dims",
+            book.cfg(spec.sources.get("mla")),
+        )
+        return "mla"
+    heads, kv = spec.num_heads, spec.num_kv_heads
+    form = "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+    book.cite(
+        "attention",
+        f"{heads} query heads and {kv} KV heads -> {form.upper()}",
+        book.cfg(spec.sources.get("num_kv_heads") or spec.sources.get("num_heads")),
+    )
+    return form
+
+
+def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[str, str | None]:
+    """Paged unless an operator cannot express the model's attention (then the blocker)."""
+    blocker: str | None = None
+    source = ""
+    softcap_line = _softcap_line(code)
+    if spec.attn_logit_softcapping is not None and softcap_line is not None:
+        blocker = (
+            f"attention logit soft-capping (attn_logit_softcapping={spec.attn_logit_softcapping:g})"
+            ": the fused attention operators have no soft-capping parameter"
+        )
+        source = code.where(softcap_line)
+    elif "chunked" in spec.layer_kinds:
+        blocker = (
+            f"chunked attention (attention_chunk_size={spec.attention_chunk_size}): a query "
+            "sees only its own chunk, which no causal or band sparse_mode expresses"
+        )
+        source = book.cfg(spec.sources.get("attention_chunk_size") or "layer_types")
+    if blocker:
+        book.cite("kv_mode", f"Legacy: Paged + FA is impossible because of {blocker}", source)
+        return "legacy", blocker
+    if spec.attn_logit_softcapping is not None:
+        book.cite(
+            "kv_mode",
+            "attn_logit_softcapping is set but the attention code never applies it",
+            book.cfg("attn_logit_softcapping"),
+        )
+    book.cite(
+        "kv_mode",
+        "Paged: every layer's attention maps onto the fused operator (no soft-capping, "
+        "no chunked attention)",
+        "rule: Paged unless an operator cannot express the attention",
+    )
+    return "paged", None
+
+
+def _softcap_line(code: CodeView) -> int | None:
+    for name in code.roles.attention:
+        cls = code.facts.classes.get(name)
+        if cls is None:
+            continue
+        for key in ("softcap", "attn_logit_softcapping", "logit_softcapping"):
+            if key in cls.names_used:
+                return cls.names_used[key]
+    return None
+
+
+# -- FA version, layout, sparse modes ------------------------------------------------------------
+
+
+def sinks_line(code: CodeView) -> int | None:
+    for name in code.roles.attention:
+        cls = code.facts.classes.get(name)
+        if cls is None:
+            continue
+        if "sinks" in cls.self_attrs:
+            return cls.self_attrs["sinks"]
+        for key in ("s_aux", "sinks", "learnable_sink", "attention_sinks"):
+            if key in cls.names_used:
+                return cls.names_used[key]
+    return None
+
+
+def decide_fa_version(code: CodeView, book: Notebook) -> tuple[str, str]:
+    line = sinks_line(code)
+    if line is not None:
+        reason = (
+            "learnable attention sinks: only FA v2 (npu_fused_infer_attention_score_v2) "
+            "takes learnable_sink"
+        )
+        book.cite("fa_version", reason, code.where(line))
+        return "v2", reason
+    reason = "no learnable sinks or other v2-only feature, so FA v1 (the default for GQA/MoE)"
+    book.cite("fa_version", reason, code.facts.file_name)
+    return "v1", reason
+
+
+def decide_layout(kv_mode: str, attention: str, book: Notebook) -> tuple[str, bool]:
+    """(input_layout, mla_absorb)."""
+    if kv_mode == "legacy":
+        book.cite("input_layout", "Legacy keeps contiguous caches with SDPA in BSH", "rule")
+        return "BSH", False
+    if attention == "mla":
+        book.cite(
+            "mla_absorb",
+            "MLA: absorb kv_b_proj so attention runs on the latent cache (key = value = "
+            "nope cache, rope passed separately)",
+            "rule: MLA -> absorb",
+        )
+        book.cite("input_layout", "MLA absorb uses TND_NTD", "rule")
+        return "TND_NTD", True
+    book.cite("input_layout", "packed variable-length tokens: TND", "rule")
+    return "TND", False
+
+
+def decide_sparse_modes(
+    kv_mode: str, attention: str, attn_types: list[str], window: int | None, book: Notebook
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """sparse_mode per attn_type and pre/next tokens for windows."""
+    if kv_mode == "legacy":
+        return {}, {}
+    modes: dict[str, dict[str, int]] = {}
+    windows: dict[str, dict[str, int]] = {}
+    for attn_type in attn_types:
+        if attn_type == AttnType.MAMBA.value:
+            continue
+        if attn_type == AttnType.SLIDING.value and window:
+            modes[attn_type] = {"prefill": 4, "decode": 4}
+            windows[attn_type] = {"pre_tokens": window - 1, "next_tokens": 0}
+            book.cite(
+                f"sparse_mode.{attn_type}",
+                f"band mask (4) in prefill and decode; the model's window W={window} includes "
+                f"the query itself (key j visible iff j > i - W), and pre_tokens=P admits P+1 "
+                f"keys with the diagonal, so pre_tokens={window - 1}, next_tokens=0",
+                f"{hf_window_rule_source()}; npu_ops.md §1.5",
+            )
+        elif attention == "mla":
+            modes[attn_type] = {"prefill": 3, "decode": 0}
+            book.cite(
+                f"sparse_mode.{attn_type}",
+                "MLA absorb: causal (3) with the 2048x2048 mask in prefill; dense (0) without a "
+                "mask for single-token decode",
+                "rule: MLA absorb prefill 3 / decode 0",
+            )
+        else:
+            modes[attn_type] = {"prefill": 3, "decode": 3}
+            book.cite(
+                f"sparse_mode.{attn_type}",
+                "causal (3) with the 2048x2048 bool mask, the same in prefill and decode",
+                "rule: TND paged full attention",
+            )
+    return modes, windows
+
+
+# -- scale, heads, cache entries ----------------------------------------------------------------
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN attention-temperature factor: 0.1 * mscale * ln(factor) + 1 for factor > 1."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
+    cls = code.attention_class()
+    scaling_line = cls.self_attrs.get("scaling") if cls else None
+    where = code.where(scaling_line)
+    if spec.mla:
+        dim = int(spec.mla["qk_nope_head_dim"] or 0) + int(spec.mla["qk_rope_head_dim"] or 0)
+        label = f"(qk_nope_head_dim + qk_rope_head_dim = {dim})"
+    else:
+        dim = spec.head_dim
+        label = f"head_dim {dim}"
+    scale = dim**-0.5 if dim else 1.0
+    rope = spec.rope_parameters
+    mscale_all_dim = rope.get("mscale_all_dim") or 0
+    applies_mscale = "yarn_get_mscale" in code.facts.functions
+    if (
+        applies_mscale
+        and mscale_all_dim
+        and rope.get("rope_type", rope.get("type", "default")) != "default"
+    ):
+        factor = float(rope.get("factor") or 1.0)
+        mscale = yarn_mscale(factor, float(mscale_all_dim))
+        scale *= mscale * mscale
+        book.cite(
+            "softmax_scale",
+            f"{label}^-0.5 x mscale^2 with mscale = 0.1*{mscale_all_dim}*ln({factor:g})+1 = "
+            f"{mscale:.6f} (YaRN mscale_all_dim) -> {scale:.8f}",
+            f"{where}; {book.cfg(spec.sources.get('rope_parameters'))}",
+        )
+        return scale
+    cfg_multiplier = _explicit_scale(spec, book)
+    if cfg_multiplier is not None:
+        return cfg_multiplier
+    book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
+    return scale
+
+
+def _explicit_scale(spec: ModelSpec, book: Notebook) -> float | None:
+    from kvskill.analyzer.config import text_config
+
+    cfg, prefix = text_config(book.source.config)
+    if cfg.get("query_pre_attn_scalar"):
+        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        book.cite(
+            "softmax_scale",
+            f"query_pre_attn_scalar^-0.5 = {scale:.8f}",
+            book.cfg(prefix + "query_pre_attn_scalar"),
+        )
+        return scale
+    if cfg.get("attention_multiplier"):
+        scale = float(cfg["attention_multiplier"])
+        book.cite(
+            "softmax_scale",
+            f"attention_multiplier = {scale}",
+            book.cfg(prefix + "attention_multiplier"),
+        )
+        return scale
+    return None
+
+
+def decide_kv_heads(spec: ModelSpec, attn_tp_size: int, book: Notebook) -> int:
+    if spec.mla:
+        book.cite(
+            "num_key_value_heads_per_rank",
+            f"MLA latent KV is one head and is not split across attn_tp_size={attn_tp_size}",
+            "rule: MLA latent not split",
+        )
+        return 1
+    per_rank = max(spec.num_kv_heads // attn_tp_size, 1)
+    book.cite(
+        "num_key_value_heads_per_rank",
+        f"max({spec.num_kv_heads} // {attn_tp_size}, 1) = {per_rank}",
+        f"{book.cfg(spec.sources.get('num_kv_heads'))}; flag --attn-tp-size",
+    )
+    if attn_tp_size > spec.num_kv_heads:
+        book.warn(
+            f"attn_tp_size={attn_tp_size} exceeds the {spec.num_kv_heads} KV heads: every rank "
+            f"holds 1 KV head (replicated {attn_tp_size // max(spec.num_kv_heads, 1)}x)"
+        )
+    elif spec.num_kv_heads % attn_tp_size:
+        book.warn(
+            f"{spec.num_kv_heads} KV heads do not divide by attn_tp_size={attn_tp_size}; "
+            f"{per_rank} per rank leaves heads unassigned"
+        )
+    return per_rank
+
+
+def cache_entries(
+    spec: ModelSpec, attn_types: list[str], kv_heads_per_rank: int, attn_tp_size: int
+) -> dict[str, list[dict]]:
+    """The caches one layer of each attn_type declares."""
+    dtype = spec.dtype
+    entries: dict[str, list[dict]] = {}
+    for attn_type in attn_types:
+        if attn_type == AttnType.MAMBA.value:
+            entries[attn_type] = _state_entries(spec, attn_tp_size)
+        elif spec.mla:
+            entries[attn_type] = [
+                _entry("nope_cache", int(spec.mla["kv_lora_rank"] or 0), 1, dtype),
+                _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
+            ]
+        else:
+            window = spec.sliding_window if attn_type == AttnType.SLIDING.value else None
+            entries[attn_type] = [
+                _entry("k_cache", spec.head_dim, kv_heads_per_rank, dtype, window),
+                _entry("v_cache", spec.v_head_dim, kv_heads_per_rank, dtype, window),
+            ]
+    return entries
+
+
+def _entry(name: str, dim, num_head: int, dtype: str, window: int | None = None) -> dict:
+    return {
+        "cache_name": name,
+        "dim": dim,
+        "num_head": num_head,
+        "dtype": dtype,
+        "sliding_window": window,
+    }
+
+
+def _state_entries(spec: ModelSpec, attn_tp_size: int) -> list[dict]:
+    state = spec.state
+    if not state:
+        return []
+    conv_dim = max(state["conv_dim"] // attn_tp_size, 1)
+    entries = [_entry("conv_state", [state["conv_kernel"] - 1, conv_dim], 1, spec.dtype)]
+    if state.get("num_state_heads"):
+        heads = max(state["num_state_heads"] // attn_tp_size, 1)
+        dims = [state["state_k_dim"], state["state_v_dim"]]
+        entries.append(_entry("ssm_state", dims, heads, spec.dtype))
+    return entries

@@ -1,0 +1,331 @@
+"""Facts from a modeling file, read with libcst (never imported or executed).
+
+The scan records what the decisions need, each with its line number: the attention classes
+and their cache write (``cache.update`` in transformers 5, ``past_key_value.update`` in
+transformers 4 style code), the attention call (``attention_interface(...)``, SDPA, eager),
+learnable sinks, soft-capping, the rope style, the decoder layer / model / ``*ForCausalLM``
+classes, and signs of code that is already paged (``cache_entries``, ``get_cache_info``) or
+uses the Legacy framework path (``cache_unit`` + ``scatter_update_``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import libcst as cst
+from kvskill.errors import UnsupportedModelError
+
+#: receiver names whose ``.update(...)`` call is a KV-cache write
+_CACHE_RECEIVERS = ("cache", "past_key_value", "past_key_values", "layer_past", "kv_cache")
+#: callee names that run the attention itself
+_ATTENTION_CALLEES = (
+    "attention_interface",
+    "scaled_dot_product_attention",
+    "eager_attention_forward",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "_flash_attention_forward",
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2",
+)
+_LINEAR_ATTENTION_CALLEES = (
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "mamba_chunk_scan_combined",
+    "selective_scan_fn",
+    "selective_state_update",
+    "mamba_inner_fn",
+)
+_SINK_NAMES = ("sinks", "s_aux", "learnable_sink", "attention_sinks")
+_SOFTCAP_NAMES = ("softcap", "attn_logit_softcapping", "logit_softcapping")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallFact:
+    """One call found in a class method."""
+
+    #: "cache_update" | "attention_call" | "linear_attention_call" | "scatter_update" | "fa_call"
+    kind: str
+    callee: str
+    #: the receiver of a method call ("cache", "past_key_value", "self"), or ""
+    receiver: str
+    method: str
+    line: int
+    #: keyword argument names passed
+    keywords: tuple[str, ...] = ()
+
+
+@dataclass(kw_only=True)
+class ClassFacts:
+    """What one class in the modeling file contains."""
+
+    name: str
+    line: int
+    bases: list[str]
+    methods: dict[str, int] = field(default_factory=dict)
+    calls: list[CallFact] = field(default_factory=list)
+    #: ``self.X = ...`` assignments anywhere in the class -> first line
+    self_attrs: dict[str, int] = field(default_factory=dict)
+    #: names read anywhere in the class (``self.sinks``, ``softcap=``) -> first line
+    names_used: dict[str, int] = field(default_factory=dict)
+    #: ``self.X = SomeClass(...)`` (also inside ModuleList comprehensions) -> class names
+    attr_classes: dict[str, list[str]] = field(default_factory=dict)
+
+    def first_call(self, kind: str) -> CallFact | None:
+        return next((c for c in self.calls if c.kind == kind), None)
+
+
+@dataclass(kw_only=True)
+class ModuleFacts:
+    """Facts of one modeling file."""
+
+    path: str
+    file_name: str
+    num_lines: int
+    classes: dict[str, ClassFacts] = field(default_factory=dict)
+    #: module-level functions -> line
+    functions: dict[str, int] = field(default_factory=dict)
+    #: parameter names of module-level functions (for ``s_aux`` in eager attention)
+    function_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: imported module paths ("transformers.cache_utils", "kvskill.runtime") -> line
+    imports: dict[str, int] = field(default_factory=dict)
+
+    def where(self, line: int) -> str:
+        return f"{self.file_name}:{line}"
+
+
+@lru_cache(maxsize=512)
+def _scan_cached(path: str, mtime_ns: int, size: int) -> ModuleFacts:
+    with open(path, encoding="utf-8") as handle:
+        source = handle.read()
+    return scan_source(source, path=path)
+
+
+def scan_file(path: str) -> ModuleFacts:
+    """Scan a file once per (path, mtime, size); repeated calls return the cached facts."""
+    stat = os.stat(path)
+    return _scan_cached(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+def scan_source(source: str, *, path: str = "<memory>") -> ModuleFacts:
+    """Parse ``source`` with libcst and collect the facts. Unparsable code is refused."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise UnsupportedModelError(
+            f"cannot parse {os.path.basename(path)} at line {exc.raw_line}: "
+            "the modeling code is not valid Python"
+        ) from exc
+    facts = ModuleFacts(
+        path=path, file_name=os.path.basename(path), num_lines=source.count("\n") + 1
+    )
+    _Collector(module, _LineLocator(source), facts).collect()
+    return facts
+
+
+class _LineLocator:
+    """Line numbers without libcst's position metadata (which costs ~3x the parse).
+
+    Definitions are found by their ``class``/``def`` line; a call is found as the n-th
+    occurrence of its first source line after the enclosing definition. libcst visits in
+    source order, so the n-th visited identical call is the n-th occurrence in the text.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.lines = source.splitlines()
+
+    def definition(self, keyword: str, name: str, start: int = 1, indent: str | None = None) -> int:
+        pattern = re.compile(rf"^(\s*){keyword}\s+{re.escape(name)}\b")
+        for number in range(max(start, 1), len(self.lines) + 1):
+            match = pattern.match(self.lines[number - 1])
+            if match and (indent is None or match.group(1) == indent):
+                return number
+        return start
+
+    def occurrence(self, snippet: str, start: int, nth: int) -> int:
+        seen = 0
+        for number in range(max(start, 1), len(self.lines) + 1):
+            if snippet in self.lines[number - 1]:
+                if seen == nth:
+                    return number
+                seen += 1
+        return start
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        left = _dotted(node.value)
+        return f"{left}.{node.attr.value}" if left else node.attr.value
+    return ""
+
+
+class _Collector(cst.CSTVisitor):
+    """One traversal of the module; tracks the enclosing class and method."""
+
+    def __init__(self, module: cst.Module, locator: _LineLocator, facts: ModuleFacts) -> None:
+        super().__init__()
+        self.module = module
+        self.locator = locator
+        self.facts = facts
+        self.cls: ClassFacts | None = None
+        self.method: str | None = None
+        self.method_line = 1
+        self.depth = 0  # nesting of classes/functions (only top-level classes are recorded)
+        self.seen: dict[str, int] = {}
+
+    def collect(self) -> None:
+        self.module.visit(self)
+
+    # -- definitions -------------------------------------------------------------------
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.depth += 1
+        if self.depth != 1:
+            return
+        name = node.name.value
+        line = self.locator.definition("class", name, indent="")
+        bases = [_dotted(arg.value) for arg in node.bases]
+        self.cls = ClassFacts(name=name, line=line, bases=[b for b in bases if b])
+        self.method_line = line
+        self.facts.classes[name] = self.cls
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.cls = None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.depth += 1
+        name = node.name.value
+        params = [p.name.value for p in node.params.params + node.params.kwonly_params]
+        if self.depth == 1:
+            self.facts.functions[name] = self.locator.definition("def", name, indent="")
+            self.facts.function_params[name] = tuple(params)
+        elif self.depth == 2 and self.cls is not None:
+            start = self.locator.definition("def", name, start=self.cls.line)
+            self.cls.methods.setdefault(name, start)
+            self.method, self.method_line, self.seen = name, start, {}
+            for param in params:
+                if param in _WATCHED_NAMES:
+                    self.cls.names_used.setdefault(param, start)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.depth -= 1
+        if self.depth == 1 and self.cls is not None:
+            self.method = None
+
+    # -- imports -----------------------------------------------------------------------
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if node.module is not None:
+            self._import("." * len(node.relative) + _dotted(node.module))
+        elif node.relative:
+            self._import("." * len(node.relative))
+
+    def visit_Import(self, node: cst.Import) -> None:
+        for alias in node.names:
+            self._import(_dotted(alias.name))
+
+    def _import(self, name: str) -> None:
+        if name and name not in self.facts.imports:
+            tail = name.lstrip(".").split(".")[-1]
+            self.facts.imports[name] = self.locator.occurrence(tail, 1, 0) if tail else 1
+
+    # -- facts inside classes ----------------------------------------------------------
+    def visit_Call(self, node: cst.Call) -> None:
+        if self.cls is None:
+            return
+        keywords = tuple(a.keyword.value for a in node.args if a.keyword is not None)
+        for keyword in keywords:
+            if keyword in _WATCHED_NAMES:
+                where = self.locator.occurrence(f"{keyword}=", self.method_line, 0)
+                self.cls.names_used.setdefault(keyword, where)
+        fact_kind = _classify(node)
+        if fact_kind is None:
+            return
+        kind, callee, receiver = fact_kind
+        snippet = self.module.code_for_node(node.func).strip().splitlines()[0] + "("
+        nth = self.seen.get(snippet, 0)
+        self.seen[snippet] = nth + 1
+        self.cls.calls.append(
+            CallFact(
+                kind=kind,
+                callee=callee,
+                receiver=receiver,
+                method=self.method or "",
+                line=self.locator.occurrence(snippet, self.method_line, nth),
+                keywords=keywords,
+            )
+        )
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        if self.cls is None:
+            return
+        target = node.target
+        if isinstance(target, cst.Attribute) and _dotted(target.value) == "self":
+            name = target.attr.value
+        elif isinstance(target, cst.Name) and self.method is None:
+            name = target.value  # class attribute
+        else:
+            return
+        if name not in self.cls.self_attrs:
+            where = self.locator.occurrence(name, self.method_line, 0)
+            self.cls.self_attrs[name] = where
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if self.cls is None:
+            return
+        for target in node.targets:
+            expr = target.target
+            if isinstance(expr, cst.Attribute) and _dotted(expr.value) == "self":
+                called = _CalledNames()
+                node.value.visit(called)
+                if called.names:
+                    self.cls.attr_classes.setdefault(expr.attr.value, called.names)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if self.cls is not None and node.value in _WATCHED_NAMES:
+            where = self.locator.occurrence(node.value, self.method_line, 0)
+            self.cls.names_used.setdefault(node.value, where)
+
+
+class _CalledNames(cst.CSTVisitor):
+    """Names of capitalised callees in an expression (the classes it instantiates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        name = _dotted(node.func).split(".")[-1]
+        if name[:1].isupper() and name not in self.names:
+            self.names.append(name)
+
+
+_WATCHED_NAMES = frozenset(_SINK_NAMES + _SOFTCAP_NAMES + ("cache_unit", "cache_entries"))
+
+
+def _classify(call: cst.Call) -> tuple[str, str, str] | None:
+    dotted = _dotted(call.func)
+    if not dotted:
+        return None
+    parts = dotted.split(".")
+    callee = parts[-1]
+    receiver = parts[-2] if len(parts) > 1 else ""
+    if callee == "update" and receiver in _CACHE_RECEIVERS:
+        return "cache_update", callee, receiver
+    if callee in ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2"):
+        return "fa_call", callee, receiver
+    if callee in ("scatter_update_", "npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache"):
+        return "scatter_update", callee, receiver
+    if callee in _ATTENTION_CALLEES:
+        return "attention_call", callee, receiver
+    if callee in _LINEAR_ATTENTION_CALLEES:
+        return "linear_attention_call", callee, receiver
+    return None

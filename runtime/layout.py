@@ -136,15 +136,18 @@ class CacheLayout:
     mode: str  #: "contiguous" | "hybrid" | "gqa"
     total_bytes: int
     page_size_bytes: int | None = None
-    payload_bytes: int = 0
     pool: Tensor | None = None
     raw_views: list[Tensor] = field(default_factory=list)
     #: (group key, layer idx) -> {cache_name: tensor}
     views: dict[tuple[str, int], dict[str, Tensor]] = field(default_factory=dict)
+    #: group key -> share of the bytes a block of that group occupies that hold no data
+    #: (page padding, plus pages of raw views the group has no layer for)
+    padding_by_group: dict[str, float] = field(default_factory=dict)
 
     @property
     def padding_fraction(self) -> float:
-        return 1.0 - self.payload_bytes / self.total_bytes if self.total_bytes else 0.0
+        """The worst group's padding share (0.0 for the contiguous layout)."""
+        return max(self.padding_by_group.values(), default=0.0)
 
     def summary(self) -> dict:
         return {
@@ -152,6 +155,7 @@ class CacheLayout:
             "total_bytes": self.total_bytes,
             "page_size_bytes": self.page_size_bytes,
             "padding_fraction": round(self.padding_fraction, 6),
+            "padding_by_group": {k: round(v, 6) for k, v in self.padding_by_group.items()},
         }
 
 
@@ -198,7 +202,7 @@ def allocate_cache_tensors(
                     layout.total_bytes += t.numel() * t.element_size()
                     if log:
                         _log_view("contiguous", key, layer.layer_idx, name, t, None)
-        layout.payload_bytes = layout.total_bytes
+        layout.padding_by_group = dict.fromkeys(groups, 0.0)
         return layout
 
     nb = max(num_blocks.values())
@@ -211,19 +215,18 @@ def allocate_cache_tensors(
     layout = CacheLayout(
         mode=mode, total_bytes=pool.numel(), page_size_bytes=page, pool=pool, raw_views=raws
     )
-    # Payload per raw view: the widest group that uses it in a given block; blocks go to one
-    # group at a time, so report the page's widest user.
-    per_raw_payload = [0] * num_raw
     for key, g in groups.items():
+        payload = 0
         for j, (layer, entries) in enumerate(g.layers):
             views = bind_kv_cache(layer, raws[j], entries, g.block_size)
             layout.views[(key, layer.layer_idx)] = views
-            per_raw_payload[j] = max(per_raw_payload[j], entry_offsets(entries, g.block_size)[1])
+            payload += entry_offsets(entries, g.block_size)[1]
             if log:
                 for name, t in views.items():
                     mamba_page = page if _is_mamba_group(g) else None
                     _log_view(mode, key, layer.layer_idx, name, t, mamba_page)
-    layout.payload_bytes = sum(per_raw_payload) * nb
+        # A block id of this group takes page b in every raw view, used or not.
+        layout.padding_by_group[key] = 1.0 - payload / (page * num_raw)
     if log:
         logger.info(
             f"{LOG_PREFIX} mode={mode} pool_bytes={pool.numel()} page_size_bytes={page} "
@@ -292,3 +295,17 @@ def calculate_fixed_block_num(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     return None if per_request is None else max_num_seqs * per_request + 1
+
+
+def choose_hybrid_block_size(
+    attention_bytes_per_token: int, mamba_page_bytes: int, kernel_block_size: int = 16
+) -> int:
+    """Smallest multiple of the kernel block size whose attention page holds a Mamba page.
+
+    A hybrid pool pages both groups with one page size; picking the attention block size
+    this way keeps the (per-request) Mamba state inside one page and the attention padding
+    below one kernel block. Example: 512 B/token of K+V, a 20 KiB Mamba state and kernel
+    blocks of 16 tokens give ceil(20480 / 8192) * 16 = 48 tokens per block.
+    """
+    per_kernel_block = attention_bytes_per_token * kernel_block_size
+    return max(1, -(-mamba_page_bytes // per_kernel_block)) * kernel_block_size

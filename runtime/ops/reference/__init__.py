@@ -6,10 +6,16 @@ Import it through ``kvskill.runtime.ops.torch_npu`` so that an NPU machine gets 
 from __future__ import annotations
 
 from ._checks import OpInputError, ReferenceUnsupportedError
+from .format_cast import get_npu_format, npu_format_cast, npu_format_cast_
 from .fused_infer_attention import (
     npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
 )
+from .gated_delta import (
+    npu_recurrent_gated_delta_rule,
+    npu_recurrent_gated_delta_rule_functional,
+)
+from .kv_rmsnorm_rope_cache import npu_kv_rmsnorm_rope_cache
 from .scatter import (
     npu_scatter_nd_update,
     npu_scatter_nd_update_,
@@ -20,8 +26,14 @@ from .scatter import (
 __all__ = [
     "OpInputError",
     "ReferenceUnsupportedError",
+    "get_npu_format",
+    "npu_format_cast",
+    "npu_format_cast_",
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
+    "npu_kv_rmsnorm_rope_cache",
+    "npu_recurrent_gated_delta_rule",
+    "npu_recurrent_gated_delta_rule_functional",
     "npu_scatter_nd_update",
     "npu_scatter_nd_update_",
     "scatter_update",

@@ -111,6 +111,9 @@ class Plan:
     implementer_blockers: list[str] = field(default_factory=list)
     #: MLA models: the model class sets ModelCacheInfo(is_mla_backend=True)
     is_mla_backend: bool = False
+    #: MLA models: how the latent reaches the caches, "fused" (npu_kv_rmsnorm_rope_cache,
+    #: PA_NZ) or "scatter" (npu_scatter_nd_update_); the evidence "mla_cache_write" says why
+    mla_cache_write: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract as plain data (lists, dicts, str, int, float, bool, None)."""

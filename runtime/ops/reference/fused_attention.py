@@ -150,12 +150,19 @@ def _check_rope(call: FaCall) -> None:
         )
     if call.query_rope is None:
         return
-    for name, t in (("query_rope", call.query_rope), ("key_rope", call.key_rope)):
-        if t.size(-1) != MLA_ROPE_DIM and not _is_bsh_rope(call, t):
+    kvn = call.num_key_value_heads or call.num_heads
+    paged = call.block_table is not None
+    dims = {
+        "query_rope": _head_dim(call.query_rope, call.input_layout, call.num_heads, False),
+        "key_rope": _head_dim(call.key_rope, call.input_layout, kvn, paged),
+    }
+    for name, dim in dims.items():
+        if dim != MLA_ROPE_DIM:
             raise OpInputError(
-                f"{nm.op}: `{name}` head dim must be {MLA_ROPE_DIM}, got {describe(t)}"
+                f"{nm.op}: `{name}` head dim must be {MLA_ROPE_DIM}, got {dim} "
+                f"(from shape {tuple(getattr(call, name).shape)})"
             )
-    nope = _query_head_dim(call)
+    nope = _head_dim(call.query, call.input_layout, call.num_heads, False)
     if nope not in MLA_NOPE_DIMS:
         raise OpInputError(
             f"{nm.op}: with query_rope/key_rope the query head dim must be one of "
@@ -163,15 +170,17 @@ def _check_rope(call: FaCall) -> None:
         )
 
 
-def _is_bsh_rope(call: FaCall, t: Tensor) -> bool:
-    # In BSH the rope tensor carries N*64 on its last axis.
-    return call.input_layout.startswith("BSH") and t.size(-1) == MLA_ROPE_DIM * call.num_heads
-
-
-def _query_head_dim(call: FaCall) -> int:
-    if call.input_layout.startswith("BSH"):
-        return call.query.size(2) // call.num_heads
-    return call.query.size(-1)
+def _head_dim(t: Tensor, layout: str, heads: int, paged: bool) -> int:
+    """Head dim of a query-/key-side tensor given its layout or paged cache form."""
+    if paged:
+        if t.dim() == 3:
+            return t.size(2) // heads
+        if t.dim() == 5:
+            return t.size(2) * t.size(4)
+        return t.size(-1)
+    if layout.startswith("BSH"):
+        return t.size(2) // heads
+    return t.size(-1)
 
 
 def _resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> _Shapes:

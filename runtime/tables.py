@@ -18,10 +18,12 @@ Token 6 of request 0 lands in row 2 of physical block 2 (flat slot 10 of a
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from itertools import chain
 
 import torch
+from kvskill.runtime.block_pool import NULL_BLOCK_ID
 from torch import Tensor
 
 
@@ -41,15 +43,18 @@ def prepare_block_tables(
     Returns:
         int32 ``[B, max(pad_to, longest list)]``.
     """
-    lengths = torch.tensor([len(ids) for ids in block_ids], dtype=torch.int64)  # [B]
-    width = int(lengths.max()) if len(block_ids) else 0
+    width = max(map(len, block_ids), default=0)
     if pad_to is not None:
         width = max(width, pad_to)
-    flat = torch.tensor(list(chain.from_iterable(block_ids)), dtype=torch.int32)  # [sum]
-    table = torch.zeros((len(block_ids), width), dtype=torch.int32)
-    # Row-major fill: the True cells of the mask, read row by row, are exactly the
-    # flattened lists in order.
-    table[torch.arange(width) < lengths[:, None]] = flat
+    if not block_ids or width == 0:
+        table = torch.zeros((len(block_ids), width), dtype=torch.int32)
+        return table if device is None else table.to(device)
+    # The ids arrive as Python lists, so one pass over them is unavoidable; padding each row
+    # with a slice of a shared zero list and reading the buffer with frombuffer keeps that
+    # pass in C (no per-element Python work, no torch.tensor(list) walk).
+    zeros = [NULL_BLOCK_ID] * width
+    flat = array("i", chain.from_iterable(chain(ids, zeros[len(ids) :]) for ids in block_ids))
+    table = torch.frombuffer(flat, dtype=torch.int32).view(len(block_ids), width)  # [B, M]
     return table if device is None else table.to(device)
 
 
@@ -86,10 +91,12 @@ def prepare_token_positions(
         num_new_tokens: int64 ``[B]``, tokens of this step.
     """
     num_new_tokens = num_new_tokens.to(torch.int64)
-    batch = torch.arange(num_new_tokens.numel(), device=num_new_tokens.device)
+    device = num_new_tokens.device
+    batch = torch.arange(num_new_tokens.numel(), device=device)
     request_index = torch.repeat_interleave(batch, num_new_tokens)  # [T]
-    starts = torch.cumsum(num_new_tokens, 0) - num_new_tokens  # [B] first token of each request
-    offset = torch.arange(request_index.numel(), device=num_new_tokens.device)
-    offset = offset - starts[request_index]
-    positions = num_computed_tokens.to(torch.int64)[request_index] + offset
+    # position = token index in the packed step + (computed - first packed index), per request
+    first_token = torch.cumsum(num_new_tokens, 0) - num_new_tokens  # [B]
+    shift = num_computed_tokens.to(device, torch.int64) - first_token  # [B]
+    positions = torch.arange(request_index.numel(), device=device)
+    positions += torch.repeat_interleave(shift, num_new_tokens)
     return request_index, positions

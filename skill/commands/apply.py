@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
-from kvskill.errors import NotImplementedYetError
+from kvskill.analyzer.inputs import parse_overrides
+from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.options import (
     attn_tp_size_option,
     block_size_option,
@@ -79,4 +81,37 @@ def apply(model: str, **options) -> None:
     The input files are never modified; the result goes to --out. Model code is parsed with
     libcst, never executed.
     """
-    raise NotImplementedYetError("`kvskill apply` is not implemented yet")
+    result = apply_model(
+        model,
+        options["out_dir"],
+        ApplyOptions(
+            deploy_mode=options["deploy_mode"],
+            fa_version=options["fa_version"],
+            attn_tp_size=options["attn_tp_size"],
+            block_size=options["block_size"],
+            config_overrides=parse_overrides(options["config_overrides"]),
+            dry_run=options["dry_run"],
+            force=options["force"],
+            copy_weights=options["copy_weights"],
+        ),
+    )
+    if options["output_format"] == "json":
+        data = result.to_dict()
+        data["dry_run"] = options["dry_run"]
+        if options["dry_run"]:
+            data["diff"] = result.diff
+        click.echo(json.dumps(data))
+        return
+    if options["dry_run"]:
+        click.echo(result.diff, nl=False)
+        click.echo(
+            f"kvskill: dry run: {result.modeling_file} "
+            f"{'would change' if result.changed else 'is already converted'}; nothing written",
+            err=True,
+        )
+        return
+    click.echo(
+        f"kvskill: wrote {result.out_dir}: "
+        + ", ".join(f"{name} ({how})" for name, how in result.files.items()),
+        err=True,
+    )

@@ -1,0 +1,121 @@
+"""Attention ``forward``: replace the cache write and the attention kernel by the paged seam.
+
+Everything above the seam (projections, norms, RoPE) and below it (reshape, ``o_proj``) stays
+as written. The seam flattens query/key/value to TND, writes the new keys and values with
+``npu_scatter_nd_update_`` at ``slot_mapping[self.attn_type]`` and calls the fused attention
+with the Plan's version, layout, sparse mode, window, scale and sinks over
+``block_table[self.attn_type]``; its output is handed back in the layout the source kernel
+returned, so the code after the seam runs unchanged.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer.attn_init import SLIDING, _by_type
+from kvskill.implementer.facts import (
+    FA_CALL,
+    KernelStyle,
+    SeamFacts,
+    attention_facts,
+    is_attention_class,
+)
+from kvskill.implementer.snippets import methods, statements
+from kvskill.implementer.spec import ConversionSpec, FaVersion
+
+FA_OPS = {
+    FaVersion.V1: "npu_fused_infer_attention_score",
+    FaVersion.V2: "npu_fused_infer_attention_score_v2",
+}
+
+
+def _sparse_mode_expr(spec: ConversionSpec) -> str:
+    per_type = {}
+    for kind in spec.attn_types:
+        modes = spec.sparse_mode[kind]
+        prefill, decode = modes["prefill"], modes["decode"]
+        per_type[kind] = (
+            str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
+        )
+    return _by_type(spec, per_type)
+
+
+def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
+    """Keyword arguments of the FA call, with the version's own names (npu_ops §2.2)."""
+    v2 = spec.fa_version is FaVersion.V2
+    scale = seam.scale or f"{seam.query}.shape[-1] ** -0.5"
+    kwargs = [
+        ("num_query_heads" if v2 else "num_heads", "self.num_heads_per_rank"),
+        ("num_key_value_heads", "self.num_key_value_heads_per_rank"),
+        ("input_layout", f'"{spec.input_layout}"'),
+        ("softmax_scale" if v2 else "scale", scale),
+        ("atten_mask", "md.attention_mask"),
+        ("sparse_mode", _sparse_mode_expr(spec)),
+    ]
+    if spec.windows:
+        kwargs += [("pre_tokens", "self.pre_tokens"), ("next_tokens", "self.next_tokens")]
+    kwargs += [
+        ("block_table", "md.block_table[self.attn_type]"),
+        ("block_size", "block_size"),
+        ("actual_seq_qlen" if v2 else "actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
+        ("actual_seq_kvlen" if v2 else "actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+    ]
+    if spec.has_sinks:
+        assert seam.sinks is not None, "the pipeline checks sinks are passed to the kernel"
+        kwargs.append(("learnable_sink", seam.sinks))
+    return kwargs
+
+
+class AttentionForwardCommand(FrameworkCommand):
+    """Replace the seam of every attention forward and add ``update_cache``."""
+
+    DESCRIPTION = "Write K/V with npu_scatter_nd_update_ and attend with the fused paged attention."
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        if not is_attention_class(original_node) or m.findall(original_node, FA_CALL):
+            return updated_node
+        seam = attention_facts(original_node).seam
+        assert seam is not None, "the pipeline validates attention facts first"
+        config = self.parser_config()
+        body = []
+        for stmt in updated_node.body.body:
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
+                stmt = self._convert_forward(stmt, seam, config)
+            body.append(stmt)
+        update_cache = [
+            f
+            for f in methods("framework_attn_methods.py.j2", config)
+            if f.name.value == "update_cache"
+        ]
+        body.extend(update_cache)
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def _convert_forward(
+        self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
+    ) -> cst.FunctionDef:
+        block = cst.ensure_type(forward.body, cst.IndentedBlock)
+        old = list(block.body)
+        new = statements(
+            "framework_attn_seam.py.j2",
+            config,
+            query=seam.query,
+            key=seam.key,
+            value=seam.value,
+            output=seam.targets[0],
+            op=FA_OPS[self.spec.fa_version],
+            kwargs=fa_kwargs(self.spec, seam),
+            bnsd=seam.style is KernelStyle.SDPA,
+            extra_outputs=[t for t in seam.targets[1:] if t != "_"],
+        )
+        # keep the blank lines / comments that led into the seam
+        new[0] = new[0].with_changes(
+            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
+        )
+        body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
+        return forward.with_changes(body=block.with_changes(body=body))
+
+
+__all__ = ["AttentionForwardCommand", "FA_CALL", "SLIDING", "fa_kwargs"]

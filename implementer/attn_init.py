@@ -1,0 +1,133 @@
+"""Attention ``__init__``: declare the paged caches.
+
+Appends to every attention class's ``__init__`` its ``attn_type`` (a conditional on
+``config.layer_types[layer_idx]`` when the model mixes sliding and full layers), the heads per
+rank, the window bounds of sliding layers, empty cache placeholders and ``cache_entries``
+whose ``tensor_setter`` methods receive the runtime's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import libcst as cst
+from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    attention_facts,
+    class_assigns,
+    is_attention_class,
+    m,
+)
+from kvskill.implementer.snippets import methods, statements
+from kvskill.implementer.spec import FA_UNBOUNDED_TOKENS, ConversionSpec
+
+#: ``self.head_dim = ...`` in __init__
+HEAD_DIM_ASSIGN = m.Assign(
+    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("head_dim")))]
+)
+SLIDING = "SlidingWindow"
+
+
+def _offset(expr: str, offset: int) -> str:
+    if offset == 0:
+        return expr
+    return f"{expr} - {-offset}" if offset < 0 else f"{expr} + {offset}"
+
+
+def _by_type(spec: ConversionSpec, values: dict[str, str]) -> str:
+    """One expression choosing ``values[attn_type]`` for this layer's ``self.attn_type``."""
+    if spec.uniform_attn_type is not None:
+        return values[spec.uniform_attn_type]
+    if len({values[k] for k in spec.attn_types}) == 1:
+        return values[spec.attn_types[0]]
+    kinds = spec.attn_types
+    expr = values[kinds[-1]]
+    for kind in reversed(kinds[:-1]):
+        expr = f'{values[kind]} if self.attn_type == "{kind}" else {expr}'
+    return expr
+
+
+def attn_type_expr(spec: ConversionSpec, config: str, layer_idx: str | None) -> str:
+    """``"FullAttention"`` or a conditional on ``config.layer_types[layer_idx]``."""
+    if spec.uniform_attn_type is not None:
+        return f'"{spec.uniform_attn_type}"'
+    by_type: dict[str, list[str]] = {}
+    for layer_type, kind in sorted(spec.layer_type_to_attn_type.items()):
+        by_type.setdefault(kind, []).append(layer_type)
+    kinds = sorted(by_type)
+    lookup = f"{config}.layer_types[{layer_idx}]"
+    expr = f'"{kinds[-1]}"'
+    for kind in reversed(kinds[:-1]):
+        values = by_type[kind]
+        quoted = [json.dumps(v) for v in values]
+        test = (
+            f"{lookup} == {quoted[0]}" if len(quoted) == 1 else f"{lookup} in ({', '.join(quoted)})"
+        )
+        expr = f'"{kind}" if {test} else {expr}'
+    return expr
+
+
+def init_values(
+    spec: ConversionSpec, cls: cst.ClassDef, config: str, layer_idx: str | None
+) -> dict:
+    """Template values for ``framework_attn_init.py.j2``."""
+    windowed = bool(spec.windows)
+    values: dict = {
+        "attn_type_expr": attn_type_expr(spec, config, layer_idx),
+        "config": config,
+        "attn_tp_size": spec.attn_tp_size,
+        "windowed": windowed,
+        "window_expr": "",
+        "head_dim_expr": "self.head_dim"
+        if class_assigns(cls, HEAD_DIM_ASSIGN)
+        else f'getattr({config}, "head_dim", None) or {config}.hidden_size // {config}.num_attention_heads',
+    }
+    if windowed:
+        full = {k: str(FA_UNBOUNDED_TOKENS) for k in spec.attn_types}
+        pre = dict(full)
+        nxt = {k: "0" for k in spec.attn_types}
+        window = {k: "None" for k in spec.attn_types}
+        for kind, rule in spec.windows.items():
+            pre[kind] = _offset(f"{config}.sliding_window", rule.pre_offset)
+            nxt[kind] = str(rule.next_tokens)
+            window[kind] = f"{config}.sliding_window"
+        values["pre_tokens_expr"] = _by_type(spec, pre)
+        values["next_tokens_expr"] = _by_type(spec, nxt)
+        values["window_expr"] = _by_type(spec, window)
+    return values
+
+
+class AttentionInitCommand(FrameworkCommand):
+    """Declare attn_type, heads per rank, window bounds, cache placeholders and entries."""
+
+    DESCRIPTION = "Declare the paged cache entries in every attention __init__."
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        if not is_attention_class(original_node) or class_assigns(
+            original_node, CACHE_ENTRIES_ASSIGN
+        ):
+            return updated_node
+        facts = attention_facts(original_node)
+        assert facts.config_param is not None, "the pipeline validates attention facts first"
+        config = self.parser_config()
+        init_stmts = statements(
+            "framework_attn_init.py.j2",
+            config,
+            **init_values(self.spec, original_node, facts.config_param, facts.layer_idx_param),
+        )
+        setters = [
+            f
+            for f in methods("framework_attn_methods.py.j2", config)
+            if f.name.value.startswith("set_")
+        ]
+        body = []
+        for stmt in updated_node.body.body:
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
+                block = cst.ensure_type(stmt.body, cst.IndentedBlock)
+                stmt = stmt.with_changes(body=block.with_changes(body=[*block.body, *init_stmts]))
+            body.append(stmt)
+        body.extend(setters)
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

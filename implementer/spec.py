@@ -1,0 +1,164 @@
+"""What the codemods need from a Plan, validated once at the boundary.
+
+The codemods never read the Plan directly: ``ConversionSpec.from_plan`` turns the analyzer's
+decisions into the handful of values the emitted code depends on and refuses (exit 3) anything
+the framework rewrite cannot express yet, before a single file is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvskill.analyzer.plan import AttnType, Plan
+from kvskill.errors import UnsupportedModelError
+
+#: the key value ``pre_tokens``/``next_tokens`` default to in both FA versions ("unbounded")
+FA_UNBOUNDED_TOKENS = 2147483647
+
+
+class FaVersion(str, Enum):
+    """The fused-attention operator the converted attention calls."""
+
+    V1 = "v1"
+    V2 = "v2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowRule:
+    """How a sliding layer's FA window follows from the model's window W.
+
+    ``pre_tokens = W + pre_offset``; with the operator admitting ``pre_tokens + 1`` keys
+    (npu_ops §1.5) and the source model's W keys including the query itself, the analyzer's
+    rule gives ``pre_offset = -1``, ``next_tokens = 0``.
+    """
+
+    pre_offset: int
+    next_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConversionSpec:
+    """Everything the framework-mode codemods emit that depends on the analyzer's decisions."""
+
+    fa_version: FaVersion
+    input_layout: str
+    #: attn_type used by every layer when the model does not mix types, else None
+    uniform_attn_type: str | None
+    #: mixed models: config.layer_types value -> attn_type
+    layer_type_to_attn_type: dict[str, str] = field(default_factory=dict)
+    #: {attn_type: {"prefill": int, "decode": int}}
+    sparse_mode: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: sliding attn_types -> window rule
+    windows: dict[str, WindowRule] = field(default_factory=dict)
+    attn_tp_size: int = 1
+    block_size: int = 128
+    has_sinks: bool = False
+
+    @property
+    def attn_types(self) -> list[str]:
+        if self.uniform_attn_type is not None:
+            return [self.uniform_attn_type]
+        return sorted(set(self.layer_type_to_attn_type.values()))
+
+    @classmethod
+    def from_plan(
+        cls, plan: Plan, *, fa_version: str = "auto", block_size: int | None = None
+    ) -> ConversionSpec:
+        """Validate the Plan for the framework rewrite and extract the emitted values.
+
+        Raises:
+            UnsupportedModelError: the Plan needs something this rewrite does not do yet.
+        """
+        _check_supported(plan)
+        version = FaVersion(plan.fa_version if fa_version == "auto" else fa_version)
+        if plan.has_sinks and version is FaVersion.V1:
+            raise UnsupportedModelError(
+                f"{plan.model_type}: the attention has learnable sinks, which only "
+                "npu_fused_infer_attention_score_v2 supports (learnable_sink); use --fa-version "
+                "v2 or auto"
+            )
+        types = plan.layer_attn_types()
+        uniform = types[0] if len(set(types)) == 1 else None
+        mapping = {} if uniform is not None else _layer_type_mapping(plan)
+        return cls(
+            fa_version=version,
+            input_layout=plan.input_layout,
+            uniform_attn_type=uniform,
+            layer_type_to_attn_type=mapping,
+            sparse_mode={k: dict(v) for k, v in plan.sparse_mode.items()},
+            windows=_window_rules(plan),
+            attn_tp_size=plan.attn_tp_size,
+            block_size=block_size or plan.block_size,
+            has_sinks=plan.has_sinks,
+        )
+
+
+def _check_supported(plan: Plan) -> None:
+    name = plan.model_type
+    reasons: list[str] = list(plan.implementer_blockers)
+    if plan.kv_mode != "paged":
+        reasons.append(
+            f"kv_mode is {plan.kv_mode!r} ({plan.legacy_reason}); only paged is rewritten"
+        )
+    if plan.attention == "mla" or plan.mla_absorb:
+        reasons.append("MLA attention (latent nope/rope caches) is not rewritten yet")
+    if plan.input_layout != "TND":
+        reasons.append(f"input_layout {plan.input_layout!r}; the framework rewrite emits TND")
+    unknown = sorted(
+        {t for t in plan.layer_attn_types()} - {AttnType.FULL.value, AttnType.SLIDING.value}
+    )
+    if unknown:
+        reasons.append(f"layers of attn_type {unknown} (only FullAttention and SlidingWindow)")
+    if not plan.layers:
+        reasons.append("the Plan lists no layers")
+    if reasons:
+        raise UnsupportedModelError(f"{name}: cannot convert: " + "; ".join(reasons))
+
+
+def _layer_type_mapping(plan: Plan) -> dict[str, str]:
+    layer_types: list[Any] | None = plan.config.get("layer_types")
+    if not isinstance(layer_types, list) or len(layer_types) < len(plan.layers):
+        raise UnsupportedModelError(
+            f"{plan.model_type}: layers mix attention types but config.layer_types does not "
+            "list every layer, so the per-layer attn_type cannot be written as code"
+        )
+    mapping: dict[str, str] = {}
+    for layer in plan.layers:
+        value = str(layer_types[layer.index])
+        if mapping.setdefault(value, layer.attn_type) != layer.attn_type:
+            raise UnsupportedModelError(
+                f"{plan.model_type}: layer_types value {value!r} maps to both "
+                f"{mapping[value]} and {layer.attn_type}; the attn_type is not a function of "
+                "config.layer_types"
+            )
+    return mapping
+
+
+def _window_rules(plan: Plan) -> dict[str, WindowRule]:
+    rules: dict[str, WindowRule] = {}
+    for layer in plan.layers:
+        if layer.attn_type != AttnType.SLIDING.value:
+            continue
+        tokens = plan.window_tokens.get(layer.attn_type)
+        if not tokens or layer.sliding_window is None:
+            raise UnsupportedModelError(
+                f"{plan.model_type}: layer {layer.index} is SlidingWindow but the Plan has no "
+                "window (window_tokens / sliding_window)"
+            )
+        if plan.config.get("sliding_window") != layer.sliding_window:
+            raise UnsupportedModelError(
+                f"{plan.model_type}: layer {layer.index} has window {layer.sliding_window} but "
+                f"config.sliding_window is {plan.config.get('sliding_window')!r}; per-layer "
+                "windows are not rewritten yet"
+            )
+        rule = WindowRule(
+            pre_offset=int(tokens["pre_tokens"]) - layer.sliding_window,
+            next_tokens=int(tokens["next_tokens"]),
+        )
+        if rules.setdefault(layer.attn_type, rule) != rule:
+            raise UnsupportedModelError(
+                f"{plan.model_type}: sliding layers disagree on the window rule"
+            )
+    return rules

@@ -1,0 +1,278 @@
+"""``apply`` in framework mode: analyze, convert, and write the output directory atomically.
+
+The codemods are pure ``str -> str``; this module owns all I/O. Everything is staged in a
+temporary sibling of ``--out`` and moved into place in one rename, so a failure (or an
+unsupported model) leaves nothing behind, and the input files are never touched.
+
+Output directory:
+    modeling_<x>.py      the converted modeling code
+    config.json          the model's config (after overrides), with its architecture
+    kvskill_plan.json    the Plan, plus the original modeling source so ``verify`` can rebuild
+                         the reference model exactly
+    *.py                 other Python files of a model directory (configuration_*.py, ...)
+    *.safetensors[.index.json]   weights of a model directory, linked (or copied)
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvskill.analyzer import Plan, analyze_model
+from kvskill.errors import BadInputError, NotImplementedYetError
+from kvskill.implementer.pipeline import convert_source
+from kvskill.implementer.spec import ConversionSpec
+
+PLAN_FILE = "kvskill_plan.json"
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+#: bumped when the layout of kvskill_plan.json's "conversion" block changes
+CONVERSION_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyOptions:
+    """What ``kvskill apply`` was asked to do."""
+
+    deploy_mode: str = "framework"
+    fa_version: str = "auto"
+    attn_tp_size: int = 1
+    block_size: int | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
+    force: bool = False
+    copy_weights: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyResult:
+    """What was (or, with --dry-run, would be) written."""
+
+    plan: Plan
+    out_dir: Path | None
+    modeling_file: str
+    #: file name -> "written" | "linked" | "copied"
+    files: dict[str, str]
+    #: unified diff of the modeling file (empty when the source was already converted)
+    diff: str
+    changed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_type": self.plan.model_type,
+            "architecture": self.plan.architecture,
+            "out_dir": str(self.out_dir) if self.out_dir else None,
+            "modeling_file": self.modeling_file,
+            "files": self.files,
+            "changed": self.changed,
+            "attn_types": self.plan.attn_types,
+            "fa_version": self.plan.fa_version,
+        }
+
+
+def source_package(plan: Plan) -> str | None:
+    """Dotted package of a modeling file inside the installed transformers, else None."""
+    if plan.source.get("kind") != "transformers":
+        return None
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).resolve().parent.parent
+    path = Path(plan.source["modeling_file"]).resolve()
+    try:
+        parts = path.relative_to(root).with_suffix("").parts
+    except ValueError:
+        return None
+    return ".".join(parts[:-1])
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from exc
+
+
+def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
+    """Analyze MODEL and convert its modeling file: (plan, original source, converted)."""
+    if options.deploy_mode != "framework":
+        raise NotImplementedYetError(
+            f"`kvskill apply --mode {options.deploy_mode}` is not implemented yet; use "
+            "--mode framework"
+        )
+    plan = analyze_model(
+        model,
+        deploy_mode="framework",
+        config_overrides=options.config_overrides or None,
+        attn_tp_size=options.attn_tp_size,
+        block_size=options.block_size,
+    )
+    spec = ConversionSpec.from_plan(
+        plan, fa_version=options.fa_version, block_size=options.block_size
+    )
+    modeling_file = Path(plan.source["modeling_file"])
+    original = _read(modeling_file)
+    converted = convert_source(
+        original, spec, package=source_package(plan), filename=modeling_file.name
+    )
+    return plan, original, converted
+
+
+def _config_json(plan: Plan) -> dict[str, Any]:
+    config = dict(plan.config)
+    if not config.get("architectures"):
+        config["architectures"] = [plan.architecture]
+    config.setdefault("model_type", plan.model_type)
+    return config
+
+
+def _plan_json(plan: Plan, original: str, options: ApplyOptions) -> dict[str, Any]:
+    data = plan.to_dict()
+    data["conversion"] = {
+        "format": CONVERSION_FORMAT,
+        "mode": "framework",
+        "fa_version": options.fa_version,
+        "modeling_file": Path(plan.source["modeling_file"]).name,
+        "package": source_package(plan),
+        "original_sha256": hashlib.sha256(original.encode("utf-8")).hexdigest(),
+        "original_source": original,
+    }
+    return data
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+
+
+def _model_dir(plan: Plan) -> Path | None:
+    if plan.source.get("kind") == "transformers":
+        return None
+    return Path(plan.source["path"]).resolve()
+
+
+def _check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
+    out = out_dir.resolve()
+    source = _model_dir(plan)
+    if source is not None and (out == source or source in out.parents):
+        raise BadInputError(
+            f"--out {out_dir} is the model directory (or inside it); apply never writes into "
+            "its input, choose another directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"--out {out_dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise BadInputError(f"--out {out_dir} exists and is not empty; pass --force to replace it")
+
+
+def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> ApplyResult:
+    """Convert MODEL and write it to ``out_dir`` (or only diff it with ``dry_run``).
+
+    Raises:
+        BadInputError: bad MODEL, unreadable files, or an existing non-empty ``out_dir``
+            without ``force``.
+        UnsupportedModelError: the rewrite cannot handle this model; nothing is written.
+    """
+    if out_dir is None and not options.dry_run:
+        raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
+    plan, original, converted = convert_model(model, options)
+    name = Path(plan.source["modeling_file"]).name
+    diff = "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True),
+            converted.splitlines(keepends=True),
+            fromfile=f"a/{name}",
+            tofile=f"b/{name}",
+        )
+    )
+    texts = {
+        name: converted,
+        "config.json": _dump(_config_json(plan)),
+        PLAN_FILE: _dump(_plan_json(plan, original, options)),
+    }
+    model_dir = _model_dir(plan)
+    extras = _extra_files(model_dir, name)
+    weights = _weight_files(model_dir)
+    files = {n: "written" for n in [*texts, *extras]}
+    files.update({w.name: "copied" if options.copy_weights else "linked" for w in weights})
+    if out_dir is not None:
+        _check_out_dir(out_dir, plan, options.force)
+    if not options.dry_run:
+        assert out_dir is not None
+        _write_atomically(out_dir, texts, extras, weights, options.copy_weights)
+    return ApplyResult(
+        plan=plan,
+        out_dir=out_dir,
+        modeling_file=name,
+        files=files,
+        diff=diff,
+        changed=converted != original,
+    )
+
+
+def _extra_files(model_dir: Path | None, modeling_name: str) -> dict[str, Path]:
+    """Python files of a model directory other than the modeling file (kept unchanged)."""
+    if model_dir is None:
+        return {}
+    return {
+        p.name: p
+        for p in sorted(model_dir.glob("*.py"))
+        if p.name != modeling_name and not p.name.startswith("runner_")
+    }
+
+
+def _weight_files(model_dir: Path | None) -> list[Path]:
+    if model_dir is None:
+        return []
+    found = {p for pattern in WEIGHT_PATTERNS for p in model_dir.glob(pattern)}
+    return sorted(found)
+
+
+def _write_atomically(
+    out_dir: Path,
+    texts: dict[str, str],
+    extras: dict[str, Path],
+    weights: list[Path],
+    copy_weights: bool,
+) -> None:
+    out = out_dir.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvskill-", dir=out.parent))
+    os.chmod(stage, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
+    try:
+        for name, text in texts.items():
+            (stage / name).write_text(text, encoding="utf-8")
+        for name, path in extras.items():
+            shutil.copy2(path, stage / name)
+        for path in weights:
+            target = stage / path.name
+            if copy_weights:
+                shutil.copy2(path, target)
+            else:
+                os.symlink(path.resolve(), target)
+        _swap_in(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _swap_in(stage: Path, out: Path) -> None:
+    """Move the staged directory to ``out`` (replacing an old one) with renames only."""
+    if not out.exists():
+        os.rename(stage, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvskill-old-", dir=out.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(stage, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import reference
+from . import fla, reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,4 +56,4 @@ def backend() -> Backend:
     return _BACKEND
 
 
-__all__ = ["Backend", "backend", "reference", "torch_npu"]
+__all__ = ["Backend", "backend", "fla", "reference", "torch_npu"]

@@ -12,7 +12,8 @@ from torch import Tensor
 
 #: ND, the format every CPU tensor has
 FORMAT_ND = 2
-_FORMATS: weakref.WeakKeyDictionary[Tensor, int] = weakref.WeakKeyDictionary()
+# Keyed by id(): tensors compare element-wise, so they cannot be dictionary keys themselves.
+_FORMATS: dict[int, int] = {}
 
 
 def _format_id(fmt: object) -> int:
@@ -28,16 +29,22 @@ def npu_format_cast(input: Tensor, acl_format: object, customize_dtype: object =
     ``allow_internal_format`` is False; the reference always tags.
     """
     out = input.clone()
-    _FORMATS[out] = _format_id(acl_format)
+    _tag(out, _format_id(acl_format))
     return out
 
 
 def npu_format_cast_(input: Tensor, src: object, customize_dtype: object = None) -> Tensor:  # noqa: A002
     """In-place twin: tags ``input`` with the format of ``src`` (an id, enum or tensor)."""
-    _FORMATS[input] = _format_id(src)
+    _tag(input, _format_id(src))
     return input
 
 
 def get_npu_format(input: Tensor) -> int:  # noqa: A002
     """The format id recorded for ``input`` (ND = 2 unless a cast tagged it)."""
-    return _FORMATS.get(input, FORMAT_ND)
+    return _FORMATS.get(id(input), FORMAT_ND)
+
+
+def _tag(t: Tensor, fmt: int) -> None:
+    if id(t) not in _FORMATS:
+        weakref.finalize(t, _FORMATS.pop, id(t), None)
+    _FORMATS[id(t)] = fmt

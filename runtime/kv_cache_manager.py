@@ -162,6 +162,16 @@ class KVCacheManager:
     def group_keys(self) -> list[str]:
         return list(self.groups)
 
+    @property
+    def token_group_keys(self) -> list[str]:
+        """Groups whose blocks hold tokens: these get a slot mapping each step."""
+        return [k for k, m in self.managers.items() if m.is_token_addressed]
+
+    @property
+    def state_group_keys(self) -> list[str]:
+        """Groups with one state block per request (Mamba): block_table[:, 0] is the index."""
+        return [k for k, m in self.managers.items() if not m.is_token_addressed]
+
     def block_size_of(self, group_key: str) -> int:
         return self.groups[group_key].block_size
 
@@ -244,3 +254,24 @@ class KVCacheManager:
         if self.layout is not None:
             report["memory"] = self.layout.summary()
         return report
+
+    def format_report(self) -> str:
+        """The usage report as aligned text lines (one per group, then the memory line)."""
+        report = self.usage()
+        lines = [f"KV cache layout: {report['layout']}"]
+        for key, g in report["groups"].items():
+            pool = g["pool"]
+            window = f" window={g['sliding_window']}" if g["sliding_window"] else ""
+            lines.append(
+                f"  {key:<16} {g['attn_type']:<14} block_size={g['block_size']:<4}{window} "
+                f"layers={g['num_layers']} blocks used {pool['num_used_blocks']}/"
+                f"{pool['num_usable_blocks']} ({pool['usage']:.1%}) requests={g['num_requests']}"
+            )
+        if "memory" in report:
+            mem = report["memory"]
+            page = f" page={mem['page_size_bytes']} B" if mem["page_size_bytes"] else ""
+            lines.append(
+                f"  memory: {mem['total_bytes']} B mode={mem['mode']}{page} "
+                f"padding={mem['padding_fraction']:.1%}"
+            )
+        return "\n".join(lines)

@@ -14,6 +14,13 @@ Two paths behind one switch (``use_hybrid_blocks``):
 
       page (128 B): [ payload 96 B = 48 fp16 | pad 32 B ]  -> block stride 64 elements
 
+NOTE: a page view cannot be flattened to slots with ``cache.view(-1, heads, dim)`` (the
+block stride is not ``block_size * heads * dim``); ``view`` raises instead of copying. Write
+with ``(block, offset)`` indices ``stack([slot // bs, slot % bs], -1)`` into the 4-D view, or
+use the contiguous layout. ``cache.view(num_blocks, block_size, -1)`` for the fused attention
+works on both layouts. Whether the Ascend kernels accept these strided views for every path
+is not confirmed on hardware here (see the ops reference, section 8).
+
 With ``KVSKILL_LOG_LAYOUT=1`` every build logs ``[non-contiguous-kv-cache]`` lines through
 the ``kvskill.runtime.layout`` logger.
 """

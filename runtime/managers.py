@@ -36,6 +36,9 @@ class SingleTypeKVCacheManager:
     """
 
     attn_type: ClassVar[str] = ""
+    #: True when blocks hold tokens (slot mapping applies); False for per-request state
+    #: blocks, whose block table row is the request's state index instead
+    is_token_addressed: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -172,6 +175,7 @@ class MambaManager(SingleTypeKVCacheManager):
     """One state block per request, whatever its length (the state is overwritten in place)."""
 
     attn_type = AttnType.MAMBA.value
+    is_token_addressed = False
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return 1

@@ -107,3 +107,17 @@ def test_usage_report():
     assert report["groups"]["FullAttention"]["num_layers"] == 2
     assert report["groups"]["FullAttention"]["pool"]["num_used_blocks"] == 2
     assert report["memory"]["total_bytes"] == 6 * 12 * 4 * 2 * 8 * 4
+
+
+def test_token_and_state_groups_and_text_report():
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0), mamba_layer(sink, 1)], block_size=4)
+    mgr = KVCacheManager(info, num_blocks=8, use_hybrid_blocks=True)
+    assert mgr.token_group_keys == ["FullAttention"]
+    assert mgr.state_group_keys == ["Mamba"]
+    mgr.allocate_cache_tensors()
+    mgr.allocate_slots("a", 6)
+    text = mgr.format_report()
+    assert text.splitlines()[0] == "KV cache layout: page_pool"
+    assert "FullAttention" in text and "blocks used 3/7" in text
+    assert "mode=hybrid page=512 B" in text

@@ -11,11 +11,16 @@ from kvskill.runtime import (
     KVCacheManager,
     LayerCacheInfo,
     ModelCacheInfo,
+    get_init_attn_mask,
     kv_lane_view,
+    prepare_block_tables,
+    prepare_slot_mapping,
+    prepare_token_positions,
     split_page,
     strided_view,
 )
 from kvskill.runtime.layout import LOG_PREFIX, choose_hybrid_block_size
+from kvskill.runtime.ops import torch_npu
 from runtime_factories import Sink, attn_layer, mamba_layer, model_info
 
 
@@ -228,3 +233,66 @@ def test_layout_logs_are_off_by_default(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
         mgr.allocate_cache_tensors()
     assert not [r for r in caplog.records if LOG_PREFIX in r.getMessage()]
+
+
+def _write_and_attend(use_hybrid_blocks: bool):
+    """Two requests through manager -> tables -> cache write -> paged fused attention."""
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0, num_head=2, head_dim=8)], block_size=4)
+    mgr = KVCacheManager(
+        info,
+        num_blocks=9,
+        use_hybrid_blocks=use_hybrid_blocks,
+        free_block_order_seed=3,
+        page_alignment_bytes=640,  # 512 B of K+V per block, padded to 640 B pages
+    )
+    mgr.allocate_cache_tensors()
+    lens = [7, 5]
+    for i, n in enumerate(lens):
+        assert mgr.allocate_slots(f"r{i}", n)
+    table = prepare_block_tables([mgr.get_block_ids(f"r{i}")["FullAttention"] for i in range(2)])
+    req, pos = prepare_token_positions(torch.zeros(2, dtype=torch.int64), torch.tensor(lens))
+    slots = prepare_slot_mapping(table, req, pos, 4)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 8, generator=gen) for _ in range(3))
+    k_cache, v_cache = sink.tensors[(0, "k_cache")], sink.tensors[(0, "v_cache")]
+    # Address (block, offset) so the write works on strided page views as well as dense ones.
+    index = torch.stack([slots // 4, slots % 4], dim=-1)  # [T, 2]
+    torch_npu.npu_scatter_nd_update_(k_cache, index, k)
+    torch_npu.npu_scatter_nd_update_(v_cache, index, v)
+    assert torch.equal(k_cache[slots // 4, slots % 4], k)
+    assert torch.equal(v_cache[slots // 4, slots % 4], v)
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        q,
+        k_cache.view(9, 4, -1),
+        v_cache.view(9, 4, -1),
+        num_heads=2,
+        num_key_value_heads=2,
+        input_layout="TND",
+        scale=8**-0.5,
+        atten_mask=get_mask(),
+        sparse_mode=3,
+        block_table=table,
+        block_size=4,
+        actual_seq_lengths=[7, 12],
+        actual_seq_lengths_kv=lens,
+    )
+    return mgr, out
+
+
+def get_mask():
+    return get_init_attn_mask(2048)
+
+
+def test_page_pool_views_serve_the_paged_operators_like_dense_tensors():
+    dense_mgr, dense_out = _write_and_attend(use_hybrid_blocks=False)
+    pool_mgr, pool_out = _write_and_attend(use_hybrid_blocks=True)
+    assert pool_mgr.layout.page_size_bytes == 640
+    assert dense_out.shape == (12, 2, 8) and dense_out.abs().sum() > 0
+    assert torch.allclose(pool_out, dense_out, atol=1e-6)
+    # The flat slot view used on dense caches cannot be formed over padded pages: view()
+    # refuses rather than silently copying.
+    k_pool = pool_mgr.cache_info.layer_infos[0].caches[0].tensor
+    with pytest.raises(RuntimeError):
+        k_pool.view(-1, 2, 8)
+    assert dense_mgr.cache_info.layer_infos[0].caches[0].tensor.view(-1, 2, 8).shape == (36, 2, 8)

@@ -1,0 +1,160 @@
+"""The kvskill runtime as a benchmark system: the model converted by the implementer, loaded
+with the reference model's state dict, served by `LLM` (continuous batching, paged KV)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import BLOCK_SIZE, TOKEN_BUDGET, KVStats, ModelSpec, RunResult, Workload
+
+
+def convert(spec: ModelSpec, out_dir: Path) -> Path:
+    """`kvskill apply qwen3 --mode framework` with the spec's config, through the library."""
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    options = ApplyOptions(
+        deploy_mode="framework",
+        block_size=BLOCK_SIZE,
+        config_overrides=dict(spec.overrides),
+        force=True,
+    )
+    apply_model("qwen3", out_dir, options)
+    return out_dir
+
+
+class _StepProbe:
+    """Per-step timings and KV occupancy, read around the engine's own step.
+
+    The engine's scheduler is wrapped on this instance only: right after it decides a step,
+    blocks held by requests and tokens those requests will have in cache are read together.
+    """
+
+    def __init__(self, engine, bytes_per_token: int) -> None:
+        self.engine = engine
+        self.bytes_per_token = bytes_per_token
+        self.steps: list[tuple[bool, int, float, float]] = []  # prefill?, batch, step s, fwd s
+        self.peak = KVStats(held_bytes=0, live_bytes=0)
+        self._batch = (False, 0)
+        manager = engine.kv_manager
+        self._bytes_per_block = {k: manager.groups[k].bytes_per_block() for k in manager.groups}
+        self.pool_bytes = sum(
+            (manager.pools[k].num_blocks - 1) * b for k, b in self._bytes_per_block.items()
+        )
+        self._schedule = engine.scheduler.schedule
+        self._step = engine.step
+        engine.scheduler.schedule = self._probed_schedule
+        engine.step = self._probed_step
+
+    def close(self) -> None:
+        self.engine.scheduler.schedule = self._schedule
+        self.engine.step = self._step
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self.peak = KVStats(held_bytes=0, live_bytes=0, pool_bytes=self.pool_bytes)
+
+    def _probed_schedule(self):
+        output = self._schedule()
+        manager = self.engine.kv_manager
+        free, initial = manager.num_free_blocks, manager.initial_free_blocks
+        held = sum((initial[k] - free[k]) * b for k, b in self._bytes_per_block.items())
+        after = {id(s.request): s.start + s.num_new_tokens for s in output.scheduled}
+        live_tokens = sum(
+            after.get(id(r), r.num_computed_tokens) for r in self.engine.scheduler.running
+        )
+        if held > self.peak.held_bytes:
+            self.peak = KVStats(
+                held_bytes=held,
+                live_bytes=live_tokens * self.bytes_per_token,
+                pool_bytes=self.pool_bytes,
+            )
+        self._batch = (output.is_prefill, len(output.scheduled))
+        return output
+
+    def _probed_step(self):
+        stats = self.engine.stats
+        forward_before = stats.forward_s
+        started = time.perf_counter()
+        out = self._step()
+        elapsed = time.perf_counter() - started
+        if self._batch[1]:
+            self.steps.append((*self._batch, elapsed, stats.forward_s - forward_before))
+        self._batch = (False, 0)
+        return out
+
+    def host_overhead(self, *, prefill: bool | None = None, min_batch: int = 0) -> float | None:
+        """1 - forward time / step time over the selected steps (None if there are none)."""
+        chosen = [
+            s for s in self.steps if (prefill is None or s[0] == prefill) and s[1] >= min_batch
+        ]
+        step_s = sum(s[2] for s in chosen)
+        return None if not chosen or step_s <= 0 else 1 - sum(s[3] for s in chosen) / step_s
+
+
+class KvskillRuntime:
+    def __init__(
+        self, spec: ModelSpec, reference, *, kv_capacity_tokens: int, bytes_per_token: int
+    ):
+        from kvskill.runtime import LLM
+        from kvskill.runtime.loader import load_model
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvskill-bench-")
+        model_dir = convert(spec, Path(self._tmp.name) / spec.name)
+        loaded = load_model(model_dir, dtype="float32", random_weights=True)
+        # The same state dict as the transformers reference: every key must match.
+        loaded.model.load_state_dict(reference.state_dict(), strict=True)
+        loaded.model.eval()
+        self.llm = LLM(
+            loaded.model,
+            block_size=BLOCK_SIZE,
+            # +1: block 0 is the reserved null block; usable capacity equals the other
+            # paged system's.
+            num_blocks=kv_capacity_tokens // BLOCK_SIZE + 1,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            max_num_seqs=256,
+        )
+        self.probe = _StepProbe(self.llm.engine, bytes_per_token)
+
+    def close(self) -> None:
+        self.probe.close()
+        self._tmp.cleanup()
+
+    @torch.inference_mode()
+    def run(self, workload: Workload) -> RunResult:
+        from kvskill.runtime import SamplingParams
+
+        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
+        stats = self.llm.engine.stats
+        before = stats.to_dict()
+        self.probe.reset()
+        started = time.perf_counter()
+        outputs = self.llm.generate(workload.prompts, params)
+        wall = time.perf_counter() - started
+        after = stats.to_dict()
+        delta = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+        probe = self.probe
+        forward_s = sum(s[3] for s in probe.steps)
+        batch = workload.num_requests
+        extra = {
+            "host_overhead": None if wall <= 0 else round(1 - forward_s / wall, 4),
+            "host_overhead_decode": probe.host_overhead(prefill=False),
+            # Decode steps with every request of the workload in the batch (32 for W1).
+            "host_overhead_full_batch": probe.host_overhead(prefill=False, min_batch=batch),
+            "full_batch": batch,
+            "num_steps": delta["num_steps"],
+            "num_prefill_steps": delta["num_prefill_steps"],
+            "num_decode_steps": delta["num_decode_steps"],
+            "num_preemptions": delta["num_preemptions"],
+            "recomputed_prompt_tokens": delta["num_prompt_tokens"]
+            - sum(len(p) for p in workload.prompts),
+        }
+        return RunResult(
+            tokens=[list(o.token_ids) for o in outputs],
+            wall_s=wall,
+            ttft_s=[o.ttft_s for o in outputs],
+            kv=probe.peak,
+            extra=extra,
+        )

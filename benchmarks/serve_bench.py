@@ -1,0 +1,183 @@
+"""Serving benchmark: the kvskill runtime against transformers' generation paths.
+
+Same model (one seeded state dict), same workload, same torch thread count, fp32. Every
+(workload, model, system, threads) cell runs in a fresh subprocess so its peak RSS is its own;
+inside it one warm-up run is excluded and the median of the repeats is reported. Greedy tokens
+are cross-checked against the one-request-at-a-time reference: a row whose tokens differ is
+marked invalid.
+
+    python benchmarks/serve_bench.py                       # full matrix, writes results/
+    python benchmarks/serve_bench.py --workloads W1 --models qwen3-4l-h256 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    MODELS,
+    REPO_ROOT,
+    WORKLOADS,
+    environment,
+    load_average,
+)
+from _report import build_rows, markdown_report, targets  # noqa: E402
+
+SYSTEMS = ("kvskill", "hf_padded", "hf_cb", "hf_sequential")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _parse_list(value: str, allowed: tuple[str, ...] | None, what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if allowed is not None:
+        bad = [v for v in items if v not in allowed]
+        if bad:
+            raise SystemExit(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+def run_cell(
+    *,
+    system: str,
+    workloads: list[str],
+    model: str,
+    threads: int,
+    repeats: int,
+    timeout_s: float,
+) -> list[dict]:
+    """Run one system over `workloads` in a fresh interpreter; one record per workload (with
+    `error` where it failed)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = Path(f.name)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "_cell.py"),
+        "--system", system,
+        "--workloads", ",".join(workloads),
+        "--model", model,
+        "--threads", str(threads),
+        "--repeats", str(repeats),
+        "--out", str(out_path),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    error = None
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            error = f"exit {proc.returncode}: {tail[0][:300]}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout_s:.0f} s"
+    try:
+        text = out_path.read_text() if out_path.exists() else ""
+        records = json.loads(text) if text else []
+    finally:
+        out_path.unlink(missing_ok=True)
+    done = {r["workload"] for r in records}
+    base = {"system": system, "model": model, "threads": threads}
+    records += [
+        {**base, "workload": w, "error": error or "no result"} for w in workloads if w not in done
+    ]
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--threads", default="1,2", help="torch thread counts, e.g. 1,2")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (>= 3)")
+    parser.add_argument(
+        "--repeats-sequential",
+        type=int,
+        default=0,
+        help="timed runs for hf_sequential (the slowest path); 0 = same as --repeats",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds per system process (all workloads)"
+    )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--no-write", action="store_true", help="print only, write no files")
+    args = parser.parse_args(argv)
+
+    workloads = _parse_list(args.workloads, WORKLOADS, "workload")
+    models = _parse_list(args.models, tuple(MODELS), "model")
+    systems = _parse_list(args.systems, SYSTEMS, "system")
+    threads = [int(t) for t in _parse_list(args.threads, None, "threads")]
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+
+    started_at = dt.datetime.now(dt.timezone.utc)
+    load_before = load_average()
+    records = []
+    for model in models:
+        for n_threads in threads:
+            for system in systems:
+                started = time.perf_counter()
+                cell = run_cell(
+                    system=system,
+                    workloads=workloads,
+                    model=model,
+                    threads=n_threads,
+                    repeats=args.repeats_sequential
+                    if system == "hf_sequential" and args.repeats_sequential
+                    else args.repeats,
+                    timeout_s=args.timeout,
+                )
+                records += cell
+                summary = ", ".join(
+                    f"{r['workload']} "
+                    + (r["error"] if "error" in r else f"{r['tokens_per_s']:.0f}")
+                    for r in cell
+                )
+                print(
+                    f"[serve_bench] {model} t={n_threads} {system}: {summary} tok/s"
+                    f" ({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    result = {
+        "benchmark": "serve_bench",
+        "date": started_at.isoformat(timespec="seconds"),
+        "duration_s": round((dt.datetime.now(dt.timezone.utc) - started_at).total_seconds(), 1),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        **environment(),
+        "settings": {"repeats": args.repeats, "threads": threads},
+        "rows": build_rows(records),
+    }
+    result["targets"] = targets(result["rows"])
+    report = markdown_report(result)
+    print(report)
+    if not args.no_write:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(result, indent=1) + "\n"
+        stamp = started_at.strftime("%Y%m%d-%H%M%S")
+        (args.out_dir / "latest.json").write_text(text)
+        (args.out_dir / f"serve_bench-{stamp}.json").write_text(text)
+        (args.out_dir / "latest.md").write_text(report)
+        print(
+            f"[serve_bench] wrote {args.out_dir.relative_to(REPO_ROOT)}/latest.json",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -285,7 +285,15 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
             state.update(load_file(str(path)))
         except Exception as exc:
             raise BadInputError(f"cannot read weights {path}: {exc}") from exc
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even when not strict
+        mismatched = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+        first = mismatched[0] if mismatched else str(exc).splitlines()[0]
+        raise BadInputError(
+            f"weights do not match the model built from config.json "
+            f"({len(mismatched) or 1} problem(s)); first: {first}"
+        ) from exc
     tied = _tied_parameter_names(model)
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:

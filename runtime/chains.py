@@ -1,0 +1,267 @@
+"""The three-chain checks of a converted model in the runtime: init, runtime, release.
+
+1. init: every declared cache entry received a tensor of the declared shape and dtype, and
+   no layer still holds its empty placeholder.
+2. runtime: every step's metadata has a block table and a slot mapping for every group, and
+   a request's first decode step sees ``actual_seq_lengths_kv == prompt_len + 1`` (in
+   general, every decode step sees ``prompt_len + tokens generated so far``).
+3. release: once every request has finished, every pool is back to its initial free count
+   and no manager tracks a request; running the same prompts again on the reused (dirty)
+   blocks gives identical tokens.
+
+``run_three_chains`` drives all three through an ``LLM``; the pieces are usable alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from kvskill.runtime.engine import StepRecord
+from kvskill.runtime.request import RequestOutput, SamplingParams
+from torch import nn
+
+#: failures listed per chain at most (the count is always reported)
+MAX_LISTED = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ChainResult:
+    name: str  #: "init" | "runtime" | "release"
+    passed: bool
+    #: one line saying what was checked
+    summary: str
+    failures: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "summary": self.summary,
+            "failures": list(self.failures),
+        }
+
+
+def _result(name: str, summary: str, failures: list[str]) -> ChainResult:
+    listed = failures[:MAX_LISTED]
+    if len(failures) > MAX_LISTED:
+        listed.append(f"... and {len(failures) - MAX_LISTED} more")
+    return ChainResult(name, not failures, summary, tuple(listed))
+
+
+def check_init_chain(model: nn.Module, cache_info, kv_manager) -> ChainResult:
+    """Every entry's tensor is injected with the declared shape/dtype; no placeholder left."""
+    failures: list[str] = []
+    num_entries = 0
+    for layer in cache_info.layer_infos:
+        for entry in layer.caches:
+            if not entry.needs_block:
+                continue
+            num_entries += 1
+            where = f"layer {layer.layer_idx} cache {entry.cache_name!r}"
+            tensor = entry.tensor
+            if tensor is None or tensor.numel() == 0:
+                failures.append(f"{where}: no tensor was injected")
+                continue
+            group = kv_manager.groups[entry.group_key]
+            expected = (
+                kv_manager.num_blocks[entry.group_key],
+                *entry.block_shape(group.block_size),
+            )
+            if tuple(tensor.shape) != expected or tensor.dtype != entry.dtype:
+                failures.append(
+                    f"{where}: got {tuple(tensor.shape)} {tensor.dtype}, declared {expected} "
+                    f"{entry.dtype}"
+                )
+    failures += _placeholders_left(model)
+    return _result(
+        "init", f"{num_entries} cache entries checked for shape, dtype and injection", failures
+    )
+
+
+def _placeholders_left(model: nn.Module) -> list[str]:
+    """Layers whose cache attribute is still an empty tensor after allocation."""
+    found = []
+    for name, module in model.named_modules():
+        try:
+            entries = getattr(module, "cache_entries", None)
+        except Exception:  # a property that cannot be evaluated here says nothing about caches
+            continue
+        for entry in entries or ():
+            value = getattr(module, entry.cache_name, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 0 and entry.needs_block:
+                found.append(f"{name}.{entry.cache_name} is still the empty placeholder")
+    return found
+
+
+@dataclass(slots=True)
+class _StepFacts:
+    is_prefill: bool
+    batch: int
+    num_tokens: int
+    request_ids: list[str]
+    prompt_tokens: list[int]
+    num_output_tokens: list[int]
+    seq_lengths_kv: list[int]
+    #: group key -> (block table shape, dtype, slot mapping length)
+    groups: dict[str, tuple[tuple[int, ...], torch.dtype, int]]
+    preempted_ids: list[str]
+
+
+@dataclass(slots=True)
+class RuntimeChainRecorder:
+    """A step hook that keeps what the runtime chain needs from every step (no tensors)."""
+
+    steps: list[_StepFacts] = field(default_factory=list)
+
+    def __call__(self, record: StepRecord) -> None:
+        md = record.metadata
+        groups = {}
+        for key, table in md.block_table.items():
+            slots = md.slot_mapping.get(key)
+            groups[key] = (tuple(table.shape), table.dtype, -1 if slots is None else slots.numel())
+        self.steps.append(
+            _StepFacts(
+                is_prefill=md.is_prefill,
+                batch=len(record.request_ids),
+                num_tokens=md.num_tokens,
+                request_ids=list(record.request_ids),
+                prompt_tokens=list(md.prompt_tokens),
+                num_output_tokens=list(record.num_output_tokens),
+                seq_lengths_kv=list(md.actual_seq_lengths_kv),
+                groups=groups,
+                preempted_ids=list(record.preempted_ids),
+            )
+        )
+
+    def check(self, group_keys: Sequence[str]) -> ChainResult:
+        failures: list[str] = []
+        first_decode_checked = 0
+        seen_decode: set[str] = set()
+        preempted: set[str] = set()
+        for i, step in enumerate(self.steps):
+            preempted.update(step.preempted_ids)
+            failures += _check_tables(i, step, group_keys)
+            if step.is_prefill:
+                continue
+            for rid, prompt, outputs, kv in zip(
+                step.request_ids,
+                step.prompt_tokens,
+                step.num_output_tokens,
+                step.seq_lengths_kv,
+                strict=True,
+            ):
+                if rid not in seen_decode:
+                    seen_decode.add(rid)
+                    if rid not in preempted:
+                        first_decode_checked += 1
+                        if kv != prompt + 1:
+                            failures.append(
+                                f"step {i}: request {rid}'s first decode has "
+                                f"actual_seq_lengths_kv={kv}, expected prompt_len + 1 = {prompt + 1}"
+                            )
+                            continue
+                if kv != prompt + outputs:
+                    failures.append(
+                        f"step {i}: request {rid} decodes with actual_seq_lengths_kv={kv}, "
+                        f"expected prompt_len + generated = {prompt + outputs}"
+                    )
+        summary = (
+            f"{len(self.steps)} steps, groups {list(group_keys)}; first decode kv = prompt + 1 "
+            f"checked for {first_decode_checked} request(s)"
+        )
+        if not self.steps:
+            failures.append("no step was recorded")
+        return _result("runtime", summary, failures)
+
+
+def _check_tables(index: int, step: _StepFacts, group_keys: Sequence[str]) -> list[str]:
+    failures = []
+    for key in group_keys:
+        facts = step.groups.get(key)
+        if facts is None:
+            failures.append(f"step {index}: block_table has no entry for group {key!r}")
+            continue
+        shape, dtype, num_slots = facts
+        if len(shape) != 2 or shape[0] != step.batch or dtype != torch.int32:
+            failures.append(
+                f"step {index}: block_table[{key!r}] is {shape} {dtype}, expected "
+                f"[{step.batch}, max_blocks] torch.int32"
+            )
+        if num_slots != step.num_tokens:
+            failures.append(
+                f"step {index}: slot_mapping[{key!r}] has {num_slots} slots for "
+                f"{step.num_tokens} tokens"
+            )
+    return failures
+
+
+def check_pools_released(kv_manager) -> list[str]:
+    """Failures if any pool is not back to its initial free count or a request is tracked."""
+    failures = []
+    free, initial = kv_manager.num_free_blocks, kv_manager.initial_free_blocks
+    for key in kv_manager.group_keys:
+        if free[key] != initial[key]:
+            failures.append(
+                f"group {key!r}: {free[key]} free blocks after all requests, initially {initial[key]}"
+            )
+        tracked = kv_manager.managers[key].req_to_blocks
+        if tracked:
+            failures.append(f"group {key!r} still tracks requests {sorted(tracked)[:5]}")
+    return failures
+
+
+def check_release_chain(
+    llm,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: SamplingParams | Sequence[SamplingParams],
+    first_outputs: Sequence[RequestOutput],
+) -> ChainResult:
+    """Pools are back to their initial counts, and a rerun on dirty blocks repeats the tokens.
+
+    Only meaningful for reproducible sampling (greedy, or seeded).
+    """
+    failures = check_pools_released(llm.kv_manager)
+    rerun = llm.generate(prompts, sampling_params)
+    for i, (a, b) in enumerate(zip(first_outputs, rerun, strict=True)):
+        if a.token_ids != b.token_ids:
+            failures.append(
+                f"prompt {i}: rerun on reused blocks gave {b.token_ids[:8]}... instead of "
+                f"{a.token_ids[:8]}..."
+            )
+    failures += [f"after rerun: {f}" for f in check_pools_released(llm.kv_manager)]
+    return _result(
+        "release",
+        f"pools back to initial free counts; rerun of {len(prompts)} prompt(s) on reused blocks",
+        failures,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReport:
+    results: tuple[ChainResult, ...]
+    outputs: tuple[RequestOutput, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "chains": [r.to_dict() for r in self.results]}
+
+
+def run_three_chains(
+    llm,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+) -> ChainReport:
+    """Check init, run ``prompts`` recording every step, then check runtime and release."""
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    init = check_init_chain(llm.model, llm.cache_info, llm.kv_manager)
+    recorder = RuntimeChainRecorder()
+    with llm.step_hook(recorder):
+        outputs = llm.generate(prompts, params)
+    runtime = recorder.check(llm.kv_manager.group_keys)
+    release = check_release_chain(llm, prompts, params, outputs)
+    return ChainReport((init, runtime, release), tuple(outputs))

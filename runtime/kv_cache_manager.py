@@ -209,7 +209,15 @@ class KVCacheManager:
 
         Returns:
             True on success; False (nothing changed) when some pool is short of blocks.
+
+        Raises:
+            ValueError: when ``num_computed_tokens`` exceeds ``num_tokens``.
         """
+        if num_computed_tokens is not None and num_computed_tokens > num_tokens:
+            raise ValueError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} exceeds "
+                f"num_tokens={num_tokens} (num_tokens counts computed + new tokens)"
+            )
         if not self.can_allocate(request_id, num_tokens, num_computed_tokens):
             return False
         for mgr in self.managers.values():

@@ -121,3 +121,10 @@ def test_token_and_state_groups_and_text_report():
     assert text.splitlines()[0] == "KV cache layout: page_pool"
     assert "FullAttention" in text and "blocks used 3/7" in text
     assert "mode=hybrid page=512 B" in text
+
+
+def test_computed_beyond_total_is_rejected():
+    sink = Sink()
+    mgr = KVCacheManager(full_and_sliding(sink), num_blocks=12)
+    with pytest.raises(ValueError, match="num_computed_tokens=9 exceeds num_tokens=8"):
+        mgr.allocate_slots("a", 8, num_computed_tokens=9)

@@ -7,6 +7,7 @@ from kvskill.runtime import (
     BlockPool,
     CacheInfoError,
     FullAttentionManager,
+    KVCacheManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -83,9 +84,17 @@ def test_registering_a_new_attn_type_makes_it_valid():
         model_info([attn_layer(sink, 0, "Chunked")])
     register_attn_type("Chunked", ChunkedManager, fixed_block=True)
     try:
-        info = model_info([attn_layer(sink, 0, "Chunked")])
+        info = model_info([attn_layer(sink, 0, "Chunked"), attn_layer(sink, 1)], block_size=4)
         assert info.layer_infos[0].caches[0].group_key == "Chunked"
         assert "Chunked" in FIXED_BLOCK_ATTN_TYPES
+        # The new type gets its own group, pool and release rule inside KVCacheManager.
+        mgr = KVCacheManager(info, num_blocks=10)
+        assert mgr.group_keys == ["Chunked", "FullAttention"]
+        assert mgr.allocate_slots("r", 17)
+        assert mgr.allocate_slots("r", 18)
+        # 17 computed: the current chunk starts at 16, so blocks 0-3 are released.
+        assert mgr.get_block_ids("r")["Chunked"][:4] == [0, 0, 0, 0]
+        assert mgr.num_free_blocks == {"Chunked": 8, "FullAttention": 4}
     finally:
         ATTN_TYPE_MANAGER_MAP.pop("Chunked")
         FIXED_BLOCK_ATTN_TYPES.discard("Chunked")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
@@ -16,6 +17,7 @@ from kvskill.analyzer.inputs import (
     resolve_model,
 )
 from kvskill.analyzer.memory import plan_memory
+from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import AttnType, Plan
 from kvskill.analyzer.roles import find_roles
@@ -126,6 +128,7 @@ def plan_for_source(
         raise UnsupportedModelError(
             f"{facts.file_name} defines no *ForCausalLM class; not a causal decoder"
         )
+    _refuse_encoder(source, facts)
     reads_window = _code_reads_window(code)
     spec = normalise(source.config, uses_sliding_window=reads_window)
     if not roles.attention and not roles.linear_attention:
@@ -181,6 +184,7 @@ def plan_for_source(
     style, style_source = rope_style(code, spec)
     book.cite("rope_style", f"rope style: {style}", style_source)
     mla = dict(spec.mla) if spec.mla else None
+    cache_write = _mla_cache_write(source, book) if attention == "mla" else None
     return Plan(
         model_type=source.model_type,
         architecture=roles.causal_lm,
@@ -218,7 +222,27 @@ def plan_for_source(
         memory=memory,
         implementer_blockers=list(book.blockers),
         is_mla_backend=attention == "mla",
+        mla_cache_write=cache_write,
     )
+
+
+def _mla_cache_write(source: ModelSource, book) -> str:
+    """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write)."""
+    text = Path(source.modeling_file).read_text(encoding="utf-8") if source.modeling_file else ""
+    decision = decide_mla_cache_write(text, source.config, Path(source.modeling_file or "").name)
+    book.cite("mla_cache_write", f"{decision.mode}: {decision.reason}", decision.source)
+    return decision.mode
+
+
+def _refuse_encoder(source: ModelSource, facts) -> None:
+    """Models whose attention is causal only with ``is_decoder=True`` (BERT-style)."""
+    line = facts.config_reads.get("is_decoder")
+    if line is not None and not source.config.get("is_decoder"):
+        raise UnsupportedModelError(
+            f"'{source.model_type}' attends bidirectionally unless is_decoder=true "
+            f"({facts.where(line)} reads config.is_decoder, which is false): an encoder is not "
+            "served; pass --config-overrides is_decoder=true for its decoder variant"
+        )
 
 
 def _code_reads_window(code: CodeView) -> bool:

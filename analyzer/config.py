@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvskill.errors import UnsupportedModelError
+from kvskill.errors import BadInputError, UnsupportedModelError
 
 #: raw layer-type strings -> the analyzer's layer kind
 _LAYER_KIND = {
@@ -104,6 +104,12 @@ def normalise(config: dict[str, Any], *, uses_sliding_window: bool = True) -> Mo
     num_layers = get("num_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     hidden = get("hidden_size", "hidden_size", "n_embd", "d_model", "dim")
     heads = get("num_heads", "num_attention_heads", "n_head", "num_heads", "n_heads")
+    if num_layers is None:
+        for key in ("layer_types", "layers_block_type"):
+            if isinstance(cfg.get(key), list) and cfg[key]:
+                num_layers = len(cfg[key])
+                sources["num_layers"] = f"{prefix}len({key})"
+                break
     if not isinstance(num_layers, int) or num_layers <= 0:
         raise UnsupportedModelError(
             f"config of '{config.get('model_type')}' has no decoder layer count "
@@ -119,6 +125,12 @@ def normalise(config: dict[str, Any], *, uses_sliding_window: bool = True) -> Mo
         kv_heads = 1 if multi_query else heads
         if multi_query:
             sources["num_kv_heads"] = prefix + "multi_query"
+    kv_heads = int(kv_heads or heads)
+    if heads and kv_heads and heads % kv_heads:
+        raise BadInputError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+            f"({sources.get('num_kv_heads', 'num_key_value_heads')})"
+        )
     head_dim = get("head_dim", "head_dim", "attention_head_size", "kv_channels")
     if not head_dim:
         head_dim = hidden // heads if heads else 0

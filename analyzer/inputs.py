@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvskill.errors import BadInputError
+from kvskill.errors import BadInputError, UnsupportedModelError
 
 #: keys whose change must re-derive ``layer_types`` in the config class
 _PATTERN_KEYS = frozenset(
@@ -242,8 +242,13 @@ def build_config(
     try:
         config_class = CONFIG_MAPPING[model_type]
         config = config_class(**merged)
-    except (TypeError, ValueError, KeyError, AttributeError, AssertionError) as exc:
+    except Exception as exc:  # noqa: BLE001 - config classes raise many validation types
         message = " ".join(str(exc).split())[:300]
+        if not base and not overrides:
+            raise UnsupportedModelError(
+                f"the installed transformers cannot build a default '{model_type}' config: "
+                f"{message}"
+            ) from exc
         raise BadInputError(f"config for '{model_type}' is not valid: {message}") from exc
     data = config.to_dict()
     data.setdefault("model_type", model_type)

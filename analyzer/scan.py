@@ -95,6 +95,8 @@ class ModuleFacts:
     function_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: imported module paths ("transformers.cache_utils", "kvskill.runtime") -> line
     imports: dict[str, int] = field(default_factory=dict)
+    #: ``config.X`` attributes read anywhere -> first line
+    config_reads: dict[str, int] = field(default_factory=dict)
 
     def where(self, line: int) -> str:
         return f"{self.file_name}:{line}"
@@ -289,10 +291,24 @@ class _Collector(cst.CSTVisitor):
                 if called.names:
                     self.cls.attr_classes.setdefault(expr.attr.value, called.names)
 
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if isinstance(node.value, cst.Name) and node.value.value == "config":
+            attr = node.attr.value
+            if attr not in self.facts.config_reads:
+                where = self.locator.occurrence(f"config.{attr}", 1, 0)
+                self.facts.config_reads[attr] = where
+
     def visit_Name(self, node: cst.Name) -> None:
         if self.cls is not None and node.value in _WATCHED_NAMES:
             where = self.locator.occurrence(node.value, self.method_line, 0)
             self.cls.names_used.setdefault(node.value, where)
+
+
+def _is_cache_receiver(receiver: str) -> bool:
+    name = receiver.lower()
+    if name in _CACHE_RECEIVERS:
+        return True
+    return ("cache" in name or "past" in name) and not name.endswith(("kwargs", "dict", "config"))
 
 
 class _CalledNames(cst.CSTVisitor):
@@ -318,7 +334,8 @@ def _classify(call: cst.Call) -> tuple[str, str, str] | None:
     parts = dotted.split(".")
     callee = parts[-1]
     receiver = parts[-2] if len(parts) > 1 else ""
-    if callee == "update" and receiver in _CACHE_RECEIVERS:
+    if callee == "update" and _is_cache_receiver(receiver) and len(call.args) >= 3:
+        # Cache.update(key_states, value_states, layer_idx, ...): dict.update takes one arg
         return "cache_update", callee, receiver
     if callee in ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2"):
         return "fa_call", callee, receiver

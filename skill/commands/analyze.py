@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from kvskill.errors import NotImplementedYetError
 from kvskill.options import (
     attn_tp_size_option,
     block_size_option,
@@ -49,10 +48,38 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
     default=None,
     help="Add or update a 'KVCache selection' section in this Markdown progress file.",
 )
-def analyze(model: str, output_format: str, **options) -> None:
+def analyze(
+    model: str,
+    output_format: str,
+    deploy_mode: str,
+    config_overrides: str | None,
+    attn_tp_size: int,
+    block_size: int | None,
+    hbm_gb: float | None,
+    kv_memory: str | None,
+    write_progress: Path | None,
+) -> None:
     """Read MODEL's config and modeling code and decide its KV-cache design.
 
     MODEL is a model directory (config.json, optional modeling_*.py) or a model type of
     the installed transformers such as 'qwen3'. Nothing in MODEL is imported or executed.
     """
-    raise NotImplementedYetError("`kvskill analyze` is not implemented yet")
+    from kvskill.analyzer import analyze_model
+    from kvskill.analyzer.inputs import parse_overrides
+    from kvskill.analyzer.memory import parse_memory
+    from kvskill.analyzer.report import render, update_progress
+
+    plan = analyze_model(
+        model,
+        deploy_mode=deploy_mode,
+        config_overrides=parse_overrides(config_overrides),
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
+        kv_memory_bytes=parse_memory(kv_memory),
+        hbm_gb=hbm_gb,
+    )
+    click.echo(render(plan, output_format))
+    if write_progress is not None:
+        changed = update_progress(write_progress, plan)
+        state = "updated" if changed else "already up to date"
+        click.echo(f"{write_progress}: KVCache selection {state}", err=True)

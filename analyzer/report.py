@@ -1,0 +1,174 @@
+"""Render a Plan as a table, JSON, YAML or a Markdown section; update a progress file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+from kvskill.analyzer.plan import Plan
+
+PROGRESS_HEADING = "## KVCache selection"
+
+
+def render(plan: Plan, output_format: str) -> str:
+    renderers = {"json": to_json, "yaml": to_yaml, "md": to_markdown, "table": to_table}
+    return renderers[output_format](plan)
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2)
+
+
+def to_yaml(plan: Plan) -> str:
+    return yaml.safe_dump(plan.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def _human_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return str(value)
+
+
+def _layers_line(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for layer in plan.layers:
+        counts[layer.attn_type] = counts.get(layer.attn_type, 0) + 1
+    parts = ", ".join(f"{t} x{n}" for t, n in counts.items())
+    window = next((layer.sliding_window for layer in plan.layers if layer.sliding_window), None)
+    return parts + (f" (window {window})" if window else "")
+
+
+def _entries_line(plan: Plan) -> list[str]:
+    lines = []
+    for attn_type, entries in plan.cache_entries.items():
+        desc = ", ".join(
+            f"{e['cache_name']} {e['num_head']}x{e['dim']} {e['dtype']}" for e in entries
+        )
+        lines.append(f"{attn_type}: {desc or '(state sizes unknown)'}")
+    return lines
+
+
+def summary_rows(plan: Plan) -> list[tuple[str, str]]:
+    """(label, value) rows shared by the table and the Markdown section."""
+    heads = (
+        f"{plan.num_attention_heads} heads, {plan.num_key_value_heads} KV heads, "
+        f"{plan.num_key_value_heads_per_rank} per rank at attn_tp_size={plan.attn_tp_size}"
+    )
+    modes = "; ".join(
+        f"{t} prefill {m['prefill']} / decode {m['decode']}" for t, m in plan.sparse_mode.items()
+    )
+    windows = "; ".join(
+        f"{t} pre_tokens {w['pre_tokens']} next_tokens {w['next_tokens']}"
+        for t, w in plan.window_tokens.items()
+    )
+    kv_mode = plan.kv_mode + (f" (blocker: {plan.legacy_reason})" if plan.legacy_reason else "")
+    rows = [
+        ("deploy mode", plan.deploy_mode),
+        ("KV mode", kv_mode),
+        ("attention", f"{plan.attention.upper()}: {heads}"),
+        ("layers", f"{len(plan.layers)}: {_layers_line(plan)}"),
+        ("attn types", ", ".join(plan.attn_types) + (" (mixed)" if plan.mixed_attn_types else "")),
+        ("FA version", f"{plan.fa_version}: {plan.fa_version_reason}"),
+        ("input layout", f"{plan.input_layout}, MLA absorb {'on' if plan.mla_absorb else 'off'}"),
+        ("sparse_mode", modes or "- (Legacy: SDPA)"),
+        ("window tokens", windows or "-"),
+        ("softmax scale", f"{plan.softmax_scale:.8g}"),
+        ("cache entries", " | ".join(_entries_line(plan))),
+        ("KV bytes/token", f"{plan.kv_bytes_per_token} ({_human_bytes(plan.kv_bytes_per_token)})"),
+    ]
+    memory = plan.memory
+    if "kv_memory_bytes" in memory:
+        tokens = memory.get("max_tokens")
+        rows.append(
+            (
+                "memory",
+                f"{_human_bytes(memory['kv_memory_bytes'])} for KV, block_size "
+                f"{memory['block_size']}: {memory['num_blocks']} blocks, max tokens "
+                f"{tokens if tokens is not None else 'unbounded (window/state only)'}",
+            )
+        )
+    return rows
+
+
+def to_table(plan: Plan) -> str:
+    source = plan.source
+    title = f"{plan.model_type} ({plan.architecture}) from {source['kind']}: " + os.path.basename(
+        source.get("modeling_file") or "-"
+    )
+    rows = summary_rows(plan)
+    width = max(len(label) for label, _ in rows)
+    lines = [title, ""] + [f"  {label:<{width}}  {value}" for label, value in rows]
+    if plan.implementer_blockers:
+        lines += ["", "not converted by apply yet:"] + [
+            f"  - {b}" for b in plan.implementer_blockers
+        ]
+    lines += ["", "evidence:"]
+    lines += [f"  {e.decision}: {e.reason}  [{e.source}]" for e in plan.evidence]
+    lines += ["", f"warnings ({len(plan.warnings)}):"] + [f"  - {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def to_markdown(plan: Plan) -> str:
+    """A self-contained ``## KVCache selection`` section for a progress file."""
+    lines = [PROGRESS_HEADING, ""]
+    lines.append(
+        f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source['kind']}"
+    )
+    lines.append("")
+    lines.append("| decision | value |")
+    lines.append("|---|---|")
+    for label, value in summary_rows(plan):
+        lines.append(f"| {label} | {value.replace('|', '/')} |")
+    lines += ["", "Evidence:", ""]
+    lines += [f"- **{e.decision}**: {e.reason} (`{e.source}`)" for e in plan.evidence]
+    if plan.implementer_blockers:
+        lines += ["", "Not converted by apply yet:", ""]
+        lines += [f"- {b}" for b in plan.implementer_blockers]
+    lines += ["", "Watch for:", ""] + [f"- {w}" for w in plan.warnings]
+    return "\n".join(lines) + "\n"
+
+
+_SECTION = re.compile(
+    rf"^{re.escape(PROGRESS_HEADING)}[ \t]*\n.*?(?=^#{{1,2}} |\Z)", re.MULTILINE | re.DOTALL
+)
+
+
+def update_progress(path: Path, plan: Plan) -> bool:
+    """Add or replace the KVCache selection section; the rest of the file is untouched.
+
+    Returns True when the file changed. Running twice with the same plan changes nothing.
+    """
+    section = to_markdown(plan)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    match = _SECTION.search(old)
+    if match:
+        tail = old[match.end() :]
+        new = old[: match.start()] + section + ("\n" + tail if tail else "")
+    else:
+        separator = "" if not old else ("\n" if old.endswith("\n") else "\n\n")
+        new = old + separator + section
+    if new == old:
+        return False
+    _atomic_write(path, new)
+    return True
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise

@@ -1,0 +1,244 @@
+"""Decision tables: each family's expected KV design, written from its known architecture."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from kvskill.analyzer import analyze_model
+
+FULL, SLIDING, MAMBA = "FullAttention", "SlidingWindow", "Mamba"
+
+
+def sources_of(plan, decision: str) -> list[str]:
+    return [e.source for e in plan.evidence if e.decision == decision]
+
+
+def test_llama_is_plain_mha_full_attention():
+    plan = analyze_model("llama")
+    # Llama-2-7B defaults: 32 layers, 32 heads, 32 KV heads, head_dim 128
+    assert plan.attention == "mha"
+    assert plan.kv_mode == "paged" and plan.legacy_reason is None
+    assert plan.attn_types == [FULL] and not plan.mixed_attn_types
+    assert len(plan.layers) == 32 and all(layer.sliding_window is None for layer in plan.layers)
+    assert plan.fa_version == "v1" and "sink" in plan.fa_version_reason
+    assert plan.input_layout == "TND" and plan.mla_absorb is False
+    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    assert plan.window_tokens == {}
+    assert plan.softmax_scale == pytest.approx(128**-0.5)
+    assert plan.cache_entries[FULL] == [
+        {"cache_name": "k_cache", "dim": 128, "num_head": 32, "dtype": "bfloat16",
+         "sliding_window": None},
+        {"cache_name": "v_cache", "dim": 128, "num_head": 32, "dtype": "bfloat16",
+         "sliding_window": None},
+    ]  # fmt: skip
+    # K and V, 32 heads x 128 dims x 2 bytes, 32 layers
+    assert plan.kv_bytes_per_token == 2 * 32 * 128 * 2 * 32
+    assert plan.is_mla_backend is False
+
+
+@pytest.mark.parametrize(
+    ("model_type", "heads", "kv_heads", "head_dim", "layers"),
+    [
+        ("qwen3", 32, 32, 128, 32),
+        ("qwen2", 32, 32, 128, 32),
+        ("qwen3_moe", 32, 4, 64, 24),
+        ("mixtral", 32, 8, 128, 32),
+    ],
+)
+def test_standard_families_are_full_attention(model_type, heads, kv_heads, head_dim, layers):
+    plan = analyze_model(model_type)
+    assert plan.attention == ("mha" if heads == kv_heads else "gqa")
+    assert plan.attn_types == [FULL]
+    assert (plan.num_attention_heads, plan.num_key_value_heads) == (heads, kv_heads)
+    assert plan.head_dim == head_dim and len(plan.layers) == layers
+    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    assert plan.fa_version == "v1" and plan.input_layout == "TND"
+    assert plan.softmax_scale == pytest.approx(head_dim**-0.5)
+    assert plan.kv_bytes_per_token == 2 * kv_heads * head_dim * 2 * layers
+
+
+def test_code_facts_point_at_the_seam_lines():
+    plan = analyze_model("qwen3")
+    code = plan.code
+    assert code["attention_classes"] == ["Qwen3Attention"]
+    assert code["decoder_layer_class"] == "Qwen3DecoderLayer"
+    assert code["model_class"] == "Qwen3Model"
+    assert code["causal_lm_class"] == "Qwen3ForCausalLM"
+    assert plan.architecture == "Qwen3ForCausalLM"
+    assert code["cache_api"] == "transformers5"
+    lines = Path(plan.source["modeling_file"]).read_text(encoding="utf-8").splitlines()
+    assert "cache.update(" in lines[code["cache_update_line"] - 1]
+    assert "attention_interface(" in lines[code["attention_interface_line"] - 1]
+    assert lines[code["causal_lm_line"] - 1].startswith("class Qwen3ForCausalLM")
+    attn = code["attention"]["Qwen3Attention"]
+    assert "self.scaling" in lines[attn["scaling_line"] - 1]
+    assert lines[attn["forward_line"] - 1].strip().startswith("def forward")
+    assert plan.source["kind"] == "transformers"
+    assert plan.source["modeling_file"].endswith("models/qwen3/modeling_qwen3.py")
+    assert plan.config["model_type"] == "qwen3" and plan.config["num_hidden_layers"] == 32
+    assert f"modeling_qwen3.py:{attn['scaling_line']}" in sources_of(plan, "softmax_scale")
+
+
+def test_mistral_window_applies_to_every_layer():
+    plan = analyze_model("mistral")
+    assert plan.attn_types == [SLIDING]
+    assert {layer.sliding_window for layer in plan.layers} == {4096}
+    assert plan.sparse_mode == {SLIDING: {"prefill": 4, "decode": 4}}
+    # the window W=4096 includes the current token; pre_tokens=P admits P+1 keys
+    assert plan.window_tokens == {SLIDING: {"pre_tokens": 4095, "next_tokens": 0}}
+    assert plan.cache_entries[SLIDING][0]["sliding_window"] == 4096
+    assert any("masking_utils.py:" in s for s in sources_of(plan, "sparse_mode.SlidingWindow"))
+
+
+def test_gpt_oss_mixes_sliding_and_full_and_needs_fa_v2_for_sinks():
+    plan = analyze_model("gpt_oss")
+    # 36 layers alternating sliding (even) / full (odd), window 128, 64 heads / 8 KV, dim 64
+    assert plan.attn_types == [FULL, SLIDING] and plan.mixed_attn_types
+    kinds = plan.layer_attn_types()
+    assert kinds[:4] == [SLIDING, FULL, SLIDING, FULL] and len(kinds) == 36
+    assert plan.has_sinks and plan.fa_version == "v2"
+    assert "learnable_sink" in plan.fa_version_reason
+    fa_sources = sources_of(plan, "fa_version")
+    assert fa_sources and fa_sources[0].startswith("modeling_gpt_oss.py:")
+    assert plan.sparse_mode == {
+        FULL: {"prefill": 3, "decode": 3},
+        SLIDING: {"prefill": 4, "decode": 4},
+    }
+    assert plan.window_tokens == {SLIDING: {"pre_tokens": 127, "next_tokens": 0}}
+    assert plan.num_key_value_heads_per_rank == 8
+    assert plan.softmax_scale == pytest.approx(0.125)
+    assert plan.kv_bytes_per_token == 2 * 8 * 64 * 2 * 36
+    assert any("mixed attn_types" in w for w in plan.warnings)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def test_deepseek_v3_is_mla_absorb():
+    plan = analyze_model("deepseek_v3", attn_tp_size=8)
+    assert plan.attention == "mla" and plan.mla_absorb and plan.is_mla_backend
+    assert plan.input_layout == "TND_NTD"
+    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 0}}
+    # latent KV is a single head on every rank, whatever the attention TP size
+    assert plan.num_key_value_heads_per_rank == 1
+    assert plan.cache_entries[FULL] == [
+        {"cache_name": "nope_cache", "dim": 512, "num_head": 1, "dtype": "bfloat16",
+         "sliding_window": None},
+        {"cache_name": "rope_cache", "dim": 64, "num_head": 1, "dtype": "bfloat16",
+         "sliding_window": None},
+    ]  # fmt: skip
+    assert plan.mla["qk_rope_head_dim"] == 64
+    assert plan.kv_bytes_per_token == (512 + 64) * 2 * 61
+    # no YaRN in the default config: scale over qk_nope + qk_rope = 192 dims
+    assert plan.softmax_scale == pytest.approx(192**-0.5)
+    assert not plan.implementer_blockers
+
+
+def test_deepseek_v3_yarn_scale_includes_mscale_squared():
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    plan = analyze_model("deepseek_v3", config_overrides={"rope_parameters": rope})
+    expected = 192**-0.5 * _yarn_mscale(40.0, 1.0) ** 2
+    assert plan.softmax_scale == pytest.approx(expected, rel=1e-12)
+    assert any("--config-overrides" in s for s in sources_of(plan, "softmax_scale"))
+    assert any("mscale^2" in w for w in plan.warnings)
+
+
+def test_deepseek_v3_scale_matches_the_installed_attention_module():
+    """Cross-check with transformers' own DeepseekV3Attention at toy size."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    overrides = {
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 16,
+        "num_hidden_layers": 2,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    }
+    plan = analyze_model("deepseek_v3", config_overrides=overrides)
+    module = DeepseekV3Attention(DeepseekV3Config(**overrides), layer_idx=0)
+    assert plan.softmax_scale == pytest.approx(module.scaling, rel=1e-12)
+    assert plan.softmax_scale != pytest.approx((16 + 64) ** -0.5)
+    # kv_lora_rank 32 is not a size the fused MLA path takes: warned, not refused
+    assert any("kv_lora_rank is 32" in b for b in plan.implementer_blockers)
+
+
+def test_deepseek_v2_is_mla_too():
+    plan = analyze_model("deepseek_v2")
+    assert plan.attention == "mla" and plan.input_layout == "TND_NTD"
+    assert plan.sparse_mode[FULL] == {"prefill": 3, "decode": 0}
+    assert plan.cache_entries[FULL][0]["dim"] == 512
+
+
+def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
+    plan = analyze_model("qwen3_next")
+    # 48 layers: three gated-delta-net layers, then one full attention layer
+    kinds = plan.layer_attn_types()
+    assert kinds[:4] == [MAMBA, MAMBA, MAMBA, FULL]
+    assert kinds.count(FULL) == 12 and kinds.count(MAMBA) == 36
+    assert plan.attn_types == [FULL, MAMBA] and plan.mixed_attn_types
+    assert {layer.kind for layer in plan.layers if layer.attn_type == MAMBA} == {"linear_attention"}
+    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    conv, ssm = plan.cache_entries[MAMBA]
+    # conv over q, k (16 heads x 128 each) and v (32 heads x 128), kernel 4 keeps 3 columns
+    assert conv["cache_name"] == "conv_state" and conv["dim"] == [3, 2 * 16 * 128 + 32 * 128]
+    assert ssm["cache_name"] == "ssm_state" and ssm["num_head"] == 32
+    assert ssm["dim"] == [128, 128]
+    assert plan.code["linear_attention_classes"] == ["Qwen3NextGatedDeltaNet"]
+    # only the 12 full-attention layers grow with tokens (2 KV heads x 256 dims)
+    assert plan.kv_bytes_per_token == 2 * 2 * 256 * 2 * 12
+    assert plan.memory["state_bytes_per_request"] > 0
+
+
+def test_gemma2_soft_capping_keeps_legacy_with_the_blocker():
+    plan = analyze_model("gemma2")
+    assert plan.kv_mode == "legacy"
+    assert "soft-capping" in plan.legacy_reason and "50" in plan.legacy_reason
+    assert plan.input_layout == "BSH" and plan.sparse_mode == {}
+    kv_sources = sources_of(plan, "kv_mode")
+    assert kv_sources and kv_sources[0].startswith("modeling_gemma2.py:")
+
+
+def test_gemma2_without_soft_capping_is_paged():
+    plan = analyze_model("gemma2", config_overrides={"attn_logit_softcapping": None})
+    assert plan.kv_mode == "paged" and plan.legacy_reason is None
+    assert plan.attn_types == [FULL, SLIDING]
+    assert plan.window_tokens == {SLIDING: {"pre_tokens": 4095, "next_tokens": 0}}
+    # gemma2 scales by query_pre_attn_scalar (256), not head_dim
+    assert plan.softmax_scale == pytest.approx(256**-0.5)
+    assert any("head_dim 256" in w for w in plan.warnings)
+
+
+def test_layer_types_without_a_window_is_not_sliding():
+    # qwen3 with sliding layers declared but sliding_window=None: the code uses no window
+    overrides = {
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": None,
+    }
+    plan = analyze_model("qwen3", config_overrides=overrides)
+    assert plan.attn_types == [FULL] and plan.window_tokens == {}

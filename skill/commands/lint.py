@@ -5,16 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from kvskill.errors import NotImplementedYetError
+from kvskill.analyzer.lint import RULES, lint_paths, render_json, render_table
 from kvskill.options import format_option
 
-EPILOG = """\b
+_RULE_LINES = "\n".join(f"  {r.id} {r.name}" for r in RULES)
+
+EPILOG = f"""\b
 Examples:
   kvskill lint converted/modeling_qwen3.py
   kvskill lint models/ --format json
+  kvskill lint converted/ --disable KV006 --disable sliding-window-without-band
 
 \b
-Exit codes: 0 clean, 1 findings, 2 bad input.
+Rules:
+{_RULE_LINES}
+
+\b
+Exit codes: 0 clean, 1 findings, 2 bad input (an unknown rule, or a file that cannot be
+parsed when nothing else was found; such files are listed as errors and the others are
+still checked).
 """
 
 
@@ -22,6 +31,11 @@ Exit codes: 0 clean, 1 findings, 2 bad input.
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--disable", multiple=True, metavar="RULE", help="Skip a rule id (repeatable).")
 @format_option()
-def lint(paths: tuple[Path, ...], **options) -> None:
+def lint(paths: tuple[Path, ...], disable: tuple[str, ...], output_format: str) -> int:
     """Check model files (or folders of them) against the common-error table."""
-    raise NotImplementedYetError("`kvskill lint` is not implemented yet")
+    report = lint_paths(paths, disable=disable)
+    if output_format == "json":
+        click.echo(render_json(report))
+    else:
+        click.echo(render_table(report))
+    return report.exit_code

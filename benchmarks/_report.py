@@ -83,6 +83,7 @@ def build_rows(records: list[dict]) -> list[dict]:
                     "mismatched_requests": mism,
                     "reference_system": ref_name,
                     "deterministic": rec["deterministic"],
+                    "repeats": rec["repeats"],
                     "wall_s_runs": [round(w, 4) for w in rec["wall_s_runs"]],
                     "num_requests": rec["num_requests"],
                     "useful_tokens": rec["useful_tokens"],
@@ -161,7 +162,8 @@ def markdown_report(result: dict) -> str:
         f"torch {ver['torch']}, transformers {ver['transformers']}, kvskill {ver['kvskill_commit']}"
         f"{' (uncommitted changes)' if ver.get('kvskill_dirty') else ''}; "
         f"load average before/after {result['load_average_before']} / "
-        f"{result['load_average_after']}; median of {result['settings']['repeats']} runs.",
+        f"{result['load_average_after']}; median of {result['settings']['repeats']} timed runs "
+        f"after a warm-up (hf_sequential: {result['settings']['repeats_hf_sequential']}).",
         "",
         "| workload | model | thr | system | useful tok/s | vs kvskill | mean TTFT s | wall s "
         "| peak RSS MB | KV util | valid |",

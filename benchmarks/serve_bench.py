@@ -25,15 +25,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
+    BLOCK_SIZE,
     MODELS,
-    REPO_ROOT,
+    TOKEN_BUDGET,
     WORKLOADS,
     environment,
     load_average,
+    make_workload,
 )
 from _report import build_rows, markdown_report, targets  # noqa: E402
 
 SYSTEMS = ("kvskill", "hf_padded", "hf_cb", "hf_sequential")
+#: (model, threads) pairs run by default: the main model at 1 and 2 threads, the overhead-regime
+#: model at 1 thread.
+DEFAULT_PAIRS = (("qwen3-4l-h256", 1), ("qwen3-4l-h256", 2), ("qwen3-2l-h128", 1))
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -97,9 +102,16 @@ def run_cell(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument(
+        "--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: all)"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--threads", default="1,2", help="torch thread counts, e.g. 1,2")
+    parser.add_argument(
+        "--threads",
+        default=None,
+        help="torch thread counts, e.g. 1,2. Without --models/--threads: "
+        + ", ".join(f"{m} at {t}" for m, t in DEFAULT_PAIRS),
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (>= 3)")
     parser.add_argument(
         "--repeats-sequential",
@@ -115,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     workloads = _parse_list(args.workloads, WORKLOADS, "workload")
-    models = _parse_list(args.models, tuple(MODELS), "model")
     systems = _parse_list(args.systems, SYSTEMS, "system")
-    threads = [int(t) for t in _parse_list(args.threads, None, "threads")]
+    if args.models is None and args.threads is None:
+        pairs = list(DEFAULT_PAIRS)
+    else:
+        models = _parse_list(args.models or ",".join(MODELS), tuple(MODELS), "model")
+        threads = [int(t) for t in _parse_list(args.threads or "1,2", None, "threads")]
+        pairs = [(m, t) for m in models for t in threads]
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
 
@@ -159,7 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": load_before,
         "load_average_after": load_average(),
         **environment(),
-        "settings": {"repeats": args.repeats, "threads": threads},
+        "settings": {
+            "repeats": args.repeats,
+            "repeats_hf_sequential": args.repeats_sequential or args.repeats,
+            "pairs": [{"model": m, "threads": t} for m, t in pairs],
+            "workloads": {
+                w: make_workload(w, MODELS[pairs[0][0]].overrides["vocab_size"]).description
+                for w in workloads
+            },
+            "models": {m: MODELS[m].overrides for m in {m for m, _ in pairs}},
+            "block_size": BLOCK_SIZE,
+            "token_budget": TOKEN_BUDGET,
+        },
         "rows": build_rows(records),
     }
     result["targets"] = targets(result["rows"])
@@ -173,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out_dir / f"serve_bench-{stamp}.json").write_text(text)
         (args.out_dir / "latest.md").write_text(report)
         print(
-            f"[serve_bench] wrote {args.out_dir.relative_to(REPO_ROOT)}/latest.json",
+            f"[serve_bench] wrote {args.out_dir / 'latest.json'}",
             file=sys.stderr,
         )
     return 0

@@ -94,6 +94,8 @@ class LLM:
                 use_hybrid_blocks=use_hybrid_blocks,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len
+                or getattr(self.config, "max_position_embeddings", None),
             )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         scheduler_config = SchedulerConfig(

@@ -24,8 +24,8 @@ import torch
 from kvskill.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
 from kvskill.runtime.device import select_device
-from kvskill.runtime.kv_cache_manager import KVCacheManager
-from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
+from kvskill.runtime.kv_cache_manager import KVCacheManager, build_groups
+from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP, FIXED_BLOCK_ATTN_TYPES
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -329,6 +329,7 @@ def prepare_kv_cache(
     use_hybrid_blocks: bool = False,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> KVCacheSetup:
     """Ask the model for its cache declarations, size the pools and inject the tensors.
 
@@ -336,7 +337,8 @@ def prepare_kv_cache(
         block_size: overrides the model's default tokens per block (entries that set their
             own block size keep it).
         num_blocks / kv_memory_bytes: size of each pool in blocks (null block included), or
-            a byte budget; with neither, a tenth of the free memory (at most 4 GiB).
+            a byte budget; with neither, see ``default_kv_memory_bytes``.
+        max_model_len: longest request expected; only sizes the default budget.
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -366,8 +368,13 @@ def prepare_kv_cache(
             is_mla_backend=info.is_mla_backend,
         )
     if num_blocks is None and kv_memory_bytes is None:
-        free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
-        kv_memory_bytes = min(int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES)
+        kv_memory_bytes = default_kv_memory_bytes(
+            info,
+            device,
+            max_num_seqs=max_num_seqs or 1,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
     manager = KVCacheManager(
         info,
         num_blocks=num_blocks,
@@ -380,6 +387,36 @@ def prepare_kv_cache(
     )
     manager.allocate_cache_tensors()
     return KVCacheSetup(info, manager)
+
+
+def default_kv_memory_bytes(
+    info: ModelCacheInfo,
+    device: torch.device,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    max_model_len: int | None,
+) -> int:
+    """KV bytes for ``max_num_seqs`` requests of ``max_model_len`` tokens (4096 if unknown),
+    capped at a tenth of the device's free memory and at 4 GiB.
+
+    NOTE: sized by need first so a tiny model does not zero-fill gigabytes of host memory.
+    Fixed-block groups (windows, states) get what the budget rule reserves for them.
+    """
+    from kvskill.runtime.layout import calculate_fixed_block_num
+
+    wanted = 0
+    for group in build_groups(info).values():
+        fixed = calculate_fixed_block_num(
+            group, max_num_seqs, max_num_batched_tokens, FIXED_BLOCK_ATTN_TYPES
+        )
+        if fixed is None:
+            blocks = max_num_seqs * -(-(max_model_len or 4096) // group.block_size) + 1
+            wanted += blocks * group.bytes_per_block()
+        else:
+            wanted += fixed * group.bytes_per_block()
+    free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
+    return max(1, min(wanted, int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES))
 
 
 def max_tokens_per_request(

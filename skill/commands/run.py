@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import random
+import re
+import sys
+import time
 from pathlib import Path
 
 import click
-from kvskill.errors import NotImplementedYetError
+from kvskill.errors import BadInputError
 from kvskill.options import (
     block_size_option,
     dtype_option,
@@ -20,11 +25,90 @@ EPILOG = """\b
 Examples:
   kvskill run converted/ --random-weights --num-requests 16 --prompt-len 64 --max-tokens 32
   kvskill run converted/ --prompt-ids 1,2,3,4 --max-tokens 8 --format json
+  kvskill run converted/ --prompt-ids '1,2,3;7,8' --num-blocks 64 --block-size 16
   kvskill run converted/ --prompt-ids prompts.jsonl --kv-memory 256MiB
 
 \b
-Exit codes: 0 success, 2 bad input.
+--prompt-ids takes one comma list, several separated by ';', or a .json file (a list of id
+lists) / .jsonl file (one id list per line).
+
+\b
+Exit codes: 0 success, 2 bad input, 3 unsupported model.
 """
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'256MiB' -> 268435456; 'MB'/'GB' are powers of 10, 'MiB'/'GiB' powers of 2."""
+    match = _SIZE.match(text)
+    if not match:
+        raise BadInputError(f"--kv-memory {text!r} is not a size; write e.g. 256MiB, 1GiB, 500MB")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    prefix = unit[:1] if unit[:1] in "kmgt" else ""
+    scale = 1024 ** ("kmgt".index(prefix) + 1) if prefix and "i" in unit else _UNITS[prefix]
+    return int(number * scale)
+
+
+def parse_prompt_ids(value: str) -> list[list[int]]:
+    """Prompts from a comma list (';' between prompts) or a .json / .jsonl file of id lists."""
+    path = Path(value)
+    if path.suffix in (".json", ".jsonl"):
+        if not path.is_file():
+            raise BadInputError(f"--prompt-ids file {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+        try:
+            if path.suffix == ".jsonl":
+                prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
+            else:
+                prompts = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadInputError(f"--prompt-ids file {path} is not valid JSON: {exc}") from exc
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]  # a single id list
+        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+            raise BadInputError(f"--prompt-ids file {path} must hold lists of token ids")
+        return prompts
+    try:
+        return [[int(t) for t in part.split(",") if t.strip()] for part in value.split(";")]
+    except ValueError as exc:
+        raise BadInputError(
+            f"--prompt-ids {value!r} is neither a comma list of ids nor a .json/.jsonl file"
+        ) from exc
+
+
+class _Progress:
+    """A one-line token counter on stderr, shown only on a terminal and after a moment."""
+
+    DELAY_S = 1.0
+
+    def __init__(self, total_tokens: int, enabled: bool) -> None:
+        self.total = total_tokens
+        self.enabled = enabled
+        self.done = 0
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.drawn = False
+
+    def update(self, step_outputs) -> None:
+        self.done += sum(len(o.new_token_ids) for o in step_outputs)
+        now = time.perf_counter()
+        if not self.enabled or now - self.started < self.DELAY_S or now - self.last_draw < 0.1:
+            return
+        self.last_draw, self.drawn = now, True
+        width = 30
+        filled = int(width * min(self.done / max(self.total, 1), 1.0))
+        rate = self.done / (now - self.started)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} tokens "
+            f"{rate:8.1f} tok/s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
 
 
 @click.command(epilog=EPILOG)
@@ -32,18 +116,35 @@ Exit codes: 0 success, 2 bad input.
 @click.option(
     "--prompt-ids",
     default=None,
-    help="Prompt token ids: a comma list, or a .json/.jsonl file of id lists.",
+    help="Prompt token ids: a comma list ('1,2,3'; ';' separates prompts), or a .json/.jsonl "
+    "file of id lists.",
 )
 @click.option("--num-requests", type=click.IntRange(min=1), default=None, help="Synthetic load.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True)
+@click.option(
+    "--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables top-k."
+)
+@click.option(
+    "--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True
+)
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @block_size_option
 @click.option("--num-blocks", type=click.IntRange(min=2), default=None, help="KV blocks.")
 @click.option("--kv-memory", default=None, help="KV memory budget, e.g. '256MiB'.")
+@click.option(
+    "--max-model-len", type=click.IntRange(min=2), default=None, help="Tokens per request at most."
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Tokens per step at most (longer prompts are chunked).",
+)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
 @log_layout_option
 @dtype_option
@@ -52,4 +153,145 @@ Exit codes: 0 success, 2 bad input.
 @format_option()
 def run(directory: Path, **options) -> None:
     """Generate with the converted model in DIRECTORY (continuous batching, paged KV)."""
-    raise NotImplementedYetError("`kvskill run` is not implemented yet")
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.runtime.ops import backend
+
+    if options["num_blocks"] is not None and options["kv_memory"] is not None:
+        raise BadInputError("give --num-blocks or --kv-memory, not both")
+    llm = LLM(
+        directory,
+        dtype=options["dtype"],
+        device=options["device"],
+        seed=options["seed"],
+        random_weights=options["random_weights"],
+        trust_remote_code=options["trust_remote_code"],
+        block_size=options["block_size"],
+        num_blocks=options["num_blocks"],
+        kv_memory_bytes=None if options["kv_memory"] is None else parse_size(options["kv_memory"]),
+        max_model_len=options["max_model_len"],
+        max_num_batched_tokens=options["max_num_batched_tokens"],
+        max_num_seqs=options["max_num_seqs"],
+        log_layout=options["log_layout"],
+    )
+    prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
+    params = SamplingParams(
+        max_tokens=options["max_tokens"],
+        temperature=options["temperature"],
+        top_k=options["top_k"],
+        top_p=options["top_p"],
+        ignore_eos=options["ignore_eos"],
+    )
+    progress = _Progress(len(prompts) * params.max_tokens, enabled=sys.stderr.isatty())
+    started = time.perf_counter()
+    try:
+        outputs = llm.generate(prompts, params, on_step=progress.update)
+    finally:
+        progress.close()
+    wall_s = time.perf_counter() - started
+    report = _report(llm, outputs, wall_s, directory, backend().name)
+    if options["output_format"] == "json":
+        click.echo(json.dumps(report))
+    else:
+        click.echo(_render_table(report))
+
+
+def _prompts(options: dict, *, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    if options["prompt_ids"] is not None and options["num_requests"] is not None:
+        raise BadInputError("give --prompt-ids or --num-requests, not both")
+    if options["prompt_ids"] is not None:
+        return parse_prompt_ids(options["prompt_ids"])
+    if options["num_requests"] is None:
+        raise BadInputError(
+            "nothing to generate: give --prompt-ids or --num-requests (synthetic prompts)"
+        )
+    # Synthetic prompts: seeded, uniform over the vocabulary.
+    length = options["prompt_len"]
+    if length >= max_model_len:
+        raise BadInputError(
+            f"--prompt-len {length} leaves no room to generate under max_model_len={max_model_len}"
+        )
+    rng = random.Random(options["seed"])
+    return [
+        [rng.randrange(vocab_size) for _ in range(length)] for _ in range(options["num_requests"])
+    ]
+
+
+def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> dict:
+    stats = llm.stats
+    generated = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.ttft_s for o in outputs if o.ttft_s is not None]
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        key = o.finish_reason.value if o.finish_reason else "unfinished"
+        reasons[key] = reasons.get(key, 0) + 1
+    kv = {
+        key: {
+            "block_size": llm.kv_manager.block_size_of(key),
+            "blocks_total": llm.kv_manager.initial_free_blocks[key],
+            "blocks_peak": stats.peak_blocks_used.get(key, 0),
+            "blocks_used_now": llm.kv_manager.initial_free_blocks[key]
+            - llm.kv_manager.num_free_blocks[key],
+        }
+        for key in llm.kv_manager.group_keys
+    }
+    return {
+        "model_dir": str(directory),
+        "device": str(llm.device),
+        "ops_backend": ops_backend,
+        "max_model_len": llm.max_model_len,
+        "summary": {
+            "requests": len(outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            "generated_tokens": generated,
+            "wall_s": wall_s,
+            "throughput_tok_s": generated / wall_s if wall_s > 0 else None,
+            "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "steps": stats.num_steps,
+            "prefill_steps": stats.num_prefill_steps,
+            "decode_steps": stats.num_decode_steps,
+            "preemptions": stats.num_preemptions,
+            "finish_reasons": reasons,
+        },
+        "kv_cache": kv,
+        "requests": [o.to_dict() for o in outputs],
+    }
+
+
+def _render_table(report: dict) -> str:
+    s = report["summary"]
+    rows = [
+        ("model", report["model_dir"]),
+        ("device / ops", f"{report['device']} / {report['ops_backend']}"),
+        ("requests", str(s["requests"])),
+        ("prompt tokens", str(s["prompt_tokens"])),
+        ("generated tokens", str(s["generated_tokens"])),
+        ("wall time", f"{s['wall_s']:.3f} s"),
+        ("throughput", f"{s['throughput_tok_s'] or 0:.1f} tok/s"),
+        ("mean TTFT", f"{(s['mean_ttft_s'] or 0) * 1000:.1f} ms"),
+        ("steps (prefill/decode)", f"{s['steps']} ({s['prefill_steps']}/{s['decode_steps']})"),
+        ("preemptions", str(s["preemptions"])),
+        ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
+    ]
+    for key, kv in report["kv_cache"].items():
+        rows.append(
+            (
+                f"KV {key} blocks",
+                f"peak {kv['blocks_peak']}/{kv['blocks_total']} (block size {kv['block_size']}), "
+                f"in use now {kv['blocks_used_now']}",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+    shown = report["requests"][:16]
+    if shown:
+        lines.append("")
+        for r in shown:
+            ids = r["token_ids"]
+            text = ",".join(map(str, ids[:24])) + (",…" if len(ids) > 24 else "")
+            lines.append(
+                f"request {r['request_id']}: prompt {r['prompt_len']} tokens -> "
+                f"{len(ids)} tokens ({r['finish_reason']}): {text}"
+            )
+        if len(report["requests"]) > len(shown):
+            lines.append(f"... {len(report['requests']) - len(shown)} more (use --format json)")
+    return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""``kvskill run`` on the toy converted model: summary table, JSON, prompt files, errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+
+from kvskill.cli import main  # noqa: E402
+from kvskill.commands.run import parse_prompt_ids, parse_size  # noqa: E402
+from kvskill.runtime import LLM, SamplingParams  # noqa: E402
+from toy_factory import write_toy_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    return write_toy_dir(tmp_path_factory.mktemp("toy") / "model", seed=5)
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_run_prints_summary_table(capsys, toy_dir):
+    code, out, _ = run_cli(
+        capsys, "run", str(toy_dir), "--trust-remote-code", "--num-requests", "5",
+        "--prompt-len", "12", "--max-tokens", "6", "--num-blocks", "12", "--block-size", "4",
+    )  # fmt: skip
+    assert code == 0
+    for label in ("requests", "generated tokens", "throughput", "preemptions"):
+        assert label in out
+    assert "KV FullAttention blocks  peak" in out and "/11 (block size 4)" in out
+    assert out.count("request 0-") == 5
+
+
+def test_run_json_matches_python_api(capsys, toy_dir):
+    code, out, _ = run_cli(
+        capsys, "run", str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3;9,8,7,6,5",
+        "--max-tokens", "4", "--num-blocks", "32", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    llm = LLM(toy_dir, trust_remote_code=True, num_blocks=32)
+    expected = llm.generate([[1, 2, 3], [9, 8, 7, 6, 5]], SamplingParams(max_tokens=4))
+    assert [r["token_ids"] for r in report["requests"]] == [o.token_ids for o in expected]
+    assert report["summary"]["generated_tokens"] == 8
+    assert report["kv_cache"]["SlidingWindow"]["blocks_used_now"] == 0
+
+
+def test_run_reads_prompt_files(tmp_path):
+    (tmp_path / "p.jsonl").write_text("[1, 2]\n\n[3]\n")
+    (tmp_path / "p.json").write_text("[[4, 5], [6]]")
+    (tmp_path / "one.json").write_text("[7, 8, 9]")
+    assert parse_prompt_ids(str(tmp_path / "p.jsonl")) == [[1, 2], [3]]
+    assert parse_prompt_ids(str(tmp_path / "p.json")) == [[4, 5], [6]]
+    assert parse_prompt_ids(str(tmp_path / "one.json")) == [[7, 8, 9]]
+    assert parse_prompt_ids("1, 2,3;4") == [[1, 2, 3], [4]]
+
+
+def test_parse_size():
+    assert parse_size("256MiB") == 256 * 2**20
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    assert parse_size("2k") == 2000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-ids", "1,x"], "neither a comma list"),
+        (["--prompt-ids", "1,500"], "outside the vocabulary"),
+        ([], "give --prompt-ids or --num-requests"),
+        (["--num-requests", "2", "--prompt-len", "600"], "leaves no room to generate"),
+        (["--prompt-ids", "1", "--num-blocks", "8", "--kv-memory", "1MiB"], "not both"),
+        (["--prompt-ids", "1", "--kv-memory", "lots"], "is not a size"),
+    ],
+)
+def test_run_bad_input_exits_2(capsys, toy_dir, args, message):
+    code, _, err = run_cli(capsys, "run", str(toy_dir), "--trust-remote-code", *args)
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_run_json_error_shape(capsys, toy_dir):
+    code, out, _ = run_cli(capsys, "run", str(toy_dir), "--prompt-ids", "1", "--format", "json")
+    assert code == 2
+    assert json.loads(out)["error"]["code"] == "bad_input"
+    assert "--trust-remote-code" in json.loads(out)["error"]["message"]
+
+
+def test_run_without_weights_needs_random_weights(capsys, tmp_path):
+    bare = write_toy_dir(tmp_path / "bare", weights=False)
+    code, _, err = run_cli(capsys, "run", str(bare), "--trust-remote-code", "--prompt-ids", "1")
+    assert code == 2 and "--random-weights" in err
+    code, out, _ = run_cli(
+        capsys, "run", str(bare), "--trust-remote-code", "--random-weights", "--prompt-ids",
+        "1,2", "--max-tokens", "3", "--num-blocks", "8", "--format", "json",
+    )  # fmt: skip
+    assert code == 0 and len(json.loads(out)["requests"][0]["token_ids"]) == 3

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
 from kvskill.errors import BadInputError, NotImplementedYetError
+from kvskill.implementer.mla import MlaSpec, convert_mla_source
 from kvskill.implementer.pipeline import convert_source
 from kvskill.implementer.spec import ConversionSpec
 
@@ -114,12 +115,14 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
         attn_tp_size=options.attn_tp_size,
         block_size=options.block_size,
     )
-    spec = ConversionSpec.from_plan(
+    # MLA: latent caches and absorbed attention (kvskill.implementer.mla)
+    mla = plan.attention == "mla"
+    spec = (MlaSpec if mla else ConversionSpec).from_plan(
         plan, fa_version=options.fa_version, block_size=options.block_size
     )
     modeling_file = Path(plan.source["modeling_file"])
     original = _read(modeling_file)
-    converted = convert_source(
+    converted = (convert_mla_source if mla else convert_source)(
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
     return plan, original, converted

@@ -1,0 +1,224 @@
+"""Structural facts of an MLA attention class, gathered before any rewrite.
+
+On top of the generic seam (``implementer.facts``: the cache write of the latent and the rope
+key, then the attention kernel) the absorbed rewrite needs the modules and names that carry
+the latent:
+
+* ``kv_b_proj``: the Linear whose input is the latent (its in-features read
+  ``kv_lora_rank``); its weight holds the key and value up-projections, per head
+  ``[qk_nope_head_dim + v_head_dim, kv_lora_rank]``.
+* the query parts: ``query = torch.cat((q_nope, q_rope), dim=-1)`` gives the two names; any
+  other query expression is split by the rope head dim.
+* for the fused write only: the down-projection (out-features ``kv_lora_rank +
+  qk_rope_head_dim``) and the name of its raw output, the latent RMSNorm module and its
+  epsilon attribute, and the ``cos, sin`` tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer.facts import SeamFacts, attention_facts, code
+
+LATENT_RANK = "kv_lora_rank"
+ROPE_DIM_KEY = "qk_rope_head_dim"
+#: ``torch.cat((a, b), dim=-1)`` / ``torch.cat([a, b], -1)``
+_CAT = m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("cat")) | m.Name("cat"))
+_SELF_ASSIGN = m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedWriteFacts:
+    """What ``npu_kv_rmsnorm_rope_cache`` needs from the source."""
+
+    #: name of the raw down-projection output ``[B, S, rank + rope]``
+    raw_latent: str
+    #: attribute of the latent RMSNorm module and its epsilon attribute
+    norm: str
+    norm_eps: str
+    cos: str
+    sin: str
+
+
+@dataclass(kw_only=True)
+class MlaAttentionFacts:
+    """One MLA attention class."""
+
+    name: str
+    config_param: str | None = None
+    seam: SeamFacts | None = None
+    kv_b_proj: str | None = None
+    #: (q_nope, q_rope) names when the query is a concatenation of the two, else None
+    query_parts: tuple[str, str] | None = None
+    fused: FusedWriteFacts | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            return stmt
+    return None
+
+
+def _module_assigns(init: cst.FunctionDef) -> dict[str, cst.Call]:
+    """``self.<attr> = <call>(...)`` in ``__init__`` (the last one wins; conditionals too)."""
+    found: dict[str, cst.Call] = {}
+    for node in m.findall(init, _SELF_ASSIGN):
+        assign = cst.ensure_type(node, cst.Assign)
+        target = cst.ensure_type(assign.targets[0].target, cst.Attribute)
+        calls = [assign.value] if isinstance(assign.value, cst.Call) else []
+        if isinstance(assign.value, cst.IfExp):
+            calls = [v for v in (assign.value.body, assign.value.orelse) if isinstance(v, cst.Call)]
+        for call in calls:
+            found[target.attr.value] = call
+    return found
+
+
+def _is_linear(call: cst.Call) -> bool:
+    return code(call.func).split(".")[-1] == "Linear"
+
+
+def _positional(call: cst.Call, index: int) -> str:
+    args = [a for a in call.args if a.keyword is None]
+    return code(args[index].value) if len(args) > index else ""
+
+
+def mla_attention_facts(
+    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], fused: bool
+) -> MlaAttentionFacts:
+    """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite."""
+    generic = attention_facts(cls)
+    facts = MlaAttentionFacts(
+        name=generic.name,
+        config_param=generic.config_param,
+        seam=generic.seam,
+        problems=list(generic.problems),
+    )
+    init = _method(cls, "__init__")
+    forward = _method(cls, "forward")
+    if init is None or forward is None or facts.seam is None:
+        return facts
+    modules = _module_assigns(init)
+    up = [a for a, c in modules.items() if _is_linear(c) and LATENT_RANK in _positional(c, 0)]
+    if len(up) != 1:
+        facts.problems.append(
+            f"{facts.name}.__init__ has {len(up)} Linear layers reading the latent "
+            f"(in-features from {LATENT_RANK}); the absorbed rewrite needs exactly one kv_b_proj"
+        )
+    else:
+        facts.kv_b_proj = up[0]
+    facts.query_parts = _query_parts(forward, facts.seam)
+    if fused:
+        facts.fused = _fused_facts(facts, forward, modules, classes)
+    return facts
+
+
+def _query_parts(forward: cst.FunctionDef, seam: SeamFacts) -> tuple[str, str] | None:
+    body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+    for stmt in body[: seam.kernel_index]:
+        for node in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(seam.query))])):
+            value = cst.ensure_type(node, cst.Assign).value
+            if not m.matches(value, _CAT):
+                continue
+            first = cst.ensure_type(value, cst.Call).args[0].value
+            if isinstance(first, (cst.Tuple, cst.List)) and len(first.elements) == 2:
+                names = [e.value for e in first.elements]
+                if all(isinstance(n, cst.Name) for n in names):
+                    return (
+                        cst.ensure_type(names[0], cst.Name).value,
+                        cst.ensure_type(names[1], cst.Name).value,
+                    )
+    return None
+
+
+def _fused_facts(
+    facts: MlaAttentionFacts,
+    forward: cst.FunctionDef,
+    modules: dict[str, cst.Call],
+    classes: dict[str, cst.ClassDef],
+) -> FusedWriteFacts | None:
+    down = [
+        a
+        for a, c in modules.items()
+        if _is_linear(c) and LATENT_RANK in _positional(c, 1) and ROPE_DIM_KEY in _positional(c, 1)
+    ]
+    norms = [
+        a for a, c in modules.items() if not _is_linear(c) and LATENT_RANK in _positional(c, 0)
+    ]
+    raw = _assigned_from(forward, down[0]) if len(down) == 1 else None
+    tables = _cos_sin(forward)
+    eps = (
+        _eps_attr(classes.get(code(modules[norms[0]].func).split(".")[-1]))
+        if len(norms) == 1
+        else None
+    )
+    missing = [
+        what
+        for what, ok in (
+            (f"the down-projection Linear to {LATENT_RANK} + {ROPE_DIM_KEY}", raw is not None),
+            (
+                f"one latent norm module over {LATENT_RANK} with an epsilon attribute",
+                eps is not None,
+            ),
+            ("`cos, sin = ...` rope tables in forward", tables is not None),
+        )
+        if not ok
+    ]
+    if missing:
+        facts.problems.append(
+            f"{facts.name}: the Plan asks for the fused latent write but the source lacks "
+            + ", ".join(missing)
+        )
+        return None
+    assert raw is not None and tables is not None and eps is not None
+    return FusedWriteFacts(
+        raw_latent=raw, norm=norms[0], norm_eps=eps, cos=tables[0], sin=tables[1]
+    )
+
+
+def _assigned_from(forward: cst.FunctionDef, attr: str) -> str | None:
+    """``name = self.<attr>(...)`` in forward -> name."""
+    call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
+    for node in m.findall(forward, m.Assign(targets=[m.AssignTarget(target=m.Name())], value=call)):
+        return cst.ensure_type(cst.ensure_type(node, cst.Assign).targets[0].target, cst.Name).value
+    return None
+
+
+def _cos_sin(forward: cst.FunctionDef) -> tuple[str, str] | None:
+    """``cos, sin = <expr>`` in forward."""
+    pattern = m.Assign(
+        targets=[
+            m.AssignTarget(target=m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())]))
+        ]
+    )
+    for node in m.findall(forward, pattern):
+        elements = cst.ensure_type(
+            cst.ensure_type(node, cst.Assign).targets[0].target, cst.Tuple
+        ).elements
+        names = [cst.ensure_type(e.value, cst.Name).value for e in elements]
+        if "cos" in names[0] and "sin" in names[1]:
+            return names[0], names[1]
+    return None
+
+
+def _eps_attr(norm_cls: cst.ClassDef | None) -> str | None:
+    """The attribute a norm class keeps its epsilon in (``variance_epsilon``, ``eps``)."""
+    if norm_cls is None:
+        return None
+    init = _method(norm_cls, "__init__")
+    if init is None:
+        return None
+    for attr in _self_attrs(init):
+        if "eps" in attr:
+            return attr
+    return None
+
+
+def _self_attrs(init: cst.FunctionDef) -> list[str]:
+    return [
+        cst.ensure_type(cst.ensure_type(n, cst.Assign).targets[0].target, cst.Attribute).attr.value
+        for n in m.findall(init, _SELF_ASSIGN)
+    ]

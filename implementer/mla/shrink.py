@@ -1,0 +1,67 @@
+"""Shrinking an MLA config for verification without leaving the fused operator's limits.
+
+The absorbed MLA attention needs rope head dim 64 and a query head dim (``kv_lora_rank``) of
+512 or 128 (npu_ops §1.8); a shrunk config must stay inside them, so the latent shrinks to
+128 and the rope dim is never touched. Other MLA dims become small but distinct (nope 16,
+value 24) so a swapped key/value split shows up in the logits. ``q_lora_rank`` keeps its
+presence (None stays None), group-limited MoE routing keeps one group, and the dense-then-MoE
+layer pattern (``first_k_dense_replace``) keeps at least one layer of each kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvskill.implementer.mla.spec import MLA_QUERY_DIMS
+
+#: the smaller latent width the fused MLA attention accepts
+LATENT_RANK = min(MLA_QUERY_DIMS)
+NOPE_HEAD_DIM = 16
+V_HEAD_DIM = 24
+Q_LORA_RANK = 32
+
+
+def is_mla_config(config: dict[str, Any]) -> bool:
+    """A latent-attention config (it names a KV latent rank)."""
+    return isinstance(config.get("kv_lora_rank"), int)
+
+
+def shrink_mla(config: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
+    """The MLA keys of ``shrunk`` (the generic shrink of ``config``) to override.
+
+    Args:
+        config: the original config.
+        shrunk: the generic shrink's result (hidden size, heads, layers already small).
+
+    Returns:
+        key -> new value; apply with ``shrunk.update(...)``.
+    """
+    rope = config.get("qk_rope_head_dim")
+    new: dict[str, Any] = {
+        "kv_lora_rank": LATENT_RANK
+        if config["kv_lora_rank"] in MLA_QUERY_DIMS
+        else config["kv_lora_rank"],
+        "qk_nope_head_dim": NOPE_HEAD_DIM,
+        "v_head_dim": V_HEAD_DIM,
+    }
+    if rope is not None:
+        new["qk_rope_head_dim"] = rope
+        # the rotary embedding of these models is sized by head_dim = the rope head dim
+        new["head_dim"] = rope
+        if "qk_head_dim" in config:
+            new["qk_head_dim"] = NOPE_HEAD_DIM + rope
+    if config.get("q_lora_rank"):
+        new["q_lora_rank"] = Q_LORA_RANK
+    if config.get("n_group"):
+        new["n_group"] = 1
+        new["topk_group"] = 1
+    dense = config.get("first_k_dense_replace")
+    if isinstance(dense, int):
+        new["first_k_dense_replace"] = min(dense, 1)
+        layers = int(shrunk.get("num_hidden_layers") or 2)
+        # one dense layer and one MoE layer at least
+        new["num_hidden_layers"] = min(
+            int(config.get("num_hidden_layers") or layers),
+            max(layers, new["first_k_dense_replace"] + 1),
+        )
+    return new

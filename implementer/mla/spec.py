@@ -1,0 +1,102 @@
+"""What the MLA codemods need from a Plan, validated once at the boundary.
+
+The fused operator's MLA path has hard limits (npu_ops §1.8): rope head dim 64, query head
+dim (here ``kv_lora_rank``, the absorbed query) 512 or 128, one key head. A Plan outside
+them is refused here, before anything is rewritten, instead of emitting code that fails on
+the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvskill.analyzer.plan import AttnType, Plan
+from kvskill.errors import UnsupportedModelError
+from kvskill.implementer.spec import FaVersion
+
+MLA_ROPE_DIM = 64
+MLA_QUERY_DIMS = (512, 128)
+#: block sizes of the MLA paths are multiples of 16 (NZ C0 for fp16/bf16; npu_ops §1.7, §4)
+MLA_BLOCK_SIZE = 16
+#: the only sparse modes the absorbed path emits: causal prefill, dense single-token decode
+MLA_SPARSE_MODE = {"prefill": 3, "decode": 0}
+
+
+class CacheWrite(str, Enum):
+    """How the latent reaches the caches (the Plan's ``mla_cache_write``)."""
+
+    #: npu_kv_rmsnorm_rope_cache on the raw down-projection, cache_mode="PA_NZ"
+    FUSED = "fused"
+    #: npu_scatter_nd_update_ of the source's normalised latent and rotated key, NZ rows
+    SCATTER = "scatter"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlaSpec:
+    """Everything the MLA codemods emit that depends on the analyzer's decisions."""
+
+    fa_version: FaVersion
+    input_layout: str
+    attn_type: str
+    #: {"prefill": 3, "decode": 0}
+    sparse_mode: dict[str, int]
+    cache_write: CacheWrite
+    attn_tp_size: int = 1
+    block_size: int = 128
+    #: unused by the MLA path; the shared import/mask codemods read these names
+    has_sinks: bool = False
+
+    @classmethod
+    def from_plan(
+        cls, plan: Plan, *, fa_version: str = "auto", block_size: int | None = None
+    ) -> MlaSpec:
+        """Validate an MLA Plan and extract the emitted values.
+
+        Raises:
+            UnsupportedModelError: the Plan is not MLA, or its dims break the operator limits.
+        """
+        _check_supported(plan)
+        modes = plan.sparse_mode[AttnType.FULL.value]
+        return cls(
+            fa_version=FaVersion(plan.fa_version if fa_version == "auto" else fa_version),
+            input_layout=plan.input_layout,
+            attn_type=AttnType.FULL.value,
+            sparse_mode={"prefill": int(modes["prefill"]), "decode": int(modes["decode"])},
+            cache_write=CacheWrite(plan.mla_cache_write or CacheWrite.SCATTER.value),
+            attn_tp_size=plan.attn_tp_size,
+            block_size=block_size or plan.block_size,
+        )
+
+
+def _check_supported(plan: Plan) -> None:
+    reasons: list[str] = list(plan.implementer_blockers)
+    if plan.attention != "mla" or not plan.mla_absorb or not plan.mla:
+        reasons.append(
+            f"attention is {plan.attention!r} with mla_absorb={plan.mla_absorb}; the MLA "
+            "rewrite needs an absorbed MLA Plan"
+        )
+    if plan.kv_mode != "paged":
+        reasons.append(f"kv_mode is {plan.kv_mode!r}; only paged is rewritten")
+    if plan.input_layout != "TND_NTD":
+        reasons.append(f"input_layout {plan.input_layout!r}; absorbed MLA uses TND_NTD")
+    kinds = set(plan.layer_attn_types())
+    if kinds != {AttnType.FULL.value}:
+        reasons.append(f"layers of attn_type {sorted(kinds)}; MLA layers are FullAttention")
+    modes = plan.sparse_mode.get(AttnType.FULL.value, {})
+    if dict(modes) != MLA_SPARSE_MODE:
+        reasons.append(
+            f"sparse_mode {dict(modes)}; absorbed MLA needs prefill 3 (causal, 2048 mask) and "
+            "decode 0 (no mask)"
+        )
+    if plan.mla:
+        rope = plan.mla.get("qk_rope_head_dim")
+        rank = plan.mla.get("kv_lora_rank")
+        if rope != MLA_ROPE_DIM:
+            reasons.append(f"qk_rope_head_dim is {rope}; the fused MLA attention needs 64")
+        if rank not in MLA_QUERY_DIMS:
+            reasons.append(
+                f"kv_lora_rank is {rank}; the absorbed query head dim must be 512 or 128"
+            )
+    if reasons:
+        raise UnsupportedModelError(f"{plan.model_type}: cannot convert: " + "; ".join(reasons))

@@ -172,3 +172,47 @@ def test_mla_nz_caches_written_then_read_by_fa(nope):
         qs = slice(starts[b], starts[b] + q_lens[b])
         want, _ = naive_request(q_nope[qs], c, c, 0.05, rule_for(3), q_rope=q_rope[qs], k_rope=r)
         torch.testing.assert_close(out[qs].double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,pre,nxt", [(3, 2147483647, 2147483647), (4, 1, 0), (0, 2, 0)])
+def test_lse_and_no_lse_paths_agree_including_empty_rows(mode, pre, nxt):
+    # softmax_lse_flag switches between two implementations of the same math; rows with no
+    # admitted key (q longer than kv in mode 3) are zeros.
+    case = make_paged_case(
+        [5, 1, 4], [3, 6, 4], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=31
+    )
+    nb, bs = case.key_cache.shape[:2]
+    mask = CAUSAL_TILE if mode else torch.zeros(8, 8, dtype=torch.bool)
+    outs = []
+    for flag in (False, True):
+        out, _ = npu.npu_fused_infer_attention_score(
+            case.query_tnd,
+            case.key_cache.view(nb, bs, -1),
+            case.value_cache.view(nb, bs, -1),
+            num_heads=4,
+            num_key_value_heads=2,
+            input_layout="TND",
+            scale=0.3,
+            atten_mask=mask,
+            sparse_mode=mode,
+            pre_tokens=pre,
+            next_tokens=nxt,
+            block_table=case.block_table,
+            block_size=bs,
+            actual_seq_lengths=case.cu_q,
+            actual_seq_lengths_kv=case.kv_lens,
+            softmax_lse_flag=flag,
+        )
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    if mode == 3:
+        assert torch.count_nonzero(outs[0][:2]) == 0  # rows 0, 1 of request 0 see no key
+    if mode == 0:
+        rule = lambda i, j, s1, s2: i - pre <= j <= i + nxt  # noqa: E731
+    else:
+        rule = rule_for(mode, pre, nxt)
+    start = 0
+    for b, s in enumerate(case.q_lens):
+        want, _ = naive_request(case.qs[b], case.ks[b], case.vs[b], 0.3, rule)
+        torch.testing.assert_close(outs[0][start : start + s].double(), want, atol=2e-5, rtol=2e-5)
+        start += s

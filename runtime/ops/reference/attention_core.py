@@ -16,10 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Score elements materialised at once; larger problems are split over query rows.
 _SCORE_BUDGET = 1 << 25
+# Mask elements built at once on the fused (SDPA) path.
+_MASK_BUDGET = 1 << 27
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +85,8 @@ def attention(
     k_rope: Tensor | None = None,
     sink: Tensor | None = None,
     pse_shift: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Attention of padded requests.
 
     Args:
@@ -94,10 +98,20 @@ def attention(
         sink: per query head logit [N] (already in score units, not scaled).
         pse_shift: additive bias broadcastable to [B, N, Sq, Skv].
 
+        need_lse: compute the lse; without it (and without sink/pse) the masked softmax runs
+            in PyTorch's fused SDPA kernel, which reads the gathered strided KV in place.
+
     Returns:
         out fp32 [B, N, Sq, Dv] (zeros in padding rows and in rows with no admitted key) and
-        lse fp32 [B, N, Sq] (natural log of the softmax denominator; -inf for empty rows).
+        lse fp32 [B, N, Sq] (natural log of the softmax denominator; -inf for empty rows), or
+        None when not needed.
     """
+    if not need_lse and sink is None and pse_shift is None:
+        if q_rope is not None:
+            # scale * (q.k + q_rope.k_rope) == scale * [q, q_rope].[k, k_rope]
+            q = torch.cat((q, q_rope), dim=-1)
+            k = torch.cat((k, k_rope), dim=-1)
+        return _fused(q, k, v, q_lens, kv_lens, scale, admission), None
     b, n, sq, _ = q.shape
     kvn, skv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = n // kvn
@@ -145,3 +159,32 @@ def attention(
         chunk_lse = torch.where(denom > 0, row_max + torch.log(safe), float("-inf"))
         lse[:, :, rows.start : rows.stop] = chunk_lse.reshape(b, n, len(rows))
     return out, lse
+
+
+def _fused(
+    q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, kv_lens: Tensor, scale: float, adm: Admission
+) -> Tensor:
+    """Masked attention through SDPA in fp32; rows without an admitted key become zeros.
+
+    GQA runs as grouped queries: the G query heads sharing a kv head become G x R query rows
+    of that kv head ([B, KVN, G*R, D]), so each key/value row is read once per kv head
+    instead of being expanded G times. The mask is the same for every head.
+    """
+    b, n, sq, d = q.shape
+    kvn, skv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = n // kvn
+    kf, vf = k.float(), v.float()
+    out = q.new_zeros((b, n, sq, dv), dtype=torch.float32)
+    rows_per_chunk = max(1, _MASK_BUDGET // max(1, b * g * skv))
+    for r0 in range(0, sq, rows_per_chunk):
+        rows = range(r0, min(sq, r0 + rows_per_chunk))
+        r = len(rows)
+        ok = adm.allowed(rows, skv, q_lens, kv_lens)  # [B, R, Skv]
+        qg = q[:, :, rows.start : rows.stop].float().reshape(b, kvn, g * r, d)
+        mask = ok.unsqueeze(1).expand(b, g, r, skv).reshape(b, 1, g * r, skv)
+        chunk = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)
+        chunk = chunk.view(b, n, r, dv)
+        # unconfirmed: device output for rows with no admitted key (most likely zeros).
+        has_key = ok.any(dim=-1)[:, None, :, None]
+        out[:, :, rows.start : rows.stop] = torch.where(has_key, chunk, torch.zeros_like(chunk))
+    return out

@@ -96,6 +96,9 @@ def packed_to_padded(x: Tensor, lens: list[int], layout: str, num_heads: int, wh
     if layout == "NTD":
         x = x.transpose(0, 1)
     check_heads(x.size(1), num_heads, what)
+    if lens and min(lens) == max(lens) and x.size(0) == lens[0] * len(lens):
+        # Equal lengths (e.g. a pure decode step): a view, no gather.
+        return x.view(len(lens), lens[0], *x.shape[1:]).transpose(1, 2)
     idx, _ = packed_index(lens, x.device)
     if x.size(0) == 0:
         return x.new_zeros((len(lens), x.size(1), idx.size(1), x.size(2)))
@@ -113,8 +116,44 @@ def packed_index(lens: list[int], device: torch.device) -> tuple[Tensor, Tensor]
 
 def padded_to_packed(x: Tensor, lens: list[int]) -> Tensor:
     """[B, N, S, ...] -> [T, N, ...] keeping only the first lens[b] rows of each request."""
+    if lens and min(lens) == max(lens) == x.size(2):
+        return x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])
     _, valid = packed_index(lens, x.device)
     return x.transpose(1, 2)[valid]
+
+
+# Gathers larger than this many bytes allocate fresh memory instead of a reused workspace.
+_WORKSPACE_MAX_BYTES = 1 << 30
+_WORKSPACE: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+
+def _gather_blocks(cache: Tensor, ids: Tensor, role: str) -> Tensor:
+    """``cache[ids]`` ([B, nb, ...]) into a reused per-role buffer.
+
+    NOTE: a fresh multi-MB allocation per call costs more in page faults than the copy itself
+    (several times over for batch 64 x 4k); reusing one buffer per role (key, value, key_rope)
+    avoids that. The result is only valid until the next gather of the same role, which is
+    the same operator call.
+    """
+    flat = ids.reshape(-1)
+    shape = (*ids.shape, *cache.shape[1:])
+    numel = flat.numel() * cache[0].numel()
+    too_big = numel * cache.element_size() > _WORKSPACE_MAX_BYTES
+    if too_big or not cache.is_contiguous() or (cache.requires_grad and torch.is_grad_enabled()):
+        return cache[ids]
+    key = (role, cache.dtype, cache.device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        _WORKSPACE[key] = buf
+    out = buf[:numel].view(flat.numel(), *cache.shape[1:])
+    torch.index_select(cache, 0, flat, out=out)
+    return out.view(shape)
+
+
+def release_workspace() -> None:
+    """Free the gather buffers (they are re-created on the next paged call)."""
+    _WORKSPACE.clear()
 
 
 def gather_paged(
@@ -139,16 +178,16 @@ def gather_paged(
                 f"{what} cache hidden size {cache.size(2)} is not divisible by "
                 f"num_key_value_heads={num_kv_heads}"
             )
-        g = cache[ids]  # [B, nb, bs, KVN*D]
+        g = _gather_blocks(cache, ids, what)  # [B, nb, bs, KVN*D]
         g = g.view(b, num_used * block_size, num_kv_heads, -1)[:, :max_len]
         return g.permute(0, 2, 1, 3)
     check_heads(cache.size(1), num_kv_heads, f"{what} cache")
     if cache.dim() == 4:
-        g = cache[ids]  # [B, nb, KVN, bs, D]
+        g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, bs, D]
         g = g.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, num_used * block_size, -1)
         return g[:, :, :max_len]
     if cache.dim() == 5:
-        g = cache[ids]  # [B, nb, KVN, D/C0, bs, C0]
+        g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, D/C0, bs, C0]
         g = g.permute(0, 2, 1, 4, 3, 5)  # [B, KVN, nb, bs, D/C0, C0]
         g = g.reshape(b, num_kv_heads, num_used * block_size, -1)
         return g[:, :, :max_len]

@@ -123,6 +123,7 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
         k_rope=k_rope,
         sink=sink,
         pse_shift=call.pse_shift,
+        need_lse=call.return_lse,
     )
     attention_out = format_output(out.to(call.query.dtype), layout, shapes.q_lens)
     if call.return_lse:

@@ -178,7 +178,7 @@ class FileContext:
     def from_path(cls, path: Path) -> FileContext:
         """Read a file (and a ``config.json`` beside it) into a context."""
         source = path.read_text(encoding="utf-8")
-        return cls(source, str(path), _sibling_config(path))
+        return cls(source, str(path), sibling_config(path))
 
     # text and position ---------------------------------------------------------------
     def code(self, node: cst.CSTNode) -> str:
@@ -309,7 +309,7 @@ class FileContext:
         return re.search(pattern, self.source) is not None
 
 
-def _sibling_config(path: Path) -> dict | None:
+def sibling_config(path: Path) -> dict | None:
     """The ``config.json`` in the file's folder, when there is a readable one."""
     import json
 

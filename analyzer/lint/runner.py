@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import libcst as cst
-from kvskill.analyzer.lint.context import FileContext
+from kvskill.analyzer.lint.context import FileContext, sibling_config
 from kvskill.analyzer.lint.model import FileError, Finding, LintReport
 from kvskill.analyzer.lint.rule import Rule
 from kvskill.analyzer.lint.rules import RULES
@@ -86,17 +87,31 @@ def lint_paths(paths: Iterable[Path], *, disable: Iterable[str] = ()) -> LintRep
     for path in python_files(paths):
         report.files += 1
         try:
-            ctx = FileContext.from_path(path)
-        except cst.ParserSyntaxError as exc:
-            report.errors.append(
-                FileError(path=str(path), line=exc.raw_line, message=f"cannot parse: {exc.message}")
-            )
-            continue
+            source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             report.errors.append(
                 FileError(path=str(path), line=0, message=f"cannot read: {reason}")
             )
             continue
+        try:
+            ctx = FileContext(source, str(path), sibling_config(path))
+        except cst.ParserSyntaxError as exc:
+            report.errors.append(_syntax_error(path, source, exc))
+            continue
         report.findings.extend(_run(ctx, rules))
     return report
+
+
+def _syntax_error(path: Path, source: str, exc: cst.ParserSyntaxError) -> FileError:
+    """Python's own message and line when it has one (libcst's native parser points at
+    where it gave up, often a line late), else libcst's."""
+    try:
+        ast.parse(source, filename=str(path))
+    except SyntaxError as py_exc:
+        return FileError(
+            path=str(path), line=py_exc.lineno or 0, message=f"cannot parse: {py_exc.msg}"
+        )
+    except (ValueError, RecursionError):
+        pass
+    return FileError(path=str(path), line=exc.raw_line, message=f"cannot parse: {exc.message}")

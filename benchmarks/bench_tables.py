@@ -10,8 +10,8 @@ straightforward implementations written here:
 
 Two step shapes: decode (one new token per request at position 4096) and prefill (4096 new
 tokens per request). Block ids are a seeded random permutation (non-sequential). Every
-variant's output is checked against the vectorised one before timing. Times are the median
-of several repeats in the same process, one torch thread by default; the reported ratio is
+variant's output is checked against the vectorised one before timing. Times are medians over
+interleaved rounds in the same process, one torch thread by default; the reported ratio is
 loop time / vectorised time (> 1 means the vectorised path is faster).
 
 Run: ``.venv/bin/python benchmarks/bench_tables.py [--out benchmarks/results/bench_tables.json]``
@@ -55,7 +55,7 @@ def make_case(batch: int, prefill: bool, seed: int = 0) -> dict:
 def vectorised(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     table = prepare_block_tables(case["block_ids"])
     request_index, positions = prepare_token_positions(
-        torch.tensor(case["computed"]), torch.tensor(case["new"])
+        torch.tensor(case["computed"]), torch.tensor(case["new"]), dtype=torch.int32
     )
     return table, prepare_slot_mapping(table, request_index, positions, BLOCK_SIZE)
 
@@ -83,19 +83,25 @@ def loop_torch(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return table, torch.cat(parts)
 
 
-def median_seconds(fn, case: dict, budget_s: float) -> tuple[float, int]:
-    """Median wall time of ``fn(case)`` over repeats that fit in about ``budget_s``."""
-    fn(case)  # warm-up
-    start = time.perf_counter()
-    fn(case)
-    one = time.perf_counter() - start
-    repeats = int(max(3, min(200, budget_s / max(one, 1e-7))))
-    times = []
-    for _ in range(repeats):
+def interleaved_medians(variants: dict, case: dict, budget_s: float) -> tuple[dict, int]:
+    """Median wall time of each variant, timed in rounds (A, B, C, A, B, C, ...).
+
+    Interleaving spreads background load over all variants alike, so the ratios stay
+    meaningful on a busy machine even when absolute times drift.
+    """
+    one_round = 0.0
+    for fn in variants.values():  # warm-up, and the cost of one round
         start = time.perf_counter()
         fn(case)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), repeats
+        one_round += time.perf_counter() - start
+    rounds = int(max(3, min(200, budget_s * len(variants) / max(one_round, 1e-7))))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn(case)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, rounds
 
 
 def environment() -> dict:
@@ -129,15 +135,26 @@ def run(budget_s: float) -> dict:
         for batch in BATCHES:
             case = make_case(batch, prefill=step == "prefill")
             ref_table, ref_slots = vectorised(case)
-            row = {"step": step, "batch": batch, "num_tokens": int(ref_slots.numel())}
-            fast, n = median_seconds(vectorised, case, budget_s)
-            row["vectorised_s"], row["vectorised_repeats"] = fast, n
-            for name, fn in (("loop_python", loop_python), ("loop_torch", loop_torch)):
+            variants = {
+                "vectorised": vectorised,
+                "loop_python": loop_python,
+                "loop_torch": loop_torch,
+            }
+            for name, fn in variants.items():
                 table, slots = fn(case)
                 assert torch.equal(table, ref_table) and torch.equal(slots, ref_slots), name
-                slow, n = median_seconds(fn, case, budget_s)
-                row[f"{name}_s"], row[f"{name}_repeats"] = slow, n
-                row[f"{name}_ratio"] = slow / fast
+            medians, rounds = interleaved_medians(variants, case, budget_s)
+            fast = medians["vectorised"]
+            row = {
+                "step": step,
+                "batch": batch,
+                "num_tokens": int(ref_slots.numel()),
+                "rounds": rounds,
+            }
+            for name, seconds in medians.items():
+                row[f"{name}_s"] = seconds
+                if name != "vectorised":
+                    row[f"{name}_ratio"] = seconds / fast
             rows.append(row)
             print(
                 f"{step:7s} B={batch:3d} T={row['num_tokens']:7d}  vectorised "
@@ -149,7 +166,7 @@ def run(budget_s: float) -> dict:
         "benchmark": "bench_tables",
         "context_tokens": CONTEXT,
         "block_size": BLOCK_SIZE,
-        "ratio": "loop time / vectorised time (median of repeats, same process)",
+        "ratio": "loop time / vectorised time (medians of interleaved rounds, same process)",
         "rows": rows,
         "environment": environment(),
     }

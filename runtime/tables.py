@@ -65,21 +65,38 @@ def prepare_slot_mapping(
 
     Args:
         block_table: int32 ``[B, M]`` from ``prepare_block_tables``.
-        request_index: int64 ``[T]``, the batch row of each token.
-        positions: int64 ``[T]``, each token's position inside its request (0-based).
+        request_index: int32 or int64 ``[T]``, the batch row of each token.
+        positions: int32 or int64 ``[T]``, each token's position inside its request.
         block_size: tokens per block of this group.
 
     Returns:
         int64 ``[T]``.
     """
-    positions = positions.to(block_table.device, torch.int64)
-    request_index = request_index.to(block_table.device, torch.int64)
-    block = block_table[request_index, positions // block_size].to(torch.int64)  # [T]
-    return block * block_size + positions % block_size
+    # NOTE: index math runs in int32: half the memory traffic of int64 on these [T] passes,
+    # which dominates for large packed steps. Positions and B * M stay far below 2**31; only
+    # the final slot (block id * block_size) is formed in int64.
+    device = block_table.device
+    positions = positions.to(device, torch.int32)
+    request_index = request_index.to(device, torch.int32)
+    if block_size & (block_size - 1) == 0:
+        # Power of two (the usual case): shift and mask instead of integer division.
+        logical_block = positions >> (block_size.bit_length() - 1)  # [T]
+        offset = positions & (block_size - 1)  # [T]
+    else:
+        logical_block = torch.div(positions, block_size, rounding_mode="floor")
+        offset = positions - logical_block * block_size
+    # Row-major flat index into the table; index_select is much cheaper than 2-D indexing.
+    flat_index = request_index * block_table.shape[1]
+    flat_index += logical_block  # [T]
+    block = block_table.reshape(-1).index_select(0, flat_index)  # int32 [T]
+    return block.to(torch.int64) * block_size + offset
 
 
 def prepare_token_positions(
-    num_computed_tokens: Tensor, num_new_tokens: Tensor
+    num_computed_tokens: Tensor,
+    num_new_tokens: Tensor,
+    num_tokens: int | None = None,
+    dtype: torch.dtype = torch.int64,
 ) -> tuple[Tensor, Tensor]:
     """``(request_index, positions)`` of the packed tokens of one step.
 
@@ -87,16 +104,28 @@ def prepare_token_positions(
     Example: computed [6, 0], new [1, 3] -> request_index [0, 1, 1, 1], positions [6, 0, 1, 2].
 
     Args:
-        num_computed_tokens: int64 ``[B]``, tokens already in the cache.
-        num_new_tokens: int64 ``[B]``, tokens of this step.
+        num_computed_tokens: int ``[B]``, tokens already in the cache.
+        num_new_tokens: int ``[B]``, tokens of this step (0 allowed).
+        num_tokens: T = ``num_new_tokens.sum()`` when the caller knows it (saves one sync).
+        dtype: of both results; int32 skips two conversion passes when the caller only
+            feeds them to ``prepare_slot_mapping``.
+
+    Returns:
+        ``request_index [T]`` and ``positions [T]``.
     """
-    num_new_tokens = num_new_tokens.to(torch.int64)
     device = num_new_tokens.device
-    batch = torch.arange(num_new_tokens.numel(), device=device)
-    request_index = torch.repeat_interleave(batch, num_new_tokens)  # [T]
-    # position = token index in the packed step + (computed - first packed index), per request
-    first_token = torch.cumsum(num_new_tokens, 0) - num_new_tokens  # [B]
-    shift = num_computed_tokens.to(device, torch.int64) - first_token  # [B]
-    positions = torch.arange(request_index.numel(), device=device)
-    positions += torch.repeat_interleave(shift, num_new_tokens)
-    return request_index, positions
+    num_new_tokens = num_new_tokens.to(torch.int32)
+    total = int(num_new_tokens.sum()) if num_tokens is None else num_tokens
+    first_token = torch.cumsum(num_new_tokens, 0, dtype=torch.int32) - num_new_tokens  # [B]
+    # request_index = (request starts at or before each token) - 1: mark each start (requests
+    # with no tokens share their successor's start, so index_add_ counts them) and scan.
+    starts = first_token[first_token < total]
+    marks = torch.zeros(total, dtype=torch.int32, device=device)
+    marks.index_add_(0, starts, torch.ones_like(starts))
+    request_index = torch.cumsum(marks, 0, dtype=torch.int32)
+    request_index -= 1  # [T]
+    # position = packed token index + (computed - packed start) of its request
+    shift = num_computed_tokens.to(device, torch.int32) - first_token  # [B]
+    positions = torch.arange(total, dtype=torch.int32, device=device)
+    positions += shift.index_select(0, request_index)  # [T]
+    return request_index.to(dtype), positions.to(dtype)

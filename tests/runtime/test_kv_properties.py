@@ -25,7 +25,7 @@ OPS = st.lists(
     min_size=1,
     max_size=40,
 )
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _manager(

@@ -47,3 +47,53 @@ def test_slot_mapping_matches_the_formula_token_by_token(block_size):
     assert slots.dtype == torch.int64
     assert slots.tolist() == expected
     assert len(set(expected)) == len(expected)
+
+
+def test_requests_without_new_tokens_are_skipped():
+    # Requests 0, 2 and 4 contribute nothing this step (including the last one).
+    computed = torch.tensor([3, 5, 0, 9, 2])
+    new = torch.tensor([0, 2, 0, 1, 0])
+    request_index, positions = prepare_token_positions(computed, new)
+    assert request_index.tolist() == [1, 1, 3]
+    assert positions.tolist() == [5, 6, 9]
+    empty_index, empty_positions = prepare_token_positions(
+        computed, torch.zeros(5, dtype=torch.int64)
+    )
+    assert empty_index.numel() == 0 and empty_positions.numel() == 0
+
+
+@pytest.mark.parametrize("block_size", [3, 4, 128])
+def test_slot_mapping_random_batches_against_a_token_loop(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    computed = torch.randint(0, 300, (9,), generator=gen)
+    new = torch.randint(0, 40, (9,), generator=gen)
+    totals = (computed + new).tolist()
+    ids = torch.randperm(2000, generator=gen) + 1
+    block_ids, cursor = [], 0
+    for n in totals:
+        k = -(-n // block_size)
+        block_ids.append(ids[cursor : cursor + k].tolist())
+        cursor += k
+    table = prepare_block_tables(block_ids, pad_to=40)
+    request_index, positions = prepare_token_positions(computed, new, int(new.sum()))
+    slots = prepare_slot_mapping(table, request_index, positions, block_size)
+    expected = [
+        block_ids[b][p // block_size] * block_size + p % block_size
+        for b in range(9)
+        for p in range(int(computed[b]), totals[b])
+    ]
+    assert slots.tolist() == expected
+
+
+def test_int32_and_int64_index_paths_agree():
+    computed, new = torch.tensor([4, 0, 17]), torch.tensor([3, 5, 1])
+    table = prepare_block_tables([[9, 4, 2], [6, 1], [3, 8, 5, 7, 11]])
+    ri64, pos64 = prepare_token_positions(computed, new)
+    ri32, pos32 = prepare_token_positions(computed, new, dtype=torch.int32)
+    assert ri64.dtype == pos64.dtype == torch.int64 and pos32.dtype == torch.int32
+    assert torch.equal(pos64, pos32.long()) and torch.equal(ri64, ri32.long())
+    slots = prepare_slot_mapping(table, ri32, pos32, 4)
+    assert slots.dtype == torch.int64
+    assert torch.equal(slots, prepare_slot_mapping(table, ri64, pos64, 4))
+    # r0: positions 4-6 in logical block 1 (id 4); r1: 0-3 in id 6, 4 in id 1; r2: 17 in id 11
+    assert slots.tolist() == [16, 17, 18, 24, 25, 26, 27, 4, 45]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
-from kvskill.errors import NotImplementedYetError
+from kvskill.errors import ExitCode
+from kvskill.implementer.report import format_table
+from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
     block_size_option,
     dtype_option,
@@ -42,7 +45,24 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 @seed_option
 @trust_remote_code_option
 @format_option()
-def verify(directory: Path, **options) -> None:
+def verify(directory: Path, output_format: str, **options) -> int:
     """Run the original and the converted model in DIRECTORY on the same prompts and
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
-    raise NotImplementedYetError("`kvskill verify` is not implemented yet")
+    report = verify_directory(
+        directory,
+        VerifyOptions(
+            shrink=options["shrink"],
+            num_prompts=options["num_prompts"],
+            max_new_tokens=options["max_new_tokens"],
+            atol=options["atol"],
+            block_size=options["block_size"],
+            dtype=options["dtype"],
+            seed=options["seed"],
+            trust_remote_code=options["trust_remote_code"],
+        ),
+    )
+    if output_format == "json":
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        click.echo(format_table(report))
+    return 0 if report.passed else int(ExitCode.CHECK_FAILED)

@@ -1,0 +1,128 @@
+"""Rebuild the original (unconverted) model that ``verify`` compares against.
+
+For a model of the installed transformers, the reference is that package's own class. For a
+model directory, the original modeling source recorded in ``kvskill_plan.json`` is written
+next to the directory's other Python files and imported as a package, exactly as the
+converted code is. The reference always runs eager attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kvskill.errors import BadInputError, UnsupportedModelError
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_ATTENTION = "eager"
+
+
+def build_reference(
+    plan: dict[str, Any], config: dict[str, Any], workdir: Path, converted_dir: Path
+) -> tuple[nn.Module, str | None]:
+    """(reference model with random weights, a note for the report or None).
+
+    ``converted_dir`` holds the model directory's other Python files (configuration_*.py),
+    copied unchanged by ``apply``; the caller has checked that running them is trusted.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    conversion = plan["conversion"]
+    if plan["source"].get("kind") == "transformers":
+        return _transformers_reference(plan, workdir, conversion)
+    return _directory_reference(plan, workdir, conversion, converted_dir), None
+
+
+def _transformers_reference(
+    plan: dict[str, Any], workdir: Path, conversion: dict[str, Any]
+) -> tuple[nn.Module, str | None]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(workdir))
+    config._attn_implementation = REFERENCE_ATTENTION
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=REFERENCE_ATTENTION)
+    note = None
+    installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
+    digest = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else ""
+    if digest != conversion.get("original_sha256"):
+        note = (
+            f"the installed {installed.name} differs from the file converted by apply; the "
+            "reference uses the installed one"
+        )
+    return model, note
+
+
+def _directory_reference(
+    plan: dict[str, Any], workdir: Path, conversion: dict[str, Any], converted_dir: Path
+) -> nn.Module:
+    from kvskill.runtime.loader import import_model_package
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    name = conversion["modeling_file"]
+    (workdir / name).write_text(conversion["original_source"], encoding="utf-8")
+    for path in converted_dir.glob("*.py"):
+        if path.name != name:
+            shutil.copy2(path, workdir / path.name)
+    raw = json.loads((workdir / "config.json").read_text(encoding="utf-8"))
+    package = import_model_package(workdir.resolve())
+    module = importlib.import_module(f"{package}.{Path(name).stem}")
+    auto_map = raw.get("auto_map") or {}
+    config_cls = None
+    target = auto_map.get("AutoConfig")
+    if isinstance(target, str) and "." in target:
+        module_name, cls_name = target.rsplit(".", 1)
+        config_cls = getattr(importlib.import_module(f"{package}.{module_name}"), cls_name, None)
+    elif raw.get("model_type") in CONFIG_MAPPING:
+        config_cls = CONFIG_MAPPING[raw["model_type"]]
+    else:
+        config_cls = next(
+            (
+                obj
+                for obj in vars(module).values()
+                if isinstance(obj, type)
+                and issubclass(obj, PretrainedConfig)
+                and getattr(obj, "model_type", None) == raw.get("model_type")
+            ),
+            None,
+        )
+    if config_cls is None:
+        raise UnsupportedModelError(
+            f"cannot rebuild the reference: no config class for model_type {raw.get('model_type')!r}"
+        )
+    config = config_cls.from_pretrained(str(workdir))
+    config._attn_implementation = REFERENCE_ATTENTION
+    cls = getattr(module, plan["architecture"], None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise BadInputError(
+            f"the original {name} has no class {plan['architecture']}; cannot rebuild the reference"
+        )
+    return cls(config)
+
+
+def load_original_weights(model: nn.Module, directory: Path) -> bool:
+    """Load ``*.safetensors`` of ``directory`` into the reference; False when there are none."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return False
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for path in files:
+        state.update(load_file(str(path)))
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise BadInputError(
+            f"weights in {directory} do not match the original model: unexpected "
+            f"{result.unexpected_keys[:5]}"
+        )
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    return True

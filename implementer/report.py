@@ -1,0 +1,52 @@
+"""The human-readable verify report: one table of prompts, one of chains, a verdict."""
+
+from __future__ import annotations
+
+from kvskill.implementer.verify import VerifyReport
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def format_table(report: VerifyReport) -> str:
+    """Prompts (length, tokens, logit difference), chains, failures and the verdict."""
+    lines = [
+        f"verify {report.model_type} ({report.directory})",
+        f"config: {'shrunk' if report.shrunk else 'as converted'}"
+        + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
+        + f"; dtype {report.dtype}; block size {report.block_size}; atol {report.atol:g}",
+        "",
+    ]
+    rows = [
+        [
+            str(p.index),
+            str(p.prompt_len),
+            "identical" if p.passed_tokens else f"differ at step {p.first_mismatch}",
+            f"{p.max_logit_diff:.2e}",
+        ]
+        for p in report.prompts
+    ]
+    if rows:
+        lines += _table(["prompt", "length", "greedy tokens", "max |logit diff|"], rows)
+        lines.append("")
+    if report.chains:
+        chain_rows = [
+            [c["name"], "ok" if c["passed"] else "FAILED", c["summary"]] for c in report.chains
+        ]
+        lines += _table(["chain", "result", "checked"], chain_rows)
+        lines.append("")
+    lines += [f"  - {line}" for line in report.failures()]
+    lines += [f"note: {note}" for note in report.notes]
+    verdict = "PASSED" if report.passed else "FAILED"
+    lines.append(
+        f"{verdict}: tokens {'identical' if report.tokens_identical else 'differ'}, max logit "
+        f"diff {report.max_logit_diff:.2e} (atol {report.atol:g}), chains "
+        f"{'ok' if report.chains and all(c['passed'] for c in report.chains) else 'not ok'}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Shrink a model config for verification while keeping every structural feature.
+
+Kept: the attention kind (MHA / GQA / MQA by the ratio of query to key-value heads), the
+layer-type pattern (at least one layer of each kind, in source order), a sliding window
+(made smaller than the verification prompts), MoE routing (top-k, number of experts above
+top-k, shared experts, sparse-step pattern), RoPE parameters, tied embeddings and learnable
+sinks. Sizes (hidden, heads, head dim, vocabulary, intermediate) become tiny.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
+
+#: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
+#: head_dim stays 64, a size the fused attention accepts on every path (TND, learnable
+#: sinks); hidden = heads * head_dim for models that derive head_dim from hidden_size.
+NUM_HEADS = 4
+HEAD_DIM = 64
+HIDDEN_SIZE = NUM_HEADS * HEAD_DIM
+INTERMEDIATE_SIZE = 128
+EXPERT_INTERMEDIATE_SIZE = 32
+VOCAB_SIZE = 256
+NUM_EXPERTS = 4
+#: the window shrinks to this many tokens so prompts run past it
+SLIDING_WINDOW = 8
+MIN_LAYERS = 2
+
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_EXPERT_SIZE_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShrinkResult:
+    config: dict[str, Any]
+    #: key -> (old, new) for every value that changed
+    changes: dict[str, tuple[Any, Any]]
+
+
+def _kv_heads(config: dict[str, Any]) -> int:
+    heads = config.get("num_attention_heads") or NUM_HEADS
+    kv = config.get("num_key_value_heads") or heads
+    if kv == heads:
+        return NUM_HEADS  # MHA
+    if kv == 1:
+        return 1  # MQA
+    return 2  # GQA, group size 2
+
+
+def _num_layers(config: dict[str, Any]) -> int:
+    """Fewest leading layers that still hold every layer kind (at least MIN_LAYERS)."""
+    total = int(config.get("num_hidden_layers") or MIN_LAYERS)
+    types = config.get("layer_types")
+    needed = MIN_LAYERS
+    if isinstance(types, list) and types:
+        first_seen = {t: i for i, t in reversed(list(enumerate(types)))}
+        needed = max(needed, max(first_seen.values()) + 1)
+    sparse_step = config.get("decoder_sparse_step")
+    if isinstance(sparse_step, int) and sparse_step > 1:
+        needed = max(needed, sparse_step)  # keep a sparse (MoE) layer in the pattern
+    return min(total, needed)
+
+
+def shrink_config(config: dict[str, Any]) -> ShrinkResult:
+    """A tiny config with the same structure as ``config`` (which is not modified)."""
+    new = dict(config)
+    layers = _num_layers(config)
+    new["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):
+        new["layer_types"] = list(config["layer_types"][:layers])
+    if "max_window_layers" in config and isinstance(config["max_window_layers"], int):
+        new["max_window_layers"] = min(config["max_window_layers"], layers)
+    new["hidden_size"] = HIDDEN_SIZE
+    new["num_key_value_heads"] = _kv_heads(config)
+    new["num_attention_heads"] = NUM_HEADS
+    new["head_dim"] = HEAD_DIM
+    if "intermediate_size" in config:
+        new["intermediate_size"] = INTERMEDIATE_SIZE
+    new["vocab_size"] = VOCAB_SIZE
+    if isinstance(config.get("sliding_window"), int):
+        new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
+    for key in _EXPERT_COUNT_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            top_k = int(config.get("num_experts_per_tok") or 1)
+            # more experts than the router picks, so routing still selects
+            new[key] = min(config[key], max(NUM_EXPERTS, top_k + 2))
+    for key in _EXPERT_SIZE_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            new[key] = EXPERT_INTERMEDIATE_SIZE
+    if isinstance(config.get("mlp_only_layers"), list):
+        new["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    for key in _TOKEN_ID_KEYS:
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, int) and i >= VOCAB_SIZE for i in ids):
+            new[key] = None
+    if is_mla_config(config):  # MLA: keep rope 64 and the latent (query D) at 512/128
+        new.update(shrink_mla(config, new))
+    changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
+    return ShrinkResult(config=new, changes=changes)

@@ -1,0 +1,431 @@
+"""``kvskill verify``: the converted model computes the same tokens as the original.
+
+Stages (design §6):
+  1. read ``kvskill_plan.json`` and ``config.json`` from the converted directory; code that
+     does not come from the installed transformers needs ``trust_remote_code``;
+  2. shrink the config (default) keeping every structural feature, see ``shrink.py``;
+  3. build the reference (transformers with the *original* modeling code, eager attention)
+     and the converted model (imported from the directory by the runtime's loader) with
+     identical weights;
+  4. pick variable-length prompts: some longer than several blocks and than the window;
+  5. reference: ``generate`` greedy, one request at a time, raw logits of every step;
+     runtime: the engine with small blocks, a shuffled free list and chunked prefill,
+     inside the three-chain checks (init, runtime, release);
+  6. compare tokens (identical) and per-step logits (within ``atol``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvskill.errors import BadInputError, KvskillError
+from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
+from kvskill.implementer.reference import build_reference, load_original_weights
+from kvskill.implementer.shrink import SLIDING_WINDOW, shrink_config
+from kvskill.implementer.writer import PLAN_FILE
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+DEFAULT_BLOCK_SIZE = 4
+#: small enough that long prompts are prefilled in several chunks
+MAX_BATCHED_TOKENS = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyOptions:
+    shrink: bool = True
+    num_prompts: int = 4
+    max_new_tokens: int = 8
+    atol: float | None = None
+    block_size: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    trust_remote_code: bool = False
+
+
+@dataclass(kw_only=True)
+class PromptResult:
+    index: int
+    prompt_len: int
+    reference_tokens: list[int]
+    runtime_tokens: list[int]
+    #: largest |reference - runtime| over the vocabulary and every compared step
+    max_logit_diff: float
+    #: first step whose token differs, or None
+    first_mismatch: int | None
+
+    @property
+    def passed_tokens(self) -> bool:
+        return self.reference_tokens == self.runtime_tokens
+
+
+@dataclass(kw_only=True)
+class VerifyReport:
+    model_type: str
+    directory: str
+    shrunk: bool
+    config_changes: dict[str, list[Any]]
+    dtype: str
+    atol: float
+    block_size: int
+    prompts: list[PromptResult] = field(default_factory=list)
+    chains: list[dict[str, Any]] = field(default_factory=list)
+    #: a failure that stopped the comparison (e.g. the converted forward raised)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max((p.max_logit_diff for p in self.prompts), default=math.inf)
+
+    @property
+    def tokens_identical(self) -> bool:
+        return bool(self.prompts) and all(p.passed_tokens for p in self.prompts)
+
+    @property
+    def logits_within(self) -> bool:
+        return bool(self.prompts) and self.max_logit_diff <= self.atol
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.error is None
+            and self.tokens_identical
+            and self.logits_within
+            and bool(self.chains)
+            and all(c["passed"] for c in self.chains)
+        )
+
+    def failures(self) -> list[str]:
+        """One line per failed check."""
+        lines = [f"error: {self.error}"] if self.error else []
+        for p in self.prompts:
+            if not p.passed_tokens:
+                lines.append(
+                    f"prompt {p.index} (len {p.prompt_len}): tokens differ from step "
+                    f"{p.first_mismatch}: reference {p.reference_tokens} vs runtime "
+                    f"{p.runtime_tokens}"
+                )
+            elif p.max_logit_diff > self.atol:
+                lines.append(
+                    f"prompt {p.index} (len {p.prompt_len}): logits differ by "
+                    f"{p.max_logit_diff:.3g} > atol {self.atol:g}"
+                )
+        for chain in self.chains:
+            lines += [f"{chain['name']} chain: {f}" for f in chain["failures"]]
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "model_type": self.model_type,
+            "directory": self.directory,
+            "shrunk": self.shrunk,
+            "config_changes": self.config_changes,
+            "dtype": self.dtype,
+            "atol": self.atol,
+            "block_size": self.block_size,
+            "tokens_identical": self.tokens_identical,
+            "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
+            "prompts": [
+                {
+                    "index": p.index,
+                    "prompt_len": p.prompt_len,
+                    "tokens_identical": p.passed_tokens,
+                    "first_mismatch": p.first_mismatch,
+                    "max_logit_diff": p.max_logit_diff,
+                    "reference_tokens": p.reference_tokens,
+                    "runtime_tokens": p.runtime_tokens,
+                }
+                for p in self.prompts
+            ],
+            "chains": self.chains,
+            "error": self.error,
+            "failures": self.failures(),
+            "notes": self.notes,
+        }
+
+
+def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(kvskill_plan.json, config.json) of a converted directory."""
+    data = []
+    for name in (PLAN_FILE, "config.json"):
+        path = directory / name
+        if not path.is_file():
+            hint = "; convert the model with `kvskill apply` first" if name == PLAN_FILE else ""
+            raise BadInputError(f"{directory} has no {name}{hint}")
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BadInputError(f"cannot read {path}: {exc}") from exc
+        if not isinstance(value, dict):
+            raise BadInputError(f"{path} must hold a JSON object")
+        data.append(value)
+    plan, config = data
+    if "conversion" not in plan or "original_source" not in plan["conversion"]:
+        raise BadInputError(
+            f"{directory / PLAN_FILE} has no conversion record; re-run `kvskill apply`"
+        )
+    return plan, config
+
+
+def check_trust(plan: dict[str, Any], trust_remote_code: bool, directory: Path) -> None:
+    """Code that does not come from the installed transformers runs only when trusted."""
+    kind = plan.get("source", {}).get("kind")
+    if kind != "transformers" and not trust_remote_code:
+        raise BadInputError(
+            f"{directory} was converted from model code outside the installed transformers "
+            f"({kind}: {plan['source'].get('path')}); verify runs that code, pass "
+            "--trust-remote-code to allow it"
+        )
+
+
+def choose_prompt_lengths(
+    num_prompts: int, block_size: int, window: int | None, limit: int
+) -> list[int]:
+    """Variable lengths: short, several blocks long, and past the window when there is one.
+
+    Example (block 4, window 8): 3, 21, 19, 33 for four prompts.
+    """
+    span = max(window or 0, 2 * block_size)
+    base = [3, span + 2 * block_size + 5, 4 * block_size + 3, 6 * block_size + 1 + (window or 0)]
+    lengths = [base[i % len(base)] + (i // len(base)) * 2 for i in range(num_prompts)]
+    return [max(1, min(n, limit)) for n in lengths]
+
+
+def make_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def condition_weights(model: nn.Module, seed: int) -> None:
+    """Random weights with well-separated logits.
+
+    Default initialisers (std 0.02) give near-uniform logits whose top two can tie within
+    float noise, which would make a greedy comparison meaningless; fan-in scaled normals
+    keep activations O(1) and the top tokens apart.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                fan_in = param.shape[-1]
+                std = 1.0 if "embed" in name else fan_in**-0.5
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif "sink" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+
+
+def reference_generate(
+    model: nn.Module, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and raw logits ``[steps, vocab]`` from transformers ``generate``."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = torch.stack([step[0].float() for step in out.logits])
+    return tokens, logits
+
+
+@dataclass(slots=True)
+class _LogitRecorder:
+    """Step hook keeping each request's logits per generated token (first batch only)."""
+
+    #: (prompt index, output position) -> logits [vocab]
+    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    batch: str | None = None
+
+    def __call__(self, record) -> None:
+        for row, (rid, done, token) in enumerate(
+            zip(record.request_ids, record.num_output_tokens, record.sampled, strict=True)
+        ):
+            batch, index = rid.split("-")
+            self.batch = self.batch or batch
+            if token is None or batch != self.batch:
+                continue
+            self.logits.setdefault((int(index), done), record.logits[row].detach().float().cpu())
+
+
+@contextmanager
+def _workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvskill-verify-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> Path:
+    """A copy of the converted code with the (shrunk) config; no weights."""
+    target = workdir / "converted"
+    target.mkdir()
+    for path in directory.glob("*.py"):
+        shutil.copy2(path, target / path.name)
+    (target / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return target
+
+
+def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
+    """Run the original and the converted model on the same prompts and compare.
+
+    Raises:
+        BadInputError: not a converted directory, untrusted remote code, bad options.
+    """
+    directory = directory.resolve()
+    plan, config = read_conversion(directory)
+    check_trust(plan, options.trust_remote_code, directory)
+    if int(plan.get("attn_tp_size", 1)) != 1:
+        raise BadInputError(
+            f"{directory} was converted for attn_tp_size={plan['attn_tp_size']}; a single "
+            "process cannot run a tensor-parallel split, convert with --attn-tp-size 1 to verify"
+        )
+    if options.dtype not in DEFAULT_ATOL:
+        raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
+    shrunk = shrink_config(config) if options.shrink else None
+    run_config = shrunk.config if shrunk else config
+    block_size = options.block_size or DEFAULT_BLOCK_SIZE
+    if plan.get("attention") == "mla":  # the MLA NZ caches need 16-token-aligned blocks
+        block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
+    report = VerifyReport(
+        model_type=str(plan.get("model_type")),
+        directory=str(directory),
+        shrunk=options.shrink,
+        config_changes={k: list(v) for k, v in (shrunk.changes if shrunk else {}).items()},
+        dtype=options.dtype,
+        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
+        block_size=block_size,
+    )
+    with _workdir() as workdir:
+        _verify(directory, workdir, plan, run_config, options, report)
+    return report
+
+
+def _verify(
+    directory: Path,
+    workdir: Path,
+    plan: dict[str, Any],
+    config: dict[str, Any],
+    options: VerifyOptions,
+    report: VerifyReport,
+) -> None:
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.runtime.chains import run_three_chains
+    from kvskill.runtime.loader import load_model, resolve_dtype
+
+    dtype = resolve_dtype(options.dtype)
+    converted_dir = _stage_converted(directory, workdir, config) if options.shrink else directory
+    reference, note = build_reference(plan, config, workdir / "reference", directory)
+    if note:
+        report.notes.append(note)
+    if options.shrink or not load_original_weights(reference, directory):
+        condition_weights(reference, options.seed)
+    reference = reference.to(dtype).eval()
+    loaded = load_model(
+        converted_dir,
+        dtype=dtype,
+        device="cpu",
+        seed=options.seed,
+        random_weights=True,
+        trust_remote_code=options.trust_remote_code,
+    )
+    converted = loaded.model
+    result = converted.load_state_dict(reference.state_dict(), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        report.error = (
+            f"the converted model's parameters differ from the original's: missing "
+            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+        return
+    window = config.get("sliding_window") if _is_windowed(plan) else None
+    limit = int(config.get("max_position_embeddings") or 4096) - options.max_new_tokens
+    block_size = report.block_size
+    lengths = choose_prompt_lengths(options.num_prompts, block_size, window, limit)
+    vocab = int(config["vocab_size"])
+    prompts = make_prompts(lengths, vocab, options.seed)
+    references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
+    total_blocks = sum(math.ceil((n + options.max_new_tokens) / block_size) for n in lengths)
+    recorder = _LogitRecorder()
+    try:
+        llm = LLM(
+            converted,
+            block_size=block_size,
+            num_blocks=total_blocks + 8,
+            free_block_order_seed=options.seed + 7,
+            max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            max_model_len=max(lengths) + options.max_new_tokens,
+            seed=options.seed,
+        )
+        params = SamplingParams(max_tokens=options.max_new_tokens, temperature=0.0, ignore_eos=True)
+        with llm.step_hook(recorder), torch.no_grad():
+            chains = run_three_chains(llm, prompts, params)
+    except KvskillError as exc:
+        report.error = f"the runtime refused the converted model: {exc}"
+        return
+    except Exception as exc:  # the converted code failed while running: a failed check
+        report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
+        return
+    report.chains = [c.to_dict() for c in chains.results]
+    for index, (prompt, (tokens, ref_logits), output) in enumerate(
+        zip(prompts, references, chains.outputs, strict=True)
+    ):
+        report.prompts.append(_compare(index, prompt, tokens, ref_logits, output, recorder))
+
+
+def _is_windowed(plan: dict[str, Any]) -> bool:
+    return any(layer.get("attn_type") == "SlidingWindow" for layer in plan.get("layers", []))
+
+
+def _compare(index, prompt, tokens, ref_logits, output, recorder: _LogitRecorder) -> PromptResult:
+    runtime_tokens = list(output.token_ids)
+    mismatch = next(
+        (i for i, (a, b) in enumerate(zip(tokens, runtime_tokens, strict=False)) if a != b),
+        None if len(tokens) == len(runtime_tokens) else min(len(tokens), len(runtime_tokens)),
+    )
+    # logits are comparable up to and including the first differing step
+    steps = len(tokens) if mismatch is None else mismatch + 1
+    diff = 0.0
+    for step in range(steps):
+        got = recorder.logits.get((index, step))
+        if got is None:
+            diff = math.inf
+            break
+        diff = max(diff, (got - ref_logits[step]).abs().max().item())
+    return PromptResult(
+        index=index,
+        prompt_len=len(prompt),
+        reference_tokens=tokens,
+        runtime_tokens=runtime_tokens,
+        max_logit_diff=diff,
+        first_mismatch=mismatch,
+    )
+
+
+__all__ = [
+    "SLIDING_WINDOW",
+    "VerifyOptions",
+    "VerifyReport",
+    "choose_prompt_lengths",
+    "verify_directory",
+]

@@ -81,6 +81,9 @@ def build_step_inputs(
         slot_mapping=slot_mapping,
         prompt_tokens=[s.request.num_prompt_tokens for s in scheduled],
         num_tokens=num_tokens,
+        # Recurrent (Mamba) layers start from a zero state unless the request already has
+        # tokens in the cache (a later prefill chunk, or a decode step): bool [B].
+        extra={"has_initial_state": torch.tensor([s > 0 for s in starts], device=device)},
     )
     return StepInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64).unsqueeze(0).to(device),

@@ -173,6 +173,7 @@ def test_step_inputs_pack_requests_as_documented():
     assert (md.actual_seq_lengths_q, md.actual_seq_lengths_cu_q) == ([3, 2], [3, 5])
     assert (md.actual_seq_lengths_kv, md.actual_seq_lengths_cu_kv) == ([7, 2], [7, 9])
     assert md.kv_len.tolist() == [7, 2] and md.num_tokens == 5 and md.prompt_tokens == [7, 2]
+    assert md.extra["has_initial_state"].tolist() == [True, False]
     assert md.block_table["FullAttention"].tolist() == [[5, 9], [3, 0]]
     assert md.block_table["FullAttention"].dtype == torch.int32
     # slot = block * 4 + pos % 4: positions 4,5,6 in block 9; 0,1 in block 3.

@@ -1,0 +1,124 @@
+"""Scheduler policy stories: packing under the budget, chunking, admission, preemption."""
+
+import torch
+from kvskill.runtime import CacheEntry, KVCacheManager, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.request import Request, RequestStatus, SamplingParams
+from kvskill.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def make_manager(num_blocks: int, block_size: int = 4) -> KVCacheManager:
+    entry = CacheEntry(
+        cache_name="k_cache",
+        attn_type="FullAttention",
+        dim=1,
+        num_head=1,
+        dtype=torch.float32,
+        tensor_setter=lambda t: None,
+    )
+    info = ModelCacheInfo(
+        num_layers=1, block_size=block_size, layer_infos=[LayerCacheInfo(0, [entry])]
+    )
+    return KVCacheManager(info, num_blocks=num_blocks)
+
+
+def make_scheduler(num_blocks: int, **config) -> Scheduler:
+    config.setdefault("max_model_len", 64)
+    return Scheduler(make_manager(num_blocks), SchedulerConfig(**config), frozenset())
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), 0.0)
+
+
+def run_step(scheduler: Scheduler, token: int = 1):
+    """Schedule one step and feed back a token for every request that samples."""
+    output = scheduler.schedule()
+    sampled = [
+        token if s.start + s.num_new_tokens >= s.request.num_prefill_tokens else None
+        for s in output.scheduled
+    ]
+    scheduler.update_from_output(output, sampled, now=0.0)
+    return output
+
+
+def test_prefill_packs_prompts_and_chunks_the_one_that_overflows():
+    scheduler = make_scheduler(64, max_num_batched_tokens=12)
+    for rid in "abc":
+        scheduler.add(make_request(rid, 5))
+    # Step 1: a and b whole (10 tokens), then 2 tokens of c fill the budget of 12.
+    output = run_step(scheduler)
+    assert output.is_prefill
+    assert [(s.request.request_id, s.num_new_tokens, s.start) for s in output.scheduled] == [
+        ("a", 5, 0),
+        ("b", 5, 0),
+        ("c", 2, 0),
+    ]
+    # Step 2: c's remaining 3 tokens; a and b wait, because prefill goes first.
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens, s.start) for s in output.scheduled] == [
+        ("c", 3, 2)
+    ]
+    # Step 3: everyone decodes one token at its own position.
+    output = run_step(scheduler)
+    assert not output.is_prefill
+    assert [(s.request.request_id, s.start) for s in output.scheduled] == [
+        ("a", 5),
+        ("b", 5),
+        ("c", 5),
+    ]
+
+
+def test_max_num_seqs_caps_admission():
+    scheduler = make_scheduler(64, max_num_seqs=2)
+    for rid in "abc":
+        scheduler.add(make_request(rid, 3))
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_admission_waits_for_free_blocks():
+    # 4 usable blocks of 4 tokens: a (12 tokens, 3 blocks) fits, b (8 tokens) must wait.
+    scheduler = make_scheduler(5)
+    scheduler.add(make_request("a", 12, max_tokens=1))
+    scheduler.add(make_request("b", 8, max_tokens=1))
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a"]
+    # a finishes (max_tokens=1) and frees its blocks, so b is admitted next step.
+    assert scheduler.kv_manager.num_free_blocks["FullAttention"] == 4
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["b"]
+
+
+def test_decode_preempts_newest_and_it_resumes_by_recompute():
+    # 4 usable blocks; a and b hold 2 blocks each after an 8-token prefill.
+    scheduler = make_scheduler(5)
+    a, b = make_request("a", 8), make_request("b", 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)
+    # Decoding position 8 needs a third block for each; only the oldest (a) can keep going.
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a"]
+    assert output.preempted == [b]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and scheduler.waiting[0] is b
+    # b keeps its generated token: when it comes back it prefills prompt + output (9 tokens).
+    assert b.output_token_ids == [1]
+    scheduler.kv_manager.free("a")  # make room, as a finishing request would
+    scheduler.running.remove(a)
+    output = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("b", 9)]
+
+
+def test_stop_reasons_and_release():
+    scheduler = Scheduler(
+        make_manager(16), SchedulerConfig(max_model_len=64), eos_token_ids=frozenset({7})
+    )
+    request = make_request("a", 3)
+    scheduler.add(request)
+    run_step(scheduler, token=2)
+    run_step(scheduler, token=7)  # EOS
+    assert request.finish_reason.value == "stop" and request.output_token_ids == [2, 7]
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv_manager.num_free_blocks == scheduler.kv_manager.initial_free_blocks

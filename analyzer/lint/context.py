@@ -16,7 +16,6 @@ from pathlib import Path
 import libcst as cst
 from libcst.metadata import (
     MetadataWrapper,
-    ParentNodeProvider,
     PositionProvider,
     QualifiedNameProvider,
 )
@@ -31,6 +30,8 @@ class _Indexer(cst.CSTVisitor):
     """Collects assignments per scope, calls, classes and functions in one pass."""
 
     def __init__(self) -> None:
+        self.parents: dict[cst.CSTNode, cst.CSTNode] = {}
+        self._stack: list[cst.CSTNode] = []
         self.scopes: list[cst.CSTNode] = []
         self.classes: list[cst.ClassDef] = []
         self.class_stack: list[cst.ClassDef] = []
@@ -43,6 +44,17 @@ class _Indexer(cst.CSTVisitor):
         self.attrs: dict[cst.ClassDef, dict[str, list[cst.BaseExpression]]] = defaultdict(
             lambda: defaultdict(list)
         )
+
+    # parents (cheaper than libcst's ParentNodeProvider, which needs a second pass) ------
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self._stack:
+            self.parents[node] = self._stack[-1]
+        self._stack.append(node)
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        super().on_leave(original_node)
+        self._stack.pop()
 
     # scopes ---------------------------------------------------------------------------
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
@@ -159,13 +171,16 @@ class FileContext:
     def __init__(self, source: str, path: str = "<string>", config: dict | None = None) -> None:
         self.path = path
         self.config = config or {}
-        self.wrapper = MetadataWrapper(cst.parse_module(source))
+        # NOTE: positions and qualified names are resolved lazily: they cost more than the
+        # parse and the rules need them only for files with a fused-attention call or a
+        # finding, a small minority of the files a folder holds.
+        self.wrapper = MetadataWrapper(cst.parse_module(source), unsafe_skip_copy=True)
         self.module = self.wrapper.module
-        self.positions = self.wrapper.resolve(PositionProvider)
-        self.parents = self.wrapper.resolve(ParentNodeProvider)
-        self.qualified_names = self.wrapper.resolve(QualifiedNameProvider)
+        self._positions = None
+        self._qualified_names = None
         index = _Indexer()
         self.module.visit(index)
+        self.parents = index.parents
         self.classes = index.classes
         self.functions = index.functions
         self.calls = index.calls
@@ -173,6 +188,10 @@ class FileContext:
         self._names = index.names
         self._attrs = index.attrs
         self.source = source
+        #: the operator's name appears in the file (else no call can reach it)
+        self.mentions_fa = "npu_fused_infer_attention_score" in source
+        #: per-file memo shared by the rules (e.g. the list of FA calls)
+        self.cache: dict[str, object] = {}
 
     @classmethod
     def from_path(cls, path: Path) -> FileContext:
@@ -185,7 +204,9 @@ class FileContext:
         return self.module.code_for_node(node)
 
     def position(self, node: cst.CSTNode) -> tuple[int, int]:
-        start = self.positions[node].start
+        if self._positions is None:
+            self._positions = self.wrapper.resolve(PositionProvider)
+        start = self._positions[node].start
         return start.line, start.column + 1
 
     # tree navigation ------------------------------------------------------------------
@@ -299,7 +320,9 @@ class FileContext:
         return out
 
     def qualified(self, node: cst.CSTNode) -> set[str]:
-        value = self.qualified_names.get(node, set())
+        if self._qualified_names is None:
+            self._qualified_names = self.wrapper.resolve(QualifiedNameProvider)
+        value = self._qualified_names.get(node, set())
         if callable(value):  # libcst resolves this provider lazily
             value = value()
         return {q.name for q in value}

@@ -61,6 +61,8 @@ def op_name(ctx: FileContext, func: cst.BaseExpression, depth: int = 0) -> str |
     if isinstance(func, cst.Name):
         if func.value in FA_OPS:
             return func.value
+        if not ctx.mentions_fa:
+            return None  # no import can bind an FA name: skip the scope analysis
         for qualified in ctx.qualified(func):
             last = qualified.rsplit(".", 1)[-1]
             if last in FA_OPS:
@@ -75,8 +77,14 @@ def op_name(ctx: FileContext, func: cst.BaseExpression, depth: int = 0) -> str |
 
 
 def fa_calls(ctx: FileContext) -> list[FaCall]:
-    """Every fused-attention call in the file, in source order."""
-    out = []
+    """Every fused-attention call in the file, in source order (computed once per file)."""
+    cached = ctx.cache.get("fa_calls")
+    if cached is not None:
+        return cached
+    out: list[FaCall] = []
+    ctx.cache["fa_calls"] = out
+    if not ctx.mentions_fa:
+        return out
     for call in ctx.calls:
         name = op_name(ctx, call.func)
         if name is None:

@@ -66,23 +66,16 @@ class LLM:
         eos_token_id: int | Sequence[int] | None = None,
         step_hooks: Sequence[StepHook] = (),
     ) -> None:
-        if isinstance(model, nn.Module):
-            self.model = model
-            self.config = getattr(model, "config", None)
-            self.model_dir = None
-            param = next(model.parameters(), None)
-            self.device = param.device if param is not None else select_device(device)
-        else:
-            loaded = load_model(
-                model,
-                dtype=resolve_dtype(dtype),
-                device=device,
-                seed=seed,
-                random_weights=random_weights,
-                trust_remote_code=trust_remote_code,
-            )
-            self.model, self.config, self.model_dir = loaded.model, loaded.config, loaded.model_dir
-            self.device = next(self.model.parameters()).device
+        self.model, self.config, self.model_dir = _acquire_model(
+            model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            random_weights=random_weights,
+            trust_remote_code=trust_remote_code,
+        )
+        param = next(self.model.parameters(), None)
+        self.device = param.device if param is not None else select_device(device)
         with _layout_logging(log_layout):
             setup = prepare_kv_cache(
                 self.model,
@@ -187,6 +180,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
+        Request ids are ``"<call>-<index>"``: the number of this ``generate``/
+        ``generate_stream`` call on this LLM (from 0) and the prompt's index, so step hooks
+        can map a ``StepRecord`` row back to its prompt.
+
         Raises:
             BadInputError: for any bad prompt or parameter, before anything runs; the
                 message names the prompt's index.
@@ -251,6 +248,21 @@ class LLM:
             yield hook
         finally:
             self.engine.step_hooks.remove(hook)
+
+
+def _acquire_model(model, *, dtype, device, seed, random_weights, trust_remote_code):
+    """(model, config, directory or None): a built module as is, or loaded from a directory."""
+    if isinstance(model, nn.Module):
+        return model, getattr(model, "config", None), None
+    loaded = load_model(
+        model,
+        dtype=resolve_dtype(dtype),
+        device=device,
+        seed=seed,
+        random_weights=random_weights,
+        trust_remote_code=trust_remote_code,
+    )
+    return loaded.model, loaded.config, loaded.model_dir
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

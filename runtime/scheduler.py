@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvskill.errors import BadInputError
 from kvskill.runtime.request import FinishReason, Request, RequestStatus, StepOutput
 
 
@@ -35,7 +36,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise BadInputError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

@@ -164,3 +164,33 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float16:
         return {"atol": 2e-3, "rtol": 2e-3}
     return {"atol": 1.6e-2, "rtol": 1.6e-2}
+
+
+def pack(parts: list[torch.Tensor], layout: str, pad_to: int) -> torch.Tensor:
+    """Per-request [S, N, D] tensors -> one tensor in ``layout``; padding rows hold garbage."""
+    if layout in ("TND", "NTD"):
+        packed = torch.cat(parts)
+        return packed if layout == "TND" else packed.transpose(0, 1).contiguous()
+    n, d = parts[0].shape[1:]
+    padded = torch.full((len(parts), pad_to, n, d), 1e4, dtype=parts[0].dtype)
+    for b, p in enumerate(parts):
+        padded[b, : p.shape[0]] = p
+    if layout == "BSND":
+        return padded
+    if layout == "BSH":
+        return padded.reshape(len(parts), pad_to, n * d)
+    return padded.transpose(1, 2).contiguous()  # BNSD
+
+
+def unpack(out: torch.Tensor, layout: str, lens: list[int], n: int) -> list[torch.Tensor]:
+    """Output in ``layout`` -> per-request [S, N, Dv]."""
+    if layout in ("TND", "NTD"):
+        flat = out if layout == "TND" else out.transpose(0, 1)
+        return list(flat.split(lens))
+    if layout == "BSH":
+        out = out.view(out.shape[0], out.shape[1], n, -1)
+    elif layout == "BNSD":
+        out = out.transpose(1, 2)
+    elif layout == "NBSD":
+        out = out.permute(1, 2, 0, 3)
+    return [out[b, :s] for b, s in enumerate(lens)]

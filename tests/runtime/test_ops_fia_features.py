@@ -216,3 +216,15 @@ def test_lse_and_no_lse_paths_agree_including_empty_rows(mode, pre, nxt):
         want, _ = naive_request(case.qs[b], case.ks[b], case.vs[b], 0.3, rule)
         torch.testing.assert_close(outs[0][start : start + s].double(), want, atol=2e-5, rtol=2e-5)
         start += s
+
+
+def test_pse_shift_is_an_additive_bias_on_the_scaled_scores():
+    # unconfirmed on device: before or after the scale; the reference adds it after.
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 3, 8, generator=gen) for _ in range(3))  # BNSD
+    pse = torch.randn(1, 2, 3, 3, generator=gen)
+    out, _ = npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=2, input_layout="BNSD", scale=0.5, pse_shift=pse
+    )
+    want = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + pse, dim=-1) @ v
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -10,39 +10,11 @@ from ops_golden import (
     INT_MAX,
     make_paged_case,
     naive_request,
+    pack,
     rule_for,
     tolerance,
+    unpack,
 )
-
-
-def pack(parts: list[torch.Tensor], layout: str, pad_to: int) -> torch.Tensor:
-    """Per-request [S, N, D] tensors -> one tensor in ``layout``; padding rows hold garbage."""
-    if layout in ("TND", "NTD"):
-        packed = torch.cat(parts)
-        return packed if layout == "TND" else packed.transpose(0, 1).contiguous()
-    n, d = parts[0].shape[1:]
-    padded = torch.full((len(parts), pad_to, n, d), 1e4, dtype=parts[0].dtype)
-    for b, p in enumerate(parts):
-        padded[b, : p.shape[0]] = p
-    if layout == "BSND":
-        return padded
-    if layout == "BSH":
-        return padded.reshape(len(parts), pad_to, n * d)
-    return padded.transpose(1, 2).contiguous()  # BNSD
-
-
-def unpack(out: torch.Tensor, layout: str, lens: list[int], n: int) -> list[torch.Tensor]:
-    """Output in ``layout`` -> per-request [S, N, Dv]."""
-    if layout in ("TND", "NTD"):
-        flat = out if layout == "TND" else out.transpose(0, 1)
-        return list(flat.split(lens))
-    if layout == "BSH":
-        out = out.view(out.shape[0], out.shape[1], n, -1)
-    elif layout == "BNSD":
-        out = out.transpose(1, 2)
-    elif layout == "NBSD":
-        out = out.permute(1, 2, 0, 3)
-    return [out[b, :s] for b, s in enumerate(lens)]
 
 
 def run_dense(
@@ -370,3 +342,31 @@ def test_bsh_paged_with_padded_query_rows_outputs_zeros_there():
     for b, s in enumerate([2, 4]):
         want, _ = naive_request(case.qs[b], case.ks[b], case.vs[b], 0.3, rule_for(3))
         torch.testing.assert_close(out[b, :s].view(s, 2, 8).double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_user_mask_only_needs_to_cover_the_actual_lengths():
+    # Padded BSH query (S = 4) and KV (S_kv = 7) with shorter actual lengths: a mode-0 mask of
+    # exactly (max q len, max kv len) is enough.
+    gen = torch.Generator().manual_seed(9)
+    q_lens, kv_lens = [2, 3], [4, 6]
+    qs = [torch.randn(s, 2, 8, generator=gen) for s in q_lens]
+    ks = [torch.randn(s, 2, 8, generator=gen) for s in kv_lens]
+    vs = [torch.randn(s, 2, 8, generator=gen) for s in kv_lens]
+    mask = torch.rand(3, 6, generator=gen) > 0.5
+    mask[:, 0] = False
+    out, _ = npu.npu_fused_infer_attention_score(
+        pack(qs, "BSH", 4),
+        pack(ks, "BSH", 7),
+        pack(vs, "BSH", 7),
+        num_heads=2,
+        input_layout="BSH",
+        scale=0.3,
+        atten_mask=mask,
+        actual_seq_lengths=q_lens,
+        actual_seq_lengths_kv=kv_lens,
+    )
+    got = unpack(out, "BSH", q_lens, 2)
+    for b in range(2):
+        keep = lambda i, j, s1, s2: not mask[i, j]  # noqa: E731
+        want, _ = naive_request(qs[b], ks[b], vs[b], 0.3, keep)
+        torch.testing.assert_close(got[b].double(), want, atol=2e-5, rtol=2e-5)

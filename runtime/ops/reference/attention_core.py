@@ -59,7 +59,7 @@ class Admission:
             return ok
         mode = self.sparse_mode
         if mode in (0, 1) and self.user_mask is not None:
-            ok = ok & ~self.user_mask[:, rows.start : rows.stop, :num_keys]
+            ok = ok & ~_mask_window(self.user_mask, rows, num_keys)
         if mode == 0 and self.user_mask is not None:
             ok = ok & (j >= i - self.pre_tokens) & (j <= i + self.next_tokens)
         elif mode == 2:
@@ -70,6 +70,16 @@ class Admission:
             diag = i + (s2 - s1)
             ok = ok & (j >= diag - self.pre_tokens) & (j <= diag + self.next_tokens)
         return ok
+
+
+def _mask_window(mask: Tensor, rows: range, num_keys: int) -> Tensor:
+    """mask[:, rows, :num_keys]; positions beyond the mask (padding only) count as masked."""
+    part = mask[:, rows.start : rows.stop, :num_keys]
+    if part.shape[1] == len(rows) and part.shape[2] == num_keys:
+        return part
+    full = torch.ones((mask.shape[0], len(rows), num_keys), dtype=torch.bool, device=mask.device)
+    full[:, : part.shape[1], : part.shape[2]] = part
+    return full
 
 
 def attention(

@@ -178,3 +178,15 @@ def test_step_inputs_pack_requests_as_documented():
     assert md.block_table["FullAttention"].dtype == torch.int32
     # slot = block * 4 + pos % 4: positions 4,5,6 in block 9; 0,1 in block 3.
     assert md.slot_mapping["FullAttention"].tolist() == [36, 37, 38, 12, 13]
+
+
+def test_device_selection():
+    from kvskill.runtime.device import select_device
+
+    assert select_device(None).type in ("cpu", "cuda", "npu")
+    assert select_device("cpu") == torch.device("cpu")
+    with pytest.raises(BadInputError, match="is not a device name"):
+        select_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(BadInputError, match="CUDA is not available"):
+            select_device("cuda")

@@ -124,3 +124,15 @@ def test_top_p_keeps_smallest_set_reaching_p():
     draws = [Sampler()(probs.log(), [params], [gen])[0] for _ in range(300)]
     assert set(draws) == {0, 1}
     assert 0.5 < draws.count(0) / 300 < 0.75  # renormalised 0.5 / 0.8 = 0.625
+
+
+def test_seeded_sampling_survives_preemption(toy_dir):
+    # A pool too small for all requests forces recomputation; the seeded draws continue
+    # from the request's own generator, so the tokens equal an unconstrained run's.
+    prompts = [list(range(10 + i, 24 + i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=s) for s in range(4)]
+    roomy = make_llm(toy_dir).generate(prompts, params)
+    tight_llm = make_llm(toy_dir, num_blocks=12, free_block_order_seed=2)
+    tight = tight_llm.generate(prompts, params)
+    assert tight_llm.stats.num_preemptions > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]

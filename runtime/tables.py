@@ -119,10 +119,10 @@ def prepare_token_positions(
     first_token = torch.cumsum(num_new_tokens, 0, dtype=torch.int32) - num_new_tokens  # [B]
     # request_index = (request starts at or before each token) - 1: mark each start (requests
     # with no tokens share their successor's start, so index_add_ counts them) and scan.
-    starts = first_token[first_token < total]
-    marks = torch.zeros(total, dtype=torch.int32, device=device)
-    marks.index_add_(0, starts, torch.ones_like(starts))
-    request_index = torch.cumsum(marks, 0, dtype=torch.int32)
+    # Trailing empty requests start at T: the extra last cell takes them, no masking sync.
+    marks = torch.zeros(total + 1, dtype=torch.int32, device=device)
+    marks.index_add_(0, first_token, torch.ones_like(first_token))
+    request_index = torch.cumsum(marks[:total], 0, dtype=torch.int32)
     request_index -= 1  # [T]
     # position = packed token index + (computed - packed start) of its request
     shift = num_computed_tokens.to(device, torch.int32) - first_token  # [B]

@@ -228,3 +228,36 @@ def test_pse_shift_is_an_additive_bias_on_the_scaled_scores():
     )
     want = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + pse, dim=-1) @ v
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lse", [False, True])
+def test_empty_kv_gives_zeros_and_empty_query_gives_empty_output(lse):
+    cache = torch.randn(3, 4, 16)
+    table = torch.tensor([[1], [2]], dtype=torch.int32)
+    out, softmax_lse = npu.npu_fused_infer_attention_score(
+        torch.randn(3, 2, 8),
+        cache,
+        cache,
+        num_heads=2,
+        input_layout="TND",
+        block_table=table,
+        block_size=4,
+        actual_seq_lengths=[1, 3],
+        actual_seq_lengths_kv=[0, 0],
+        softmax_lse_flag=lse,
+    )
+    assert out.shape == (3, 2, 8) and torch.count_nonzero(out) == 0
+    if lse:
+        assert torch.isneginf(softmax_lse).all()
+    out, _ = npu.npu_fused_infer_attention_score(
+        torch.randn(0, 2, 8),
+        cache,
+        cache,
+        num_heads=2,
+        input_layout="TND",
+        block_table=table[:1],
+        block_size=4,
+        actual_seq_lengths=[0],
+        actual_seq_lengths_kv=[3],
+    )
+    assert out.shape == (0, 2, 8)

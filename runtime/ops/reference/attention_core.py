@@ -148,7 +148,10 @@ def attention(
             scores = scores + bias.expand(b, n, len(rows), skv).view(b, kvn, g, len(rows), skv)
         ok = admission.allowed(rows, skv, q_lens, kv_lens)[:, None, None]  # [B,1,1,R,Skv]
         scores = scores.masked_fill(~ok, float("-inf"))
-        row_max = scores.amax(dim=-1)  # [B, KVN, G, R]
+        if skv:
+            row_max = scores.amax(dim=-1)  # [B, KVN, G, R]
+        else:  # no keys at all (empty KV): every row is empty
+            row_max = scores.new_full(scores.shape[:-1], float("-inf"))
         if sink_f is not None:
             row_max = torch.maximum(row_max, sink_f)
         # Rows with no admitted key (and no sink) have max -inf; shift by 0 to avoid NaN.

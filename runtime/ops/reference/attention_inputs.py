@@ -179,17 +179,18 @@ def gather_paged(
                 f"num_key_value_heads={num_kv_heads}"
             )
         g = _gather_blocks(cache, ids, what)  # [B, nb, bs, KVN*D]
-        g = g.view(b, num_used * block_size, num_kv_heads, -1)[:, :max_len]
+        g = g.view(b, num_used * block_size, num_kv_heads, cache.size(2) // num_kv_heads)
+        g = g[:, :max_len]
         return g.permute(0, 2, 1, 3)
     check_heads(cache.size(1), num_kv_heads, f"{what} cache")
     if cache.dim() == 4:
         g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, bs, D]
-        g = g.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, num_used * block_size, -1)
+        g = g.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, num_used * block_size, cache.size(3))
         return g[:, :, :max_len]
     if cache.dim() == 5:
         g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, D/C0, bs, C0]
         g = g.permute(0, 2, 1, 4, 3, 5)  # [B, KVN, nb, bs, D/C0, C0]
-        g = g.reshape(b, num_kv_heads, num_used * block_size, -1)
+        g = g.reshape(b, num_kv_heads, num_used * block_size, cache.size(2) * cache.size(4))
         return g[:, :, :max_len]
     raise OpInputError(
         f"paged {what} must be 3-D [num_blocks, block_size, H], 4-D [num_blocks, N, "

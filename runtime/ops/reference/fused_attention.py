@@ -196,7 +196,8 @@ def _resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> _Shapes:
                 f"{nm.op}: input_layout {call.input_layout!r} requires {nm.q_lens} "
                 f"(cumulative query lengths without a leading 0, last = T = {total_q})"
             )
-        if paged and len(q_arg) == call.block_table.size(0) + 1 and q_arg and q_arg[0] == 0:
+        bt = call.block_table
+        if paged and isinstance(bt, Tensor) and len(q_arg) == bt.size(0) + 1 and q_arg[0] == 0:
             raise OpInputError(
                 f"{nm.op}: {nm.q_lens} has a leading 0 ({_short(q_arg)}); the operator wants "
                 f"the cumulative ends only, e.g. query_start_loc[1:]"

@@ -216,3 +216,13 @@ def test_unknown_keyword_names_the_right_one_for_each_version():
         npu.npu_fused_infer_attention_score(*args, learnable_sink=torch.zeros(1))
     with pytest.raises(TypeError):
         npu.npu_fused_infer_attention_score(*args, 1)  # keyword-only beyond value
+
+
+def test_works_inside_and_outside_inference_mode_in_any_order():
+    case = make_paged_case([2], [6], num_heads=2, num_kv_heads=2, head_dim=8, block_size=4)
+    with torch.inference_mode():
+        inside, _ = _call_v1(case, 2, 2, 0.3, 3)
+    outside, _ = _call_v1(case, 2, 2, 0.3, 3)
+    with torch.inference_mode():
+        again, _ = _call_v1(case, 2, 2, 0.3, 3)
+    assert torch.equal(inside, outside) and torch.equal(outside, again)

@@ -124,7 +124,7 @@ def padded_to_packed(x: Tensor, lens: list[int]) -> Tensor:
 
 # Gathers larger than this many bytes allocate fresh memory instead of a reused workspace.
 _WORKSPACE_MAX_BYTES = 1 << 30
-_WORKSPACE: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+_WORKSPACE: dict[tuple[str, torch.dtype, torch.device, bool], Tensor] = {}
 
 
 def _gather_blocks(cache: Tensor, ids: Tensor, role: str) -> Tensor:
@@ -141,7 +141,8 @@ def _gather_blocks(cache: Tensor, ids: Tensor, role: str) -> Tensor:
     too_big = numel * cache.element_size() > _WORKSPACE_MAX_BYTES
     if too_big or not cache.is_contiguous() or (cache.requires_grad and torch.is_grad_enabled()):
         return cache[ids]
-    key = (role, cache.dtype, cache.device)
+    # Tensors made under inference_mode cannot be written outside it: one buffer per mode.
+    key = (role, cache.dtype, cache.device, torch.is_inference_mode_enabled())
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)

@@ -203,7 +203,7 @@ class _Collector(cst.CSTVisitor):
         if self.depth == 0:
             self.cls = None
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.depth += 1
         name = node.name.value
         params = [p.name.value for p in node.params.params + node.params.kwonly_params]
@@ -217,11 +217,26 @@ class _Collector(cst.CSTVisitor):
             for param in params:
                 if param in _WATCHED_NAMES:
                     self.cls.names_used.setdefault(param, start)
+            if name != "__init__" and _CONTAINER_CLASS.search(self.cls.name):
+                # NOTE: only the constructors of model / head classes carry facts (which
+                # classes they build); their forward bodies are large and skipped for speed.
+                return False
+        return True
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self.depth -= 1
         if self.depth == 1 and self.cls is not None:
             self.method = None
+
+    # NOTE: subtrees that never hold a fact are not descended into (speed).
+    def visit_Annotation(self, node: cst.Annotation) -> bool:
+        return False
+
+    def visit_Decorator(self, node: cst.Decorator) -> bool:
+        return False
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> bool:
+        return False
 
     # -- imports -----------------------------------------------------------------------
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
@@ -323,6 +338,9 @@ class _CalledNames(cst.CSTVisitor):
         if name[:1].isupper() and name not in self.names:
             self.names.append(name)
 
+
+#: model / head classes: the analyzer needs their ``__init__`` only
+_CONTAINER_CLASS = re.compile(r"(Model|For[A-Z]\w*)$")
 
 _WATCHED_NAMES = frozenset(_SINK_NAMES + _SOFTCAP_NAMES + ("cache_unit", "cache_entries"))
 

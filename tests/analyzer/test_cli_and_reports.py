@@ -1,0 +1,110 @@
+"""``kvskill analyze`` output formats, exit codes and the progress-file section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from kvskill.analyzer import Plan, analyze_model
+from kvskill.analyzer.report import PROGRESS_HEADING, to_markdown, update_progress
+from kvskill.cli import main
+
+CONTRACT_KEYS = {
+    "model_type", "architecture", "source", "deploy_mode", "kv_mode", "legacy_reason",
+    "attention", "layers", "attn_types", "mixed_attn_types", "fa_version", "fa_version_reason",
+    "mla_absorb", "input_layout", "sparse_mode", "softmax_scale",
+    "num_key_value_heads_per_rank", "cache_entries", "kv_bytes_per_token", "warnings",
+    "evidence",
+}  # fmt: skip
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_json_is_one_object_with_the_contract_keys(capsys):
+    code, out, _ = run_cli(capsys, "analyze", "gpt_oss", "--format", "json")
+    assert code == 0
+    payload = json.loads(out)  # exactly one JSON document on stdout
+    assert set(payload) >= CONTRACT_KEYS
+    assert payload["layers"][0] == {
+        "index": 0, "kind": "attention", "attn_type": "SlidingWindow", "sliding_window": 128,
+    }  # fmt: skip
+    assert {"decision", "reason", "source"} == set(payload["evidence"][0])
+    # the JSON reads back into the same Plan
+    assert Plan.from_dict(payload).to_dict() == payload
+
+
+def test_yaml_and_table_formats(capsys):
+    code, out, _ = run_cli(
+        capsys, "analyze", "qwen3", "--format", "yaml", "--config-overrides", "num_hidden_layers=2"
+    )
+    assert code == 0
+    data = yaml.safe_load(out)
+    assert data["model_type"] == "qwen3" and len(data["layers"]) == 2
+    code, out, _ = run_cli(capsys, "analyze", "gemma2")
+    assert code == 0
+    assert "legacy" in out and "soft-capping" in out and "evidence:" in out
+
+
+def test_exit_codes(capsys):
+    code, out, _ = run_cli(capsys, "analyze", "no_such_model", "--format", "json")
+    assert code == 2 and json.loads(out)["error"]["code"] == "bad_input"
+    code, _, err = run_cli(capsys, "analyze", "bart")
+    assert code == 3 and "encoder-decoder" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "analyze", "qwen3", "--kv-memory", "lots")
+    assert code == 2 and "memory size" in err
+
+
+def test_memory_options_reach_the_plan(capsys):
+    code, out, _ = run_cli(
+        capsys, "analyze", "llama", "--format", "json", "--kv-memory", "1GiB",
+        "--block-size", "64", "--attn-tp-size", "2",
+    )  # fmt: skip
+    assert code == 0
+    payload = json.loads(out)
+    memory = payload["memory"]
+    assert memory["kv_memory_bytes"] == 1 << 30 and memory["block_size"] == 64
+    # 16 KV heads per rank x 128 dims x K and V x 2 bytes x 32 layers
+    per_token = 16 * 128 * 2 * 2 * 32
+    assert payload["kv_bytes_per_token"] == per_token
+    assert memory["max_tokens"] == (1 << 30) // per_token
+    assert memory["num_blocks"] == (1 << 30) // (per_token * 64)
+
+
+def test_progress_section_is_added_once_and_replaced_in_place(tmp_path, capsys):
+    progress = tmp_path / "progress.md"
+    progress.write_text("# Migration\n\nnotes above\n\n## Next steps\n\n- verify\n", "utf-8")
+    code, _, err = run_cli(
+        capsys, "analyze", "gpt_oss", "--format", "md", "--write-progress", str(progress)
+    )
+    assert code == 0 and "updated" in err
+    first = progress.read_text("utf-8")
+    assert first.startswith("# Migration\n\nnotes above\n")
+    assert first.count(PROGRESS_HEADING) == 1 and "## Next steps\n\n- verify\n" in first
+    # the same plan again changes nothing
+    code, _, err = run_cli(capsys, "analyze", "gpt_oss", "--write-progress", str(progress))
+    assert code == 0 and "already up to date" in err
+    assert progress.read_text("utf-8") == first
+
+
+def test_progress_section_replaces_an_older_plan_and_keeps_the_rest(tmp_path):
+    progress = tmp_path / "progress.md"
+    progress.write_text("# Notes\n\n## Next steps\n\n- verify\n", "utf-8")
+    update_progress(progress, analyze_model("qwen3"))
+    assert update_progress(progress, analyze_model("gpt_oss")) is True
+    text = progress.read_text("utf-8")
+    assert text.count(PROGRESS_HEADING) == 1 and "`gpt_oss`" in text and "`qwen3`" not in text
+    assert text.startswith("# Notes\n\n## Next steps\n\n- verify\n")
+    assert update_progress(progress, analyze_model("gpt_oss")) is False
+
+
+def test_markdown_section_lists_decisions_evidence_and_warnings():
+    text = to_markdown(analyze_model("deepseek_v3"))
+    assert text.startswith(PROGRESS_HEADING)
+    assert "| KV mode | paged |" in text and "TND_NTD" in text
+    assert "Evidence:" in text and "Watch for:" in text

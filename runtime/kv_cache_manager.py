@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvskill.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.layout import CacheLayout, allocate_cache_tensors, calculate_block_num
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
     FIXED_BLOCK_ATTN_TYPES,
@@ -116,7 +117,7 @@ class KVCacheManager:
             for key, g in self.groups.items()
         }
         self.initial_free_blocks = self.num_free_blocks
-        self.layout = None  # set by allocate_cache_tensors
+        self.layout: CacheLayout | None = None  # set by allocate_cache_tensors
 
     def _build_pools(self, seed: int | None) -> dict[str, BlockPool]:
         if self.use_hybrid_blocks:
@@ -133,8 +134,6 @@ class KVCacheManager:
         max_num_batched_tokens: int | None = None,
     ) -> dict[str, int]:
         """Blocks per group (null block included) that fit in ``memory_budget_bytes``."""
-        from kvskill.runtime.layout import calculate_block_num
-
         return calculate_block_num(
             self.groups,
             memory_budget_bytes,
@@ -147,8 +146,6 @@ class KVCacheManager:
 
     def allocate_cache_tensors(self) -> None:
         """Create every cache tensor and hand it to its layer (``tensor_setter``/bind)."""
-        from kvskill.runtime.layout import allocate_cache_tensors
-
         self.layout = allocate_cache_tensors(
             self.groups,
             self.num_blocks,

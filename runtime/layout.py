@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from kvskill.errors import BadInputError
 from kvskill.runtime.cache_info import AttnType, CacheEntry, LayerCacheInfo
+from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
 from torch import Tensor
 
 logger = logging.getLogger("kvskill.runtime.layout")
@@ -292,8 +293,6 @@ def calculate_fixed_block_num(
     fixed_block_attn_types: Collection[str],
 ) -> int | None:
     """Blocks a fixed-block group needs for ``max_num_seqs`` requests, or None if unbounded."""
-    from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
-
     if group.attn_type not in fixed_block_attn_types or max_num_seqs is None:
         return None
     per_request = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(

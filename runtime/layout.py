@@ -44,7 +44,17 @@ LOG_PREFIX = "[non-contiguous-kv-cache]"
 
 
 def layout_logging_enabled() -> bool:
-    return os.environ.get("KVSKILL_LOG_LAYOUT", "") == "1"
+    """True when ``KVSKILL_LOG_LAYOUT=1``; then make sure the lines reach someone.
+
+    The lines are INFO records; with no logging configured anywhere (a plain script or the
+    CLI) they would be dropped, so a stderr handler is attached in that case only.
+    """
+    if os.environ.get("KVSKILL_LOG_LAYOUT", "") != "1":
+        return False
+    logger.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
+        logger.addHandler(logging.StreamHandler())  # stderr
+    return True
 
 
 def _itemsize(dtype: torch.dtype) -> int:

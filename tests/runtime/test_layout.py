@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -296,3 +299,27 @@ def test_page_pool_views_serve_the_paged_operators_like_dense_tensors():
     with pytest.raises(RuntimeError):
         k_pool.view(-1, 2, 8)
     assert dense_mgr.cache_info.layer_infos[0].caches[0].tensor.view(-1, 2, 8).shape == (36, 2, 8)
+
+
+def test_layout_switch_prints_to_stderr_without_logging_setup():
+    here = os.path.dirname(__file__)
+    script = (
+        f"import sys; sys.path.insert(0, {here!r})\n"
+        "from runtime_factories import Sink, attn_layer, model_info\n"
+        "from kvskill.runtime import KVCacheManager\n"
+        "mgr = KVCacheManager(model_info([attn_layer(Sink(), 0)]), num_blocks=3,\n"
+        "                     use_hybrid_blocks=True)\n"
+        "mgr.allocate_cache_tensors()\n"
+    )
+    env = {**os.environ, "KVSKILL_LOG_LAYOUT": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert any(line.startswith(f"{LOG_PREFIX} mode=gqa") for line in lines)
+    quiet = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "KVSKILL_LOG_LAYOUT": "0"},
+        capture_output=True,
+        text=True,
+    )
+    assert LOG_PREFIX not in quiet.stderr

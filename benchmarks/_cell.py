@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import statistics
 import sys
 import warnings
@@ -75,6 +76,11 @@ def _peak_rss_since_reset_mb() -> float:
     return peak_rss_mb()
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_workload(system: str, model, spec, workload_name: str, repeats: int) -> dict:
     workload = make_workload(workload_name, spec.overrides["vocab_size"])
     gc.collect()
@@ -82,7 +88,11 @@ def run_workload(system: str, model, spec, workload_name: str, repeats: int) -> 
     run, close = make_runner(system, model, spec, workload)
     try:
         run(workload.warmup())
-        runs = [run(workload) for _ in range(repeats)]
+        runs, cpu_s = [], []
+        for _ in range(repeats):
+            cpu_before = _cpu_seconds()
+            runs.append(run(workload))
+            cpu_s.append(_cpu_seconds() - cpu_before)
     finally:
         if close is not None:
             close()
@@ -100,6 +110,9 @@ def run_workload(system: str, model, spec, workload_name: str, repeats: int) -> 
         "repeats": repeats,
         "wall_s": statistics.median(walls),
         "wall_s_runs": walls,
+        # CPU seconds over wall seconds of the timed runs: close to the thread count on an idle
+        # machine, well below it when other processes took the cores.
+        "cpu_per_wall": sum(cpu_s) / sum(walls),
         "tokens_per_s": workload.useful_tokens / statistics.median(walls),
         "ttft_s": statistics.median(statistics.fmean(r.ttft_s) for r in runs),
         # VmHWM reset before this workload: its peak, on top of whatever the process already

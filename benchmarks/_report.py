@@ -85,6 +85,7 @@ def build_rows(records: list[dict]) -> list[dict]:
                     "deterministic": rec["deterministic"],
                     "repeats": rec["repeats"],
                     "wall_s_runs": [round(w, 4) for w in rec["wall_s_runs"]],
+                    "cpu_per_wall": round(rec["cpu_per_wall"], 3),
                     "num_requests": rec["num_requests"],
                     "useful_tokens": rec["useful_tokens"],
                     "prompt_tokens": rec["prompt_tokens"],
@@ -92,6 +93,10 @@ def build_rows(records: list[dict]) -> list[dict]:
                     "kv_held_mb": _mb(kv.get("held_bytes")),
                     "kv_live_mb": _mb(kv.get("live_bytes")),
                     "kv_pool_mb": _mb(kv.get("pool_bytes")),
+                    # Live KV at the peak over the whole preallocated pool (paged systems).
+                    "kv_pool_utilization": round(kv["live_bytes"] / kv["pool_bytes"], 4)
+                    if kv.get("pool_bytes")
+                    else None,
                     "kv_capacity_tokens": rec["kv_capacity_tokens"],
                     "tokens_sha1": _digest(rec["tokens"]),
                     **{k: v for k, v in extra.items() if not isinstance(v, (list, dict))},
@@ -166,8 +171,8 @@ def markdown_report(result: dict) -> str:
         f"after a warm-up (hf_sequential: {result['settings']['repeats_hf_sequential']}).",
         "",
         "| workload | model | thr | system | useful tok/s | vs kvskill | mean TTFT s | wall s "
-        "| peak RSS MB | KV util | valid |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| peak RSS MB | KV util | CPU/wall | valid |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         valid = "yes" if r["valid"] else ("ERROR" if r.get("error") else "NO")
@@ -175,7 +180,8 @@ def markdown_report(result: dict) -> str:
             f"| {r['workload']} | {r['model']} | {r['threads']} | {r['system']} "
             f"| {_fmt(r['tokens_per_s'], '.0f')} | {_fmt(r.get('ratio_to_kvskill'), '.2f')} "
             f"| {_fmt(r['ttft_s'], '.3f')} | {_fmt(r['wall_s'], '.2f')} "
-            f"| {_fmt(r['peak_rss_mb'], '.0f')} | {_fmt(r['kv_utilization'], '.2f')} | {valid} |"
+            f"| {_fmt(r['peak_rss_mb'], '.0f')} | {_fmt(r['kv_utilization'], '.2f')} "
+            f"| {_fmt(r.get('cpu_per_wall'), '.2f')} | {valid} |"
         )
     errors = [r for r in rows if r.get("error")]
     if errors:

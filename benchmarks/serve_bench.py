@@ -140,32 +140,31 @@ def main(argv: list[str] | None = None) -> int:
     started_at = dt.datetime.now(dt.timezone.utc)
     load_before = load_average()
     records = []
-    for model in models:
-        for n_threads in threads:
-            for system in systems:
-                started = time.perf_counter()
-                cell = run_cell(
-                    system=system,
-                    workloads=workloads,
-                    model=model,
-                    threads=n_threads,
-                    repeats=args.repeats_sequential
-                    if system == "hf_sequential" and args.repeats_sequential
-                    else args.repeats,
-                    timeout_s=args.timeout,
-                )
-                records += cell
-                summary = ", ".join(
-                    f"{r['workload']} "
-                    + (r["error"] if "error" in r else f"{r['tokens_per_s']:.0f}")
-                    for r in cell
-                )
-                print(
-                    f"[serve_bench] {model} t={n_threads} {system}: {summary} tok/s"
-                    f" ({time.perf_counter() - started:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    for model, n_threads in pairs:
+        for system in systems:
+            started = time.perf_counter()
+            repeats = args.repeats
+            if system == "hf_sequential" and args.repeats_sequential:
+                repeats = args.repeats_sequential
+            cell = run_cell(
+                system=system,
+                workloads=workloads,
+                model=model,
+                threads=n_threads,
+                repeats=repeats,
+                timeout_s=args.timeout,
+            )
+            records += cell
+            summary = ", ".join(
+                f"{r['workload']} " + (r["error"] if "error" in r else f"{r['tokens_per_s']:.0f}")
+                for r in cell
+            )
+            print(
+                f"[serve_bench] {model} t={n_threads} {system}: {summary} tok/s"
+                f" ({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     result = {
         "benchmark": "serve_bench",

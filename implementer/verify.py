@@ -242,6 +242,9 @@ def reference_generate(
         output_logits=True,
         return_dict_in_generate=True,
     )
+    # NOTE: both sides generate exactly max_new_tokens; the model's own EOS must not stop
+    # the reference early (the runtime runs with ignore_eos).
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), generation_config=config)
     tokens = out.sequences[0, len(prompt) :].tolist()
@@ -405,6 +408,7 @@ def _compare(index, prompt, tokens, ref_logits, output, recorder: _LogitRecorder
     )
     # logits are comparable up to and including the first differing step
     steps = len(tokens) if mismatch is None else mismatch + 1
+    steps = min(steps, len(ref_logits))
     diff = 0.0
     for step in range(steps):
         got = recorder.logits.get((index, step))

@@ -13,6 +13,7 @@ from kvskill.runtime import (
     CacheEntry,
     KVCacheManager,
     LayerCacheInfo,
+    MambaCacheEntry,
     ModelCacheInfo,
     get_init_attn_mask,
     kv_lane_view,
@@ -323,3 +324,23 @@ def test_layout_switch_prints_to_stderr_without_logging_setup():
         text=True,
     )
     assert LOG_PREFIX not in quiet.stderr
+
+
+def test_mixed_dtype_states_are_aligned_and_do_not_overlap():
+    # conv: 5x3 bf16 = 30 B; ssm must start on a 4-byte boundary: byte 32, not 30.
+    sink = Sink()
+    conv = MambaCacheEntry("conv_state", (5, 3), torch.bfloat16, sink.setter(0, "conv"))
+    ssm = MambaCacheEntry("ssm_state", (2, 4), torch.float32, sink.setter(0, "ssm"))
+    info = ModelCacheInfo(num_layers=1, block_size=4, layer_infos=[LayerCacheInfo(0, [conv, ssm])])
+    mgr = KVCacheManager(info, num_blocks=4, use_hybrid_blocks=True, page_alignment_bytes=64)
+    mgr.allocate_cache_tensors()
+    conv_view, ssm_view = sink.tensors[(0, "conv")], sink.tensors[(0, "ssm")]
+    assert mgr.layout.page_size_bytes == 64
+    assert conv_view.stride()[0] == 32 and ssm_view.stride()[0] == 16
+    assert ssm_view.storage_offset() == 8  # 32 bytes in fp32 elements
+    conv_view.fill_(1.0)
+    ssm_view.fill_(2.0)
+    page = mgr.layout.raw_views[0][2]
+    assert torch.all(page[:30].view(torch.bfloat16) == 1.0)
+    assert torch.all(page[30:32] == 0)  # alignment gap untouched
+    assert torch.all(page[32:64].view(torch.float32) == 2.0)

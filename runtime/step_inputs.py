@@ -64,7 +64,15 @@ def build_step_inputs(
     slot_mapping: dict[str, Tensor] = {}
     per_request = [kv_manager.get_block_ids(s.request.request_id) for s in scheduled]
     for key in kv_manager.group_keys:
-        table = prepare_block_tables([ids[key] for ids in per_request])  # int32 [B, M]
+        rows = [ids[key] for ids in per_request]
+        # NOTE: the slot mapping indexes the flattened table, so a short row would silently
+        # read the next request's blocks; check coverage here, where it is cheap.
+        num_blocks_for = kv_manager.managers[key].num_blocks_for
+        assert all(len(r) >= num_blocks_for(n) for r, n in zip(rows, kv_lens, strict=True)), (
+            f"group {key!r}: a request's blocks do not cover its tokens; the KV manager "
+            "allocated too few"
+        )
+        table = prepare_block_tables(rows)  # int32 [B, M]
         slots = prepare_slot_mapping(table, request_index, positions, kv_manager.block_size_of(key))
         block_table[key] = table.to(device)
         slot_mapping[key] = slots.to(device)

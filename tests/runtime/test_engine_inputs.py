@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 from kvskill.errors import BadInputError, UnsupportedModelError  # noqa: E402
-from kvskill.runtime import LLM, SamplingParams, load_model  # noqa: E402
+from kvskill.runtime import LLM, FullAttentionManager, SamplingParams, load_model  # noqa: E402
 from kvskill.runtime.request import Request  # noqa: E402
 from kvskill.runtime.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from kvskill.runtime.step_inputs import build_step_inputs  # noqa: E402
@@ -148,6 +148,9 @@ class _Manager:
 
     def __init__(self, blocks):
         self.blocks = blocks
+        self.managers = {
+            "FullAttention": FullAttentionManager(None, group_key="FullAttention", block_size=4)
+        }
 
     def get_block_ids(self, request_id):
         return {"FullAttention": self.blocks[request_id]}
@@ -190,3 +193,13 @@ def test_device_selection():
     if not torch.cuda.is_available():
         with pytest.raises(BadInputError, match="CUDA is not available"):
             select_device("cuda")
+
+
+def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens():
+    # Request a needs 2 blocks for positions 4..6 but the manager reports one.
+    a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
+    output = SchedulerOutput(is_prefill=True, scheduled=[ScheduledRequest(a, 3, 4)])
+    with pytest.raises(AssertionError, match="do not cover its tokens"):
+        build_step_inputs(
+            output, _Manager({"a": [5]}), attention_mask=None, device=torch.device("cpu")
+        )

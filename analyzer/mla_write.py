@@ -107,7 +107,8 @@ def decide_mla_cache_write(source: str, config: dict[str, Any], file_name: str) 
             "and rotated key are written with npu_scatter_nd_update_ (NZ layout)",
             source=where(call),
         )
-    if len([a for a in call.args if a.keyword is None]) < 4:
+    tables = [_code(a.value) for a in call.args]
+    if not (any("cos" in t for t in tables) and any("sin" in t for t in tables)):
         return MlaCacheWrite(
             mode=SCATTER,
             reason=f"the rope `{_code(call.func)}` takes no cos/sin tables",

@@ -152,6 +152,7 @@ class MlaAttentionForwardCommand(MlaCommand):
             "rope_key": seam.value,
             "raw": fused.raw_latent if fused else "",
             "norm": fused.norm if fused else "",
+            "norm_weight": fused.norm_weight if fused else "",
             "norm_eps": fused.norm_eps if fused else "",
             "cos": fused.cos if fused else "",
             "sin": fused.sin if fused else "",

@@ -35,8 +35,9 @@ class FusedWriteFacts:
 
     #: name of the raw down-projection output ``[B, S, rank + rope]``
     raw_latent: str
-    #: attribute of the latent RMSNorm module and its epsilon attribute
+    #: attribute of the latent RMSNorm module, its gain parameter and its epsilon attribute
     norm: str
+    norm_weight: str
     norm_eps: str
     cos: str
     sin: str
@@ -150,18 +151,15 @@ def _fused_facts(
     ]
     raw = _assigned_from(forward, down[0]) if len(down) == 1 else None
     tables = _cos_sin(forward)
-    eps = (
-        _eps_attr(classes.get(code(modules[norms[0]].func).split(".")[-1]))
-        if len(norms) == 1
-        else None
-    )
+    norm_cls = classes.get(code(modules[norms[0]].func).split(".")[-1]) if len(norms) == 1 else None
+    eps, gain = _norm_attrs(norm_cls)
     missing = [
         what
         for what, ok in (
             (f"the down-projection Linear to {LATENT_RANK} + {ROPE_DIM_KEY}", raw is not None),
             (
-                f"one latent norm module over {LATENT_RANK} with an epsilon attribute",
-                eps is not None,
+                f"one latent norm module over {LATENT_RANK} with a gain parameter and an epsilon",
+                eps is not None and gain is not None,
             ),
             ("`cos, sin = ...` rope tables in forward", tables is not None),
         )
@@ -173,9 +171,9 @@ def _fused_facts(
             + ", ".join(missing)
         )
         return None
-    assert raw is not None and tables is not None and eps is not None
+    assert raw is not None and tables is not None and eps is not None and gain is not None
     return FusedWriteFacts(
-        raw_latent=raw, norm=norms[0], norm_eps=eps, cos=tables[0], sin=tables[1]
+        raw_latent=raw, norm=norms[0], norm_weight=gain, norm_eps=eps, cos=tables[0], sin=tables[1]
     )
 
 
@@ -188,7 +186,7 @@ def _assigned_from(forward: cst.FunctionDef, attr: str) -> str | None:
 
 
 def _cos_sin(forward: cst.FunctionDef) -> tuple[str, str] | None:
-    """``cos, sin = <expr>`` in forward."""
+    """``cos, sin = <expr>`` in forward, else forward parameters named like cos / sin."""
     pattern = m.Assign(
         targets=[
             m.AssignTarget(target=m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())]))
@@ -201,20 +199,28 @@ def _cos_sin(forward: cst.FunctionDef) -> tuple[str, str] | None:
         names = [cst.ensure_type(e.value, cst.Name).value for e in elements]
         if "cos" in names[0] and "sin" in names[1]:
             return names[0], names[1]
-    return None
+    params = [p.name.value for p in forward.params.params]
+    cos = [p for p in params if "cos" in p]
+    sin = [p for p in params if "sin" in p]
+    return (cos[0], sin[0]) if len(cos) == 1 and len(sin) == 1 else None
 
 
-def _eps_attr(norm_cls: cst.ClassDef | None) -> str | None:
-    """The attribute a norm class keeps its epsilon in (``variance_epsilon``, ``eps``)."""
-    if norm_cls is None:
-        return None
-    init = _method(norm_cls, "__init__")
+def _norm_attrs(norm_cls: cst.ClassDef | None) -> tuple[str | None, str | None]:
+    """(epsilon attribute, gain parameter attribute) of a norm class, e.g. (variance_epsilon,
+    weight)."""
+    init = _method(norm_cls, "__init__") if norm_cls is not None else None
     if init is None:
-        return None
-    for attr in _self_attrs(init):
-        if "eps" in attr:
-            return attr
-    return None
+        return None, None
+    eps = next((a for a in _self_attrs(init) if "eps" in a), None)
+    gain = None
+    for node in m.findall(init, _SELF_ASSIGN):
+        assign = cst.ensure_type(node, cst.Assign)
+        if (
+            isinstance(assign.value, cst.Call)
+            and code(assign.value.func).split(".")[-1] == "Parameter"
+        ):
+            gain = cst.ensure_type(assign.targets[0].target, cst.Attribute).attr.value
+    return eps, gain
 
 
 def _self_attrs(init: cst.FunctionDef) -> list[str]:

@@ -131,7 +131,7 @@ self.update_latent_cache(slots, {{ latent }}.reshape(-1, {{ latent }}.shape[-1])
 # RMSNorm of the latent, rope of the shared key and the paged NZ write in one operator.
 torch_npu.npu_kv_rmsnorm_rope_cache(
     {{ raw }}.reshape(-1, 1, 1, {{ raw }}.shape[-1]),
-    self.{{ norm }}.weight,
+    self.{{ norm }}.{{ norm_weight }},
     {{ cos }}.reshape(-1, 1, 1, {{ cos }}.shape[-1]),
     {{ sin }}.reshape(-1, 1, 1, {{ sin }}.shape[-1]),
     slots,

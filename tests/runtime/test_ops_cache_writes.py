@@ -242,3 +242,25 @@ class TestKvRmsnormRopeCache:
                 torch.zeros(2, 4, 1, 16),
                 cache_mode="PA",
             )
+
+
+def test_interleave_rope_matches_the_rope_cached_by_kv_rmsnorm_rope_cache():
+    kv, gamma, cos, sin = _rms_rope_inputs(b=2, s=3, seed=6)
+    _, rope = _expected(kv, gamma, cos, sin)
+    x = kv[..., 32:]  # [B, 1, S, 64] treated as one head of a query
+    got = npu.npu_interleave_rope(x, cos, sin)
+    torch.testing.assert_close(got, rope, atol=1e-5, rtol=1e-5)
+    res = npu.npu_kv_rmsnorm_rope_cache(
+        kv,
+        gamma,
+        cos,
+        sin,
+        torch.arange(6),
+        torch.zeros(2, 4, 1, 64),
+        torch.zeros(2, 4, 1, 32),
+        cache_mode="PA",
+        is_output_kv=True,
+    )
+    assert torch.equal(res[2], got)
+    with pytest.raises(OpInputError, match="4-D"):
+        npu.npu_interleave_rope(x[0], cos, sin)

@@ -16,6 +16,7 @@ from .gated_delta import (
     npu_recurrent_gated_delta_rule_functional,
 )
 from .kv_rmsnorm_rope_cache import npu_kv_rmsnorm_rope_cache
+from .rope import npu_interleave_rope
 from .scatter import (
     npu_scatter_nd_update,
     npu_scatter_nd_update_,
@@ -30,6 +31,7 @@ __all__ = [
     "npu_format_cast",
     "npu_format_cast_",
     "npu_fused_infer_attention_score",
+    "npu_interleave_rope",
     "npu_fused_infer_attention_score_v2",
     "npu_kv_rmsnorm_rope_cache",
     "npu_recurrent_gated_delta_rule",

@@ -58,6 +58,8 @@ class Admission:
                 ok = ok & ~self.key_mask[:, None, :num_keys]
             return ok
         mode = self.sparse_mode
+        # Padding rows of a padded layout (i >= S1) are excluded above and come back as zeros.
+        # unconfirmed: the device most likely zero-initialises them too.
         if mode in (0, 1) and self.user_mask is not None:
             ok = ok & ~_mask_window(self.user_mask, rows, num_keys)
         if mode == 0 and self.user_mask is not None:
@@ -67,6 +69,9 @@ class Admission:
         elif mode == 3:
             ok = ok & (j <= i + (s2 - s1))
         elif mode == 4:
+            # Both window bounds are inclusive: pre_tokens=P admits P older keys plus the
+            # diagonal (P + 1 keys with next_tokens=0). unconfirmed: derived from the operator
+            # documentation's figures and error checks, not observed on hardware.
             diag = i + (s2 - s1)
             ok = ok & (j >= diag - self.pre_tokens) & (j <= diag + self.next_tokens)
         return ok

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe, reject_if_used, strict_keywords
+from .rope import interleaved_rope
 
 OP = "npu_kv_rmsnorm_rope_cache"
 ROPE_DIM = 64
@@ -108,11 +109,7 @@ def _norm_and_rope(
     x = kv.float()
     latent = x[..., :dc]
     c = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
-    r = x[..., dc:]
-    even, odd = r[..., 0::2], r[..., 1::2]
-    a = torch.cat((even, odd), dim=-1)
-    b = torch.cat((-odd, even), dim=-1)
-    k_rope = a * cos.float() + b * sin.float()
+    k_rope = interleaved_rope(x[..., dc:], cos, sin)
     return c.to(kv.dtype), k_rope.to(kv.dtype)
 
 

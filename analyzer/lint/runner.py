@@ -99,8 +99,36 @@ def lint_paths(paths: Iterable[Path], *, disable: Iterable[str] = ()) -> LintRep
         except cst.ParserSyntaxError as exc:
             report.errors.append(_syntax_error(path, source, exc))
             continue
-        report.findings.extend(_run(ctx, rules))
+        except RecursionError:
+            report.errors.append(
+                FileError(path=str(path), line=0, message="cannot parse: nested too deeply")
+            )
+            continue
+        findings, crashes = _run_guarded(ctx, rules)
+        report.findings.extend(findings)
+        report.errors.extend(crashes)
     return report
+
+
+def _run_guarded(ctx: FileContext, rules: Sequence[Rule]) -> tuple[list[Finding], list[FileError]]:
+    """Run each rule on its own, so a rule that trips over unusual code costs that file
+    that rule only, reported as an error, never the whole run."""
+    findings: set[Finding] = set()
+    crashes: list[FileError] = []
+    for rule in rules:
+        try:
+            findings.update(rule.check(ctx))
+        except Exception as exc:  # a bug in the rule: report it, keep checking
+            crashes.append(
+                FileError(
+                    path=ctx.path,
+                    line=0,
+                    message=f"rule {rule.id} failed on this file ({type(exc).__name__}: "
+                    f"{exc}); this is a bug in kvskill, please report it",
+                )
+            )
+    ordered = sorted(findings, key=lambda f: (f.line, f.column, f.rule))
+    return ordered, crashes
 
 
 def _syntax_error(path: Path, source: str, exc: cst.ParserSyntaxError) -> FileError:

@@ -21,9 +21,14 @@ Rules:
 {_RULE_LINES}
 
 \b
-Exit codes: 0 clean, 1 findings, 2 bad input (an unknown rule, or a file that cannot be
-parsed when nothing else was found; such files are listed as errors and the others are
-still checked).
+Output: one line per finding, `file:line:col RULE message — fix: ...`, then a summary.
+--format json prints one object: {{"findings": [{{path, line, column, rule, name,
+message, fix}}], "errors": [{{path, line, message}}], "files": N}}.
+
+\b
+Exit codes: 0 clean, 1 findings, 2 bad input: an unknown rule, a folder without Python
+files, or a file that cannot be parsed when no finding was made elsewhere (such files
+are listed as errors and the other files are still checked).
 """
 
 

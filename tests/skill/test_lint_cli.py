@@ -134,3 +134,20 @@ def test_help_lists_every_rule(capsys):
     assert code == 0
     for rule in RULES:
         assert rule.id in out and rule.name in out
+
+
+def test_a_crashing_rule_costs_one_error_line_not_the_run(capsys, tree, monkeypatch):
+    from kvskill.analyzer.lint.rules.kv009_num_head_per_rank import NumHeadNotPerRank
+
+    def explode(self, ctx):
+        raise ValueError("unexpected shape of code")
+        yield  # pragma: no cover - makes this a generator like the real check
+
+    monkeypatch.setattr(NumHeadNotPerRank, "check", explode)
+    code, out, _ = run_cli(capsys, "lint", str(tree / "broken.py"), "--format", "json")
+    payload = json.loads(out)
+    assert code == 1  # the other rules still ran and found the two mistakes
+    assert [f["rule"] for f in payload["findings"]] == ["KV001", "KV005"]
+    assert len(payload["errors"]) == 1
+    assert "KV009" in payload["errors"][0]["message"]
+    assert "ValueError" in payload["errors"][0]["message"]

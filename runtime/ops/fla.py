@@ -330,12 +330,59 @@ def _store(states: Tensor, rows: Tensor, value: Tensor, live: Tensor) -> None:
     states[rows[ok]] = value[ok].to(states.dtype)
 
 
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    head_first: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Gated delta rule for prefill, FLA layouts; states are inputs/outputs, not written in place.
+
+    Shapes as ``fused_recurrent_gated_delta_rule``: q, k [B, T, H, K], v [B, T, HV, V]
+    (``head_first`` is not supported), ``cu_seqlens`` [N + 1] with B == 1, initial_state
+    [N, HV, K, V]. unconfirmed: the state orientation of the Ascend Triton port (its docstring
+    says [N, H, K, V] like FLA, its callers use [N, HV, V, K]); the reference follows FLA.
+
+    Returns:
+        (o [B, T, HV, V], final_state [N, HV, K, V] or None unless ``output_final_state``).
+    """
+    if head_first:
+        raise OpInputError("chunk_gated_delta_rule: head_first=True is not supported")
+    n = (cu_seqlens.numel() - 1) if cu_seqlens is not None else q.size(0)
+    start = (
+        initial_state.clone()
+        if initial_state is not None
+        else torch.zeros(n, v.size(2), k.size(-1), v.size(-1), dtype=torch.float32, device=q.device)
+    )
+    o, final = fused_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=start,
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    return o, (final if output_final_state else None)
+
+
 #: the name the AscendC FLA interface uses for the token-by-token gated delta rule
 recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
 
 __all__ = [
     "PAD_SLOT_ID",
     "causal_conv1d_fn",
+    "chunk_gated_delta_rule",
     "causal_conv1d_update",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_scan",

@@ -311,3 +311,52 @@ def test_npu_recurrent_rejects_long_requests():
             torch.zeros(9, 1, 3, 4),
             actual_seq_lengths=torch.tensor([9], dtype=torch.int32),
         )
+
+
+def test_fla_chunk_variant_returns_states_without_touching_the_input():
+    lens = [3, 2]
+    q, k, v, g, beta = _gdn_inputs(sum(lens), seed=6)
+    h0 = torch.randn(2, 4, 4, 3)
+    before = h0.clone()
+    o, final = fla.chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=torch.tensor([0, 3, 5]),
+    )
+    assert torch.equal(h0, before)
+    for n, sl in enumerate((slice(0, 3), slice(3, 5))):
+        want_o, want_h = naive_gdn(
+            q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], 0.5, before[n]
+        )
+        torch.testing.assert_close(o[0, sl].double(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final[n].double(), want_h, atol=1e-5, rtol=1e-5)
+    _, none = fla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3, 5]))
+    assert none is None
+
+
+def test_npu_chunk_variant_scale_defaults_to_one_and_state_is_value_major():
+    lens = [2, 3]
+    q, k, v, g, beta = _gdn_inputs(sum(lens), h=2, hv=4, seed=7)
+    h0 = torch.randn(2, 4, 3, 4)  # [B, Nv, Dv, Dk]
+    out, final = npu.npu_chunk_gated_delta_rule(
+        q[0],
+        k[0],
+        v[0],
+        beta=beta[0],
+        g=g[0],
+        initial_state=h0,
+        actual_seq_lengths=torch.tensor(lens, dtype=torch.int32),
+    )
+    for n, sl in enumerate((slice(0, 2), slice(2, 5))):
+        want_o, want_h = naive_gdn(
+            q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], 1.0, h0[n].transpose(-1, -2)
+        )
+        torch.testing.assert_close(out[sl].double(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            final[n].transpose(-1, -2).double(), want_h, atol=1e-5, rtol=1e-5
+        )

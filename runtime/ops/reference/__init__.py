@@ -12,6 +12,7 @@ from .fused_infer_attention import (
     npu_fused_infer_attention_score_v2,
 )
 from .gated_delta import (
+    npu_chunk_gated_delta_rule,
     npu_recurrent_gated_delta_rule,
     npu_recurrent_gated_delta_rule_functional,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ReferenceUnsupportedError",
     "get_npu_format",
     "npu_format_cast",
+    "npu_chunk_gated_delta_rule",
     "npu_format_cast_",
     "npu_fused_infer_attention_score",
     "npu_interleave_rope",

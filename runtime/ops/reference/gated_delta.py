@@ -210,3 +210,63 @@ def pad_index(offsets: list[int], device: torch.device) -> tuple[Tensor, Tensor]
     start = torch.tensor(offsets[:-1], device=device).view(-1, 1)
     valid = pos < lens.view(-1, 1)
     return torch.where(valid, start + pos, torch.zeros_like(pos)), valid
+
+
+@strict_keywords("npu_chunk_gated_delta_rule", {})
+def npu_chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    beta: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    actual_seq_lengths: Tensor | None = None,
+    scale: float | None = None,
+    g: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule over packed prefill sequences (TND), state in and out by request.
+
+    Args:
+        query, key: [T, Nk, Dk] (the caller L2-normalises them); value: [T, Nv, Dv].
+        beta: [T, Nv]; g: [T, Nv] log decay (default none).
+        initial_state: [B, Nv, Dv, Dk] (value-major); default zeros.
+        actual_seq_lengths: int tensor [B], per-request token counts (not cumulative).
+        scale: default **1.0** here (unlike FLA's K ** -0.5).
+
+    Returns:
+        (out [T, Nv, Dv] in the query dtype, final_state [B, Nv, Dv, Dk]). The reference
+        evaluates the recurrence token by token; the chunked device kernel computes the same
+        values up to rounding.
+    """
+    op = "npu_chunk_gated_delta_rule"
+    t_total, nk, dk = query.shape
+    nv, dv = value.size(1), value.size(2)
+    if nv % nk:
+        raise OpInputError(f"{op}: value heads {nv} must be a multiple of key heads {nk}")
+    lens = _as_list("actual_seq_lengths", actual_seq_lengths) or [t_total]
+    if sum(lens) != t_total or min(lens) < 0:
+        raise OpInputError(
+            f"{op}: actual_seq_lengths must be per-request counts summing to T = {t_total}, "
+            f"got {lens[:8]}"
+        )
+    batch = len(lens)
+    if initial_state is not None and tuple(initial_state.shape) != (batch, nv, dv, dk):
+        raise OpInputError(
+            f"{op}: initial_state must be [{batch}, {nv}, {dv}, {dk}], got {describe(initial_state)}"
+        )
+    offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
+    idx, valid = pad_index(offsets, query.device)
+    group = nv // nk
+    scale = 1.0 if scale is None else scale
+    qp = query[idx].float().repeat_interleave(group, dim=2) * scale
+    kp = key[idx].float().repeat_interleave(group, dim=2)
+    vp = value[idx]
+    bp = beta[idx] if beta is not None else torch.ones(vp.shape[:3], device=value.device)
+    dp = g[idx] if g is not None else None
+    if initial_state is None:
+        h0 = torch.zeros(batch, nv, dk, dv, device=query.device)
+    else:
+        h0 = initial_state.transpose(-1, -2)
+    out, h_final = gated_delta_scan(qp, kp, vp, dp, bp, h0, torch.tensor(lens, device=query.device))
+    state_dtype = initial_state.dtype if initial_state is not None else query.dtype
+    return out[valid].to(query.dtype), h_final.transpose(-1, -2).to(state_dtype)

@@ -85,6 +85,14 @@ def prepare_slot_mapping(
     else:
         logical_block = torch.div(positions, block_size, rounding_mode="floor")
         offset = positions - logical_block * block_size
+    # A position past the table's width would wrap into the next row of the flat index below
+    # and silently read another request's block: one reduction guards against it.
+    if logical_block.numel() and int(logical_block.max()) >= block_table.shape[1]:
+        raise ValueError(
+            f"a position needs logical block {int(logical_block.max())} but the block table "
+            f"has {block_table.shape[1]} columns; allocate slots before building the mapping "
+            "(state groups such as Mamba have no slot mapping)"
+        )
     # Row-major flat index into the table; index_select is much cheaper than 2-D indexing.
     flat_index = request_index * block_table.shape[1]
     flat_index += logical_block  # [T]

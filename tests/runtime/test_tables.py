@@ -97,3 +97,10 @@ def test_int32_and_int64_index_paths_agree():
     assert torch.equal(slots, prepare_slot_mapping(table, ri64, pos64, 4))
     # r0: positions 4-6 in logical block 1 (id 4); r1: 0-3 in id 6, 4 in id 1; r2: 17 in id 11
     assert slots.tolist() == [16, 17, 18, 24, 25, 26, 27, 4, 45]
+
+
+def test_position_beyond_the_table_is_an_error_not_a_wrapped_read():
+    table = prepare_block_tables([[3], [4]])
+    # Position 4 of request 0 needs logical block 1; the flat index would land on row 1.
+    with pytest.raises(ValueError, match="logical block 1 but the block table has 1 columns"):
+        prepare_slot_mapping(table, torch.tensor([0]), torch.tensor([4]), 4)

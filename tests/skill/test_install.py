@@ -116,7 +116,8 @@ def test_page_no_longer_shipped_is_removed_unless_edited(tmp_path, pack):
     assert (dest / "references/b.md").read_text() == "# b, my notes\n"
 
 
-def test_default_target_is_the_git_toplevel(tmp_path):
+def test_default_target_is_the_git_toplevel(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     repo = tmp_path / "repo"
     (repo / "sub").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -124,7 +125,8 @@ def test_default_target_is_the_git_toplevel(tmp_path):
     assert default_target(Agent.AGENTS, repo / "sub") == repo.resolve() / ".agents/skills"
     outside = tmp_path / "plain"
     outside.mkdir()
-    assert default_target(Agent.CLAUDE, outside).parent.parent in (outside, Path("/"))
+    # Not in a repository: the folder itself is the project.
+    assert default_target(Agent.CLAUDE, outside) == outside / ".claude/skills"
 
 
 def test_cli_install_prints_what_it_wrote_then_is_idempotent(capsys, tmp_path):

@@ -292,6 +292,11 @@ def fused_recurrent_gated_delta_rule(
     kp = kp.float().repeat_interleave(group, dim=2)
     n = len(lens)
     rows = ssm_state_indices.long().view(n, -1) if ssm_state_indices is not None else None
+    if rows is not None and rows.size(1) > 1 and rows.size(1) < max(lens, default=0):
+        raise OpInputError(
+            f"fused_recurrent_gated_delta_rule: 2-D ssm_state_indices need one slot per token "
+            f"(width >= {max(lens)}), got {describe(ssm_state_indices)}"
+        )
     if initial_state is None:
         h0 = torch.zeros(n, hv, kdim, v.size(-1), dtype=torch.float32, device=q.device)
     elif rows is not None:
@@ -321,7 +326,9 @@ def fused_recurrent_gated_delta_rule(
     if rows is None:
         initial_state[:n] = h_final.to(initial_state.dtype)
     elif not step_rows:
-        _store(initial_state, rows[:, 0], h_final, torch.ones(n, dtype=torch.bool))
+        _store(
+            initial_state, rows[:, 0], h_final, torch.ones(n, dtype=torch.bool, device=rows.device)
+        )
     return o, initial_state
 
 

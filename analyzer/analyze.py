@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ from kvskill.analyzer.config import normalise
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inputs import (
     ModelSource,
+    build_config,
     causal_lm_class_name,
     causal_lm_model_types,
     resolve_model,
+    transformers_modeling_file,
 )
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
@@ -130,12 +133,29 @@ def plan_for_source(
         )
     _refuse_encoder(source, facts)
     reads_window = _code_reads_window(code)
-    spec = normalise(source.config, uses_sliding_window=reads_window)
     if not roles.attention and not roles.linear_attention:
+        inner = _language_model_source(source)
+        if inner is not None:
+            return plan_for_source(
+                inner,
+                deploy_mode=deploy_mode,
+                attn_tp_size=attn_tp_size,
+                block_size=block_size,
+                kv_memory_bytes=kv_memory_bytes,
+                hbm_gb=hbm_gb,
+            )
         raise UnsupportedModelError(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
+    spec = normalise(source.config, uses_sliding_window=reads_window, derived=source.derived)
     book = Notebook(source=source)
+    if source.delegated_from:
+        book.cite(
+            "source",
+            f"'{source.delegated_from}' builds its language model from text_config "
+            f"(model_type '{source.model_type}'); the KV cache is that model's",
+            book.cfg("text_config.model_type"),
+        )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
     if not layers:
@@ -234,6 +254,31 @@ def _mla_cache_write(source: ModelSource, book) -> str:
     return decision.mode
 
 
+def _language_model_source(source: ModelSource) -> ModelSource | None:
+    """A composite model whose language model is built from ``text_config`` via AutoModel."""
+    text = source.config.get("text_config")
+    if not isinstance(text, dict):
+        return None
+    text_type = text.get("model_type")
+    if not isinstance(text_type, str) or text_type == source.model_type:
+        return None
+    if text_type not in causal_lm_model_types():
+        return None
+    modeling = transformers_modeling_file(text_type)
+    if modeling is None:
+        return None
+    config, derived = build_config(text_type, dict(text), {})
+    return replace(
+        source,
+        model_type=text_type,
+        modeling_file=str(modeling),
+        config=config,
+        derived=derived,
+        overridden=(),
+        delegated_from=source.model_type,
+    )
+
+
 def _refuse_encoder(source: ModelSource, facts) -> None:
     """Models whose attention is causal only with ``is_decoder=True`` (BERT-style)."""
     line = facts.config_reads.get("is_decoder")
@@ -289,6 +334,15 @@ def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
             msg = f"{note}: planned as FullAttention; the extra cache is not converted"
             book.warn(msg)
             book.block(msg)
+    mixers = facts.get("linear_attention_classes") or []
+    if mixers and spec.layer_pattern_source.startswith("default"):
+        # falcon-h1 style: every decoder layer runs an SSM mixer next to its attention
+        msg = (
+            f"state mixer {mixers[0]} runs beside attention in every layer (no layer pattern "
+            "in the config); its conv/SSM state is not planned"
+        )
+        book.warn(msg)
+        book.block(msg)
     if spec.num_mtp_layers:
         book.warn(
             f"{spec.num_mtp_layers} MTP layer(s): their caches are outside the decoder layers "

@@ -87,8 +87,14 @@ def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return config, ""
 
 
-def normalise(config: dict[str, Any], *, uses_sliding_window: bool = True) -> ModelSpec:
-    """Build the ModelSpec. ``uses_sliding_window`` says whether the code reads a window.
+def normalise(
+    config: dict[str, Any],
+    *,
+    uses_sliding_window: bool = True,
+    derived: dict[str, Any] | None = None,
+) -> ModelSpec:
+    """Build the ModelSpec. ``uses_sliding_window`` says whether the code reads a window;
+    ``derived`` holds values the config class computes outside ``to_dict`` (layer_types).
 
     Raises UnsupportedModelError when the config has no decoder layer count or heads.
     """
@@ -140,7 +146,8 @@ def normalise(config: dict[str, Any], *, uses_sliding_window: bool = True) -> Mo
     sliding_window = get("sliding_window", "sliding_window", "window_size")
     if not isinstance(sliding_window, int) or sliding_window <= 0:
         sliding_window = None
-    kinds, pattern_source = _layer_kinds(cfg, int(num_layers), sliding_window, prefix)
+    pattern_cfg = {**cfg, **(derived or {})} if "layer_types" not in cfg else cfg
+    kinds, pattern_source = _layer_kinds(pattern_cfg, int(num_layers), sliding_window, prefix)
     if sliding_window is None or not uses_sliding_window:
         # A sliding layer without a window (or code that never reads it) is full attention.
         kinds = ["attention" if k == "sliding" else k for k in kinds]

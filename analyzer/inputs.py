@@ -41,14 +41,22 @@ class ModelSource:
     runner_files: tuple[str, ...] = ()
     #: other python files in the directory (for already-converted detection)
     extra_files: tuple[str, ...] = field(default_factory=tuple)
+    #: values the config class computes but ``to_dict`` omits (e.g. ``layer_types`` as a
+    #: property); read by the analyzer only, never written back to config.json
+    derived: dict[str, Any] = field(default_factory=dict)
+    #: the composite model type whose ``text_config`` language model this is, if any
+    delegated_from: str | None = None
 
     def as_plan_source(self) -> dict[str, Any]:
-        return {
+        source = {
             "kind": self.kind,
             "path": self.path,
             "modeling_file": self.modeling_file,
             "config_file": self.config_file,
         }
+        if self.delegated_from:
+            source["language_model_of"] = self.delegated_from
+        return source
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:
@@ -140,8 +148,9 @@ def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) ->
         raise BadInputError(f"MODEL '{model}' is a file; give a model directory or a model type")
     if model in known_model_types():
         modeling = transformers_modeling_file(model)
-        config = build_config(model, {}, overrides)
+        config, derived = build_config(model, {}, overrides)
         return ModelSource(
+            derived=derived,
             kind="transformers",
             path=model,
             model_type=model,
@@ -178,8 +187,9 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
                 "transformers and the directory ships no modeling_*.py"
             )
         modeling = transformers_modeling_file(model_type)
+    derived: dict[str, Any] = {}
     if model_type in known_model_types() and kind == "directory":
-        config = build_config(model_type, raw, overrides)
+        config, derived = build_config(model_type, raw, overrides)
     else:
         # Remote code: its configuration class is the directory's own code, never run.
         config = _merge(raw, overrides)
@@ -193,6 +203,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
         overridden=tuple(overrides),
         runner_files=runners,
         extra_files=extras,
+        derived=derived,
     )
 
 
@@ -233,8 +244,8 @@ def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 def build_config(
     model_type: str, base: dict[str, Any], overrides: dict[str, Any]
-) -> dict[str, Any]:
-    """Instantiate transformers' config class for the type and return ``to_dict()``."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Instantiate transformers' config class; return ``to_dict()`` and derived values."""
     from transformers import CONFIG_MAPPING
 
     merged = _merge(base, overrides)
@@ -252,4 +263,12 @@ def build_config(
         raise BadInputError(f"config for '{model_type}' is not valid: {message}") from exc
     data = config.to_dict()
     data.setdefault("model_type", model_type)
-    return data
+    derived: dict[str, Any] = {}
+    if "layer_types" not in data:
+        try:
+            layer_types = getattr(config, "layer_types", None)
+        except Exception:  # noqa: BLE001 - a property may fail on partial configs
+            layer_types = None
+        if isinstance(layer_types, list) and layer_types:
+            derived["layer_types"] = list(layer_types)
+    return data, derived

@@ -242,3 +242,28 @@ def test_layer_types_without_a_window_is_not_sliding():
     }
     plan = analyze_model("qwen3", config_overrides=overrides)
     assert plan.attn_types == [FULL] and plan.window_tokens == {}
+
+
+def test_composite_model_is_planned_from_its_text_config_language_model():
+    # fuyu builds its language model (persimmon) through AutoModel from text_config
+    plan = analyze_model("fuyu")
+    assert plan.model_type == "persimmon"
+    assert plan.source["language_model_of"] == "fuyu"
+    assert plan.source["modeling_file"].endswith("modeling_persimmon.py")
+    assert plan.code["causal_lm_class"] == "PersimmonForCausalLM"
+    assert any(e.decision == "source" and "text_config" in e.reason for e in plan.evidence)
+
+
+def test_layer_pattern_computed_by_the_config_class_is_used():
+    # BambaConfig exposes layer_types as a property over attn_layer_indices (not in to_dict)
+    plan = analyze_model(
+        "bamba", config_overrides={"num_hidden_layers": 4, "attn_layer_indices": [1]}
+    )
+    assert plan.layer_attn_types() == [MAMBA, FULL, MAMBA, MAMBA]
+    assert "layer_types" not in plan.config
+
+
+def test_parallel_state_mixers_are_a_blocker_not_a_refusal():
+    plan = analyze_model("falcon_h1")
+    assert plan.kv_mode == "paged"
+    assert any("state" in blocker for blocker in plan.implementer_blockers)

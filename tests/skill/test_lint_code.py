@@ -344,3 +344,74 @@ def test_decode_after_an_early_prefill_return_is_a_decode_branch():
     # The same decode call without the prefill guard also serves prefill.
     unguarded = source.replace("if md.is_prefill:", "if md.trace:")
     assert [f.rule for f in lint_source(unguarded)] == ["KV001"]
+
+
+# Remote-code style MLA (DeepSeek): YaRN mscale applied after the fact, the operator
+# reached through ``self.fa_ops``, a decode-only BSH helper without a mask.
+REMOTE_MLA = textwrap.dedent(
+    """\
+    import math
+    import torch
+    import torch_npu
+    from torch import nn
+
+
+    def yarn_get_mscale(scale=1, mscale=1):
+        if scale <= 1:
+            return 1.0
+        return 0.1 * mscale * math.log(scale) + 1.0
+
+
+    class DeepseekAttention(nn.Module):
+        def __init__(self, config, attn_tp_size):
+            super().__init__()
+            self.num_heads_per_rank = config.num_attention_heads // attn_tp_size
+            self.kv_lora_rank = config.kv_lora_rank
+            self.softmax_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** (-0.5)
+            if config.rope_scaling is not None:
+                mscale_all_dim = config.rope_scaling.get("mscale_all_dim", 0)
+                scaling_factor = config.rope_scaling["factor"]
+                if mscale_all_dim:
+                    mscale = yarn_get_mscale(scaling_factor, mscale_all_dim)
+                    self.softmax_scale = self.softmax_scale * mscale * mscale
+            self.fa_ops = torch_npu
+            self.attn_type = "FullAttention"
+
+        def forward_absorb(self, q_nope, q_pe, nope_cache, rope_cache, forward_metadata):
+            is_prefill = forward_metadata.is_prefill
+            block_table = forward_metadata.block_table[self.attn_type]
+            if is_prefill:
+                sparse_mode = 3
+                attention_mask = forward_metadata.attention_mask
+            else:
+                sparse_mode = 0
+                attention_mask = None
+            nb, bs = nope_cache.shape[:2]
+            attn_output, _ = self.fa_ops.npu_fused_infer_attention_score_v2(
+                q_nope, nope_cache, nope_cache,
+                query_rope=q_pe, key_rope=rope_cache,
+                num_query_heads=self.num_heads_per_rank, num_key_value_heads=1,
+                input_layout="TND_NTD", atten_mask=attention_mask, sparse_mode=sparse_mode,
+                softmax_scale=self.softmax_scale,
+                block_table=block_table, block_size=bs,
+                actual_seq_qlen=forward_metadata.actual_seq_lengths_cu_q,
+                actual_seq_kvlen=forward_metadata.actual_seq_lengths_kv,
+            )
+            return attn_output
+
+        def forward_decode_bsh(self, q, k_cache, v_cache, kv_len):
+            return torch.ops.npu.npu_fused_infer_attention_score(
+                q, k_cache, v_cache, num_heads=self.num_heads_per_rank, input_layout="BSH",
+                scale=self.softmax_scale, actual_seq_lengths_kv=kv_len.tolist())
+    """
+)
+
+
+def test_remote_code_mla_is_clean_and_its_mistakes_are_found():
+    assert lint_source(REMOTE_MLA) == []
+    no_mscale = REMOTE_MLA.replace(
+        "self.softmax_scale = self.softmax_scale * mscale * mscale", "pass"
+    )
+    assert [(f.rule, f.line) for f in lint_source(no_mscale)] == [("KV010", 43), ("KV010", 53)]
+    decode_three = REMOTE_MLA.replace("sparse_mode = 0", "sparse_mode = 3")
+    assert [(f.rule, f.line) for f in lint_source(decode_three)] == [("KV011", 38)]

@@ -226,3 +226,15 @@ def test_works_inside_and_outside_inference_mode_in_any_order():
     with torch.inference_mode():
         again, _ = _call_v1(case, 2, 2, 0.3, 3)
     assert torch.equal(inside, outside) and torch.equal(outside, again)
+
+
+@pytest.mark.parametrize("mode", [2, 3])
+@pytest.mark.parametrize("lens", [[7], [5, 5]])
+def test_full_causal_prefill_of_equal_requests(mode, lens):
+    # Equal-length prompts without cache (q == kv) take the kernel's causal path.
+    case = make_paged_case(
+        lens, lens, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=5
+    )
+    out, _ = _call_v1(case, 4, 2, 0.3, mode)
+    want, _ = naive_batch(case, 0.3, rule_for(mode))
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)

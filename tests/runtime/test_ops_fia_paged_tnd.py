@@ -238,3 +238,33 @@ def test_full_causal_prefill_of_equal_requests(mode, lens):
     out, _ = _call_v1(case, 4, 2, 0.3, mode)
     want, _ = naive_batch(case, 0.3, rule_for(mode))
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_mask_built_under_inference_mode_is_accepted_and_checked():
+    case = make_paged_case([3], [5], num_heads=2, num_kv_heads=2, head_dim=8, block_size=4)
+    nb, bs = case.key_cache.shape[:2]
+    with torch.inference_mode():
+        tile = torch.ones(2048, 2048, dtype=torch.bool).triu(diagonal=1)
+        wrong = torch.zeros(2048, 2048, dtype=torch.bool)
+    for mask, ok in ((tile, True), (tile, True), (wrong, False)):
+        call = lambda m=mask: npu.npu_fused_infer_attention_score(  # noqa: E731
+            case.query_tnd,
+            case.key_cache.view(nb, bs, -1),
+            case.value_cache.view(nb, bs, -1),
+            num_heads=2,
+            input_layout="TND",
+            scale=0.3,
+            atten_mask=m,
+            sparse_mode=3,
+            block_table=case.block_table,
+            block_size=bs,
+            actual_seq_lengths=case.cu_q,
+            actual_seq_lengths_kv=case.kv_lens,
+        )
+        if ok:
+            out, _ = call()
+            want, _ = naive_batch(case, 0.3, rule_for(3))
+            torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+        else:
+            with pytest.raises(RuntimeError, match="must be triu"):
+                call()

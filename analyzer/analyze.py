@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -248,10 +250,18 @@ def plan_for_source(
 
 def _mla_cache_write(source: ModelSource, book) -> str:
     """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write)."""
-    text = Path(source.modeling_file).read_text(encoding="utf-8") if source.modeling_file else ""
-    decision = decide_mla_cache_write(text, source.config, Path(source.modeling_file or "").name)
+    config_json = json.dumps(source.config, sort_keys=True, default=str)
+    decision = _mla_write_cached(source.modeling_file or "", config_json)
     book.cite("mla_cache_write", f"{decision.mode}: {decision.reason}", decision.source)
     return decision.mode
+
+
+@lru_cache(maxsize=64)
+def _mla_write_cached(modeling_file: str, config_json: str):
+    # NOTE: keyed on the file and the whole config, so a repeated analysis of the same model
+    # does not parse the file again with position metadata.
+    text = Path(modeling_file).read_text(encoding="utf-8") if modeling_file else ""
+    return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
 
 
 def _language_model_source(source: ModelSource) -> ModelSource | None:
@@ -280,14 +290,15 @@ def _language_model_source(source: ModelSource) -> ModelSource | None:
 
 
 def _refuse_encoder(source: ModelSource, facts) -> None:
-    """Models whose attention is causal only with ``is_decoder=True`` (BERT-style)."""
-    line = facts.config_reads.get("is_decoder")
-    if line is not None and not source.config.get("is_decoder"):
-        raise UnsupportedModelError(
-            f"'{source.model_type}' attends bidirectionally unless is_decoder=true "
-            f"({facts.where(line)} reads config.is_decoder, which is false): an encoder is not "
-            "served; pass --config-overrides is_decoder=true for its decoder variant"
-        )
+    """Models whose attention is causal only when a config flag says so (BERT, XLM)."""
+    for key in ("is_decoder", "causal"):
+        line = facts.config_reads.get(key)
+        if line is not None and key in source.config and not source.config.get(key):
+            raise UnsupportedModelError(
+                f"'{source.model_type}' attends bidirectionally unless {key}=true "
+                f"({facts.where(line)} reads config.{key}, which is false): an encoder is not "
+                f"served; pass --config-overrides {key}=true for its decoder variant"
+            )
 
 
 def _code_reads_window(code: CodeView) -> bool:

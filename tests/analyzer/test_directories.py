@@ -138,6 +138,10 @@ def test_unparsable_code_and_non_decoders_are_refused(tmp_path):
         analyze_model("bart")
     with pytest.raises(UnsupportedModelError, match="is_decoder"):
         analyze_model("bert")
+    with pytest.raises(UnsupportedModelError, match="causal=true"):
+        analyze_model("xlm")
+    # the decoder variant of an encoder family is served
+    assert analyze_model("bert", config_overrides={"is_decoder": True}).attention == "mha"
     no_lm = write_remote_model(
         tmp_path / "n", REMOTE_MODELING.replace("TinyForCausalLM", "TinyEncoder")
     )

@@ -203,3 +203,16 @@ def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens():
         build_step_inputs(
             output, _Manager({"a": [5]}), attention_mask=None, device=torch.device("cpu")
         )
+
+
+def test_inconsistent_cache_entries_are_refused(toy_dir):
+    model = load_model(toy_dir, trust_remote_code=True).model
+    attn = model.model.layers[1].self_attn
+    # A sliding layer that forgot its window cannot be served.
+    attn.sliding_window = None
+    with pytest.raises(BadInputError, match="is SlidingWindow but sliding_window=None"):
+        LLM(model, num_blocks=8)
+    # An object that is not a ModelCacheInfo is named in the error.
+    model.get_cache_info = lambda: {"layers": []}
+    with pytest.raises(BadInputError, match="expected kvskill.runtime.ModelCacheInfo"):
+        LLM(model, num_blocks=8)

@@ -46,7 +46,7 @@ class EngineStats:
     num_preemptions: int = 0
     #: highest number of blocks in use at once, per group
     peak_blocks_used: dict[str, int] = field(default_factory=dict)
-    step_s: float = 0.0  #: wall time inside ``step()``
+    step_s: float = 0.0  #: wall time inside ``step()``, step hooks excluded
     forward_s: float = 0.0  #: of which inside the model forward
 
     def to_dict(self) -> dict:
@@ -211,6 +211,8 @@ class LLMEngine:
         num_outputs_before = [len(s.request.output_token_ids) for s in output.scheduled]
         step_outputs, _ = self.scheduler.update_from_output(output, sampled, time.perf_counter())
         self._count(output, sampled, forward_s)
+        # Hooks (recorders of verify and the chains) are not engine time.
+        self.stats.step_s += time.perf_counter() - started
         if self.step_hooks:
             record = StepRecord(
                 step_index=self.stats.num_steps - 1,
@@ -223,7 +225,6 @@ class LLMEngine:
             )
             for hook in self.step_hooks:
                 hook(record)
-        self.stats.step_s += time.perf_counter() - started
         return step_outputs
 
     def _forward(

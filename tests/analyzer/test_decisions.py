@@ -155,11 +155,16 @@ def test_deepseek_v3_yarn_scale_includes_mscale_squared():
     assert any("mscale^2" in w for w in plan.warnings)
 
 
-def test_deepseek_v3_scale_matches_the_installed_attention_module():
-    """Cross-check with transformers' own DeepseekV3Attention at toy size."""
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_mla_scale_matches_the_installed_attention_module(model_type):
+    """Cross-check with transformers' own attention module at toy size."""
+    import importlib
 
+    from transformers import CONFIG_MAPPING
+
+    module_name = f"transformers.models.{model_type}.modeling_{model_type}"
+    attention_class = {"deepseek_v3": "DeepseekV3Attention", "deepseek_v2": "DeepseekV2Attention"}
+    attention = getattr(importlib.import_module(module_name), attention_class[model_type])
     overrides = {
         "hidden_size": 64,
         "num_attention_heads": 2,
@@ -179,8 +184,8 @@ def test_deepseek_v3_scale_matches_the_installed_attention_module():
             "mscale_all_dim": 0.707,
         },
     }
-    plan = analyze_model("deepseek_v3", config_overrides=overrides)
-    module = DeepseekV3Attention(DeepseekV3Config(**overrides), layer_idx=0)
+    plan = analyze_model(model_type, config_overrides=overrides)
+    module = attention(CONFIG_MAPPING[model_type](**overrides), layer_idx=0)
     assert plan.softmax_scale == pytest.approx(module.scaling, rel=1e-12)
     assert plan.softmax_scale != pytest.approx((16 + 64) ** -0.5)
     # kv_lora_rank 32 is not a size the fused MLA path takes: warned, not refused

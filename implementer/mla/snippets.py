@@ -143,6 +143,8 @@ torch_npu.npu_kv_rmsnorm_rope_cache(
 {% endif %}
 nope_nz = self.nz_view(self.nope_cache)
 # Prefill: causal (sparse_mode 3, 2048 tile); decode: one query per request, dense (0, no mask).
+# unconfirmed: the operator docs list per-request query lengths 1..16 for query D 512 in TND;
+# if the device enforces that for prefill too, long prompts need chunks of at most 16 tokens.
 attn_latent, _ = torch_npu.{{ op }}(
     query_latent,
     nope_nz,

@@ -43,10 +43,15 @@ def apply_to(tmp: Path, model_type: str, overrides: dict) -> Path:
         ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False}, "scatter"),
         # q_lora_rank set, no YaRN, complex rope -> scatter write
         ("deepseek_v2", {**V2_MOE}, "scatter"),
-        # no q_lora_rank, YaRN
+        # no q_lora_rank, YaRN, a dense layer before the MoE layers
         (
             "deepseek_v2",
-            {**V2_MOE, "q_lora_rank": None, "rope_parameters": {"rope_theta": 10000.0, **YARN}},
+            {
+                **V2_MOE,
+                "q_lora_rank": None,
+                "first_k_dense_replace": 1,
+                "rope_parameters": {"rope_theta": 10000.0, **YARN},
+            },
             "scatter",
         ),
     ],

@@ -72,6 +72,9 @@ class AttentionForwardCommand(FrameworkCommand):
 
     DESCRIPTION = "Write K/V with npu_scatter_nd_update_ and attend with the fused paged attention."
 
+    def skip_function_bodies(self) -> bool:
+        return True
+
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.ClassDef:

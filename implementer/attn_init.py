@@ -103,6 +103,9 @@ class AttentionInitCommand(FrameworkCommand):
 
     DESCRIPTION = "Declare the paged cache entries in every attention __init__."
 
+    def skip_function_bodies(self) -> bool:
+        return True
+
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.ClassDef:

@@ -48,6 +48,13 @@ class AbsoluteImportsCommand(FrameworkCommand):
         #: model directory, whose relative imports are kept
         self.package = package
 
+    def skip_function_bodies(self) -> bool:
+        # imports inside functions are rare in modeling code but must be rewritten too
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return True
+
     def leave_ImportFrom(
         self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom
     ) -> cst.ImportFrom:

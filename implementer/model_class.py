@@ -20,6 +20,9 @@ class CacheInfoCommand(FrameworkCommand):
 
     DESCRIPTION = "Report every layer's cache entries through get_cache_info()."
 
+    def skip_function_bodies(self) -> bool:
+        return True
+
     def leave_ClassDef(
         self, original_node: cst.ClassDef, updated_node: cst.ClassDef
     ) -> cst.ClassDef:

@@ -1,0 +1,164 @@
+"""``kvskill apply``: outputs, dry run, idempotence, and clear errors that write nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from kvskill.cli import main
+from remote_model import MODELING, write_remote_model
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_output_directory_holds_code_config_and_plan(converted):
+    directory = converted.directory("qwen3")
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "config.json",
+        "kvskill_plan.json",
+        "modeling_qwen3.py",
+    ]
+    plan = json.loads((directory / "kvskill_plan.json").read_text())
+    assert plan["model_type"] == "qwen3"
+    assert plan["conversion"]["package"] == "transformers.models.qwen3"
+    assert "cache.update(" in plan["conversion"]["original_source"]
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    code = (directory / "modeling_qwen3.py").read_text()
+    assert "from ..." not in code and "from transformers.models.qwen3.configuration_qwen3" in code
+
+
+@pytest.mark.parametrize("family", ["qwen3", "tiny_remote"])
+def test_apply_to_converted_output_is_byte_identical(converted, tmp_path, capsys, family):
+    first = converted.directory(family)
+    code, _, err = run_cli(capsys, "apply", str(first), "--out", str(tmp_path / "again"))
+    assert code == 0, err
+    for path in first.glob("*.py"):
+        assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes()
+
+
+def test_apply_twice_to_the_same_out_dir_is_byte_identical(converted, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, _ = run_cli(capsys, "apply", "qwen3", "--out", str(out))
+    assert code == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, _ = run_cli(capsys, "apply", "qwen3", "--out", str(out), "--force")
+    assert code == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+
+
+def test_dry_run_prints_a_diff_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "apply", "llama", "--out", str(out), "--dry-run")
+    assert code == 0
+    assert stdout.startswith("--- a/modeling_llama.py\n+++ b/modeling_llama.py\n")
+    assert "+        attn_output, _ = torch_npu.npu_fused_infer_attention_score(" in stdout
+    assert "-            key_states, value_states = cache.update(" in stdout
+    assert "nothing written" in err
+    assert not out.exists()
+
+
+def test_json_output_is_one_object(tmp_path, capsys):
+    code, stdout, _ = run_cli(
+        capsys, "apply", "mistral", "--out", str(tmp_path / "o"), "--format", "json"
+    )
+    assert code == 0
+    data = json.loads(stdout)
+    assert data["changed"] is True
+    assert data["attn_types"] == ["SlidingWindow"]
+    assert set(data["files"]) == {"modeling_mistral.py", "config.json", "kvskill_plan.json"}
+
+
+def test_comments_in_untouched_code_survive(converted):
+    source = (converted.directory("tiny_remote") / "modeling_tiny_remote.py").read_text()
+    assert "        # keep this comment: untouched code keeps its comments\n" in source
+    # everything above the seam is as written
+    assert (
+        "        cos, sin = position_embeddings\n"
+        "        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
+    ) in source
+
+
+def test_existing_out_dir_is_refused_and_left_alone(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "apply", "qwen3", "--out", str(out))
+    assert code == 2
+    assert "not empty" in err and "--force" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_syntax_error_in_modeling_code_is_bad_input(tmp_path, capsys):
+    model = write_remote_model(
+        tmp_path / "broken", MODELING.replace("def repeat_kv(x, n_rep):", "def repeat_kv(x, n_rep)")
+    )
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", str(model), "--out", str(out))
+    assert code in (2, 3)
+    assert "modeling_tiny_remote.py" in err
+    assert err.count("\n") == 1  # one line, no traceback
+    assert not out.exists()
+
+
+def test_missing_config_is_bad_input(tmp_path, capsys):
+    model = write_remote_model(tmp_path / "noconfig")
+    (model / "config.json").unlink()
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", str(model), "--out", str(out))
+    assert code == 2
+    assert "config.json" in err
+    assert not out.exists()
+
+
+def test_unsupported_structure_exits_3_and_writes_nothing(tmp_path, capsys):
+    # the attention reads its output through a name defined inside the seam
+    modeling = MODELING.replace(
+        "        return self.o_proj(attn_output)\n",
+        "        return self.o_proj(attn_output) + causal_mask.sum()\n",
+        1,
+    )
+    model = write_remote_model(tmp_path / "odd", modeling)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", str(model), "--out", str(out))
+    assert code == 3
+    assert "causal_mask" in err
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.kvskill-*"))  # no staging left behind
+
+
+def test_out_dir_inside_the_model_is_refused(tmp_path, capsys):
+    model = write_remote_model(tmp_path / "m")
+    before = sorted(p.name for p in model.iterdir())
+    code, _, err = run_cli(capsys, "apply", str(model), "--out", str(model / "converted"))
+    assert code == 2
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_verify_refuses_remote_code_without_trust(converted, capsys):
+    code, _, err = run_cli(capsys, "verify", str(converted.directory("tiny_remote")))
+    assert code == 2
+    assert "--trust-remote-code" in err and err.count("\n") == 1
+
+
+def test_weights_of_a_model_directory_are_linked(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    model = write_remote_model(tmp_path / "weighted")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(model / "model.safetensors"))
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", str(model), "--out", str(out))
+    assert code == 0, err
+    assert (out / "model.safetensors").is_symlink()
+    shutil.rmtree(out)
+    code, _, _ = run_cli(capsys, "apply", str(model), "--out", str(out), "--copy-weights")
+    assert code == 0
+    assert not (out / "model.safetensors").is_symlink()
+    assert (out / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()

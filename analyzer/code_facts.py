@@ -6,7 +6,7 @@ from typing import Any
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.inputs import ModelSource
-from kvskill.analyzer.rules import CodeView
+from kvskill.analyzer.rules import CodeView, scaling_line_of
 from kvskill.analyzer.scan import ClassFacts
 
 
@@ -27,7 +27,7 @@ def _attention_entry(cls: ClassFacts) -> dict[str, Any]:
         "attention_call_line": call.line if call else None,
         "attention_callee": call.callee if call else None,
         "attention_call_keywords": list(call.keywords) if call else [],
-        "scaling_line": cls.self_attrs.get("scaling"),
+        "scaling_line": scaling_line_of(cls),
         "sinks_line": cls.self_attrs.get("sinks"),
         "sliding_window_line": cls.self_attrs.get("sliding_window"),
     }

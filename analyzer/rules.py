@@ -282,9 +282,16 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
+def scaling_line_of(cls) -> int | None:
+    """Line of ``self.scaling = ...`` (transformers 5) or ``self.softmax_scale = ...`` (remote)."""
+    if cls is None:
+        return None
+    return cls.self_attrs.get("scaling") or cls.self_attrs.get("softmax_scale")
+
+
 def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
     cls = code.attention_class()
-    scaling_line = cls.self_attrs.get("scaling") if cls else None
+    scaling_line = scaling_line_of(cls)
     where = code.where(scaling_line)
     if spec.mla:
         dim = int(spec.mla["qk_nope_head_dim"] or 0) + int(spec.mla["qk_rope_head_dim"] or 0)

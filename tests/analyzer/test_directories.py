@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
+import textwrap
 
 import pytest
 from kvskill.analyzer import analyze_model
@@ -154,3 +156,84 @@ def test_config_json_is_only_read(tmp_path):
     before = (model / "config.json").read_text(encoding="utf-8")
     analyze_model(str(model), config_overrides={"num_hidden_layers": 1})
     assert json.loads((model / "config.json").read_text(encoding="utf-8")) == json.loads(before)
+
+
+MLA_REMOTE = textwrap.dedent(
+    """
+    import math
+
+    import torch
+    from torch import nn
+
+
+    def yarn_get_mscale(scale=1, mscale=1):
+        if scale <= 1:
+            return 1.0
+        return 0.1 * mscale * math.log(scale) + 1.0
+
+
+    class TinyMlaAttention(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.layer_idx = layer_idx
+            self.q_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            self.kv_a_layernorm = TinyRMSNorm(config.kv_lora_rank)
+            self.softmax_scale = self.q_head_dim ** (-0.5)
+            if config.rope_scaling is not None:
+                mscale_all_dim = config.rope_scaling.get("mscale_all_dim", 0)
+                if mscale_all_dim:
+                    mscale = yarn_get_mscale(config.rope_scaling["factor"], mscale_all_dim)
+                    self.softmax_scale = self.softmax_scale * mscale * mscale
+
+        def forward(self, hidden_states, past_key_value=None, **kwargs):
+            if past_key_value is not None:
+                key_states, value_states = past_key_value.update(
+                    key_states, value_states, self.layer_idx, {}
+                )
+            attn_weights = torch.matmul(query_states, key_states.transpose(2, 3))
+            return attn_weights
+
+
+    class TinyDecoderLayer(nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.self_attn = TinyMlaAttention(config, layer_idx)
+
+
+    class TinyModel(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.layers = nn.ModuleList([TinyDecoderLayer(config, i) for i in range(2)])
+
+
+    class TinyForCausalLM(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.model = TinyModel(config)
+    """
+)
+
+
+def test_transformers4_mla_remote_code_with_legacy_rope_scaling(tmp_path):
+    model = write_remote_model(
+        tmp_path / "mla",
+        MLA_REMOTE,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096},
+    )  # fmt: skip
+    plan = analyze_model(str(model), attn_tp_size=4)
+    assert plan.attention == "mla" and plan.input_layout == "TND_NTD"
+    assert plan.num_key_value_heads_per_rank == 1 and plan.is_mla_backend
+    mscale = 0.1 * 1.0 * math.log(40) + 1.0
+    assert plan.softmax_scale == pytest.approx(192**-0.5 * mscale * mscale, rel=1e-12)
+    lines = MLA_REMOTE.splitlines()
+    scaling_line = plan.code["attention"]["TinyMlaAttention"]["scaling_line"]
+    assert "self.softmax_scale = self.q_head_dim" in lines[scaling_line - 1]
+    assert plan.kv_bytes_per_token == (512 + 64) * 2 * 2  # float16, two layers

@@ -181,6 +181,11 @@ def plan_for_source(
         kv_memory_bytes=kv_memory_bytes,
         hbm_gb=hbm_gb,
     )
+    if memory.get("kv_memory_bytes") == 0:
+        book.warn(
+            f"no memory left for the KV cache: the weights (~{memory['weight_bytes_estimate']} "
+            "bytes) fill the usable device memory"
+        )
     kv_bytes = sum(memory["bytes_per_token"].values())
     book.cite(
         "kv_bytes_per_token",

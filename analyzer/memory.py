@@ -134,7 +134,8 @@ def _budget(
     plan["weight_bytes_estimate"] = weights
     budget = int(hbm_gb * GIB * HBM_UTILISATION) - weights
     return max(budget, 0), (
-        f"--hbm-gb {hbm_gb:g} x {HBM_UTILISATION} minus ~{weights / GIB:.2f} GiB of weights"
+        f"--hbm-gb {hbm_gb:g} x {HBM_UTILISATION} minus ~{weights / GIB:.2f} GiB of weights "
+        "(estimate: the whole model on one device)"
     )
 
 

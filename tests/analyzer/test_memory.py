@@ -67,3 +67,9 @@ def test_parse_memory(text, expected):
 def test_parse_memory_rejects_nonsense():
     with pytest.raises(BadInputError):
         parse_memory("eight gigs")
+
+
+def test_weights_larger_than_the_device_leave_no_kv_memory():
+    plan = analyze_model("deepseek_v3", hbm_gb=64)  # ~671B parameters cannot fit
+    assert plan.memory["kv_memory_bytes"] == 0 and plan.memory["max_tokens"] == 0
+    assert any("no memory left for the KV cache" in w for w in plan.warnings)

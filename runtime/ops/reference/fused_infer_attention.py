@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ._checks import INT_MAX, reject_if_used, strict_keywords
-from .fused_attention import FaCall, Names, run
+from .fa_call import FaCall, Names
+from .fused_attention import run
 
 V1_NAME = "npu_fused_infer_attention_score"
 V2_NAME = "npu_fused_infer_attention_score_v2"

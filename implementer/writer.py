@@ -136,8 +136,35 @@ def _config_json(plan: Plan) -> dict[str, Any]:
     return config
 
 
-def _plan_json(plan: Plan, original: str, options: ApplyOptions) -> dict[str, Any]:
+def _previous_record(plan: Plan, original: str) -> dict[str, Any] | None:
+    """The record of an earlier conversion when MODEL is itself a converted directory.
+
+    Re-applying to converted code changes nothing, and verify must still compare against
+    the code the first conversion started from, so that record (and its source) carry over.
+    """
+    model_dir = _model_dir(plan)
+    path = model_dir / PLAN_FILE if model_dir else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    conversion = data.get("conversion") if isinstance(data, dict) else None
+    if not isinstance(conversion, dict) or "original_source" not in conversion:
+        return None
+    if conversion.get("modeling_file") != Path(plan.source["modeling_file"]).name:
+        return None
+    return data
+
+
+def _plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions) -> dict[str, Any]:
     data = plan.to_dict()
+    previous = _previous_record(plan, original) if converted == original else None
+    if previous is not None:
+        data["source"] = previous["source"]
+        data["conversion"] = previous["conversion"]
+        return data
     data["conversion"] = {
         "format": CONVERSION_FORMAT,
         "mode": "framework",
@@ -197,7 +224,7 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     texts = {
         name: converted,
         "config.json": _dump(_config_json(plan)),
-        PLAN_FILE: _dump(_plan_json(plan, original, options)),
+        PLAN_FILE: _dump(_plan_json(plan, original, converted, options)),
     }
     model_dir = _model_dir(plan)
     extras = _extra_files(model_dir, name)

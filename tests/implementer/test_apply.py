@@ -162,3 +162,18 @@ def test_weights_of_a_model_directory_are_linked(tmp_path, capsys):
     assert code == 0
     assert not (out / "model.safetensors").is_symlink()
     assert (out / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+
+
+def test_reapplied_output_still_verifies_against_the_first_source(converted, tmp_path, capsys):
+    first = converted.directory("qwen3")
+    again = tmp_path / "again"
+    code, _, _ = run_cli(capsys, "apply", str(first), "--out", str(again))
+    assert code == 0
+    plan = json.loads((again / "kvskill_plan.json").read_text())
+    assert plan["source"]["kind"] == "transformers"
+    assert "cache.update(" in plan["conversion"]["original_source"]
+    code, stdout, _ = run_cli(
+        capsys, "verify", str(again), "--format", "json", "--num-prompts", "2"
+    )
+    assert code == 0
+    assert json.loads(stdout)["passed"] is True

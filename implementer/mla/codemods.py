@@ -169,8 +169,50 @@ class MlaAttentionForwardCommand(MlaCommand):
         new[0] = new[0].with_changes(
             leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
         )
-        body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
+        before = old[: seam.update_index]
+        if fused is not None:
+            before = _drop_latent_norm(before, fused.norm, old[seam.kernel_index + 1 :])
+        body = [*before, *new, *old[seam.kernel_index + 1 :]]
         return forward.with_changes(body=block.with_changes(body=body))
+
+
+def _drop_latent_norm(
+    stmts: list[cst.BaseStatement], norm: str, after: list[cst.BaseStatement]
+) -> list[cst.BaseStatement]:
+    """Without ``x = self.<norm>(x)``: the fused write normalises the latent itself.
+
+    Only that exact statement goes, and only when ``x`` is not read after the seam, so the
+    latent it produced fed nothing but the (replaced) cache write.
+    """
+    used_after = {cst.ensure_type(n, cst.Name).value for s in after for n in m.findall(s, m.Name())}
+    kept = []
+    for stmt in stmts:
+        match = m.matches(
+            stmt,
+            m.SimpleStatementLine(
+                body=[
+                    m.Assign(
+                        targets=[m.AssignTarget(target=m.Name())],
+                        value=m.Call(
+                            func=m.Attribute(value=m.Name("self"), attr=m.Name(norm)),
+                            args=[m.Arg(value=m.Name())],
+                        ),
+                    )
+                ]
+            ),
+        )
+        if match:
+            assign = cst.ensure_type(
+                cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign
+            )
+            target = cst.ensure_type(assign.targets[0].target, cst.Name).value
+            source = cst.ensure_type(
+                cst.ensure_type(assign.value, cst.Call).args[0].value, cst.Name
+            )
+            if target == source.value and target not in used_after:
+                continue
+        kept.append(stmt)
+    return kept
 
 
 def _defining(stmts: list[cst.BaseStatement], name: str) -> list[cst.BaseStatement]:

@@ -44,8 +44,6 @@ class MlaSpec:
     cache_write: CacheWrite
     attn_tp_size: int = 1
     block_size: int = 128
-    #: unused by the MLA path; the shared import/mask codemods read these names
-    has_sinks: bool = False
 
     @classmethod
     def from_plan(

@@ -61,6 +61,14 @@ def test_apply_verify_is_token_exact(tmp_path, model_type, overrides, cache_writ
     out = apply_to(tmp_path, model_type, overrides)
     plan = (out / "kvskill_plan.json").read_text()
     assert f'"mla_cache_write": "{cache_write}"' in plan
+    code = (out / f"modeling_{model_type}.py").read_text()
+    fused = cache_write == "fused"
+    assert ('cache_mode="PA_NZ"' in code) == fused
+    assert ("self.update_latent_cache(" in code) == (not fused)
+    # the fused write normalises the latent: the source's own norm of it is gone
+    assert ("kv_nope = self.kv_a_layernorm(kv_nope)" in code) == (
+        not fused and model_type == "deepseek_v3"
+    )
     report = verify_directory(out, VERIFY)
     assert report.error is None, report.error
     assert report.passed, report.failures

@@ -39,3 +39,19 @@ def test_console_script_runs():
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "kvskill" in proc.stdout
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    """A subpackage missing from pyproject's explicit list would vanish from a built wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(config["tool"]["setuptools"]["packages"])
+    package_dir = config["tool"]["setuptools"]["package-dir"]
+    found = set()
+    for name, folder in package_dir.items():
+        for init in (root / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *relative)))
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"

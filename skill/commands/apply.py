@@ -81,20 +81,23 @@ def apply(model: str, **options) -> None:
     The input files are never modified; the result goes to --out. Model code is parsed with
     libcst, never executed.
     """
-    result = apply_model(
-        model,
-        options["out_dir"],
-        ApplyOptions(
-            deploy_mode=options["deploy_mode"],
-            fa_version=options["fa_version"],
-            attn_tp_size=options["attn_tp_size"],
-            block_size=options["block_size"],
-            config_overrides=parse_overrides(options["config_overrides"]),
-            dry_run=options["dry_run"],
-            force=options["force"],
-            copy_weights=options["copy_weights"],
-        ),
+    apply_options = ApplyOptions(
+        deploy_mode=options["deploy_mode"],
+        fa_version=options["fa_version"],
+        attn_tp_size=options["attn_tp_size"],
+        block_size=options["block_size"],
+        config_overrides=parse_overrides(options["config_overrides"]),
+        dry_run=options["dry_run"],
+        force=options["force"],
+        copy_weights=options["copy_weights"],
     )
+    if options["deploy_mode"] == "standalone":
+        from kvskill.implementer.standalone import StandaloneOptions, apply_standalone
+
+        standalone = StandaloneOptions(kv_mode=options["kv_mode"], mla_absorb=options["mla_absorb"])
+        result = apply_standalone(model, options["out_dir"], apply_options, standalone)
+    else:
+        result = apply_model(model, options["out_dir"], apply_options)
     if options["output_format"] == "json":
         data = result.to_dict()
         data["dry_run"] = options["dry_run"]

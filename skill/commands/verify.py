@@ -48,19 +48,23 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 def verify(directory: Path, output_format: str, **options) -> int:
     """Run the original and the converted model in DIRECTORY on the same prompts and
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
-    report = verify_directory(
-        directory,
-        VerifyOptions(
-            shrink=options["shrink"],
-            num_prompts=options["num_prompts"],
-            max_new_tokens=options["max_new_tokens"],
-            atol=options["atol"],
-            block_size=options["block_size"],
-            dtype=options["dtype"],
-            seed=options["seed"],
-            trust_remote_code=options["trust_remote_code"],
-        ),
+    verify_options = VerifyOptions(
+        shrink=options["shrink"],
+        num_prompts=options["num_prompts"],
+        max_new_tokens=options["max_new_tokens"],
+        atol=options["atol"],
+        block_size=options["block_size"],
+        dtype=options["dtype"],
+        seed=options["seed"],
+        trust_remote_code=options["trust_remote_code"],
     )
+    from kvskill.implementer.standalone import find_runner, verify_standalone
+
+    # a standalone output carries its runner_<model>.py: verify drives it instead of the engine
+    if find_runner(directory) is not None:
+        report = verify_standalone(directory, verify_options)
+    else:
+        report = verify_directory(directory, verify_options)
     if output_format == "json":
         click.echo(json.dumps(report.to_dict()))
     else:

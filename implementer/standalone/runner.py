@@ -1,0 +1,55 @@
+"""Render ``runner_<model>.py``: the standalone runner, from the jinja2 templates.
+
+``runner.py.j2`` holds what every KV mode shares (generate, the metadata, the CLI);
+``runner_contiguous.py.j2`` and ``runner_paged.py.j2`` fill its named blocks (cache
+allocation, prefill and decode inputs, last-token logits). The rendering is strict and parsed
+with libcst, so a broken template fails here and never reaches a user's directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+from kvskill.analyzer.plan import Plan
+from kvskill.implementer.snippets import render
+from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
+
+TEMPLATES = {KvMode.CONTIGUOUS: "runner_contiguous.py.j2", KvMode.PAGED: "runner_paged.py.j2"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenderedRunner:
+    file_name: str
+    text: str
+
+
+def runner_file_name(model_type: str) -> str:
+    """``runner_<model_type>.py`` with characters a module name cannot hold replaced."""
+    safe = "".join(c if c.isalnum() else "_" for c in model_type.lower())
+    return f"runner_{safe}.py"
+
+
+def render_runner(plan: Plan, spec: StandaloneSpec) -> RenderedRunner:
+    """The runner for ``plan``'s model in ``spec``'s KV mode, checked to parse."""
+    name = runner_file_name(plan.model_type)
+    if spec.mla:
+        mode_name = "Mode 3 (absorbed MLA over paged blocks)"
+        title = "mode 3, absorbed MLA over paged caches (TND_NTD)"
+        caches = "nope_cache: the latent, rope_cache: the shared rope key"
+    else:
+        mode_name = "Mode 2 (paged)"
+        title = "mode 2, paged KV caches (TND)"
+        caches = "k_cache, v_cache"
+    text = render(
+        TEMPLATES[spec.kv_mode],
+        model_type=plan.model_type,
+        runner_file=name,
+        kv_mode=spec.kv_mode.value,
+        block_size=spec.block_size,
+        mode_name=mode_name,
+        mode_title=title,
+        cache_names=caches,
+    )
+    cst.parse_module(text)  # a template that renders broken Python fails here, not later
+    return RenderedRunner(file_name=name, text=text)

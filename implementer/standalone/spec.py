@@ -1,0 +1,145 @@
+"""What the standalone rewrite needs from a Plan: the KV mode, MLA absorb, and the refusals.
+
+Standalone deployment has three KV modes. Mode 1 (contiguous, the Legacy layout) keeps one
+``[batch, max_seq_len, kv_heads * head_dim]`` tensor per cache and attends in BSH; mode 2
+(paged) addresses ``[total_blocks, block_size, kv_heads, head_dim]`` caches through a static
+block table and attends in TND; mode 3 (MLA absorb) caches the latent over mode 2. Every
+combination the operators cannot run correctly is refused here (exit 3), before any file is
+written: emitted code must be what runs right on an NPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvskill.analyzer.plan import Plan
+from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
+from kvskill.implementer.spec import ConversionSpec
+
+#: the contiguous layout's sparse modes: causal prefill over the 2048 tile; decode (one query
+#: per row, BSH) runs the operator's decode branch, which masks by actual_seq_lengths_kv alone
+#: and ignores sparse_mode (npu_ops §1.4), so it is written as what it is: 0 without a mask
+CONTIGUOUS_SPARSE_MODE = {"prefill": 3, "decode": 0}
+
+
+class KvMode(str, Enum):
+    """Where the runner keeps the keys and values."""
+
+    #: mode 1: per-layer ``[batch, max_seq_len, kv_heads * head_dim]`` BSH caches
+    CONTIGUOUS = "contiguous"
+    #: mode 2: per-layer ``[total_blocks, block_size, kv_heads, head_dim]`` caches
+    PAGED = "paged"
+
+
+class MlaAbsorb(str, Enum):
+    """``--mla-absorb``: follow the analyzer, or insist on / refuse the absorbed path."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandaloneSpec:
+    """The standalone rewrite's decisions on top of the framework or MLA spec it reuses."""
+
+    kv_mode: KvMode
+    #: mode 3: absorbed MLA (cache_nope + cache_rope) over the paged caches
+    mla: bool
+    #: the attention codemods' spec: ConversionSpec, or MlaSpec when ``mla``
+    base: ConversionSpec | MlaSpec
+
+    @property
+    def input_layout(self) -> str:
+        return "BSH" if self.kv_mode is KvMode.CONTIGUOUS else self.base.input_layout
+
+    @property
+    def block_size(self) -> int:
+        return self.base.block_size
+
+    @property
+    def mode_number(self) -> int:
+        """The standalone mode: 1 contiguous, 2 paged, 3 MLA absorb (over 2)."""
+        if self.mla:
+            return 3
+        return 1 if self.kv_mode is KvMode.CONTIGUOUS else 2
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan,
+        *,
+        kv_mode: str = "paged",
+        mla_absorb: str = "auto",
+        fa_version: str = "auto",
+        block_size: int | None = None,
+    ) -> StandaloneSpec:
+        """Validate the Plan for the requested standalone mode.
+
+        Raises:
+            BadInputError: ``--mla-absorb on`` for a model without MLA attention.
+            UnsupportedModelError: the operators cannot run this model in this mode.
+        """
+        mode = KvMode(kv_mode)
+        absorb = MlaAbsorb(mla_absorb)
+        is_mla = plan.attention == "mla"
+        if absorb is MlaAbsorb.ON and not is_mla:
+            raise BadInputError(
+                f"--mla-absorb on: {plan.model_type} has {plan.attention} attention, not MLA; "
+                "use --mla-absorb auto or off"
+            )
+        if is_mla:
+            _check_mla(plan, mode, absorb)
+            if block_size is not None and block_size % MLA_BLOCK_SIZE:
+                raise BadInputError(
+                    f"--block-size {block_size}: the MLA caches need a multiple of "
+                    f"{MLA_BLOCK_SIZE} (NZ layout)"
+                )
+            base = MlaSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
+            return cls(kv_mode=mode, mla=True, base=base)
+        spec = ConversionSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
+        if mode is KvMode.CONTIGUOUS:
+            _check_contiguous(plan, spec)
+        return cls(kv_mode=mode, mla=False, base=spec)
+
+
+def _check_mla(plan: Plan, mode: KvMode, absorb: MlaAbsorb) -> None:
+    reasons = []
+    if absorb is MlaAbsorb.OFF:
+        reasons.append(
+            "--mla-absorb off: the standalone MLA path caches only the latent (cache_nope + "
+            "cache_rope) and attends absorbed; un-absorbed MLA is not generated, use "
+            "--mla-absorb auto or on"
+        )
+    if mode is KvMode.CONTIGUOUS:
+        reasons.append(
+            "--kv-mode contiguous: the absorbed MLA attention is generated over the paged "
+            "latent caches only (TND_NTD with block_table, NZ-layout writes); use "
+            "--kv-mode paged (mode 3 over mode 2)"
+        )
+    if reasons:
+        raise UnsupportedModelError(f"{plan.model_type}: cannot convert: " + "; ".join(reasons))
+
+
+def _check_contiguous(plan: Plan, spec: ConversionSpec) -> None:
+    """Mode 1 attends in BSH; refuse what BSH cannot express on the device."""
+    reasons = []
+    if spec.windows:
+        reasons.append(
+            "sliding-window layers: with BSH and one query token the fused attention runs its "
+            "decode branch, which ignores sparse_mode and pre_tokens/next_tokens (npu_ops "
+            "§1.4/§1.5), so the window would not be applied when decoding"
+        )
+    if spec.has_sinks:
+        reasons.append(
+            "learnable sinks: learnable_sink is accepted only with the TND and NTD_TND "
+            "layouts (npu_ops §2.3), not BSH"
+        )
+    if reasons:
+        raise UnsupportedModelError(
+            f"{plan.model_type}: cannot generate --kv-mode contiguous (BSH): "
+            + "; ".join(reasons)
+            + "; use --kv-mode paged"
+        )

@@ -3,8 +3,9 @@
 Kept: the attention kind (MHA / GQA / MQA by the ratio of query to key-value heads), the
 layer-type pattern (at least one layer of each kind, in source order), a sliding window
 (made smaller than the verification prompts), MoE routing (top-k, number of experts above
-top-k, shared experts, sparse-step pattern), RoPE parameters, tied embeddings and learnable
-sinks. Sizes (hidden, heads, head dim, vocabulary, intermediate) become tiny.
+top-k, shared experts, sparse-step pattern), MLA ranks within the operator's limits (see
+``mla/shrink.py``), RoPE parameters, tied embeddings and learnable sinks. Sizes (hidden,
+heads, head dim, vocabulary, intermediate) become tiny.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
         if any(isinstance(i, int) and i >= VOCAB_SIZE for i in ids):
             new[key] = None
     if is_mla_config(config):  # MLA: keep rope 64 and the latent (query D) at 512/128
+        new.update(shrink_mla(config, new))
+    if is_mla_config(config):
+        # latent attention: ranks inside the fused MLA operator's limits (mla/shrink.py)
         new.update(shrink_mla(config, new))
     changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
     return ShrinkResult(config=new, changes=changes)

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
 from kvskill.analyzer.config import normalise
+from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inputs import (
     ModelSource,
@@ -30,16 +31,15 @@ from kvskill.analyzer.rules import (
     CodeView,
     cache_entries,
     decide_attention,
-    decide_deploy_mode,
     decide_fa_version,
     decide_kv_heads,
     decide_kv_mode,
     decide_layers,
     decide_layout,
-    decide_scale,
     decide_sparse_modes,
     sinks_line,
 )
+from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
 from kvskill.errors import BadInputError, UnsupportedModelError
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.inputs import ModelSource
-from kvskill.analyzer.rules import CodeView, scaling_line_of
+from kvskill.analyzer.rules import CodeView
+from kvskill.analyzer.scale import scaling_line_of
 from kvskill.analyzer.scan import ClassFacts
 
 

@@ -1,20 +1,19 @@
 """The decisions of the KV design, each with its evidence.
 
-Order follows the selection flow: deployment mode, per-layer kinds, attention form, whether
-Paged is possible (else Legacy with the blocker), FA version, layout, sparse modes and window
-tokens, softmax scale, KV heads per rank, cache entries.
+Order follows the selection flow: per-layer kinds, attention form, whether Paged is possible
+(else Legacy with the blocker), FA version, layout, sparse modes and window tokens, KV heads
+per rank, cache entries. Deployment mode lives in ``deploy``, the softmax scale in ``scale``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
 from kvskill.analyzer.plan import AttnType, LayerPlan
 from kvskill.analyzer.roles import CodeRoles
-from kvskill.analyzer.scan import ModuleFacts, scan_file
+from kvskill.analyzer.scan import ModuleFacts
 
 #: layer kinds whose cache is a fixed-size state per request (grouped as Mamba)
 STATE_KINDS = frozenset({"linear_attention", "mamba", "conv", "recurrent"})
@@ -37,36 +36,6 @@ class CodeView:
 
     def where(self, line: int | None) -> str:
         return self.facts.where(line) if line else self.facts.file_name
-
-
-# -- deployment mode --------------------------------------------------------------------------
-
-
-def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> str:
-    """Explicit flag > a self-managing runner_*.py (standalone) > framework."""
-    if requested in ("framework", "standalone"):
-        book.cite("deploy_mode", f"set explicitly to {requested}", "flag --mode")
-        return requested
-    for runner in runner_files:
-        facts = scan_file(runner)
-        framework_imports = [m for m in facts.imports if m.startswith("kvskill.runtime")]
-        name = facts.file_name
-        if framework_imports:
-            line = facts.imports[framework_imports[0]]
-            book.cite(
-                "deploy_mode",
-                f"{name} drives the model through the bundled runtime ({framework_imports[0]})",
-                f"{name}:{line}",
-            )
-            return "framework"
-        book.cite(
-            "deploy_mode",
-            f"{name} manages its own inference loop and KV tensors (no framework import)",
-            name,
-        )
-        return "standalone"
-    book.cite("deploy_mode", "no runner_*.py next to the model; framework is the default", "rule")
-    return "framework"
 
 
 # -- layers -----------------------------------------------------------------------------------
@@ -273,79 +242,6 @@ def decide_sparse_modes(
 
 
 # -- scale, heads, cache entries ----------------------------------------------------------------
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """YaRN attention-temperature factor: 0.1 * mscale * ln(factor) + 1 for factor > 1."""
-    if factor <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(factor) + 1.0
-
-
-def scaling_line_of(cls) -> int | None:
-    """Line of ``self.scaling = ...`` (transformers 5) or ``self.softmax_scale = ...`` (remote)."""
-    if cls is None:
-        return None
-    return cls.self_attrs.get("scaling") or cls.self_attrs.get("softmax_scale")
-
-
-def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
-    cls = code.attention_class()
-    scaling_line = scaling_line_of(cls)
-    where = code.where(scaling_line)
-    if spec.mla:
-        dim = int(spec.mla["qk_nope_head_dim"] or 0) + int(spec.mla["qk_rope_head_dim"] or 0)
-        label = f"(qk_nope_head_dim + qk_rope_head_dim = {dim})"
-    else:
-        dim = spec.head_dim
-        label = f"head_dim {dim}"
-    scale = dim**-0.5 if dim else 1.0
-    rope = spec.rope_parameters
-    mscale_all_dim = rope.get("mscale_all_dim") or 0
-    applies_mscale = "yarn_get_mscale" in code.facts.functions
-    if (
-        applies_mscale
-        and mscale_all_dim
-        and rope.get("rope_type", rope.get("type", "default")) != "default"
-    ):
-        factor = float(rope.get("factor") or 1.0)
-        mscale = yarn_mscale(factor, float(mscale_all_dim))
-        scale *= mscale * mscale
-        book.cite(
-            "softmax_scale",
-            f"{label}^-0.5 x mscale^2 with mscale = 0.1*{mscale_all_dim}*ln({factor:g})+1 = "
-            f"{mscale:.6f} (YaRN mscale_all_dim) -> {scale:.8f}",
-            f"{where}; {book.cfg(spec.sources.get('rope_parameters'))}",
-        )
-        return scale
-    cfg_multiplier = _explicit_scale(spec, book)
-    if cfg_multiplier is not None:
-        return cfg_multiplier
-    book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
-    return scale
-
-
-def _explicit_scale(spec: ModelSpec, book: Notebook) -> float | None:
-    from kvskill.analyzer.config import text_config
-
-    cfg, prefix = text_config(book.source.config)
-    if cfg.get("query_pre_attn_scalar"):
-        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
-        book.cite(
-            "softmax_scale",
-            f"query_pre_attn_scalar^-0.5 = {scale:.8f}",
-            book.cfg(prefix + "query_pre_attn_scalar"),
-        )
-        return scale
-    if cfg.get("attention_multiplier"):
-        scale = float(cfg["attention_multiplier"])
-        book.cite(
-            "softmax_scale",
-            f"attention_multiplier = {scale}",
-            book.cfg(prefix + "attention_multiplier"),
-        )
-        return scale
-    return None
 
 
 def decide_kv_heads(spec: ModelSpec, attn_tp_size: int, book: Notebook) -> int:

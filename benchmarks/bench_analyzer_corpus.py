@@ -36,9 +36,10 @@ def main() -> int:
     start = time.perf_counter()
     analyze_one("llama")
     import_seconds = time.perf_counter() - start
-    cold_start = time.perf_counter()
+    cold_start, cold_cpu_start = time.perf_counter(), time.process_time()
     cold = _pass(types)
     cold_total = time.perf_counter() - cold_start
+    cold_cpu = time.process_time() - cold_cpu_start
     warm_start = time.perf_counter()
     warm = _pass(types)
     warm_total = time.perf_counter() - warm_start
@@ -57,7 +58,7 @@ def main() -> int:
     print(f"first call (imports + llama): {import_seconds:.2f} s")
     print(
         f"cold pass: {cold_total:.2f} s total, median {statistics.median(seconds):.3f} s, "
-        f"max {max(seconds):.3f} s per model"
+        f"max {max(seconds):.3f} s per model; {cold_cpu:.2f} s of CPU"
     )
     print(f"warm pass: {warm_total:.2f} s total; cold/warm ratio {cold_total / warm_total:.1f}x")
     if args.json:
@@ -66,6 +67,7 @@ def main() -> int:
                 {
                     "counts": dict(counts),
                     "cold_total_s": cold_total,
+                    "cold_cpu_s": cold_cpu,
                     "warm_total_s": warm_total,
                     "results": [
                         {**r.__dict__, "warm_seconds": w.seconds}

@@ -1,0 +1,85 @@
+"""The softmax scale the fused attention must be given, and where it comes from.
+
+``head_dim^-0.5`` by default; ``query_pre_attn_scalar^-0.5`` or ``attention_multiplier`` when
+the config sets one; for MLA the head dim is ``qk_nope_head_dim + qk_rope_head_dim`` and a YaRN
+``mscale_all_dim`` multiplies the scale by ``mscale^2`` (as the source attention does).
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvskill.analyzer.config import ModelSpec, text_config
+from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.rules import CodeView
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN attention-temperature factor: 0.1 * mscale * ln(factor) + 1 for factor > 1."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scaling_line_of(cls) -> int | None:
+    """Line of ``self.scaling = ...`` (transformers 5) or ``self.softmax_scale = ...`` (remote)."""
+    if cls is None:
+        return None
+    return cls.self_attrs.get("scaling") or cls.self_attrs.get("softmax_scale")
+
+
+def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
+    cls = code.attention_class()
+    scaling_line = scaling_line_of(cls)
+    where = code.where(scaling_line)
+    if spec.mla:
+        dim = int(spec.mla["qk_nope_head_dim"] or 0) + int(spec.mla["qk_rope_head_dim"] or 0)
+        label = f"(qk_nope_head_dim + qk_rope_head_dim = {dim})"
+    else:
+        dim = spec.head_dim
+        label = f"head_dim {dim}"
+    scale = dim**-0.5 if dim else 1.0
+    rope = spec.rope_parameters
+    mscale_all_dim = rope.get("mscale_all_dim") or 0
+    applies_mscale = "yarn_get_mscale" in code.facts.functions
+    if (
+        applies_mscale
+        and mscale_all_dim
+        and rope.get("rope_type", rope.get("type", "default")) != "default"
+    ):
+        factor = float(rope.get("factor") or 1.0)
+        mscale = yarn_mscale(factor, float(mscale_all_dim))
+        scale *= mscale * mscale
+        book.cite(
+            "softmax_scale",
+            f"{label}^-0.5 x mscale^2 with mscale = 0.1*{mscale_all_dim}*ln({factor:g})+1 = "
+            f"{mscale:.6f} (YaRN mscale_all_dim) -> {scale:.8f}",
+            f"{where}; {book.cfg(spec.sources.get('rope_parameters'))}",
+        )
+        return scale
+    cfg_multiplier = _explicit_scale(spec, book)
+    if cfg_multiplier is not None:
+        return cfg_multiplier
+    book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
+    return scale
+
+
+def _explicit_scale(spec: ModelSpec, book: Notebook) -> float | None:
+    cfg, prefix = text_config(book.source.config)
+    if cfg.get("query_pre_attn_scalar"):
+        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        book.cite(
+            "softmax_scale",
+            f"query_pre_attn_scalar^-0.5 = {scale:.8f}",
+            book.cfg(prefix + "query_pre_attn_scalar"),
+        )
+        return scale
+    if cfg.get("attention_multiplier"):
+        scale = float(cfg["attention_multiplier"])
+        book.cite(
+            "softmax_scale",
+            f"attention_multiplier = {scale}",
+            book.cfg(prefix + "attention_multiplier"),
+        )
+        return scale
+    return None

@@ -152,10 +152,17 @@ class _Progress:
 @trust_remote_code_option
 @format_option()
 def run(directory: Path, **options) -> None:
-    """Generate with the converted model in DIRECTORY (continuous batching, paged KV)."""
+    """Generate with the converted model in DIRECTORY (continuous batching, paged KV).
+
+    A standalone output (it holds runner_<model>.py) is run by its own runner instead: one
+    static batch, greedy."""
+    from kvskill.implementer.standalone import find_runner
     from kvskill.runtime import LLM, SamplingParams
     from kvskill.runtime.ops import backend
 
+    if find_runner(directory) is not None:
+        _run_standalone(directory, options)
+        return
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
     llm = LLM(
@@ -193,6 +200,31 @@ def run(directory: Path, **options) -> None:
         click.echo(json.dumps(report))
     else:
         click.echo(_render_table(report))
+
+
+def _run_standalone(directory: Path, options: dict) -> None:
+    from kvskill.implementer.standalone.launch import StandaloneRun, render_table
+
+    if options["temperature"] > 0 or options["top_k"] or options["top_p"] < 1.0:
+        raise BadInputError(
+            "the standalone runner decodes greedily; drop --temperature/--top-k/--top-p"
+        )
+    run = StandaloneRun.load(
+        directory,
+        dtype=options["dtype"],
+        device=options["device"],
+        seed=options["seed"],
+        random_weights=options["random_weights"],
+        trust_remote_code=options["trust_remote_code"],
+    )
+    prompts = _prompts(options, vocab_size=run.vocab_size, max_model_len=run.max_model_len)
+    report = run.generate(
+        prompts,
+        max_new_tokens=options["max_tokens"],
+        block_size=options["block_size"],
+        ignore_eos=options["ignore_eos"],
+    )
+    click.echo(json.dumps(report) if options["output_format"] == "json" else render_table(report))
 
 
 def _prompts(options: dict, *, vocab_size: int, max_model_len: int) -> list[list[int]]:

@@ -234,16 +234,38 @@ def _latent_norm(
         target = cst.ensure_type(assign.targets[0].target, cst.Attribute)
         if isinstance(assign.value, cst.Call) and isinstance(assign.value.func, cst.Name):
             modules[target.attr.value] = assign.value.func.value
-    for assign in m.findall(
-        forward, m.Assign(targets=[m.AssignTarget(target=m.Name(latent or ""))])
-    ):
-        assign = cst.ensure_type(assign, cst.Assign)
-        for call in m.findall(assign.value, m.Call(func=m.Attribute(value=m.Name("self")))):
-            attr = cst.ensure_type(cst.ensure_type(call, cst.Call).func, cst.Attribute).attr.value
-            cls = classes.get(modules.get(attr, ""))
-            if cls is not None and _is_rms_norm(cls):
-                return attr
+    norm: str | None = None
+    for stmt in cst.ensure_type(forward.body, cst.IndentedBlock).body:
+        if m.findall(stmt, _UPDATE):
+            break  # only what happens to the latent before it is cached
+        for assign in m.findall(
+            stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(latent or ""))])
+        ):
+            value = cst.ensure_type(assign, cst.Assign).value
+            here = _rms_norm_call(value, modules, classes)
+            if here is not None:
+                norm = here
+            elif norm is not None and not m.matches(value, _reshape_of(latent or "")):
+                # the normalised latent changes again (e.g. a scale) before it is cached
+                return None
+    return norm
+
+
+def _rms_norm_call(
+    value: cst.BaseExpression, modules: dict[str, str], classes: dict[str, cst.ClassDef]
+) -> str | None:
+    for call in m.findall(value, m.Call(func=m.Attribute(value=m.Name("self")))):
+        attr = cst.ensure_type(cst.ensure_type(call, cst.Call).func, cst.Attribute).attr.value
+        cls = classes.get(modules.get(attr, ""))
+        if cls is not None and _is_rms_norm(cls):
+            return attr
     return None
+
+
+def _reshape_of(name: str) -> m.Call:
+    """``name.view(...)`` / ``.reshape`` / ``.contiguous`` / ``.unsqueeze``: same values."""
+    shapes = m.Name("view") | m.Name("reshape") | m.Name("contiguous") | m.Name("unsqueeze")
+    return m.Call(func=m.Attribute(value=m.Name(name), attr=shapes))
 
 
 def _is_rms_norm(cls: cst.ClassDef) -> bool:

@@ -136,9 +136,15 @@ def test_kv_b_proj_is_split_after_loading_not_in_init(tmp_path):
             "latent = latent.view(b, 1, s, -1)",
             "scatter",
         ),
+        # the normalised latent is scaled before caching (LongCat-style): not a plain RMSNorm
+        (
+            "latent = self.kv_norm(latent).view(b, 1, s, -1)",
+            "latent = self.kv_norm(latent).view(b, 1, s, -1)\n        latent = latent * 2.0",
+            "scatter",
+        ),
         ("", "", "fused"),
     ],
-    ids=["complex-rope", "rotate-half", "no-latent-norm", "interleaved"],
+    ids=["complex-rope", "rotate-half", "no-latent-norm", "scaled-latent", "interleaved"],
 )
 def test_cache_write_decision_follows_norm_and_rope_order(old, new, mode):
     source = TOY.replace(old, new) if old else TOY

@@ -8,6 +8,7 @@ their defaults and derived keys such as ``layer_types``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -135,7 +136,31 @@ def transformers_modeling_file(model_type: str) -> Path | None:
 
     module = model_type_to_module_name(model_type)
     path = transformers_root() / "models" / module / f"modeling_{module}.py"
-    return path if path.is_file() else None
+    if path.is_file():
+        return path
+    # Types that reuse another family's code (gpt-sw3 -> gpt2) or keep it under another
+    # file name (data2vec-text): find the file that defines the causal-LM class.
+    class_name = causal_lm_class_name(model_type)
+    return _file_defining(class_name) if class_name else None
+
+
+def _file_defining(class_name: str) -> Path | None:
+    return _class_index().get(class_name)
+
+
+@lru_cache(maxsize=1)
+def _class_index() -> dict[str, Path]:
+    """Top-level class name -> the installed transformers modeling file defining it."""
+    index: dict[str, Path] = {}
+    pattern = re.compile(r"^class (\w+)\b", re.MULTILINE)
+    for candidate in sorted((transformers_root() / "models").glob("*/modeling_*.py")):
+        try:
+            text = candidate.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        for name in pattern.findall(text):
+            index.setdefault(name, candidate)
+    return index
 
 
 def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) -> ModelSource:

@@ -272,3 +272,10 @@ def test_parallel_state_mixers_are_a_blocker_not_a_refusal():
     plan = analyze_model("falcon_h1")
     assert plan.kv_mode == "paged"
     assert any("state" in blocker for blocker in plan.implementer_blockers)
+
+
+def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():
+    # gpt-sw3 has no modeling file of its own; its causal LM class lives in gpt2
+    plan = analyze_model("gpt-sw3")
+    assert plan.source["modeling_file"].endswith("models/gpt2/modeling_gpt2.py")
+    assert plan.architecture == "GPT2LMHeadModel"

@@ -171,6 +171,7 @@ def plan_for_source(
     scale = decide_scale(spec, code, book)
     kv_heads = decide_kv_heads(spec, attn_tp_size, book)
     entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size)
+    _cite_state_entries(entries, source, book)
     counts = {t: sum(1 for layer in layers if layer.attn_type == t) for t in attn_types}
     memory = plan_memory(
         spec=spec,
@@ -267,6 +268,30 @@ def _mla_write_cached(modeling_file: str, config_json: str):
     # does not parse the file again with position metadata.
     text = Path(modeling_file).read_text(encoding="utf-8") if modeling_file else ""
     return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
+
+
+_STATE_KEYS = (
+    "linear_num_value_heads",
+    "mamba_d_state",
+    "ssm_state_size",
+    "state_size",
+    "conv_L_cache",
+)
+
+
+def _cite_state_entries(entries: dict[str, list[dict]], source: ModelSource, book) -> None:
+    """Where the Mamba-type state sizes come from, or a blocker when they are unknown."""
+    if AttnType.MAMBA.value not in entries:
+        return
+    state = entries[AttnType.MAMBA.value]
+    if not state:
+        msg = "state layers without recognised conv/SSM sizes in the config: no state entries"
+        book.warn(msg)
+        book.block(msg)
+        return
+    key = next((k for k in _STATE_KEYS if source.config.get(k) is not None), None)
+    shapes = ", ".join(f"{e['cache_name']} {e['num_head']}x{e['dim']}" for e in state)
+    book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
 
 
 def _language_model_source(source: ModelSource) -> ModelSource | None:

@@ -66,9 +66,15 @@ def _model_source(family: Family, workdir: Path) -> str:
 
 
 def _analyze_cell(plan) -> str:
-    kinds = "+".join(plan.attn_types)
-    extra = ", sinks" if plan.has_sinks else ""
-    return f"{plan.kv_mode}, {plan.attention.upper()}, {kinds}, FA {plan.fa_version}{extra}"
+    modes = ", ".join(
+        f"{kind} sparse {m['prefill']}/{m['decode']}" for kind, m in plan.sparse_mode.items()
+    )
+    extra = ", learnable sinks" if plan.has_sinks else ""
+    extra += ", MLA absorbed" if plan.mla_absorb else ""
+    return (
+        f"{plan.kv_mode}, {plan.attention.upper()}, {plan.input_layout}, {modes}, "
+        f"FA {plan.fa_version}{extra}"
+    )
 
 
 def _verify_cell(report) -> str:

@@ -231,7 +231,7 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     weights = _weight_files(model_dir)
     files = {n: "written" for n in [*texts, *extras]}
     files.update({w.name: "copied" if options.copy_weights else "linked" for w in weights})
-    if out_dir is not None:
+    if out_dir is not None and not options.dry_run:
         _check_out_dir(out_dir, plan, options.force)
     if not options.dry_run:
         assert out_dir is not None

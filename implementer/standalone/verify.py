@@ -265,12 +265,15 @@ def _runtime_chain(
             failures.append(f"{kind}: is_prefill is {step['is_prefill']}")
         if step["actual_seq_lengths_kv"] != expected:
             failures.append(
-                f"{kind}: actual_seq_lengths_kv {step['actual_seq_lengths_kv']}, expected {expected}"
+                f"{kind}: actual_seq_lengths_kv {step['actual_seq_lengths_kv']}, expected "
+                f"{expected} (prompt + generated): the runner's kv_len went wrong"
             )
-        if step["kv_len"] != expected:
+        if step["kv_len"] != step["actual_seq_lengths_kv"]:
+            # the runner builds both from one value; only the forward can have changed kv_len
             failures.append(
-                f"{kind}: kv_len is {step['kv_len']} after the forward, expected {expected}; "
-                "a layer advanced kv_len (it is the runner's variable, layers only read it)"
+                f"{kind}: kv_len is {step['kv_len']} after the forward but the step was built "
+                f"with {step['actual_seq_lengths_kv']}; a layer advanced kv_len (it is the "
+                "runner's variable, layers only read it)"
             )
         missing = sorted(set(attn_types) - set(step["block_table"]))
         if missing:

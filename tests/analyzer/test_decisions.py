@@ -217,6 +217,7 @@ def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
     # only the 12 full-attention layers grow with tokens (2 KV heads x 256 dims)
     assert plan.kv_bytes_per_token == 2 * 2 * 256 * 2 * 12
     assert plan.memory["state_bytes_per_request"] > 0
+    assert any(e.decision == "cache_entries.Mamba" for e in plan.evidence)
 
 
 def test_gemma2_soft_capping_keeps_legacy_with_the_blocker():

@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-write", action="store_true", help="print only, write no files")
+    parser.add_argument(
+        "--from-records",
+        type=Path,
+        nargs="+",
+        help="build the report from raw records (serve_bench.partial.json files); run nothing",
+    )
     args = parser.parse_args(argv)
 
     workloads = _parse_list(args.workloads, WORKLOADS, "workload") if args.workloads else None
@@ -147,7 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     started_at = dt.datetime.now(dt.timezone.utc)
     load_before = load_average()
     records = []
-    for model, n_threads, cell_workloads in plan:
+    for path in args.from_records or []:
+        records += json.loads(path.read_text())
+    if args.from_records:
+        # Rebuild the report from raw records of earlier (possibly interrupted) runs.
+        groups: dict[tuple[str, int], set[str]] = {}
+        for r in records:
+            groups.setdefault((r["model"], r["threads"]), set()).add(r["workload"])
+        plan = [(m, t, sorted(ws)) for (m, t), ws in groups.items()]
+    partial = args.out_dir / "serve_bench.partial.json"
+    for model, n_threads, cell_workloads in [] if args.from_records else plan:
         for system in systems:
             started = time.perf_counter()
             repeats = args.repeats
@@ -162,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout,
             )
             records += cell
+            if not args.no_write:
+                # Raw records so far: an interrupted run still leaves what it measured.
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(records))
             summary = ", ".join(
                 f"{r['workload']} " + (r["error"] if "error" in r else f"{r['tokens_per_s']:.0f}")
                 for r in cell
@@ -205,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out_dir / "latest.json").write_text(text)
         (args.out_dir / f"serve_bench-{stamp}.json").write_text(text)
         (args.out_dir / "latest.md").write_text(report)
+        partial.unlink(missing_ok=True)
         print(
             f"[serve_bench] wrote {args.out_dir / 'latest.json'}",
             file=sys.stderr,

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="arguments for serve_bench.py instead of the make-bench defaults",
     )
-    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per benchmark")
+    parser.add_argument("--timeout", type=float, default=2400.0, help="seconds per benchmark")
     args = parser.parse_args(argv)
 
     names = discover()

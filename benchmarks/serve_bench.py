@@ -41,8 +41,8 @@ SYSTEMS = ("kvskill", "hf_padded", "hf_cb", "hf_sequential")
 #: within the 15 minutes `make bench` is allowed on 2 cores.
 DEFAULT_PLAN = (
     ("qwen3-4l-h256", 1, WORKLOADS),
-    ("qwen3-4l-h256", 2, ("W1", "W2")),
     ("qwen3-2l-h128", 1, WORKLOADS),
+    ("qwen3-4l-h256", 2, ("W1", "W2")),
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

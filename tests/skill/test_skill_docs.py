@@ -221,7 +221,8 @@ def emitted_statements(source: str) -> set[str]:
 
 @functools.cache
 def converted_source(args: tuple[str, ...]) -> str:
-    """The modeling file `kvskill apply <args>` would write, converted in-process."""
+    """The Python `kvskill apply <args>` would write (modeling file, and runner in standalone
+    mode), converted in-process."""
     from kvskill.implementer.writer import ApplyOptions, convert_model
 
     ctx = cli_main.commands["apply"].make_context("apply", [*args, "--dry-run"])
@@ -234,7 +235,8 @@ def converted_source(args: tuple[str, ...]) -> str:
         )
 
         standalone = StandaloneOptions(kv_mode=params["kv_mode"], mla_absorb=params["mla_absorb"])
-        return convert_standalone_model(params["model"], options, standalone).converted
+        conversion = convert_standalone_model(params["model"], options, standalone)
+        return conversion.converted + "\n" + conversion.runner.text  # model and runner
     return convert_model(params["model"], options)[2]
 
 

@@ -132,6 +132,15 @@ def test_the_required_runnable_programs_exist():
     assert {"standalone_kv_reference.md"} <= runnable_code.keys()
 
 
+@pytest.mark.parametrize("block", RUNNABLES, ids=lambda b: b.label)
+def test_runnable_block_lints_clean(block):
+    # the complete programs are examples of correct code, so the common-error checks agree
+    from kvskill.analyzer.lint import lint_source
+
+    findings = lint_source(block.code, block.label)
+    assert findings == [], [f"{f.rule} line {f.line}: {f.message}" for f in findings]
+
+
 # Runs every runnable block in one fresh interpreter (one torch import), each in its own
 # namespace and working directory; reports each block's traceback or None.
 DRIVER = """

@@ -187,7 +187,16 @@ def _model_dir(plan: Plan) -> Path | None:
     return Path(plan.source["path"]).resolve()
 
 
-def _check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    """Refuse a file, or a non-empty directory without --force (before any work)."""
+    out = out_dir.resolve()
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"--out {out_dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise BadInputError(f"--out {out_dir} exists and is not empty; pass --force to replace it")
+
+
+def _check_not_inside_model(out_dir: Path, plan: Plan) -> None:
     out = out_dir.resolve()
     source = _model_dir(plan)
     if source is not None and (out == source or source in out.parents):
@@ -195,10 +204,6 @@ def _check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
             f"--out {out_dir} is the model directory (or inside it); apply never writes into "
             "its input, choose another directory"
         )
-    if out.exists() and not out.is_dir():
-        raise BadInputError(f"--out {out_dir} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise BadInputError(f"--out {out_dir} exists and is not empty; pass --force to replace it")
 
 
 def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> ApplyResult:
@@ -211,6 +216,8 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     """
     if out_dir is None and not options.dry_run:
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
+    if out_dir is not None and not options.dry_run:
+        _check_out_dir(out_dir, options.force)
     plan, original, converted = convert_model(model, options)
     name = Path(plan.source["modeling_file"]).name
     diff = "".join(
@@ -232,7 +239,7 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     files = {n: "written" for n in [*texts, *extras]}
     files.update({w.name: "copied" if options.copy_weights else "linked" for w in weights})
     if out_dir is not None and not options.dry_run:
-        _check_out_dir(out_dir, plan, options.force)
+        _check_not_inside_model(out_dir, plan)
     if not options.dry_run:
         assert out_dir is not None
         _write_atomically(out_dir, texts, extras, weights, options.copy_weights)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 import pytest
 from conftest import FAMILIES
@@ -221,18 +220,18 @@ def test_converting_converted_code_changes_nothing(spec):
     assert convert_source(once, spec, package="transformers.models.mini") == once
 
 
-def test_every_family_converts_idempotently():
-    from kvskill.analyzer import analyze_model
-    from kvskill.implementer.writer import source_package
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_converted_family_is_a_fixed_point(converted, family):
+    import json
 
-    for family in FAMILIES:
-        plan = analyze_model(family)
-        spec = ConversionSpec.from_plan(plan)
-        source = Path(plan.source["modeling_file"]).read_text()
-        package = source_package(plan)
-        once = convert_source(source, spec, package=package)
-        assert once != source
-        assert convert_source(once, spec, package=package) == once, family
+    from kvskill.analyzer import Plan
+
+    directory = converted.directory(family)
+    record = json.loads((directory / "kvskill_plan.json").read_text())
+    spec = ConversionSpec.from_plan(Plan.from_dict(record))
+    code = (directory / record["conversion"]["modeling_file"]).read_text()
+    assert code != record["conversion"]["original_source"]
+    assert convert_source(code, spec, package=record["conversion"]["package"]) == code
 
 
 def test_no_attention_class_is_unsupported():

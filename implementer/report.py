@@ -27,7 +27,11 @@ def format_table(report: VerifyReport) -> str:
         [
             str(p.index),
             str(p.prompt_len),
-            "identical" if p.passed_tokens else f"differ at step {p.first_mismatch}",
+            "identical"
+            if p.reference_tokens == p.runtime_tokens
+            else f"near tie at step {p.first_mismatch}"
+            if p.near_tie
+            else f"differ at step {p.first_mismatch}",
             f"{p.max_logit_diff:.2e}",
         ]
         for p in report.prompts
@@ -44,8 +48,11 @@ def format_table(report: VerifyReport) -> str:
     lines += [f"  - {line}" for line in report.failures()]
     lines += [f"note: {note}" for note in report.notes]
     verdict = "PASSED" if report.passed else "FAILED"
+    ties = sum(1 for p in report.prompts if p.near_tie)
     lines.append(
-        f"{verdict}: tokens {'identical' if report.tokens_identical else 'differ'}, max logit "
+        f"{verdict}: tokens {'identical' if report.tokens_identical else 'differ'}"
+        + (f" ({ties} near tie(s))" if ties else "")
+        + ", max logit "
         f"diff {report.max_logit_diff:.2e} (atol {report.atol:g}), chains "
         f"{'ok' if report.chains and all(c['passed'] for c in report.chains) else 'not ok'}"
     )

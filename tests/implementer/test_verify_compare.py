@@ -1,0 +1,47 @@
+"""verify's per-prompt comparison: exact tokens, near ties in low precision, real mismatches."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from kvskill.implementer.verify import _compare, _LogitRecorder, choose_prompt_lengths
+
+
+def _case(ref_tokens, run_tokens, ref_logits, run_logits, atol):
+    recorder = _LogitRecorder()
+    for step, logits in enumerate(run_logits):
+        recorder.logits[(0, step)] = logits
+    output = SimpleNamespace(token_ids=run_tokens)
+    return _compare(0, [1, 2], ref_tokens, torch.stack(ref_logits), output, recorder, atol)
+
+
+def test_identical_tokens_report_the_largest_logit_difference():
+    ref = [torch.tensor([0.0, 2.0, 1.0]), torch.tensor([3.0, 0.0, 0.0])]
+    run = [torch.tensor([0.0, 2.0, 1.00005]), torch.tensor([3.0, 0.0, 0.0])]
+    result = _case([1, 0], [1, 0], ref, run, atol=1e-4)
+    assert result.passed_tokens and not result.near_tie
+    assert abs(result.max_logit_diff - 5e-5) < 1e-6
+
+
+def test_a_flip_between_tokens_scored_within_atol_is_a_near_tie():
+    # the reference scores tokens 1 and 2 within 0.01; bf16 rounding picked 2
+    ref = [torch.tensor([0.0, 2.0, 1.995])]
+    run = [torch.tensor([0.0, 1.99, 2.0])]
+    result = _case([1, 5], [2, 7], ref, run, atol=5e-2)
+    assert result.first_mismatch == 0 and result.near_tie and result.passed_tokens
+
+
+def test_a_flip_between_well_separated_tokens_is_a_mismatch():
+    ref = [torch.tensor([0.0, 2.0, 1.0])]
+    run = [torch.tensor([0.0, 1.0, 2.0])]
+    result = _case([1], [2], ref, run, atol=1e-4)
+    assert result.first_mismatch == 0 and not result.near_tie and not result.passed_tokens
+    assert result.max_logit_diff == 1.0
+
+
+def test_prompt_lengths_span_blocks_and_the_window():
+    lengths = choose_prompt_lengths(4, block_size=4, window=8, limit=1000)
+    assert lengths == [3, 21, 19, 33]
+    assert len(set(lengths)) == 4 and max(lengths) > 8 and max(lengths) > 4 * 4
+    assert max(choose_prompt_lengths(6, block_size=4, window=None, limit=10)) <= 10

@@ -187,7 +187,17 @@ def _model_dir(plan: Plan) -> Path | None:
     return Path(plan.source["path"]).resolve()
 
 
-def _check_out_dir(out_dir: Path, force: bool) -> None:
+def check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
+    """Every check of ``--out``: not a file, empty unless ``force``, not inside the model."""
+    _check_out_dir_usable(out_dir, force)
+    _check_not_inside_model(out_dir, plan)
+
+
+#: the name other writers (standalone) import
+_check_out_dir = check_out_dir
+
+
+def _check_out_dir_usable(out_dir: Path, force: bool) -> None:
     """Refuse a file, or a non-empty directory without --force (before any work)."""
     out = out_dir.resolve()
     if out.exists() and not out.is_dir():
@@ -217,7 +227,7 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     if out_dir is None and not options.dry_run:
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
     if out_dir is not None and not options.dry_run:
-        _check_out_dir(out_dir, options.force)
+        _check_out_dir_usable(out_dir, options.force)
     plan, original, converted = convert_model(model, options)
     name = Path(plan.source["modeling_file"]).name
     diff = "".join(

@@ -36,6 +36,7 @@ from _common import (  # noqa: E402
 from _report import build_rows, markdown_report, targets  # noqa: E402
 
 SYSTEMS = ("kvskill", "hf_padded", "hf_cb", "hf_sequential")
+_SEQ = "hf_sequential"
 #: (model, threads, workloads) run by default: both models on every workload at 1 thread, and the
 #: main model again at 2 threads on the workloads with targets (W1, W2), which keeps a full run
 #: within the 15 minutes `make bench` is allowed on 2 cores.
@@ -201,8 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": load_average(),
         **environment(),
         "settings": {
-            "repeats": args.repeats,
-            "repeats_hf_sequential": args.repeats_sequential or args.repeats,
+            # From the records themselves, so a report rebuilt with --from-records is right.
+            "repeats": max(
+                (r["repeats"] for r in records if "repeats" in r and r["system"] != _SEQ),
+                default=args.repeats,
+            ),
+            "repeats_hf_sequential": max(
+                (r["repeats"] for r in records if "repeats" in r and r["system"] == _SEQ),
+                default=args.repeats_sequential or args.repeats,
+            ),
             "plan": [{"model": m, "threads": t, "workloads": w} for m, t, w in plan],
             "workloads": {
                 w: make_workload(w, MODELS[plan[0][0]].overrides["vocab_size"]).description

@@ -94,7 +94,8 @@ def source_package(plan: Plan) -> str | None:
     return ".".join(parts[:-1])
 
 
-def _read(path: Path) -> str:
+def read_source(path: Path) -> str:
+    """The text of a modeling file; an unreadable file is bad input."""
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -121,14 +122,27 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
         plan, fa_version=options.fa_version, block_size=options.block_size
     )
     modeling_file = Path(plan.source["modeling_file"])
-    original = _read(modeling_file)
+    original = read_source(modeling_file)
     converted = (convert_mla_source if mla else convert_source)(
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
     return plan, original, converted
 
 
-def _config_json(plan: Plan) -> dict[str, Any]:
+def modeling_diff(name: str, original: str, converted: str) -> str:
+    """Unified diff of the modeling file NAME (empty when nothing changed)."""
+    return "".join(
+        difflib.unified_diff(
+            original.splitlines(keepends=True),
+            converted.splitlines(keepends=True),
+            fromfile=f"a/{name}",
+            tofile=f"b/{name}",
+        )
+    )
+
+
+def config_json(plan: Plan) -> dict[str, Any]:
+    """The config.json written next to the converted code (with its architecture)."""
     config = dict(plan.config)
     if not config.get("architectures"):
         config["architectures"] = [plan.architecture]
@@ -158,7 +172,8 @@ def _previous_record(plan: Plan, original: str) -> dict[str, Any] | None:
     return data
 
 
-def _plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions) -> dict[str, Any]:
+def plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions) -> dict[str, Any]:
+    """kvskill_plan.json: the Plan plus the conversion record (a framework-mode record)."""
     data = plan.to_dict()
     previous = _previous_record(plan, original) if converted == original else None
     if previous is not None:
@@ -177,7 +192,8 @@ def _plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions)
     return data
 
 
-def _dump(data: Any) -> str:
+def dump_json(data: Any) -> str:
+    """The JSON text of a written file."""
     return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
 
 
@@ -191,10 +207,6 @@ def check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
     """Every check of ``--out``: not a file, empty unless ``force``, not inside the model."""
     _check_out_dir_usable(out_dir, force)
     _check_not_inside_model(out_dir, plan)
-
-
-#: the name other writers (standalone) import
-_check_out_dir = check_out_dir
 
 
 def _check_out_dir_usable(out_dir: Path, force: bool) -> None:
@@ -230,37 +242,59 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
         _check_out_dir_usable(out_dir, options.force)
     plan, original, converted = convert_model(model, options)
     name = Path(plan.source["modeling_file"]).name
-    diff = "".join(
-        difflib.unified_diff(
-            original.splitlines(keepends=True),
-            converted.splitlines(keepends=True),
-            fromfile=f"a/{name}",
-            tofile=f"b/{name}",
-        )
-    )
     texts = {
         name: converted,
-        "config.json": _dump(_config_json(plan)),
-        PLAN_FILE: _dump(_plan_json(plan, original, converted, options)),
+        "config.json": dump_json(config_json(plan)),
+        PLAN_FILE: dump_json(plan_json(plan, original, converted, options)),
     }
-    model_dir = _model_dir(plan)
-    extras = _extra_files(model_dir, name)
-    weights = _weight_files(model_dir)
-    files = {n: "written" for n in [*texts, *extras]}
-    files.update({w.name: "copied" if options.copy_weights else "linked" for w in weights})
+    output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
     if out_dir is not None and not options.dry_run:
         _check_not_inside_model(out_dir, plan)
     if not options.dry_run:
         assert out_dir is not None
-        _write_atomically(out_dir, texts, extras, weights, options.copy_weights)
+        output.write(out_dir)
     return ApplyResult(
         plan=plan,
         out_dir=out_dir,
         modeling_file=name,
-        files=files,
-        diff=diff,
+        files=output.report(),
+        diff=modeling_diff(name, original, converted),
         changed=converted != original,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputFiles:
+    """Everything an output directory receives: generated texts, then the model's own files."""
+
+    #: file name -> text, in the order they are reported
+    texts: dict[str, str]
+    #: other Python files of a model directory, copied unchanged
+    extras: dict[str, Path]
+    weights: list[Path]
+    copy_weights: bool
+
+    @classmethod
+    def collect(
+        cls, plan: Plan, modeling_name: str, texts: dict[str, str], *, copy_weights: bool
+    ) -> OutputFiles:
+        model_dir = _model_dir(plan)
+        return cls(
+            texts=texts,
+            extras=_extra_files(model_dir, modeling_name),
+            weights=_weight_files(model_dir),
+            copy_weights=copy_weights,
+        )
+
+    def report(self) -> dict[str, str]:
+        """File name -> "written" | "linked" | "copied"."""
+        files = {n: "written" for n in [*self.texts, *self.extras]}
+        files.update({w.name: "copied" if self.copy_weights else "linked" for w in self.weights})
+        return files
+
+    def write(self, out_dir: Path) -> None:
+        """Stage every file next to ``out_dir`` and move it into place in one rename."""
+        _write_atomically(out_dir, self.texts, self.extras, self.weights, self.copy_weights)
 
 
 def _extra_files(model_dir: Path | None, modeling_name: str) -> dict[str, Path]:

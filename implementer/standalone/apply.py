@@ -9,7 +9,6 @@ KV mode, so ``verify`` and ``run`` know to drive the runner instead of the bundl
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,13 @@ from kvskill.implementer.writer import (
     PLAN_FILE,
     ApplyOptions,
     ApplyResult,
-    _check_out_dir,
-    _config_json,
-    _dump,
-    _extra_files,
-    _model_dir,
-    _plan_json,
-    _read,
-    _weight_files,
-    _write_atomically,
+    OutputFiles,
+    check_out_dir,
+    config_json,
+    dump_json,
+    modeling_diff,
+    plan_json,
+    read_source,
     source_package,
 )
 
@@ -75,7 +72,7 @@ def convert_standalone_model(
         block_size=options.block_size,
     )
     modeling_file = Path(plan.source["modeling_file"])
-    original = _read(modeling_file)
+    original = read_source(modeling_file)
     converted = convert_standalone_source(
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
@@ -123,38 +120,26 @@ def apply_standalone(
     conversion = convert_standalone_model(model, options, standalone)
     plan = conversion.plan
     name = Path(plan.source["modeling_file"]).name
-    diff = "".join(
-        difflib.unified_diff(
-            conversion.original.splitlines(keepends=True),
-            conversion.converted.splitlines(keepends=True),
-            fromfile=f"a/{name}",
-            tofile=f"b/{name}",
-        )
-    )
-    plan_data = _plan_json(plan, conversion.original, conversion.converted, options)
+    plan_data = plan_json(plan, conversion.original, conversion.converted, options)
     plan_data["conversion"]["mode"] = "standalone"
     plan_data["conversion"][STANDALONE_KEY] = standalone_record(conversion)
     texts = {
         name: conversion.converted,
         conversion.runner.file_name: conversion.runner.text,
-        "config.json": _dump(_config_json(plan)),
-        PLAN_FILE: _dump(plan_data),
+        "config.json": dump_json(config_json(plan)),
+        PLAN_FILE: dump_json(plan_data),
     }
-    model_dir = _model_dir(plan)
-    extras = _extra_files(model_dir, name)
-    weights = _weight_files(model_dir)
-    files = {n: "written" for n in [*texts, *extras]}
-    files.update({w.name: "copied" if options.copy_weights else "linked" for w in weights})
+    output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
     if out_dir is not None:
-        _check_out_dir(out_dir, plan, options.force)
+        check_out_dir(out_dir, plan, options.force)
     if not options.dry_run:
         assert out_dir is not None
-        _write_atomically(out_dir, texts, extras, weights, options.copy_weights)
+        output.write(out_dir)
     return ApplyResult(
         plan=plan,
         out_dir=out_dir,
         modeling_file=name,
-        files=files,
-        diff=diff,
+        files=output.report(),
+        diff=modeling_diff(name, conversion.original, conversion.converted),
         changed=conversion.converted != conversion.original,
     )

@@ -1,6 +1,11 @@
-"""The base of every framework codemod: a libcst command that carries the ConversionSpec."""
+"""The base of every framework codemod, and the class-body edits the codemods share.
+
+``FrameworkCommand`` is a libcst command that carries the ConversionSpec.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import libcst as cst
 from kvskill.implementer.spec import ConversionSpec
@@ -29,3 +34,21 @@ class FrameworkCommand(VisitorBasedCodemodCommand):
         if module is None:
             return cst.PartialParserConfig()
         return module.config_for_parsing
+
+
+def replace_method(
+    cls: cst.ClassDef, name: str, change: Callable[[cst.FunctionDef], cst.FunctionDef]
+) -> list[cst.BaseStatement]:
+    """The statements of CLS's body, with the method NAME replaced by ``change(method)``."""
+    body = []
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            stmt = change(stmt)
+        body.append(stmt)
+    return body
+
+
+def append_statements(function: cst.FunctionDef, stmts: list[cst.BaseStatement]) -> cst.FunctionDef:
+    """FUNCTION with STMTS added after its last statement."""
+    block = cst.ensure_type(function.body, cst.IndentedBlock)
+    return function.with_changes(body=block.with_changes(body=[*block.body, *stmts]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer._command import FrameworkCommand, replace_method
 from kvskill.implementer.attn_init import SLIDING, _by_type
 from kvskill.implementer.facts import (
     FA_CALL,
@@ -83,11 +83,9 @@ class AttentionForwardCommand(FrameworkCommand):
         seam = attention_facts(original_node).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        body = []
-        for stmt in updated_node.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-                stmt = self._convert_forward(stmt, seam, config)
-            body.append(stmt)
+        body = replace_method(
+            updated_node, "forward", lambda f: self._convert_forward(f, seam, config)
+        )
         update_cache = [
             f
             for f in methods("framework_attn_methods.py.j2", config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import libcst as cst
-from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     attention_facts,
@@ -126,11 +126,8 @@ class AttentionInitCommand(FrameworkCommand):
             for f in methods("framework_attn_methods.py.j2", config)
             if f.name.value.startswith("set_")
         ]
-        body = []
-        for stmt in updated_node.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
-                block = cst.ensure_type(stmt.body, cst.IndentedBlock)
-                stmt = stmt.with_changes(body=block.with_changes(body=[*block.body, *init_stmts]))
-            body.append(stmt)
+        body = replace_method(
+            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
+        )
         body.extend(setters)
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

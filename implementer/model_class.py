@@ -7,12 +7,23 @@ a plain attribute, so a launcher can change it before the runtime allocates the 
 from __future__ import annotations
 
 import libcst as cst
-from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer._command import FrameworkCommand, replace_method
 from kvskill.implementer.facts import LM_HEAD_ASSIGN, is_causal_lm_class, m
 from kvskill.implementer.snippets import methods
 
 #: ``def get_cache_info`` already present: the class is converted
 GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
+
+
+def insert_after_lm_head(init: cst.FunctionDef, stmt: cst.BaseStatement) -> cst.FunctionDef:
+    """INIT with STMT right after its ``self.lm_head = ...`` line."""
+    block = cst.ensure_type(init.body, cst.IndentedBlock)
+    inner = []
+    for line in block.body:
+        inner.append(line)
+        if m.matches(line, m.SimpleStatementLine(body=[LM_HEAD_ASSIGN])):
+            inner.append(stmt)
+    return init.with_changes(body=block.with_changes(body=inner))
 
 
 class CacheInfoCommand(FrameworkCommand):
@@ -33,16 +44,8 @@ class CacheInfoCommand(FrameworkCommand):
             f"self.block_size = {self.spec.block_size}  # tokens per KV block; the runtime may change it\n",
             config,
         )
-        body = []
-        for stmt in updated_node.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
-                block = cst.ensure_type(stmt.body, cst.IndentedBlock)
-                inner = []
-                for line in block.body:
-                    inner.append(line)
-                    if m.matches(line, m.SimpleStatementLine(body=[LM_HEAD_ASSIGN])):
-                        inner.append(block_size)
-                stmt = stmt.with_changes(body=block.with_changes(body=inner))
-            body.append(stmt)
+        body = replace_method(
+            updated_node, "__init__", lambda init: insert_after_lm_head(init, block_size)
+        )
         body.extend(methods("framework_cache_info.py.j2", config))
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.implementer._command import append_statements, replace_method
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     FA_CALL,
-    LM_HEAD_ASSIGN,
     KernelStyle,
     SeamFacts,
     class_assigns,
@@ -23,6 +23,7 @@ from kvskill.implementer.facts import (
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.snippets import methods, statements
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
+from kvskill.implementer.model_class import GET_CACHE_INFO, insert_after_lm_head
 from kvskill.implementer.spec import FaVersion
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 
@@ -30,7 +31,6 @@ FA_OPS = {
     FaVersion.V1: "npu_fused_infer_attention_score",
     FaVersion.V2: "npu_fused_infer_attention_score_v2",
 }
-GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
 
 
 class MlaCommand(VisitorBasedCodemodCommand):
@@ -53,15 +53,6 @@ class MlaCommand(VisitorBasedCodemodCommand):
         facts = mla_attention_facts(cls, self.classes, self.spec.cache_write is CacheWrite.FUSED)
         assert not facts.problems, "the pipeline validates attention facts first"
         return facts
-
-
-def _replace_method(cls: cst.ClassDef, name: str, change) -> list[cst.BaseStatement]:
-    body = []
-    for stmt in cls.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
-            stmt = change(stmt)
-        body.append(stmt)
-    return body
 
 
 class MlaAttentionInitCommand(MlaCommand):
@@ -90,12 +81,9 @@ class MlaAttentionInitCommand(MlaCommand):
         }
         entries = [("nope_cache", f"{cfg}.kv_lora_rank"), ("rope_cache", f"{cfg}.qk_rope_head_dim")]
         init_stmts = statements("init", config, entries=entries, **values)
-
-        def extend(init: cst.FunctionDef) -> cst.FunctionDef:
-            block = cst.ensure_type(init.body, cst.IndentedBlock)
-            return init.with_changes(body=block.with_changes(body=[*block.body, *init_stmts]))
-
-        body = _replace_method(updated_node, "__init__", extend)
+        body = replace_method(
+            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
+        )
         body.extend(methods("methods", config, **values))
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
@@ -132,7 +120,7 @@ class MlaAttentionForwardCommand(MlaCommand):
         if not is_attention_class(original_node) or m.findall(original_node, FA_CALL):
             return updated_node
         facts = self.facts(original_node)
-        body = _replace_method(updated_node, "forward", lambda f: self._convert(f, facts))
+        body = replace_method(updated_node, "forward", lambda f: self._convert(f, facts))
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
     def _convert(self, forward: cst.FunctionDef, facts: MlaAttentionFacts) -> cst.FunctionDef:
@@ -237,16 +225,8 @@ class MlaCacheInfoCommand(MlaCommand):
             f"self.block_size = {self.spec.block_size}  # tokens per KV block; the runtime may change it\n",
             config,
         )
-
-        def add_block_size(init: cst.FunctionDef) -> cst.FunctionDef:
-            block = cst.ensure_type(init.body, cst.IndentedBlock)
-            inner = []
-            for line in block.body:
-                inner.append(line)
-                if m.matches(line, m.SimpleStatementLine(body=[LM_HEAD_ASSIGN])):
-                    inner.append(block_size)
-            return init.with_changes(body=block.with_changes(body=inner))
-
-        body = _replace_method(updated_node, "__init__", add_block_size)
+        body = replace_method(
+            updated_node, "__init__", lambda init: insert_after_lm_head(init, block_size)
+        )
         body.extend(methods("cache_info", config))
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

@@ -10,7 +10,7 @@ calls the fused attention with ``input_layout="BSH"`` over the whole per-row cac
 from __future__ import annotations
 
 import libcst as cst
-from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
 from kvskill.implementer.attn_forward import FA_OPS
 from kvskill.implementer.attn_init import init_values
 from kvskill.implementer.facts import (
@@ -63,12 +63,9 @@ class ContiguousAttentionInitCommand(FrameworkCommand):
         values = init_values(self.spec, original_node, facts.config_param, facts.layer_idx_param)
         init_stmts = statements("init", config, **values)
         setters = [f for f in methods("methods", config) if f.name.value.startswith("set_")]
-        body = []
-        for stmt in updated_node.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
-                block = cst.ensure_type(stmt.body, cst.IndentedBlock)
-                stmt = stmt.with_changes(body=block.with_changes(body=[*block.body, *init_stmts]))
-            body.append(stmt)
+        body = replace_method(
+            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
+        )
         body.extend(setters)
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
@@ -88,11 +85,9 @@ class ContiguousAttentionForwardCommand(FrameworkCommand):
         seam = attention_facts(original_node).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        body = []
-        for stmt in updated_node.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-                stmt = self._convert_forward(stmt, seam, config)
-            body.append(stmt)
+        body = replace_method(
+            updated_node, "forward", lambda f: self._convert_forward(f, seam, config)
+        )
         body.extend(f for f in methods("methods", config) if f.name.value == "update_cache")
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 

@@ -7,11 +7,8 @@ live in a ``class _Snippet:`` so their docstrings carry their final indentation.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any
-
 import jinja2
-import libcst as cst
+from kvskill.implementer.snippets import Snippets
 
 INIT = """\
 # Contiguous KV cache (standalone mode 1, BSH): the runner allocates one
@@ -95,39 +92,6 @@ self.update_cache(write_start, key_bsh, value_bsh)
 TEMPLATES = {"init": INIT, "methods": METHODS, "seam": SEAM}
 
 
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.DictLoader(TEMPLATES),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-
-
-def statements(
-    name: str, parser_config: cst.PartialParserConfig, **values: Any
-) -> list[cst.BaseStatement]:
-    """Top-level statements of a rendered template (leading comments kept on the first)."""
-    text = _environment().get_template(name).render(**values)
-    module = cst.parse_module(text, parser_config)
-    body = list(module.body)
-    if body and module.header:
-        body[0] = body[0].with_changes(leading_lines=[*module.header, *body[0].leading_lines])
-    return body
-
-
-def methods(
-    name: str, parser_config: cst.PartialParserConfig, **values: Any
-) -> list[cst.FunctionDef]:
-    """Methods of the template's ``class _Snippet:``, each led by one blank line."""
-    (snippet,) = statements(name, parser_config, **values)
-    cls = cst.ensure_type(snippet, cst.ClassDef)
-    return [
-        cst.ensure_type(f, cst.FunctionDef).with_changes(
-            leading_lines=[cst.EmptyLine(indent=False)]
-        )
-        for f in cls.body.body
-    ]
+_SNIPPETS = Snippets(jinja2.DictLoader(TEMPLATES))
+statements = _SNIPPETS.statements
+methods = _SNIPPETS.methods

@@ -67,6 +67,23 @@ def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     return kwargs
 
 
+def splice_seam(
+    forward: cst.FunctionDef, seam: SeamFacts, new: list[cst.BaseStatement]
+) -> cst.FunctionDef:
+    """FORWARD with the statements from the cache update through the kernel replaced by NEW."""
+    block = cst.ensure_type(forward.body, cst.IndentedBlock)
+    old = list(block.body)
+    # keep the blank lines / comments that led into the seam
+    new = [
+        new[0].with_changes(
+            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
+        ),
+        *new[1:],
+    ]
+    body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
+    return forward.with_changes(body=block.with_changes(body=body))
+
+
 class AttentionForwardCommand(FrameworkCommand):
     """Replace the seam of every attention forward and add ``update_cache``."""
 
@@ -97,8 +114,6 @@ class AttentionForwardCommand(FrameworkCommand):
     def _convert_forward(
         self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
     ) -> cst.FunctionDef:
-        block = cst.ensure_type(forward.body, cst.IndentedBlock)
-        old = list(block.body)
         new = statements(
             "framework_attn_seam.py.j2",
             config,
@@ -111,12 +126,7 @@ class AttentionForwardCommand(FrameworkCommand):
             bnsd=seam.style is KernelStyle.SDPA,
             extra_outputs=[t for t in seam.targets[1:] if t != "_"],
         )
-        # keep the blank lines / comments that led into the seam
-        new[0] = new[0].with_changes(
-            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
-        )
-        body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
-        return forward.with_changes(body=block.with_changes(body=body))
+        return splice_seam(forward, seam, new)
 
 
-__all__ = ["AttentionForwardCommand", "FA_CALL", "SLIDING", "fa_kwargs"]
+__all__ = ["AttentionForwardCommand", "FA_CALL", "SLIDING", "fa_kwargs", "splice_seam"]

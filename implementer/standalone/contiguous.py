@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import libcst as cst
 from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
-from kvskill.implementer.attn_forward import FA_OPS
+from kvskill.implementer.attn_forward import FA_OPS, splice_seam
 from kvskill.implementer.attn_init import init_values
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -94,8 +94,6 @@ class ContiguousAttentionForwardCommand(FrameworkCommand):
     def _convert_forward(
         self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
     ) -> cst.FunctionDef:
-        block = cst.ensure_type(forward.body, cst.IndentedBlock)
-        old = list(block.body)
         new = statements(
             "seam",
             config,
@@ -108,9 +106,4 @@ class ContiguousAttentionForwardCommand(FrameworkCommand):
             bnsd=seam.style is KernelStyle.SDPA,
             extra_outputs=[t for t in seam.targets[1:] if t != "_"],
         )
-        # keep the blank lines / comments that led into the seam
-        new[0] = new[0].with_changes(
-            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
-        )
-        body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
-        return forward.with_changes(body=block.with_changes(body=body))
+        return splice_seam(forward, seam, new)

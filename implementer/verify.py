@@ -31,7 +31,7 @@ import torch
 from kvskill.errors import BadInputError, KvskillError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
-from kvskill.implementer.shrink import SLIDING_WINDOW, shrink_config
+from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.writer import PLAN_FILE
 from torch import nn
 
@@ -276,7 +276,8 @@ class _LogitRecorder:
 
 
 @contextmanager
-def _workdir() -> Iterator[Path]:
+def scratch_dir() -> Iterator[Path]:
+    """A scratch directory for the reference and the staged code, removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="kvskill-verify-"))
     try:
         yield path
@@ -284,7 +285,7 @@ def _workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> Path:
+def stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> Path:
     """A copy of the converted code with the (shrunk) config; no weights."""
     target = workdir / "converted"
     target.mkdir()
@@ -294,15 +295,8 @@ def _stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> 
     return target
 
 
-def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
-    """Run the original and the converted model on the same prompts and compare.
-
-    Raises:
-        BadInputError: not a converted directory, untrusted remote code, bad options.
-    """
-    directory = directory.resolve()
-    plan, config = read_conversion(directory)
-    check_trust(plan, options.trust_remote_code, directory)
+def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptions) -> None:
+    """Refuse a tensor-parallel conversion (one process runs it) and an unknown dtype."""
     if int(plan.get("attn_tp_size", 1)) != 1:
         raise BadInputError(
             f"{directory} was converted for attn_tp_size={plan['attn_tp_size']}; a single "
@@ -310,12 +304,17 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
         )
     if options.dtype not in DEFAULT_ATOL:
         raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
-    shrunk = shrink_config(config) if options.shrink else None
-    run_config = shrunk.config if shrunk else config
-    block_size = options.block_size or DEFAULT_BLOCK_SIZE
-    if plan.get("attention") == "mla":  # the MLA NZ caches need 16-token-aligned blocks
-        block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
-    report = VerifyReport(
+
+
+def start_report(
+    directory: Path,
+    plan: dict[str, Any],
+    options: VerifyOptions,
+    shrunk: ShrinkResult | None,
+    block_size: int,
+) -> VerifyReport:
+    """An empty report of what is about to be compared, and with which tolerance."""
+    return VerifyReport(
         model_type=str(plan.get("model_type")),
         directory=str(directory),
         shrunk=options.shrink,
@@ -324,25 +323,34 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
         atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
         block_size=block_size,
     )
-    with _workdir() as workdir:
-        _verify(directory, workdir, plan, run_config, options, report)
-    return report
 
 
-def _verify(
+@dataclass(frozen=True, kw_only=True)
+class ModelPair:
+    """The original model and the converted one, holding the same weights."""
+
+    reference: nn.Module
+    converted: nn.Module
+    #: where the converted code was loaded from (a staged copy when the config is shrunk)
+    converted_dir: Path
+
+
+def load_model_pair(
     directory: Path,
     workdir: Path,
     plan: dict[str, Any],
     config: dict[str, Any],
     options: VerifyOptions,
     report: VerifyReport,
-) -> None:
-    from kvskill.runtime import LLM, SamplingParams
-    from kvskill.runtime.chains import run_three_chains
+) -> ModelPair | None:
+    """Build the reference, load the converted model and give it the reference's weights.
+
+    None (with ``report.error`` set) when the two models do not have the same parameters.
+    """
     from kvskill.runtime.loader import load_model, resolve_dtype
 
     dtype = resolve_dtype(options.dtype)
-    converted_dir = _stage_converted(directory, workdir, config) if options.shrink else directory
+    converted_dir = stage_converted(directory, workdir, config) if options.shrink else directory
     reference, note = build_reference(plan, config, workdir / "reference", directory)
     if note:
         report.notes.append(note)
@@ -364,11 +372,57 @@ def _verify(
             f"the converted model's parameters differ from the original's: missing "
             f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
-        return
-    window = config.get("sliding_window") if _is_windowed(plan) else None
+        return None
+    return ModelPair(reference=reference, converted=converted, converted_dir=converted_dir)
+
+
+def prompt_lengths_for(
+    plan: dict[str, Any], config: dict[str, Any], options: VerifyOptions, block_size: int
+) -> list[int]:
+    """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
+    window = config.get("sliding_window") if is_windowed(plan) else None
     limit = int(config.get("max_position_embeddings") or 4096) - options.max_new_tokens
+    return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
+
+
+def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
+    """Run the original and the converted model on the same prompts and compare.
+
+    Raises:
+        BadInputError: not a converted directory, untrusted remote code, bad options.
+    """
+    directory = directory.resolve()
+    plan, config = read_conversion(directory)
+    check_trust(plan, options.trust_remote_code, directory)
+    check_verifiable(directory, plan, options)
+    shrunk = shrink_config(config) if options.shrink else None
+    run_config = shrunk.config if shrunk else config
+    block_size = options.block_size or DEFAULT_BLOCK_SIZE
+    if plan.get("attention") == "mla":  # the MLA NZ caches need 16-token-aligned blocks
+        block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
+    report = start_report(directory, plan, options, shrunk, block_size)
+    with scratch_dir() as workdir:
+        _verify(directory, workdir, plan, run_config, options, report)
+    return report
+
+
+def _verify(
+    directory: Path,
+    workdir: Path,
+    plan: dict[str, Any],
+    config: dict[str, Any],
+    options: VerifyOptions,
+    report: VerifyReport,
+) -> None:
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.runtime.chains import run_three_chains
+
+    pair = load_model_pair(directory, workdir, plan, config, options, report)
+    if pair is None:
+        return
+    reference, converted = pair.reference, pair.converted
     block_size = report.block_size
-    lengths = choose_prompt_lengths(options.num_prompts, block_size, window, limit)
+    lengths = prompt_lengths_for(plan, config, options, block_size)
     vocab = int(config["vocab_size"])
     prompts = make_prompts(lengths, vocab, options.seed)
     references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
@@ -407,7 +461,8 @@ def _verify(
             )
 
 
-def _is_windowed(plan: dict[str, Any]) -> bool:
+def is_windowed(plan: dict[str, Any]) -> bool:
+    """Whether any layer of the plan attends over a sliding window."""
     return any(layer.get("attn_type") == "SlidingWindow" for layer in plan.get("layers", []))
 
 

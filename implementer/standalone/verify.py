@@ -30,24 +30,22 @@ from typing import Any
 import torch
 from kvskill.errors import BadInputError, KvskillError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
-from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.standalone.apply import STANDALONE_KEY
 from kvskill.implementer.verify import (
-    DEFAULT_ATOL,
     DEFAULT_BLOCK_SIZE,
     PromptResult,
     VerifyOptions,
     VerifyReport,
-    _is_windowed,
-    _stage_converted,
-    _workdir,
     check_trust,
-    choose_prompt_lengths,
-    condition_weights,
+    check_verifiable,
+    load_model_pair,
     make_prompts,
+    prompt_lengths_for,
     read_conversion,
     reference_generate,
+    scratch_dir,
+    start_report,
 )
 from torch import nn
 
@@ -97,31 +95,17 @@ def verify_standalone(directory: Path, options: VerifyOptions) -> VerifyReport:
     plan, config = read_conversion(directory)
     record = standalone_record(directory, plan)
     check_trust(plan, options.trust_remote_code, directory)
-    if int(plan.get("attn_tp_size", 1)) != 1:
-        raise BadInputError(
-            f"{directory} was converted for attn_tp_size={plan['attn_tp_size']}; a single "
-            "process cannot run a tensor-parallel split, convert with --attn-tp-size 1 to verify"
-        )
-    if options.dtype not in DEFAULT_ATOL:
-        raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
+    check_verifiable(directory, plan, options)
     shrunk = shrink_config(config) if options.shrink else None
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if record.get("mla_absorb"):  # the MLA NZ caches need 16-token-aligned blocks
         block_size = -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE
-    report = VerifyReport(
-        model_type=str(plan.get("model_type")),
-        directory=str(directory),
-        shrunk=options.shrink,
-        config_changes={k: list(v) for k, v in (shrunk.changes if shrunk else {}).items()},
-        dtype=options.dtype,
-        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
-        block_size=block_size,
-    )
+    report = start_report(directory, plan, options, shrunk, block_size)
     report.notes.append(
         f"standalone mode {record.get('mode')} ({record['kv_mode']}, "
         f"{record.get('input_layout')}) driven by {record['runner']}"
     )
-    with _workdir() as workdir:
+    with scratch_dir() as workdir:
         run_config = shrunk.config if shrunk else config
         _verify(directory, workdir, plan, record, run_config, options, report)
     return report
@@ -155,35 +139,11 @@ def _verify(
     options: VerifyOptions,
     report: VerifyReport,
 ) -> None:
-    from kvskill.runtime.loader import load_model, resolve_dtype
-
-    dtype = resolve_dtype(options.dtype)
-    converted_dir = _stage_converted(directory, workdir, config) if options.shrink else directory
-    reference, note = build_reference(plan, config, workdir / "reference", directory)
-    if note:
-        report.notes.append(note)
-    if options.shrink or not load_original_weights(reference, directory):
-        condition_weights(reference, options.seed)
-    reference = reference.to(dtype).eval()
-    loaded = load_model(
-        converted_dir,
-        dtype=dtype,
-        device="cpu",
-        seed=options.seed,
-        random_weights=True,
-        trust_remote_code=options.trust_remote_code,
-    )
-    model = loaded.model
-    result = model.load_state_dict(reference.state_dict(), strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        report.error = (
-            f"the converted model's parameters differ from the original's: missing "
-            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
-        )
+    pair = load_model_pair(directory, workdir, plan, config, options, report)
+    if pair is None:
         return
-    window = config.get("sliding_window") if _is_windowed(plan) else None
-    limit = int(config.get("max_position_embeddings") or 4096) - options.max_new_tokens
-    lengths = choose_prompt_lengths(options.num_prompts, report.block_size, window, limit)
+    reference, model, converted_dir = pair.reference, pair.converted, pair.converted_dir
+    lengths = prompt_lengths_for(plan, config, options, report.block_size)
     prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
     references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
     try:

@@ -15,15 +15,30 @@ from kvskill.implementer.snippets import methods
 GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
 
 
-def insert_after_lm_head(init: cst.FunctionDef, stmt: cst.BaseStatement) -> cst.FunctionDef:
-    """INIT with STMT right after its ``self.lm_head = ...`` line."""
-    block = cst.ensure_type(init.body, cst.IndentedBlock)
-    inner = []
-    for line in block.body:
-        inner.append(line)
-        if m.matches(line, m.SimpleStatementLine(body=[LM_HEAD_ASSIGN])):
-            inner.append(stmt)
-    return init.with_changes(body=block.with_changes(body=inner))
+def add_cache_info(
+    cls: cst.ClassDef,
+    block_size: int,
+    cache_info: list[cst.FunctionDef],
+    parser_config: cst.PartialParserConfig,
+) -> cst.ClassDef:
+    """CLS with ``self.block_size`` right after its ``self.lm_head = ...`` and CACHE_INFO added."""
+    block_size_stmt = cst.parse_statement(
+        f"self.block_size = {block_size}  # tokens per KV block; the runtime may change it\n",
+        parser_config,
+    )
+
+    def after_lm_head(init: cst.FunctionDef) -> cst.FunctionDef:
+        block = cst.ensure_type(init.body, cst.IndentedBlock)
+        inner = []
+        for line in block.body:
+            inner.append(line)
+            if m.matches(line, m.SimpleStatementLine(body=[LM_HEAD_ASSIGN])):
+                inner.append(block_size_stmt)
+        return init.with_changes(body=block.with_changes(body=inner))
+
+    body = replace_method(cls, "__init__", after_lm_head)
+    body.extend(cache_info)
+    return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
 class CacheInfoCommand(FrameworkCommand):
@@ -40,12 +55,9 @@ class CacheInfoCommand(FrameworkCommand):
         if not is_causal_lm_class(original_node) or m.findall(original_node.body, GET_CACHE_INFO):
             return updated_node
         config = self.parser_config()
-        block_size = cst.parse_statement(
-            f"self.block_size = {self.spec.block_size}  # tokens per KV block; the runtime may change it\n",
+        return add_cache_info(
+            updated_node,
+            self.spec.block_size,
+            methods("framework_cache_info.py.j2", config),
             config,
         )
-        body = replace_method(
-            updated_node, "__init__", lambda init: insert_after_lm_head(init, block_size)
-        )
-        body.extend(methods("framework_cache_info.py.j2", config))
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

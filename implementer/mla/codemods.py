@@ -23,7 +23,7 @@ from kvskill.implementer.facts import (
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.snippets import methods, statements
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
-from kvskill.implementer.model_class import GET_CACHE_INFO, insert_after_lm_head
+from kvskill.implementer.model_class import GET_CACHE_INFO, add_cache_info
 from kvskill.implementer.spec import FaVersion
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 
@@ -221,12 +221,6 @@ class MlaCacheInfoCommand(MlaCommand):
         if not is_causal_lm_class(original_node) or m.findall(original_node.body, GET_CACHE_INFO):
             return updated_node
         config = self.parser_config()
-        block_size = cst.parse_statement(
-            f"self.block_size = {self.spec.block_size}  # tokens per KV block; the runtime may change it\n",
-            config,
+        return add_cache_info(
+            updated_node, self.spec.block_size, methods("cache_info", config), config
         )
-        body = replace_method(
-            updated_node, "__init__", lambda init: insert_after_lm_head(init, block_size)
-        )
-        body.extend(methods("cache_info", config))
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))

@@ -25,6 +25,7 @@ from _common import (  # noqa: E402
     peak_rss_mb,
     set_threads,
 )
+from _hf_systems import NotRunnableError  # noqa: E402
 
 
 def make_runner(system: str, model, spec, workload):
@@ -51,9 +52,7 @@ def make_runner(system: str, model, spec, workload):
     if system == "kvskill":
         from _kvskill_system import KvskillRuntime
 
-        rt = KvskillRuntime(
-            spec, model, kv_capacity_tokens=workload.kv_capacity_tokens, bytes_per_token=bpt
-        )
+        rt = KvskillRuntime(spec, model, kv_capacity_tokens=workload.kv_capacity_tokens)
         return rt.run, rt.close
     raise ValueError(f"unknown system {system!r}")
 
@@ -82,7 +81,7 @@ def _cpu_seconds() -> float:
 
 
 def run_workload(system: str, model, spec, workload_name: str, repeats: int) -> dict:
-    workload = make_workload(workload_name, spec.overrides["vocab_size"])
+    workload = make_workload(workload_name, spec.vocab_size)
     gc.collect()
     per_workload_rss = _reset_peak_rss()
     run, close = make_runner(system, model, spec, workload)
@@ -152,6 +151,8 @@ def main() -> int:
     for name in args.workloads.split(","):
         try:
             rec = run_workload(args.system, model, spec, name, args.repeats)
+        except NotRunnableError as exc:
+            rec = {"system": args.system, "workload": name, "error": str(exc), "not_runnable": True}
         except Exception as exc:  # one failing workload must not hide the others' numbers
             rec = {"system": args.system, "workload": name, "error": f"{type(exc).__name__}: {exc}"}
         rec.update(model=args.model, threads=args.threads, rss_after_load_mb=rss_after_load)

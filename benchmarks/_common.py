@@ -25,18 +25,32 @@ TOKEN_BUDGET = 1024
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A shrunk Qwen3 built from its config with seeded random weights (nothing is downloaded)."""
+    """A shrunk model built from its config with seeded random weights (nothing is downloaded)."""
 
     name: str
-    #: Overrides applied to transformers' default Qwen3Config.
+    #: transformers model type: the config class and the causal-LM class come from it, and it
+    #: is the name `kvskill apply` converts.
+    model_type: str = "qwen3"
+    #: Overrides applied to transformers' default config of `model_type`.
     overrides: dict
     #: Seed for the weight init; every process that builds this spec gets the same state dict.
     seed: int = 1234
+    #: One-line description for the report (what is shrunk, what is kept).
+    note: str = ""
 
     def config(self):
-        from transformers import Qwen3Config
+        from transformers import AutoConfig
 
-        return Qwen3Config(**self.overrides)
+        return AutoConfig.for_model(self.model_type, **self.overrides)
+
+    @property
+    def is_mla(self) -> bool:
+        """Latent attention: the cache holds one compressed latent + rope key per token."""
+        return "kv_lora_rank" in self.overrides
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.overrides["vocab_size"])
 
 
 _SHARED = {
@@ -51,6 +65,12 @@ _SHARED = {
     "pad_token_id": None,
 }
 
+#: Layers of the shrunk DeepSeek-V3. Every one is dense (first_k_dense_replace = all layers):
+#: the MoE block runs the same transformers code in every system (only attention and the KV
+#: cache are rewritten), so tiny experts would add routing cost and near-tie expert choices
+#: without telling the systems apart.
+_MLA_LAYERS = 2
+
 MODELS: dict[str, ModelSpec] = {
     "qwen3-4l-h256": ModelSpec(
         name="qwen3-4l-h256",
@@ -63,6 +83,7 @@ MODELS: dict[str, ModelSpec] = {
             "num_key_value_heads": 2,
             "head_dim": 64,
         },
+        note="Qwen3, 4 layers, hidden 256, GQA 4/2 heads of 64",
     ),
     # The overhead regime: so little compute per token that host work shows.
     "qwen3-2l-h128": ModelSpec(
@@ -76,25 +97,66 @@ MODELS: dict[str, ModelSpec] = {
             "num_key_value_heads": 1,
             "head_dim": 64,
         },
+        note="Qwen3, 2 layers, hidden 128, MQA 2/1 heads of 64",
+    ),
+    # Multi-head latent attention. The fused attention's absorbed MLA path only takes a rope
+    # head dim of 64 and a latent (absorbed query head dim) of 128 or 512 (npu_ops §1.8), so
+    # those two stay at the smallest accepted values; the per-head dims are small but distinct
+    # (nope 32, value 48) so a wrong key/value split changes the tokens. q_lora_rank keeps the
+    # query down-projection of the real model.
+    "deepseek_v3-2l-h256": ModelSpec(
+        name="deepseek_v3-2l-h256",
+        model_type="deepseek_v3",
+        overrides={
+            **_SHARED,
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": _MLA_LAYERS,
+            "first_k_dense_replace": _MLA_LAYERS,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 128,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 48,
+            "head_dim": 64,
+            # MoE keys kept consistent although no layer is MoE (group routing needs
+            # n_group to divide the experts).
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 64,
+        },
+        note="DeepSeek-V3 (MLA), 2 dense layers, hidden 256, 4 heads, latent 128 + rope 64",
     ),
 }
 
 
 def build_reference_model(spec: ModelSpec):
     """The transformers model for `spec`: fp32, eval, sdpa, weights from `spec.seed`."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = spec.config()
-    config._attn_implementation = "sdpa"
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    return model
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(torch.float32).eval()
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
-    """K and V bytes one token occupies across all layers (fp32)."""
+    """KV cache bytes one token occupies across all layers (fp32).
+
+    Standard attention keeps K and V per key-value head. MLA keeps the normalised latent and
+    the rotated rope key, one "head", in every system here (transformers' DeepSeek-V3 caches
+    the compressed latent too and expands it on every step).
+    """
     o = spec.overrides
-    return 2 * o["num_hidden_layers"] * o["num_key_value_heads"] * o["head_dim"] * 4
+    if spec.is_mla:
+        per_layer = o["kv_lora_rank"] + o["qk_rope_head_dim"]
+    else:
+        per_layer = 2 * o["num_key_value_heads"] * o["head_dim"]
+    return o["num_hidden_layers"] * per_layer * 4
 
 
 @dataclass(frozen=True, kw_only=True)

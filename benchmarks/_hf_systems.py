@@ -10,6 +10,10 @@ import torch
 from _common import BLOCK_SIZE, TOKEN_BUDGET, Clock, KVStats, RunResult, Workload
 
 
+class NotRunnableError(RuntimeError):
+    """The system cannot run this model at all (a limitation of it, not a failed measurement)."""
+
+
 class _FirstCallTimer:
     """A logits processor that records when generate first produces logits (the first token)."""
 
@@ -170,6 +174,13 @@ class HFContinuousBatching:
 
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         self.bytes_per_token = bytes_per_token
+        config = model.config
+        #: The latent (DeepSeek MLA) layout: what the paged cache would have to hold per token.
+        self.mla_cache_dims = (
+            (config.kv_lora_rank, config.qk_rope_head_dim)
+            if isinstance(getattr(config, "kv_lora_rank", None), int)
+            else None
+        )
         cb_config = ContinuousBatchingConfig(
             page_size=BLOCK_SIZE,
             num_blocks=kv_capacity_tokens // BLOCK_SIZE,
@@ -220,6 +231,16 @@ class HFContinuousBatching:
         finally:
             restore()
         errors = sorted({str(r.error) for r in results.values() if r.error})
+        if errors and self.mla_cache_dims and any("slice shape" in e for e in errors):
+            # Its pages hold num_key_value_heads x head_dim per token and layer, for K and for V;
+            # the MLA attention writes its compressed latent and rope key instead (one "head"
+            # each, of other widths), which the page copy refuses.
+            latent, rope = self.mla_cache_dims
+            raise NotRunnableError(
+                "transformers' continuous batching pages K/V as num_key_value_heads x head_dim "
+                f"per token; this MLA model caches a 1 x {latent} latent and a 1 x {rope} rope "
+                f"key, which its paged cache cannot store ({errors[0]})"
+            )
         if errors:
             raise RuntimeError(f"transformers' continuous batching failed requests: {errors}")
         tokens, ttft = [], []

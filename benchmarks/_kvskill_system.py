@@ -12,7 +12,8 @@ from _common import BLOCK_SIZE, TOKEN_BUDGET, KVStats, ModelSpec, RunResult, Wor
 
 
 def convert(spec: ModelSpec, out_dir: Path) -> Path:
-    """`kvskill apply qwen3 --mode framework` with the spec's config, through the library."""
+    """`kvskill apply <model type> --mode framework` with the spec's config, through the
+    library."""
     from kvskill.implementer.writer import ApplyOptions, apply_model
 
     options = ApplyOptions(
@@ -21,7 +22,7 @@ def convert(spec: ModelSpec, out_dir: Path) -> Path:
         config_overrides=dict(spec.overrides),
         force=True,
     )
-    apply_model("qwen3", out_dir, options)
+    apply_model(spec.model_type, out_dir, options)
     return out_dir
 
 
@@ -32,14 +33,18 @@ class _StepProbe:
     blocks held by requests and tokens those requests will have in cache are read together.
     """
 
-    def __init__(self, engine, bytes_per_token: int) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
-        self.bytes_per_token = bytes_per_token
         self.steps: list[tuple[bool, int, float, float]] = []  # prefill?, batch, step s, fwd s
         self.peak = KVStats(held_bytes=0, live_bytes=0)
         self._batch = (False, 0)
         manager = engine.kv_manager
         self._bytes_per_block = {k: manager.groups[k].bytes_per_block() for k in manager.groups}
+        # What one cached token costs in this engine's own cache layout (K/V per head, or the
+        # MLA latent + rope key), read from the pools rather than assumed.
+        self.bytes_per_token = sum(
+            b // manager.block_size_of(k) for k, b in self._bytes_per_block.items()
+        )
         self.pool_bytes = sum(
             (manager.pools[k].num_blocks - 1) * b for k, b in self._bytes_per_block.items()
         )
@@ -95,9 +100,7 @@ class _StepProbe:
 
 
 class KvskillRuntime:
-    def __init__(
-        self, spec: ModelSpec, reference, *, kv_capacity_tokens: int, bytes_per_token: int
-    ):
+    def __init__(self, spec: ModelSpec, reference, *, kv_capacity_tokens: int):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
 
@@ -116,7 +119,7 @@ class KvskillRuntime:
             max_num_batched_tokens=TOKEN_BUDGET,
             max_num_seqs=256,
         )
-        self.probe = _StepProbe(self.llm.engine, bytes_per_token)
+        self.probe = _StepProbe(self.llm.engine)
 
     def close(self) -> None:
         self.probe.close()

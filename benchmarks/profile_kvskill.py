@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MODELS, build_reference_model, kv_bytes_per_token, make_workload, set_threads  # noqa: E402
+from _common import MODELS, build_reference_model, make_workload, set_threads  # noqa: E402
 from _kvskill_system import KvskillRuntime  # noqa: E402
 
 
@@ -34,14 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
     spec = MODELS[args.model]
-    workload = make_workload(args.workload, spec.overrides["vocab_size"])
+    workload = make_workload(args.workload, spec.vocab_size)
     reference = build_reference_model(spec)
-    rt = KvskillRuntime(
-        spec,
-        reference,
-        kv_capacity_tokens=workload.kv_capacity_tokens,
-        bytes_per_token=kv_bytes_per_token(spec),
-    )
+    rt = KvskillRuntime(spec, reference, kv_capacity_tokens=workload.kv_capacity_tokens)
     try:
         rt.run(workload.warmup())
         plain = rt.run(workload)

@@ -13,6 +13,8 @@ exit code is 1 when any failed.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import os
 import shlex
 import subprocess
@@ -21,6 +23,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+#: What `make bench` may take on the 2-core reference machine; the summary says when a run
+#: went over (most often because other work shared the cores: see the load averages).
+BUDGET_S = 15 * 60
 
 #: What `make bench` asks of the serving benchmark (its default model/thread pairs). The
 #: one-request-at-a-time baseline is by far the slowest system (every token is its own
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in names if (not only or n in only) and n not in skip]
 
     started = time.perf_counter()
+    started_at = dt.datetime.now(dt.timezone.utc)
+    load_before = _load_average()
     summary = []
     for name in names:
         if name != "serve_bench":
@@ -77,12 +86,47 @@ def main(argv: list[str] | None = None) -> int:
         summary.append((name, *run(name, serve_args, args.timeout)))
 
     total = time.perf_counter() - started
-    print(f"\n[run_all] {len(summary)} run(s) in {total:.0f} s", file=sys.stderr)
+    load_after = _load_average()
+    print(
+        f"\n[run_all] {len(summary)} run(s) in {total:.0f} s ({total / 60:.1f} min; budget "
+        f"{BUDGET_S / 60:.0f} min); load average before {load_before}, after {load_after}",
+        file=sys.stderr,
+    )
     for name, ok, elapsed, status in summary:
         print(
             f"  {'ok  ' if ok else 'FAIL'} {name:<24} {elapsed:7.1f} s  {status}", file=sys.stderr
         )
+    if total > BUDGET_S:
+        print(
+            f"[run_all] over the {BUDGET_S / 60:.0f}-minute budget by {total - BUDGET_S:.0f} s; "
+            "a load average above the core count means other work shared the cores",
+            file=sys.stderr,
+        )
+    if not only and not skip and args.serve_args is None:
+        # The durations of a complete default run, kept with the results they produced.
+        RESULTS.mkdir(exist_ok=True)
+        record = {
+            "date": started_at.isoformat(timespec="seconds"),
+            "cores": os.cpu_count(),
+            "total_s": round(total, 1),
+            "budget_s": BUDGET_S,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "serve_args": SERVE_DEFAULT_ARGS,
+            "benchmarks": [
+                {"name": n, "ok": ok, "seconds": round(e, 1), "status": st}
+                for n, ok, e, st in summary
+            ],
+        }
+        (RESULTS / "run_all.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0 if all(ok for _, ok, _, _ in summary) else 1
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

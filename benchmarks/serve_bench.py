@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,13 +38,31 @@ from _report import build_rows, markdown_report, targets  # noqa: E402
 
 SYSTEMS = ("kvskill", "hf_padded", "hf_cb", "hf_sequential")
 _SEQ = "hf_sequential"
-#: (model, threads, workloads) run by default: both models on every workload at 1 thread, and the
-#: main model again at 2 threads on the workloads with targets (W1, W2), which keeps a full run
-#: within the 15 minutes `make bench` is allowed on 2 cores.
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """Systems to run on some workloads of one model at one torch thread count."""
+
+    model: str
+    threads: int
+    workloads: tuple[str, ...]
+    systems: tuple[str, ...] = SYSTEMS
+
+
+#: What runs by default (and under `make bench`), sized to finish within the 15 minutes the
+#: whole `make bench` is allowed on 2 cores:
+#: - both Qwen3 models on every workload at 1 thread, every system (the issue's targets);
+#: - the MLA model on W1 and W2 at 1 thread, every system (its ratios are informational);
+#: - the 4-layer Qwen3 again at 2 threads on the workloads with targets (W1, W2), without the
+#:   one-request-at-a-time path: it is the slowest by far, and with two threads on a 2-core
+#:   machine that others share it can take minutes (spinning threads wait for a busy core).
+#:   Those rows are cross-checked against transformers' padded `generate` instead.
 DEFAULT_PLAN = (
-    ("qwen3-4l-h256", 1, WORKLOADS),
-    ("qwen3-2l-h128", 1, WORKLOADS),
-    ("qwen3-4l-h256", 2, ("W1", "W2")),
+    PlanEntry("qwen3-4l-h256", 1, WORKLOADS),
+    PlanEntry("qwen3-2l-h128", 1, WORKLOADS),
+    PlanEntry("deepseek_v3-2l-h256", 1, ("W1", "W2")),
+    PlanEntry("qwen3-4l-h256", 2, ("W1", "W2"), ("kvskill", "hf_padded", "hf_cb")),
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -118,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         default=None,
         help="torch thread counts, e.g. 1,2. Without --models/--threads: "
-        + "; ".join(f"{m} at {t} on {','.join(w)}" for m, t, w in DEFAULT_PLAN),
+        + "; ".join(
+            f"{e.model} at {e.threads} on {','.join(e.workloads)} ({','.join(e.systems)})"
+            for e in DEFAULT_PLAN
+        ),
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (>= 3)")
     parser.add_argument(
@@ -143,11 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     workloads = _parse_list(args.workloads, WORKLOADS, "workload") if args.workloads else None
     systems = _parse_list(args.systems, SYSTEMS, "system")
     if args.models is None and args.threads is None:
-        plan = [(m, t, list(workloads or w)) for m, t, w in DEFAULT_PLAN]
+        plan = [
+            PlanEntry(
+                e.model,
+                e.threads,
+                tuple(workloads or e.workloads),
+                tuple(s for s in e.systems if s in systems),
+            )
+            for e in DEFAULT_PLAN
+        ]
     else:
         models = _parse_list(args.models or ",".join(MODELS), tuple(MODELS), "model")
         threads = [int(t) for t in _parse_list(args.threads or "1,2", None, "threads")]
-        plan = [(m, t, workloads or list(WORKLOADS)) for m in models for t in threads]
+        plan = [
+            PlanEntry(m, t, tuple(workloads or WORKLOADS), tuple(systems))
+            for m in models
+            for t in threads
+        ]
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
 
@@ -158,13 +192,19 @@ def main(argv: list[str] | None = None) -> int:
         records += json.loads(path.read_text())
     if args.from_records:
         # Rebuild the report from raw records of earlier (possibly interrupted) runs.
-        groups: dict[tuple[str, int], set[str]] = {}
+        groups: dict[tuple[str, int], tuple[set[str], set[str]]] = {}
         for r in records:
-            groups.setdefault((r["model"], r["threads"]), set()).add(r["workload"])
-        plan = [(m, t, sorted(ws)) for (m, t), ws in groups.items()]
+            ws, ss = groups.setdefault((r["model"], r["threads"]), (set(), set()))
+            ws.add(r["workload"])
+            ss.add(r["system"])
+        plan = [
+            PlanEntry(m, t, tuple(sorted(ws)), tuple(s for s in SYSTEMS if s in ss))
+            for (m, t), (ws, ss) in groups.items()
+        ]
     partial = args.out_dir / "serve_bench.partial.json"
-    for model, n_threads, cell_workloads in [] if args.from_records else plan:
-        for system in systems:
+    for entry in [] if args.from_records else plan:
+        model, n_threads, cell_workloads = entry.model, entry.threads, list(entry.workloads)
+        for system in entry.systems:
             started = time.perf_counter()
             repeats = args.repeats
             if system == "hf_sequential" and args.repeats_sequential:
@@ -211,12 +251,24 @@ def main(argv: list[str] | None = None) -> int:
                 (r["repeats"] for r in records if "repeats" in r and r["system"] == _SEQ),
                 default=args.repeats_sequential or args.repeats,
             ),
-            "plan": [{"model": m, "threads": t, "workloads": w} for m, t, w in plan],
+            "plan": [
+                {
+                    "model": e.model,
+                    "threads": e.threads,
+                    "workloads": list(e.workloads),
+                    "systems": list(e.systems),
+                }
+                for e in plan
+            ],
             "workloads": {
-                w: make_workload(w, MODELS[plan[0][0]].overrides["vocab_size"]).description
-                for w in sorted({w for _, _, ws in plan for w in ws})
+                w: make_workload(w, MODELS[plan[0].model].vocab_size).description
+                for w in sorted({w for e in plan for w in e.workloads})
             },
-            "models": {m: MODELS[m].overrides for m in sorted({m for m, _, _ in plan})},
+            "models": {
+                m: {"model_type": MODELS[m].model_type, "note": MODELS[m].note}
+                | MODELS[m].overrides
+                for m in sorted({e.model for e in plan})
+            },
             "block_size": BLOCK_SIZE,
             "token_budget": TOKEN_BUDGET,
         },

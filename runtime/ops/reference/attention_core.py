@@ -13,7 +13,7 @@ the weighted sum run in fp32; the caller casts the result to the query dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,17 @@ class Admission:
     decode_branch: bool = False
     #: bool [B, >=Skv], True = masked out; decode branch only
     key_mask: Tensor | None = None
+
+    def for_requests(self, idx: Tensor, batch: int) -> Admission:
+        """The rule for the requests ``idx`` of a ``batch``-request call (per-request masks sliced)."""
+        user_mask, key_mask = self.user_mask, self.key_mask
+        if user_mask is not None and user_mask.size(0) == batch and batch > 1:
+            user_mask = user_mask.index_select(0, idx)
+        if key_mask is not None:
+            key_mask = key_mask.index_select(0, idx)
+        if user_mask is self.user_mask and key_mask is self.key_mask:
+            return self
+        return replace(self, user_mask=user_mask, key_mask=key_mask)
 
     def allowed(self, rows: range, num_keys: int, q_lens: Tensor, kv_lens: Tensor) -> Tensor:
         """Return bool [B, len(rows), num_keys], True where the key is used."""
@@ -92,8 +103,8 @@ def attention(
     k: Tensor,
     v: Tensor,
     *,
-    q_lens: Tensor,
-    kv_lens: Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
     scale: float,
     admission: Admission,
     q_rope: Tensor | None = None,
@@ -106,7 +117,7 @@ def attention(
 
     Args:
         q, k, v: [B, N, Sq, D], [B, KVN, Skv, D], [B, KVN, Skv, Dv].
-        q_lens, kv_lens: int64 [B] actual lengths (<= Sq, <= Skv).
+        q_lens, kv_lens: per-request actual lengths (<= Sq, <= Skv).
         scale: multiplies q.k (and q_rope.k_rope) before the softmax.
         admission: the masking rule.
         q_rope, k_rope: MLA rope parts [B, N, Sq, Dr], [B, KVN, Skv, Dr], added to the scores.
@@ -127,6 +138,7 @@ def attention(
             q = torch.cat((q, q_rope), dim=-1)
             k = torch.cat((k, k_rope), dim=-1)
         return _fused(q, k, v, q_lens, kv_lens, scale, admission), None
+    q_lens_t, kv_lens_t = _as_tensor(q_lens, q.device), _as_tensor(kv_lens, q.device)
     b, n, sq, _ = q.shape
     kvn, skv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = n // kvn
@@ -151,7 +163,7 @@ def attention(
             # the reference adds it to the scaled scores.
             bias = pse_shift[..., rows.start : rows.stop, :skv].float()
             scores = scores + bias.expand(b, n, len(rows), skv).view(b, kvn, g, len(rows), skv)
-        ok = admission.allowed(rows, skv, q_lens, kv_lens)[:, None, None]  # [B,1,1,R,Skv]
+        ok = admission.allowed(rows, skv, q_lens_t, kv_lens_t)[:, None, None]  # [B,1,1,R,Skv]
         scores = scores.masked_fill(~ok, float("-inf"))
         if skv:
             row_max = scores.amax(dim=-1)  # [B, KVN, G, R]
@@ -180,7 +192,13 @@ def attention(
 
 
 def _fused(
-    q: Tensor, k: Tensor, v: Tensor, q_lens: Tensor, kv_lens: Tensor, scale: float, adm: Admission
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+    adm: Admission,
 ) -> Tensor:
     """Masked attention through SDPA in fp32; rows without an admitted key become zeros.
 
@@ -198,12 +216,15 @@ def _fused(
         return F.scaled_dot_product_attention(
             q.float(), kf, vf, is_causal=True, scale=scale, enable_gqa=kvn != n
         )
+    if _newest_rows_only(adm, q_lens, sq):
+        return _attend_newest(q.float(), kf, vf, kv_lens, scale)
+    q_lens_t, kv_lens_t = _as_tensor(q_lens, q.device), _as_tensor(kv_lens, q.device)
     out = q.new_zeros((b, n, sq, dv), dtype=torch.float32)
     rows_per_chunk = max(1, _MASK_BUDGET // max(1, b * g * skv))
     for r0 in range(0, sq, rows_per_chunk):
         rows = range(r0, min(sq, r0 + rows_per_chunk))
         r = len(rows)
-        ok = adm.allowed(rows, skv, q_lens, kv_lens)  # [B, R, Skv]
+        ok = adm.allowed(rows, skv, q_lens_t, kv_lens_t)  # [B, R, Skv]
         qg = q[:, :, rows.start : rows.stop].float().reshape(b, kvn, g * r, d)
         mask = ok.unsqueeze(1).expand(b, g, r, skv).reshape(b, 1, g * r, skv)
         chunk = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=mask, scale=scale)
@@ -214,8 +235,43 @@ def _fused(
     return out
 
 
-def _plain_causal(adm: Admission, q_lens: Tensor, kv_lens: Tensor, sq: int, skv: int) -> bool:
+def _attend_newest(q: Tensor, k: Tensor, v: Tensor, kv_lens: list[int], scale: float) -> Tensor:
+    """One query row per request that sees exactly its first kv_lens[b] keys (decode)."""
+    b, n, _, d = q.shape
+    kvn, skv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvn, n // kvn, d)
+    mask = None
+    if min(kv_lens) != skv or max(kv_lens) != skv:
+        kv_t = _as_tensor(kv_lens, q.device)
+        mask = (torch.arange(skv, device=q.device) < kv_t.view(-1, 1)).view(b, 1, 1, skv)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = out.view(b, n, 1, v.shape[3])
+    if min(kv_lens) == 0:
+        # unconfirmed: device output for rows with no admitted key (most likely zeros).
+        empty = _as_tensor(kv_lens, q.device).eq(0).view(b, 1, 1, 1)
+        out = out.masked_fill(empty, 0.0)
+    return out
+
+
+def _newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:
+    """True when every request has one query row that admits exactly its keys j < kv_len.
+
+    Sparse mode 3 aligns the causal diagonal bottom-right, so a single query row (the newest
+    token) sees every key; the decode branch without a key mask does the same.
+    """
+    if sq != 1 or min(q_lens, default=0) != 1:
+        return False
+    if adm.decode_branch:
+        return adm.key_mask is None
+    return adm.sparse_mode == 3
+
+
+def _as_tensor(lens: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(lens, dtype=torch.int64, device=device)
+
+
+def _plain_causal(adm: Admission, q_lens: list[int], kv_lens: list[int], sq: int, skv: int) -> bool:
     """True when the rule is causal on full, equal squares (no padding, no window)."""
     if adm.decode_branch or adm.sparse_mode not in (2, 3) or sq != skv or sq == 0:
         return False
-    return bool((q_lens == sq).all() and (kv_lens == skv).all())
+    return min(q_lens) == max(q_lens) == sq and min(kv_lens) == max(kv_lens) == skv

@@ -171,7 +171,8 @@ def gather_paged(
     max_len = max(kv_lens) if kv_lens else 0
     block_size = cache.size(1) if cache.dim() == 3 else cache.size(-2)
     num_used = -(-max_len // block_size) if block_size else 0
-    ids = block_table[:, :num_used].long()
+    # index_select takes the int32 table as it is: no int64 copy.
+    ids = block_table[:, :num_used]
     b = ids.size(0)
     if cache.dim() == 3:
         if cache.size(2) % num_kv_heads:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe
-from .attention_core import attention
+from .attention_core import Admission, attention
 from .attention_inputs import (
     Layout,
     dense_to_padded,
@@ -21,6 +21,7 @@ from .attention_inputs import (
     packed_to_padded,
     split_heads_bsh,
 )
+from .batch_groups import Group, plan_groups
 from .fa_call import MAX_GQA_RATIO, MLA_NOPE_DIMS, MLA_ROPE_DIM, FaCall, Shapes
 from .fa_lengths import resolve_lengths
 from .fa_masks import admission as build_admission
@@ -50,34 +51,97 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     shapes = resolve_lengths(call, layout, paged)
     admission = build_admission(call, shapes, paged)
     q, q_rope = _padded_query(call, layout, shapes)
-    k, v, k_rope = _padded_kv(call, layout, shapes, kvn, paged)
-    if q.size(-1) != k.size(-1):
-        raise OpInputError(
-            f"{nm.op}: query head dim {q.size(-1)} differs from key head dim {k.size(-1)}"
+    groups = _batch_groups(call, shapes, paged, q)
+    if groups is None:
+        k, v, k_rope = _padded_kv(call, layout, shapes, kvn, paged)
+        sink = _check_kv(call, layout, q, k, v)
+        out, lse = attention(
+            q,
+            k,
+            v,
+            q_lens=shapes.q_lens,
+            kv_lens=shapes.kv_lens,
+            scale=float(call.scale),
+            admission=admission,
+            q_rope=q_rope,
+            k_rope=k_rope,
+            sink=sink,
+            pse_shift=call.pse_shift,
+            need_lse=call.return_lse,
         )
-    sink = _check_sink(call, layout, v.size(-1))
-    device = q.device
-    out, lse = attention(
-        q,
-        k,
-        v,
-        q_lens=torch.tensor(shapes.q_lens, dtype=torch.int64, device=device),
-        kv_lens=torch.tensor(shapes.kv_lens, dtype=torch.int64, device=device),
-        scale=float(call.scale),
-        admission=admission,
-        q_rope=q_rope,
-        k_rope=k_rope,
-        sink=sink,
-        pse_shift=call.pse_shift,
-        need_lse=call.return_lse,
-    )
+    else:
+        out, lse = _attend_in_groups(call, layout, shapes, kvn, admission, q, q_rope, groups)
     attention_out = format_output(out.to(call.query.dtype), layout, shapes.q_lens)
     if call.return_lse:
         softmax_lse = format_lse(lse, layout, shapes.q_lens)
     else:
         # Never read: an empty fp32 tensor, as torch_npu >= 7.2 returns (npu_ops.md §1.9).
-        softmax_lse = torch.empty(0, dtype=torch.float32, device=device)
+        softmax_lse = torch.empty(0, dtype=torch.float32, device=q.device)
     return attention_out, softmax_lse
+
+
+def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """Head-dim agreement of query and key; returns the validated learnable sink."""
+    if q.size(-1) != k.size(-1):
+        raise OpInputError(
+            f"{call.names.op}: query head dim {q.size(-1)} differs from key head dim {k.size(-1)}"
+        )
+    return _check_sink(call, layout, v.size(-1))
+
+
+def _batch_groups(call: FaCall, shapes: Shapes, paged: bool, q: Tensor) -> tuple[Group, ...] | None:
+    """Request groups for a paged call whose lengths differ enough to make padding costly.
+
+    Only paged KV is split: its gather is per request anyway, so a group gathers just its own
+    blocks up to its own longest request. A batched ``pse_shift`` stays on the one-group path.
+    """
+    if not paged or call.pse_shift is not None:
+        return None
+    return plan_groups(shapes.q_lens, shapes.kv_lens, q.size(1) * q.size(3), q.device)
+
+
+def _attend_in_groups(
+    call: FaCall,
+    layout: Layout,
+    shapes: Shapes,
+    kvn: int,
+    admission: Admission,
+    q: Tensor,
+    q_rope: Tensor | None,
+    groups: tuple[Group, ...],
+) -> tuple[Tensor, Tensor | None]:
+    """``attention`` group by group; results land in the batch's padded [B, N, Sq, Dv] output."""
+    b, n, sq, _ = q.shape
+    out: Tensor | None = None
+    lse: Tensor | None = None
+    for group in groups:
+        idx, q_lens, kv_lens = group.index, group.q_lens, group.kv_lens
+        rows = max(q_lens)
+        k, v, k_rope = _paged_kv(call, layout, call.block_table.index_select(0, idx), kv_lens, kvn)
+        qg = q.index_select(0, idx)[:, :, :rows]
+        sink = _check_kv(call, layout, qg, k, v)
+        out_g, lse_g = attention(
+            qg,
+            k,
+            v,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            scale=float(call.scale),
+            admission=admission.for_requests(idx, shapes.batch),
+            q_rope=q_rope.index_select(0, idx)[:, :, :rows] if q_rope is not None else None,
+            k_rope=k_rope,
+            sink=sink,
+            need_lse=call.return_lse,
+        )
+        if out is None:
+            out = out_g.new_zeros((b, n, sq, out_g.size(-1)))
+            if lse_g is not None:
+                lse = out_g.new_full((b, n, sq), float("-inf"))
+        out[:, :, :rows].index_copy_(0, idx, out_g)
+        if lse is not None:
+            lse[:, :, :rows].index_copy_(0, idx, lse_g)
+    assert out is not None  # plan_groups never returns an empty partition
+    return out, lse
 
 
 def _rank(query_layout: str) -> int:
@@ -151,20 +215,7 @@ def _padded_kv(
     nm = call.names
     key, value, key_rope = call.key, call.value, call.key_rope
     if paged:
-        if layout.query in ("BSH", "BSND") and key.dim() == 4:
-            raise OpInputError(
-                f"{nm.op}: input_layout {call.input_layout!r} with paged KV needs the 3-D cache "
-                f"[num_blocks, block_size, H] (or 5-D NZ); got {describe(key)}"
-            )
-        bt = call.block_table
-        k = gather_paged(key, bt, shapes.kv_lens, kvn, "key")
-        v = gather_paged(value, bt, shapes.kv_lens, kvn, "value")
-        kr = (
-            gather_paged(key_rope, bt, shapes.kv_lens, kvn, "key_rope")
-            if key_rope is not None
-            else None
-        )
-        return k, v, kr
+        return _paged_kv(call, layout, call.block_table, shapes.kv_lens, kvn)
     if value.dim() != call.query.dim() or key.dim() != call.query.dim():
         raise OpInputError(
             f"{nm.op}: without block_table key/value must have the query's rank "
@@ -189,6 +240,24 @@ def _padded_kv(
     k = dense_to_padded(key, layout.query, kvn, "key")
     v = dense_to_padded(value, layout.query, kvn, "value")
     kr = dense_to_padded(key_rope, layout.query, kvn, "key_rope") if key_rope is not None else None
+    return k, v, kr
+
+
+def _paged_kv(
+    call: FaCall, layout: Layout, block_table: Tensor, kv_lens: list[int], kvn: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The requests' paged key, value (and key_rope) gathered to [B, KVN, max(kv_lens), D]."""
+    key = call.key
+    if layout.query in ("BSH", "BSND") and key.dim() == 4:
+        raise OpInputError(
+            f"{call.names.op}: input_layout {call.input_layout!r} with paged KV needs the 3-D "
+            f"cache [num_blocks, block_size, H] (or 5-D NZ); got {describe(key)}"
+        )
+    k = gather_paged(key, block_table, kv_lens, kvn, "key")
+    v = gather_paged(call.value, block_table, kv_lens, kvn, "value")
+    kr = None
+    if call.key_rope is not None:
+        kr = gather_paged(call.key_rope, block_table, kv_lens, kvn, "key_rope")
     return k, v, kr
 
 

@@ -46,7 +46,7 @@ class Admission:
     key_mask: Tensor | None = None
 
     def for_requests(self, idx: Tensor, batch: int) -> Admission:
-        """The rule for the requests ``idx`` of a ``batch``-request call (per-request masks sliced)."""
+        """The rule for the requests ``idx`` of a ``batch``-request call (masks sliced)."""
         user_mask, key_mask = self.user_mask, self.key_mask
         if user_mask is not None and user_mask.size(0) == batch and batch > 1:
             user_mask = user_mask.index_select(0, idx)

@@ -48,8 +48,8 @@ def plan_groups(
         q_lens, kv_lens: per-request lengths of the call.
         heads_x_dim: query heads x head dim; scales the per-pair cost against the fixed cost.
     """
-    if len(q_lens) < 2:
-        return None
+    if len(q_lens) < 2 or (min(kv_lens) == max(kv_lens) and min(q_lens) == max(q_lens)):
+        return None  # nothing to save: no request is padded
     # Every layer of a model step asks with the same lengths: plan once per step.
     return _plan(tuple(q_lens), tuple(kv_lens), heads_x_dim, device)
 

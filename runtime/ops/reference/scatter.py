@@ -20,17 +20,22 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
     """
     _check_nd(input, indices, updates)
     a = indices.size(-1)
-    flat = indices.reshape(-1, a).long()
+    flat = indices.reshape(-1, a)
     if flat.numel():
-        lo = int(flat.min())
-        bounds = torch.tensor(input.shape[:a], device=flat.device)
-        if lo < 0 or bool((flat >= bounds).any()):
+        lo, hi = torch.aminmax(flat, dim=0)
+        bounds = input.shape[:a]
+        if int(lo.min()) < 0 or any(int(h) >= n for h, n in zip(hi.tolist(), bounds, strict=True)):
             raise OpInputError(
                 f"npu_scatter_nd_update_: indices out of range for input of shape "
-                f"{tuple(input.shape)} (min {lo}); slice padded slot ids (-1) away first"
+                f"{tuple(input.shape)} (min {int(lo.min())}); slice padded slot ids (-1) away "
+                f"first"
             )
     src = updates.reshape(flat.size(0), *input.shape[a:]).to(input.dtype)
-    input.index_put_(tuple(flat.unbind(-1)), src)
+    if a == 1:
+        # The paged-cache write (one slot id per token): one row copy per index.
+        input.index_copy_(0, flat[:, 0].long(), src)
+    else:
+        input.index_put_(tuple(flat.long().unbind(-1)), src)
     return input
 
 

@@ -208,7 +208,10 @@ class LLMEngine:
         forward_s = time.perf_counter() - forward_started
 
         sampled = self._sample(output, logits)
-        num_outputs_before = [len(s.request.output_token_ids) for s in output.scheduled]
+        # Only step hooks read it; a decode step of a big batch should not pay for it.
+        num_outputs_before = (
+            [len(s.request.output_token_ids) for s in output.scheduled] if self.step_hooks else []
+        )
         step_outputs, _ = self.scheduler.update_from_output(output, sampled, time.perf_counter())
         self._count(output, sampled, forward_s)
         # Hooks (recorders of verify and the chains) are not engine time.
@@ -250,21 +253,27 @@ class LLMEngine:
     def _sample(self, output: SchedulerOutput, logits: Tensor) -> list[int | None]:
         # Only rows whose step reaches the end of the request's prefill (or decodes) sample;
         # a chunk in the middle of a prompt has no next token yet.
-        rows = [
-            i
-            for i, s in enumerate(output.scheduled)
-            if s.start + s.num_new_tokens >= s.request.num_prefill_tokens
-        ]
-        sampled: list[int | None] = [None] * len(output.scheduled)
+        scheduled = output.scheduled
+        if output.is_prefill:
+            rows = [
+                i
+                for i, s in enumerate(scheduled)
+                if s.start + s.num_new_tokens >= s.request.num_prefill_tokens
+            ]
+        else:
+            rows = range(len(scheduled))  # every decoding request samples
         if not rows:
-            return sampled
-        requests = [output.scheduled[i].request for i in rows]
-        row_logits = logits if len(rows) == len(sampled) else logits[rows]
+            return [None] * len(scheduled)
+        requests = [scheduled[i].request for i in rows]
+        generators = self._generators
         tokens = self.sampler(
-            row_logits,
+            logits if len(rows) == len(scheduled) else logits[list(rows)],
             [r.sampling_params for r in requests],
-            [self._generators[r.request_id] for r in requests],
+            [generators[r.request_id] for r in requests],
         )
+        if len(rows) == len(scheduled):
+            return tokens
+        sampled: list[int | None] = [None] * len(scheduled)
         for i, token in zip(rows, tokens, strict=True):
             sampled[i] = token
         return sampled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvskill.errors import BadInputError
@@ -13,6 +14,9 @@ from kvskill.runtime.managers import (
     FIXED_BLOCK_ATTN_TYPES,
     SingleTypeKVCacheManager,
 )
+
+#: what ``block_id_rows`` reads for a request without blocks (shared, never mutated)
+_NO_BLOCKS: list[int] = []
 
 
 @dataclass(eq=False)
@@ -226,6 +230,50 @@ class KVCacheManager:
             mgr.allocate_new_blocks(request_id, num_tokens)
         return True
 
+    def allocate_slots_batch(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        num_computed_tokens: Sequence[int],
+    ) -> int:
+        """``allocate_slots`` for each request in turn, stopping at the first that fails.
+
+        The pools end up exactly as after calling ``allocate_slots(request_ids[i],
+        num_tokens[i], num_computed_tokens[i])`` for i = 0, 1, ... until the first False
+        (same blocks, same order), but only the requests that take or release blocks in
+        some group do the full per-request work; the rest just record their token count.
+
+        Returns:
+            how many leading requests were served (``len(request_ids)`` when all were).
+
+        Raises:
+            ValueError: when some ``num_computed_tokens[i]`` exceeds ``num_tokens[i]``.
+        """
+        for rid, total, computed in zip(request_ids, num_tokens, num_computed_tokens, strict=True):
+            if computed > total:
+                raise ValueError(
+                    f"request {rid!r}: num_computed_tokens={computed} exceeds "
+                    f"num_tokens={total} (num_tokens counts computed + new tokens)"
+                )
+        managers = list(self.managers.values())
+        changed = sorted(
+            {
+                i
+                for mgr in managers
+                for i in mgr.requests_to_update(request_ids, num_tokens, num_computed_tokens)
+            }
+        )
+        served = len(request_ids)
+        for i in changed:
+            if not self.allocate_slots(request_ids[i], num_tokens[i], num_computed_tokens[i]):
+                served = i
+                break
+        if served < len(request_ids):
+            request_ids, num_tokens = request_ids[:served], num_tokens[:served]
+        for mgr in managers:
+            mgr.record_num_tokens(request_ids, num_tokens)
+        return served
+
     def free(self, request_id: str) -> None:
         for mgr in self.managers.values():
             mgr.free(request_id)
@@ -233,6 +281,15 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> dict[str, list[int]]:
         """Per group, the request's block ids in logical order (0 = released / null)."""
         return {key: mgr.get_block_ids(request_id) for key, mgr in self.managers.items()}
+
+    def block_id_rows(self, group_key: str, request_ids: Sequence[str]) -> list[list[int]]:
+        """The block id lists of ``request_ids`` in one group, in order (one per request).
+
+        Unlike ``get_block_ids`` these are the manager's own lists, not copies: the step
+        builder reads them once per step and must not keep or change them.
+        """
+        blocks = self.managers[group_key].req_to_blocks
+        return [blocks.get(rid, _NO_BLOCKS) for rid in request_ids]
 
     @property
     def num_free_blocks(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ Registering a new attn_type
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
@@ -57,6 +58,10 @@ class SingleTypeKVCacheManager:
         self.req_to_num_tokens: dict[str, int] = {}
         #: logical blocks before this index are already null (released)
         self._req_to_num_released: dict[str, int] = {}
+        #: whether this type ever skips tokens (releases blocks before the end)
+        self._may_skip_tokens = (
+            type(self).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
+        )
 
     # ---- hooks -------------------------------------------------------------------------
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -85,6 +90,45 @@ class SingleTypeKVCacheManager:
         start = self._req_to_num_released.get(request_id, 0)
         live = sum(1 for b in blocks[start:first_needed] if b != NULL_BLOCK_ID)
         return first_needed, live
+
+    def requests_to_update(
+        self,
+        request_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        num_computed_tokens: Sequence[int],
+    ) -> list[int]:
+        """Indices of the requests whose allocation would take or release blocks here.
+
+        The others only record their new token count: a decode step crosses a block
+        boundary for about one request in ``block_size``, so this is what lets the KV
+        manager skip the full per-request allocation for most of a batch.
+        """
+        blocks = self.req_to_blocks
+        need = self.num_blocks_for
+        changed = [
+            i
+            for i, (rid, n) in enumerate(zip(request_ids, num_tokens, strict=True))
+            if rid not in blocks or need(n) > len(blocks[rid])
+        ]
+        if self._may_skip_tokens:
+            released = self._req_to_num_released
+            skipped = self.get_num_skipped_tokens
+            bs = self.block_size
+            sliding = [
+                i
+                for i, (rid, c) in enumerate(zip(request_ids, num_computed_tokens, strict=True))
+                if rid in blocks and min(skipped(c) // bs, len(blocks[rid])) > released.get(rid, 0)
+            ]
+            if sliding:
+                changed = sorted(set(changed).union(sliding))
+        return changed
+
+    def record_num_tokens(self, request_ids: Sequence[str], num_tokens: Sequence[int]) -> None:
+        """Note the token counts of requests whose blocks already cover them."""
+        counts = self.req_to_num_tokens
+        for rid, n in zip(request_ids, num_tokens, strict=True):
+            if n > counts.get(rid, 0):
+                counts[rid] = n
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, num_computed_tokens: int

@@ -105,6 +105,13 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
 
+    def token_at(self, position: int) -> int:
+        """Token ``position`` of prompt + output (what a decode step feeds)."""
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of prompt + output without building the whole list."""
         num_prompt = len(self.prompt_token_ids)

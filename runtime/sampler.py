@@ -29,6 +29,31 @@ def make_generator(
     return generator
 
 
+#: width of the tiles ``greedy_tokens`` reduces first
+_ARGMAX_TILE = 64
+#: fewer rows than this go straight to ``argmax`` (the two-pass form has fixed costs)
+_ARGMAX_MIN_ROWS = 4
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """``logits.argmax(dim=-1)`` of a ``[B, V]`` tensor, bit for bit, in two cheaper passes.
+
+    On the CPU a row-wise argmax is a scalar loop over every logit, while ``amax`` is
+    vectorised (about 10x faster). So: the maximum of each tile of ``_ARGMAX_TILE`` logits,
+    the first tile holding the row maximum (argmax over B x V/64 values), then the argmax
+    inside that tile. Ties and NaN resolve as in ``argmax``: the first maximal (or first NaN)
+    logit of a row lies in the first tile whose maximum is maximal (or NaN), and argmax picks
+    the first occurrence at both levels.
+    """
+    rows, vocab = logits.shape
+    if rows < _ARGMAX_MIN_ROWS or vocab % _ARGMAX_TILE or vocab < 4 * _ARGMAX_TILE:
+        return logits.argmax(dim=-1)
+    tiles = logits.reshape(rows, vocab // _ARGMAX_TILE, _ARGMAX_TILE)
+    best_tile = tiles.amax(dim=-1).argmax(dim=-1)  # [B]
+    inside = tiles[torch.arange(rows, device=logits.device), best_tile]  # [B, tile]
+    return best_tile * _ARGMAX_TILE + inside.argmax(dim=-1)
+
+
 class Sampler:
     """Turns the last-token logits of a step into one token id per request."""
 
@@ -49,7 +74,7 @@ class Sampler:
         """
         logits = logits.float()
         # Greedy rows (and the argmax fallback) in one vectorised call.
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)

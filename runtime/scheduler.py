@@ -132,7 +132,20 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         output = SchedulerOutput(is_prefill=False)
-        for request in [r for r in self.running if not r.is_prefilling]:
+        candidates = [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
+        # One batched allocation grows every request that fits, in running order; only the
+        # requests crossing a block boundary touch the pools.
+        computed = [r.num_computed_tokens for r in candidates]
+        served = self.kv_manager.allocate_slots_batch(
+            [r.request_id for r in candidates], [c + 1 for c in computed], computed
+        )
+        output.scheduled = [
+            ScheduledRequest(r, 1, c)
+            for r, c in zip(candidates[:served], computed[:served], strict=True)
+        ]
+        # The first request that could not grow, and every later one, go through the
+        # preempting path one by one, exactly as if the whole batch had.
+        for request in candidates[served:]:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self._allocate(request, 1):

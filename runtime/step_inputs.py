@@ -9,19 +9,29 @@ tokens, the first one with 4 tokens already cached (a chunked prefill)::
     actual_seq_lengths_kv = [7, 2]      actual_seq_lengths_cu_kv = [7, 9]
     logits_indices        = [2, 4]      (last token of each request)
 
-Everything per token is computed with tensor ops; the only per-request Python work is
-reading token ids and block ids out of the scheduler's records.
+Per-token values are built as runs (one ``range`` per request, one per block touched for the
+slot mapping) in typed arrays and wrapped as tensors without copying, so a step costs a few
+tensor constructions whatever its batch: on a host CPU each tensor op costs microseconds,
+which is what a decode step of a small model is made of.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 from kvskill.runtime.forward_context import ForwardMetaData
+from kvskill.runtime.managers import SingleTypeKVCacheManager
 from kvskill.runtime.scheduler import SchedulerOutput
-from kvskill.runtime.tables import prepare_block_tables, prepare_slot_mapping
+from kvskill.runtime.tables import (
+    bool_tensor,
+    int64_tensor,
+    prepare_block_tables,
+    prepare_slot_mapping,
+    slot_mapping_from_block_ids,
+)
 from torch import Tensor
 
 
@@ -42,60 +52,83 @@ def build_step_inputs(
 ) -> StepInputs:
     """Assemble the tensors the model and the attention layers read for this step."""
     scheduled = output.scheduled
+    requests = [s.request for s in scheduled]
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.start for s in scheduled]
     kv_lens = [s + q for s, q in zip(starts, q_lens, strict=True)]
     cu_q = list(accumulate(q_lens))
     cu_kv = list(accumulate(kv_lens))
     num_tokens = cu_q[-1]
+    is_decode = num_tokens == len(scheduled)  # every request feeds exactly one token
 
-    token_ids: list[int] = []
-    for item in scheduled:
-        token_ids.extend(item.request.token_ids_slice(item.start, item.start + item.num_new_tokens))
-
-    # All index math on the host CPU tensors, then one copy each to the device.
-    q_len_t = torch.tensor(q_lens, dtype=torch.int64)
-    request_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_len_t)  # [T]
-    first_token = torch.tensor(cu_q, dtype=torch.int64) - q_len_t  # [B]
-    offsets = torch.tensor(starts, dtype=torch.int64) - first_token  # [B]
-    positions = torch.arange(num_tokens, dtype=torch.int64) + offsets[request_index]  # [T]
+    if is_decode:
+        token_ids = array("q", [r.token_at(p) for r, p in zip(requests, starts, strict=True)])
+        positions = int64_tensor(starts)  # [T]
+    else:
+        token_ids = array("q")
+        for r, p, q in zip(requests, starts, q_lens, strict=True):
+            token_ids.extend(r.token_ids_slice(p, p + q))
+        positions = int64_tensor(
+            array("q", chain.from_iterable(map(range, starts, kv_lens)))
+        )  # [T]
+    request_index: Tensor | None = None  # only built for a group that needs the tensor path
 
     block_table: dict[str, Tensor] = {}
     slot_mapping: dict[str, Tensor] = {}
-    per_request = [kv_manager.get_block_ids(s.request.request_id) for s in scheduled]
+    request_ids = [r.request_id for r in requests]
     for key in kv_manager.group_keys:
-        rows = [ids[key] for ids in per_request]
-        # NOTE: the slot mapping indexes the flattened table, so a short row would silently
-        # read the next request's blocks; check coverage here, where it is cheap.
-        num_blocks_for = kv_manager.managers[key].num_blocks_for
-        assert all(len(r) >= num_blocks_for(n) for r, n in zip(rows, kv_lens, strict=True)), (
-            f"group {key!r}: a request's blocks do not cover its tokens; the KV manager "
-            "allocated too few"
-        )
+        manager = kv_manager.managers[key]
+        block_size = kv_manager.block_size_of(key)
+        rows = kv_manager.block_id_rows(key, request_ids)
         table = prepare_block_tables(rows)  # int32 [B, M]
-        slots = prepare_slot_mapping(table, request_index, positions, kv_manager.block_size_of(key))
+        if type(manager).num_blocks_for is SingleTypeKVCacheManager.num_blocks_for:
+            # Logical block i holds positions [i * bs, (i + 1) * bs): a row covers the step's
+            # tokens exactly when its last new token's block exists, which reading the slot
+            # checks. NOTE: a short row must fail here; the flat table would silently hand
+            # out the next request's blocks.
+            try:
+                slots = slot_mapping_from_block_ids(rows, starts, q_lens, block_size)
+            except IndexError:
+                raise AssertionError(_not_covered(key)) from None
+        else:
+            num_blocks_for = manager.num_blocks_for
+            assert all(len(r) >= num_blocks_for(n) for r, n in zip(rows, kv_lens, strict=True)), (
+                _not_covered(key)
+            )
+            if request_index is None:
+                request_index = torch.repeat_interleave(
+                    torch.arange(len(scheduled)), int64_tensor(q_lens)
+                )
+            slots = prepare_slot_mapping(table, request_index, positions, block_size)
         block_table[key] = table.to(device)
         slot_mapping[key] = slots.to(device)
 
     metadata = ForwardMetaData(
         is_prefill=output.is_prefill,
         attention_mask=attention_mask,
-        kv_len=torch.tensor(kv_lens, dtype=torch.int64, device=device),
+        kv_len=int64_tensor(kv_lens).to(device),
         actual_seq_lengths_q=q_lens,
         actual_seq_lengths_kv=kv_lens,
         actual_seq_lengths_cu_q=cu_q,
         actual_seq_lengths_cu_kv=cu_kv,
         block_table=block_table,
         slot_mapping=slot_mapping,
-        prompt_tokens=[s.request.num_prompt_tokens for s in scheduled],
+        prompt_tokens=[len(r.prompt_token_ids) for r in requests],
         num_tokens=num_tokens,
         # Recurrent (Mamba) layers start from a zero state unless the request already has
         # tokens in the cache (a later prefill chunk, or a decode step): bool [B].
-        extra={"has_initial_state": torch.tensor([s > 0 for s in starts], device=device)},
+        extra={"has_initial_state": bool_tensor([s > 0 for s in starts]).to(device)},
     )
     return StepInputs(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64).unsqueeze(0).to(device),
+        input_ids=int64_tensor(token_ids).unsqueeze(0).to(device),
         position_ids=positions.unsqueeze(0).to(device),
-        logits_indices=torch.tensor(cu_q, dtype=torch.int64, device=device) - 1,
+        logits_indices=int64_tensor([c - 1 for c in cu_q]).to(device),
         metadata=metadata,
+    )
+
+
+def _not_covered(key: str) -> str:
+    return (
+        f"group {key!r}: a request's blocks do not cover its tokens; the KV manager "
+        "allocated too few"
     )

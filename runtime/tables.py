@@ -137,3 +137,69 @@ def prepare_token_positions(
     positions = torch.arange(total, dtype=torch.int32, device=device)
     positions += shift.index_select(0, request_index)  # [T]
     return request_index.to(dtype), positions.to(dtype)
+
+
+def int64_tensor(values: Sequence[int] | array) -> Tensor:
+    """A CPU int64 tensor of ``values`` through an ``array`` buffer.
+
+    ``torch.tensor(list)`` inspects every element as a Python object; packing the list into a
+    typed array first and wrapping its buffer costs about a third of that for step-sized lists.
+    """
+    buffer = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
+    if not buffer:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(buffer, dtype=torch.int64)
+
+
+def slot_mapping_from_block_ids(
+    block_ids: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    num_new_tokens: Sequence[int],
+    block_size: int,
+) -> Tensor:
+    """Physical slot of every packed token, read from the block id lists themselves.
+
+    Equivalent to ``prepare_slot_mapping(prepare_block_tables(block_ids), ...)`` for tokens
+    ``starts[b] .. starts[b] + num_new_tokens[b] - 1`` of each request b, without the
+    intermediate tensors: the slots of one request inside one block are a contiguous range,
+    so the work is per block touched (one per request in a decode step), not per token.
+
+    Args:
+        block_ids: one list per request, logical order.
+        starts: position of each request's first new token.
+        num_new_tokens: new tokens per request this step (>= 1).
+        block_size: tokens per block of this group.
+
+    Returns:
+        int64 ``[T]``, T = ``sum(num_new_tokens)``.
+
+    Raises:
+        IndexError: when a request's list does not reach its last new token (the caller
+            allocated too few blocks).
+    """
+    bs = block_size
+    if all(q == 1 for q in num_new_tokens):
+        # Decode: one token per request.
+        slots = array(
+            "q", [ids[p // bs] * bs + p % bs for ids, p in zip(block_ids, starts, strict=True)]
+        )
+        return int64_tensor(slots)
+    slots = array("q")
+    for ids, start, count in zip(block_ids, starts, num_new_tokens, strict=True):
+        stop = start + count
+        logical = start // bs
+        pos = start
+        while pos < stop:
+            end = min(stop, (logical + 1) * bs)
+            shift = (ids[logical] - logical) * bs  # slot = block * bs + (pos - logical * bs)
+            slots.extend(range(shift + pos, shift + end))
+            pos = end
+            logical += 1
+    return int64_tensor(slots)
+
+
+def bool_tensor(values: Sequence[bool]) -> Tensor:
+    """A CPU bool tensor of ``values`` (one byte each) through an ``array`` buffer."""
+    if not values:
+        return torch.zeros(0, dtype=torch.bool)
+    return torch.frombuffer(array("B", values), dtype=torch.bool)

@@ -141,25 +141,36 @@ def test_llm_accepts_a_built_module(toy_dir):
     assert out.token_ids == twin_of(model).greedy(list(range(1, 11)), 4)
 
 
+class _SpelledOutManager(FullAttentionManager):
+    """Same coverage rule, restated: takes the step builder's path for custom managers."""
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+
 class _Manager:
     """Block ids as the docstring example of step_inputs: block size 4, one group."""
 
     group_keys = ["FullAttention"]
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, manager_cls=FullAttentionManager):
         self.blocks = blocks
         self.managers = {
-            "FullAttention": FullAttentionManager(None, group_key="FullAttention", block_size=4)
+            "FullAttention": manager_cls(None, group_key="FullAttention", block_size=4)
         }
 
     def get_block_ids(self, request_id):
         return {"FullAttention": self.blocks[request_id]}
 
+    def block_id_rows(self, key, request_ids):
+        return [self.blocks[r] for r in request_ids]
+
     def block_size_of(self, key):
         return 4
 
 
-def test_step_inputs_pack_requests_as_documented():
+@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
+def test_step_inputs_pack_requests_as_documented(manager_cls):
     # Request a: 4 tokens cached, 3 new (positions 4..6); request b: a fresh 2-token prompt.
     a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
     b = Request("b", [20, 21], SamplingParams(), 0.0)
@@ -167,7 +178,10 @@ def test_step_inputs_pack_requests_as_documented():
         is_prefill=True, scheduled=[ScheduledRequest(a, 3, 4), ScheduledRequest(b, 2, 0)]
     )
     inputs = build_step_inputs(
-        output, _Manager({"a": [5, 9], "b": [3]}), attention_mask=None, device=torch.device("cpu")
+        output,
+        _Manager({"a": [5, 9], "b": [3]}, manager_cls),
+        attention_mask=None,
+        device=torch.device("cpu"),
     )
     md = inputs.metadata
     assert inputs.input_ids.tolist() == [[14, 15, 16, 20, 21]]
@@ -183,6 +197,47 @@ def test_step_inputs_pack_requests_as_documented():
     assert md.slot_mapping["FullAttention"].tolist() == [36, 37, 38, 12, 13]
 
 
+@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
+def test_decode_step_inputs(manager_cls):
+    # a: prompt of 7 and one generated token, feeds position 7 (its output 40) from block 9;
+    # b: prompt of 4 and two outputs, feeds position 5 (its output 51) from block 8.
+    a = Request("a", list(range(10, 17)), SamplingParams(), 0.0, output_token_ids=[40])
+    b = Request("b", [20, 21, 22, 23], SamplingParams(), 0.0, output_token_ids=[50, 51])
+    output = SchedulerOutput(
+        is_prefill=False, scheduled=[ScheduledRequest(a, 1, 7), ScheduledRequest(b, 1, 5)]
+    )
+    inputs = build_step_inputs(
+        output,
+        _Manager({"a": [5, 9], "b": [3, 8]}, manager_cls),
+        attention_mask=None,
+        device=torch.device("cpu"),
+    )
+    md = inputs.metadata
+    assert inputs.input_ids.tolist() == [[40, 51]]
+    assert inputs.position_ids.tolist() == [[7, 5]]
+    assert inputs.logits_indices.tolist() == [0, 1]
+    assert md.actual_seq_lengths_kv == [8, 6] and md.kv_len.tolist() == [8, 6]
+    assert md.actual_seq_lengths_cu_q == [1, 2] and md.actual_seq_lengths_cu_kv == [8, 14]
+    assert md.block_table["FullAttention"].tolist() == [[5, 9], [3, 8]]
+    assert md.slot_mapping["FullAttention"].tolist() == [9 * 4 + 3, 8 * 4 + 1]
+    assert md.extra["has_initial_state"].tolist() == [True, True]
+    assert not md.is_prefill and md.prompt_tokens == [7, 4] and md.num_tokens == 2
+    # b's position 5 needs a second block; with one the step is refused.
+    with pytest.raises(AssertionError, match="do not cover its tokens"):
+        build_step_inputs(
+            output,
+            _Manager({"a": [5, 9], "b": [3]}, manager_cls),
+            attention_mask=None,
+            device=torch.device("cpu"),
+        )
+
+
+def test_token_at_reads_prompt_then_output():
+    r = Request("r", [1, 2, 3], SamplingParams(), 0.0, output_token_ids=[7, 8])
+    assert [r.token_at(p) for p in range(5)] == [1, 2, 3, 7, 8]
+    assert [r.token_at(p) for p in range(5)] == r.token_ids_slice(0, 5)
+
+
 def test_device_selection():
     from kvskill.runtime.device import select_device
 
@@ -195,13 +250,17 @@ def test_device_selection():
             select_device("cuda")
 
 
-def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens():
+@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
+def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens(manager_cls):
     # Request a needs 2 blocks for positions 4..6 but the manager reports one.
     a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
     output = SchedulerOutput(is_prefill=True, scheduled=[ScheduledRequest(a, 3, 4)])
     with pytest.raises(AssertionError, match="do not cover its tokens"):
         build_step_inputs(
-            output, _Manager({"a": [5]}), attention_mask=None, device=torch.device("cpu")
+            output,
+            _Manager({"a": [5]}, manager_cls),
+            attention_mask=None,
+            device=torch.device("cpu"),
         )
 
 

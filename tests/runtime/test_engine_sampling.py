@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 from kvskill.runtime import LLM, SamplingParams  # noqa: E402
-from kvskill.runtime.sampler import Sampler, make_generator  # noqa: E402
+from kvskill.runtime.sampler import Sampler, greedy_tokens, make_generator  # noqa: E402
 from toy_factory import twin_of, write_toy_dir  # noqa: E402
 
 
@@ -136,3 +136,31 @@ def test_seeded_sampling_survives_preemption(toy_dir):
     tight = tight_llm.generate(prompts, params)
     assert tight_llm.stats.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 4096), (5, 256), (32, 4096), (9, 320), (6, 100)])
+def test_greedy_tokens_equal_argmax_with_ties_nan_and_inf(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    for trial in range(20):
+        # Few distinct values, so rows have many tied maxima, often in different tiles.
+        logits = torch.randint(-3, 3, (rows, vocab), generator=gen).float()
+        if trial % 4 == 1:
+            logits[rows // 2, vocab - 1] = float("nan")
+            logits[rows // 2, vocab // 3] = float("nan")
+        if trial % 4 == 2:
+            logits[0] = float("-inf")
+        if trial % 4 == 3:
+            logits[-1, vocab // 2] = float("inf")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), trial
+
+
+def test_greedy_rows_of_a_mixed_batch_are_argmax():
+    logits = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(temperature=1.0, seed=i) if i % 3 == 0 else SamplingParams()
+        for i in range(8)
+    ]
+    gens = [make_generator(p, engine_seed=0, index=i, device="cpu") for i, p in enumerate(params)]
+    tokens = Sampler()(logits, params, gens)
+    best = logits.argmax(-1).tolist()
+    assert [t for i, t in enumerate(tokens) if i % 3] == [b for i, b in enumerate(best) if i % 3]

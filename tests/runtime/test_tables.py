@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kvskill.runtime import prepare_block_tables, prepare_slot_mapping, prepare_token_positions
+from kvskill.runtime.tables import bool_tensor, int64_tensor, slot_mapping_from_block_ids
 
 
 def test_docstring_example():
@@ -104,3 +105,41 @@ def test_position_beyond_the_table_is_an_error_not_a_wrapped_read():
     # Position 4 of request 0 needs logical block 1; the flat index would land on row 1.
     with pytest.raises(ValueError, match="logical block 1 but the block table has 1 columns"):
         prepare_slot_mapping(table, torch.tensor([0]), torch.tensor([4]), 4)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_slot_mapping_from_block_ids_equals_the_tensor_path(block_size):
+    gen = torch.Generator().manual_seed(10 + block_size)
+    for new_max in (1, 2, 40):  # decode (one token each), short chunks, long prefills
+        computed = torch.randint(0, 100, (7,), generator=gen)
+        new = torch.randint(1, new_max + 1, (7,), generator=gen)
+        totals = (computed + new).tolist()
+        ids = (torch.randperm(3000, generator=gen) + 1).tolist()
+        block_ids, cursor = [], 0
+        for n in totals:
+            k = -(-n // block_size)
+            block_ids.append(ids[cursor : cursor + k])
+            cursor += k
+        request_index, positions = prepare_token_positions(computed, new)
+        expected = prepare_slot_mapping(
+            prepare_block_tables(block_ids), request_index, positions, block_size
+        )
+        slots = slot_mapping_from_block_ids(block_ids, computed.tolist(), new.tolist(), block_size)
+        assert slots.dtype == torch.int64
+        assert torch.equal(slots, expected)
+
+
+def test_slot_mapping_from_block_ids_refuses_short_rows():
+    # Position 8 needs logical block 2 of 4-token blocks; the row has two.
+    with pytest.raises(IndexError):
+        slot_mapping_from_block_ids([[3, 5]], [8], [1], 4)
+    with pytest.raises(IndexError):
+        slot_mapping_from_block_ids([[3, 5], [7]], [0, 2], [3, 3], 4)
+
+
+def test_array_backed_tensors():
+    assert int64_tensor([3, -1, 2**40]).tolist() == [3, -1, 2**40]
+    assert int64_tensor([]).shape == (0,) and int64_tensor([]).dtype == torch.int64
+    flags = bool_tensor([True, False, True])
+    assert flags.dtype == torch.bool and flags.tolist() == [True, False, True]
+    assert bool_tensor([]).shape == (0,)

@@ -148,3 +148,14 @@ def test_plan_splits_spread_decode_and_covers_every_request_once():
     # Longest first: no group's longest request is longer than a previous group's shortest.
     for earlier, later in zip(groups, groups[1:], strict=False):
         assert max(later.kv_lens) <= min(earlier.kv_lens)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(5, 13), (1, 2), (16, 17), (7, 7)])
+def test_lone_chunk_after_cached_keys_matches_naive(q_len, kv_len):
+    # One request, bottom-right causal: the prefix and the chunk are computed apart and merged.
+    case = make_paged_case(
+        [q_len], [kv_len], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=11
+    )
+    out, _ = _call(case, 3)
+    want, _ = naive_batch(case, 0.3, rule_for(3))
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)

@@ -218,6 +218,8 @@ def _fused(
         )
     if _newest_rows_only(adm, q_lens, sq):
         return _attend_newest(q.float(), kf, vf, kv_lens, scale)
+    if _chunk_after_prefix(adm, q_lens, kv_lens, sq, skv):
+        return _attend_chunk(q.float(), kf, vf, scale)
     q_lens_t, kv_lens_t = _as_tensor(q_lens, q.device), _as_tensor(kv_lens, q.device)
     out = q.new_zeros((b, n, sq, dv), dtype=torch.float32)
     rows_per_chunk = max(1, _MASK_BUDGET // max(1, b * g * skv))
@@ -251,6 +253,62 @@ def _attend_newest(q: Tensor, k: Tensor, v: Tensor, kv_lens: list[int], scale: f
         empty = _as_tensor(kv_lens, q.device).eq(0).view(b, 1, 1, 1)
         out = out.masked_fill(empty, 0.0)
     return out
+
+
+def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """One request's chunk of S queries after P = Skv - S cached keys, bottom-right causal.
+
+    Every query sees the whole prefix and the chunk causally. Both halves run without a mask
+    (the prefix in full, the chunk on the kernel's causal path) and are merged by their
+    log-sum-exps, instead of one masked call over all Skv keys.
+    """
+    sq, skv = q.shape[2], k.shape[2]
+    p = skv - sq
+    parts = [
+        _flash_with_lse(q, k[:, :, :p], v[:, :, :p], scale, causal=False),
+        _flash_with_lse(q, k[:, :, p:], v[:, :, p:], scale, causal=True),
+    ]
+    if parts[0] is None or parts[1] is None:
+        return _attend_chunk_masked(q, k, v, scale)
+    (o1, l1), (o2, l2) = parts
+    top = torch.maximum(l1, l2)
+    w1 = torch.exp(l1 - top).unsqueeze(-1)
+    w2 = torch.exp(l2 - top).unsqueeze(-1)
+    return (o1 * w1 + o2 * w2) / (w1 + w2)
+
+
+def _flash_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool
+) -> tuple[Tensor, Tensor] | None:
+    """(output, natural-log lse [B, N, S]) from PyTorch's CPU flash kernel, if it has one.
+
+    The kernel takes fewer kv heads than query heads and pairs query head h with kv head
+    h // G, as the operator does. It is a private ATen op: without it the caller falls back.
+    """
+    kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if kernel is None or q.device.type != "cpu" or v.shape[-1] != q.shape[-1]:
+        return None  # the kernel also needs one head dim for q, k and v (not MLA's)
+    out, lse = kernel(q, k, v, is_causal=causal, scale=scale)[:2]
+    return out, lse
+
+
+def _attend_chunk_masked(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    sq, skv = q.shape[2], k.shape[2]
+    i = torch.arange(sq, device=q.device).view(-1, 1)
+    j = torch.arange(skv, device=q.device).view(1, -1)
+    mask = j <= i + (skv - sq)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def _chunk_after_prefix(
+    adm: Admission, q_lens: list[int], kv_lens: list[int], sq: int, skv: int
+) -> bool:
+    """True for one request whose chunk follows cached keys under plain bottom-right causality."""
+    if len(q_lens) != 1 or adm.decode_branch or adm.sparse_mode != 3:
+        return False
+    return q_lens[0] == sq and kv_lens[0] == skv and 0 < sq < skv
 
 
 def _newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:

@@ -96,5 +96,8 @@ def _cost(
         if all(q_lens[b] == kv_lens[b] == max_q for b in group):
             # Equal full causal squares run the kernel's causal path: half the pairs.
             pairs //= 2
+        elif len(group) == 1 and max_q < max_kv:
+            # A lone chunk after cached keys: the prefix in full, the chunk causally.
+            pairs = max_q * (max_kv - max_q) + max_q * max_q // 2
         total += pairs * hd + GROUP_OVERHEAD
     return total

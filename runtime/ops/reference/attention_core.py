@@ -315,13 +315,14 @@ def _newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:
     """True when every request has one query row that admits exactly its keys j < kv_len.
 
     Sparse mode 3 aligns the causal diagonal bottom-right, so a single query row (the newest
-    token) sees every key; the decode branch without a key mask does the same.
+    token) sees every key; so does mode 0 without a mask (no masking at all) and the decode
+    branch without a key mask.
     """
     if sq != 1 or min(q_lens, default=0) != 1:
         return False
     if adm.decode_branch:
         return adm.key_mask is None
-    return adm.sparse_mode == 3
+    return adm.sparse_mode == 3 or (adm.sparse_mode == 0 and adm.user_mask is None)
 
 
 def _as_tensor(lens: list[int], device: torch.device) -> Tensor:

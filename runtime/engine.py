@@ -157,7 +157,11 @@ class LLMEngine:
             raise BadInputError(
                 f"request {request_id}: the prompt is empty; give at least one token id"
             )
-        for pos, token in enumerate(prompt):
+        # One pass each in C for the usual all-valid prompt; the loop below names the fault.
+        valid = all(type(t) is int for t in prompt) and (
+            min(prompt) >= 0 and max(prompt) < self.vocab_size
+        )
+        for pos, token in enumerate(() if valid else prompt):
             if isinstance(token, bool) or not isinstance(token, int):
                 raise BadInputError(
                     f"request {request_id}: prompt[{pos}] = {token!r} is not an integer token id"

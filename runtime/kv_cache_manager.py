@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from kvskill.runtime.managers import (
 )
 
 #: what ``block_id_rows`` reads for a request without blocks (shared, never mutated)
-_NO_BLOCKS: list[int] = []
+_NO_BLOCKS = array("i")
 
 
 @dataclass(eq=False)
@@ -282,10 +283,10 @@ class KVCacheManager:
         """Per group, the request's block ids in logical order (0 = released / null)."""
         return {key: mgr.get_block_ids(request_id) for key, mgr in self.managers.items()}
 
-    def block_id_rows(self, group_key: str, request_ids: Sequence[str]) -> list[list[int]]:
-        """The block id lists of ``request_ids`` in one group, in order (one per request).
+    def block_id_rows(self, group_key: str, request_ids: Sequence[str]) -> list[array]:
+        """The block ids of ``request_ids`` in one group, in order (an ``array("i")`` each).
 
-        Unlike ``get_block_ids`` these are the manager's own lists, not copies: the step
+        Unlike ``get_block_ids`` these are the manager's own arrays, not copies: the step
         builder reads them once per step and must not keep or change them.
         """
         blocks = self.managers[group_key].req_to_blocks

@@ -100,7 +100,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(is_prefill=True)
         for request in self.running:
-            if not request.is_prefilling or budget <= 0:
+            # (is_prefilling, spelled out: this runs over every running request each step)
+            if request.num_computed_tokens >= request.num_prefill_tokens or budget <= 0:
                 continue
             remaining = request.num_prefill_tokens - request.num_computed_tokens
             num_new = self._num_new_tokens(remaining, budget, output)
@@ -211,9 +212,10 @@ class Scheduler:
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 

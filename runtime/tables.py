@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import chain
 
 import torch
 from kvskill.runtime.block_pool import NULL_BLOCK_ID
@@ -35,7 +34,8 @@ def prepare_block_tables(
     """Stack per-request block id lists into an int32 ``[B, max_len]`` table.
 
     Args:
-        block_ids: one list per request, logical order (null 0 where a block was released).
+        block_ids: one list (or ``array``) per request, logical order (null 0 where a block
+            was released).
         device: where the table lives.
         pad_to: minimum width (e.g. a fixed max blocks per request); rows are padded with
             the null block 0.
@@ -49,11 +49,14 @@ def prepare_block_tables(
     if not block_ids or width == 0:
         table = torch.zeros((len(block_ids), width), dtype=torch.int32)
         return table if device is None else table.to(device)
-    # The ids arrive as Python lists, so one pass over them is unavoidable; padding each row
-    # with a slice of a shared zero list and reading the buffer with frombuffer keeps that
-    # pass in C (no per-element Python work, no torch.tensor(list) walk).
-    zeros = [NULL_BLOCK_ID] * width
-    flat = array("i", chain.from_iterable(chain(ids, zeros[len(ids) :]) for ids in block_ids))
+    # Rows are padded into one C int buffer that the table wraps without a copy. For the
+    # KV managers' own ``array("i")`` rows each append is a memcpy; a list row is converted
+    # id by id (still in C, no torch.tensor(list) walk).
+    zeros = array("i", [NULL_BLOCK_ID]) * width
+    flat = array("i")
+    for ids in block_ids:
+        flat.extend(ids if type(ids) is not array or ids.typecode == "i" else ids.tolist())
+        flat.extend(zeros[len(ids) :])
     table = torch.frombuffer(flat, dtype=torch.int32).view(len(block_ids), width)  # [B, M]
     return table if device is None else table.to(device)
 

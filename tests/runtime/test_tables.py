@@ -143,3 +143,10 @@ def test_array_backed_tensors():
     flags = bool_tensor([True, False, True])
     assert flags.dtype == torch.bool and flags.tolist() == [True, False, True]
     assert bool_tensor([]).shape == (0,)
+
+
+def test_block_tables_from_typed_arrays_lists_and_other_int_arrays():
+    from array import array
+
+    rows = [array("i", [4, 9]), [7], array("q", [1, 2, 3]), array("i")]
+    assert prepare_block_tables(rows).tolist() == [[4, 9, 0], [7, 0, 0], [1, 2, 3], [0, 0, 0]]

@@ -99,13 +99,29 @@ class _StepProbe:
         return None if not chosen or step_s <= 0 else 1 - sum(s[3] for s in chosen) / step_s
 
 
+#: Converted model directories of this process, by spec name. A cell runs several workloads
+#: of one model, each with its own pool size (so its own engine), but the converted code is
+#: the same: converting once saves seconds of libcst work per workload.
+_CONVERTED: dict[str, Path] = {}
+_CONVERT_ROOT: tempfile.TemporaryDirectory | None = None
+
+
+def converted_dir(spec: ModelSpec) -> Path:
+    """The spec's model converted in a temporary directory kept until the process exits."""
+    global _CONVERT_ROOT
+    if spec.name not in _CONVERTED:
+        if _CONVERT_ROOT is None:
+            _CONVERT_ROOT = tempfile.TemporaryDirectory(prefix="kvskill-bench-")
+        _CONVERTED[spec.name] = convert(spec, Path(_CONVERT_ROOT.name) / spec.name)
+    return _CONVERTED[spec.name]
+
+
 class KvskillRuntime:
     def __init__(self, spec: ModelSpec, reference, *, kv_capacity_tokens: int):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvskill-bench-")
-        model_dir = convert(spec, Path(self._tmp.name) / spec.name)
+        model_dir = converted_dir(spec)
         loaded = load_model(model_dir, dtype="float32", random_weights=True)
         # The same state dict as the transformers reference: every key must match.
         loaded.model.load_state_dict(reference.state_dict(), strict=True)
@@ -123,7 +139,6 @@ class KvskillRuntime:
 
     def close(self) -> None:
         self.probe.close()
-        self._tmp.cleanup()
 
     @torch.inference_mode()
     def run(self, workload: Workload) -> RunResult:

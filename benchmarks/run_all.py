@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         help="arguments for serve_bench.py instead of the make-bench defaults",
     )
     parser.add_argument("--timeout", type=float, default=2400.0, help="seconds per benchmark")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS,
+        help="where the serving benchmark and this run's durations (run_all.json) go",
+    )
     args = parser.parse_args(argv)
 
     names = discover()
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             summary.append((name, *run(name, [], args.timeout)))
             continue
         serve_args = SERVE_DEFAULT_ARGS if args.serve_args is None else shlex.split(args.serve_args)
+        if args.results_dir != RESULTS:
+            serve_args = [*serve_args, "--out-dir", str(args.results_dir)]
         summary.append((name, *run(name, serve_args, args.timeout)))
 
     total = time.perf_counter() - started
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not only and not skip and args.serve_args is None:
         # The durations of a complete default run, kept with the results they produced.
-        RESULTS.mkdir(exist_ok=True)
+        args.results_dir.mkdir(parents=True, exist_ok=True)
         record = {
             "date": started_at.isoformat(timespec="seconds"),
             "cores": os.cpu_count(),
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n, ok, e, st in summary
             ],
         }
-        (RESULTS / "run_all.json").write_text(json.dumps(record, indent=1) + "\n")
+        (args.results_dir / "run_all.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0 if all(ok for _, ok, _, _ in summary) else 1
 
 

@@ -296,6 +296,6 @@ class LLMEngine:
             stats.num_prompt_tokens += output.num_tokens
         else:
             stats.num_decode_steps += 1
-        stats.num_generated_tokens += sum(t is not None for t in sampled)
+        stats.num_generated_tokens += len(sampled) - sampled.count(None)
         stats.num_preemptions += len(output.preempted)
         stats.forward_s += forward_s

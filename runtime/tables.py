@@ -1,4 +1,4 @@
-"""Block tables and slot mappings for one step, built with tensor ops (no per-token loops).
+"""Block tables and slot mappings for one step, with no per-token Python work.
 
 Worked example (block_size=4). Request 0 has blocks [7, 2] and 6 cached tokens, request 1
 has block [5] and 2 cached tokens; this step each adds one token (decode):

@@ -59,7 +59,7 @@ def build_step_inputs(
     cu_q = list(accumulate(q_lens))
     cu_kv = list(accumulate(kv_lens))
     num_tokens = cu_q[-1]
-    is_decode = num_tokens == len(scheduled)  # every request feeds exactly one token
+    is_decode = q_lens.count(1) == len(q_lens)  # every request feeds exactly one token
 
     if is_decode:
         token_ids = array("q", [r.token_at(p) for r, p in zip(requests, starts, strict=True)])

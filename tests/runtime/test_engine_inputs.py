@@ -275,3 +275,18 @@ def test_inconsistent_cache_entries_are_refused(toy_dir):
     model.get_cache_info = lambda: {"layers": []}
     with pytest.raises(BadInputError, match="expected kvskill.runtime.ModelCacheInfo"):
         LLM(model, num_blocks=8)
+
+
+def test_a_request_without_new_tokens_adds_none():
+    # a is in the batch with no token this step; b feeds one. Not a decode step.
+    a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
+    b = Request("b", [20, 21], SamplingParams(), 0.0)
+    output = SchedulerOutput(
+        is_prefill=True, scheduled=[ScheduledRequest(a, 0, 4), ScheduledRequest(b, 1, 1)]
+    )
+    inputs = build_step_inputs(
+        output, _Manager({"a": [5], "b": [3]}), attention_mask=None, device=torch.device("cpu")
+    )
+    assert inputs.input_ids.tolist() == [[21]] and inputs.position_ids.tolist() == [[1]]
+    assert inputs.metadata.slot_mapping["FullAttention"].tolist() == [3 * 4 + 1]
+    assert inputs.metadata.actual_seq_lengths_cu_q == [0, 1]

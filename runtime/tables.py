@@ -25,6 +25,10 @@ import torch
 from kvskill.runtime.block_pool import NULL_BLOCK_ID
 from torch import Tensor
 
+#: block ids are kept as C ints (``array("i")``) and read back as int32
+_C_INT_BYTES = array("i").itemsize
+assert _C_INT_BYTES == 4, "block tables read array('i') buffers as int32"
+
 
 def prepare_block_tables(
     block_ids: Sequence[Sequence[int]],
@@ -49,14 +53,17 @@ def prepare_block_tables(
     if not block_ids or width == 0:
         table = torch.zeros((len(block_ids), width), dtype=torch.int32)
         return table if device is None else table.to(device)
-    # Rows are padded into one C int buffer that the table wraps without a copy. For the
-    # KV managers' own ``array("i")`` rows each append is a memcpy; a list row is converted
-    # id by id (still in C, no torch.tensor(list) walk).
-    zeros = array("i", [NULL_BLOCK_ID]) * width
-    flat = array("i")
+    # Rows are copied into one zero-filled (null block) C int buffer that the table wraps
+    # without a copy. For the KV managers' own ``array("i")`` rows each copy is a memcpy; a
+    # list row is converted first (in C, no torch.tensor(list) walk).
+    assert NULL_BLOCK_ID == 0, "the zero-filled buffer is the null-block padding"
+    flat = array("i", bytes(len(block_ids) * width * _C_INT_BYTES))
+    start = 0
     for ids in block_ids:
-        flat.extend(ids if type(ids) is not array or ids.typecode == "i" else ids.tolist())
-        flat.extend(zeros[len(ids) :])
+        if type(ids) is not array or ids.typecode != "i":
+            ids = array("i", ids)
+        flat[start : start + len(ids)] = ids
+        start += width
     table = torch.frombuffer(flat, dtype=torch.int32).view(len(block_ids), width)  # [B, M]
     return table if device is None else table.to(device)
 

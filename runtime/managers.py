@@ -65,6 +65,8 @@ class SingleTypeKVCacheManager:
         self._may_skip_tokens = (
             type(self).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
         )
+        #: whether ``num_blocks_for`` is the plain ceil(n / block_size)
+        self._standard_blocks = type(self).num_blocks_for is SingleTypeKVCacheManager.num_blocks_for
 
     # ---- hooks -------------------------------------------------------------------------
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -107,16 +109,24 @@ class SingleTypeKVCacheManager:
         manager skip the full per-request allocation for most of a batch.
         """
         blocks = self.req_to_blocks
-        need = self.num_blocks_for
-        changed = [
-            i
-            for i, (rid, n) in enumerate(zip(request_ids, num_tokens, strict=True))
-            if rid not in blocks or need(n) > len(blocks[rid])
-        ]
+        bs = self.block_size
+        if self._standard_blocks:
+            # num_blocks_for(n) > held  <=>  held * block_size < n  (no hook call per request)
+            changed = [
+                i
+                for i, (rid, n) in enumerate(zip(request_ids, num_tokens, strict=True))
+                if rid not in blocks or len(blocks[rid]) * bs < n
+            ]
+        else:
+            need = self.num_blocks_for
+            changed = [
+                i
+                for i, (rid, n) in enumerate(zip(request_ids, num_tokens, strict=True))
+                if rid not in blocks or need(n) > len(blocks[rid])
+            ]
         if self._may_skip_tokens:
             released = self._req_to_num_released
             skipped = self.get_num_skipped_tokens
-            bs = self.block_size
             sliding = [
                 i
                 for i, (rid, c) in enumerate(zip(request_ids, num_computed_tokens, strict=True))

@@ -91,11 +91,31 @@ def rope_style(code: CodeView, spec: ModelSpec) -> tuple[str, str]:
     functions = code.facts.functions
     if spec.rope_interleave:
         return "interleaved", "config rope_interleave=true"
+    rotations = {n: line for n, line in functions.items() if "rotary" in n or "rope" in n}
+    for name, line in rotations.items():
+        if "view_as_complex" in _function_text(code.facts.path, line):
+            # (x[2i], x[2i+1]) taken as one complex number: rotation of adjacent pairs.
+            return "interleaved", f"{code.facts.where(line)} ({name}: view_as_complex pairs)"
     if "rotate_half" in functions:
         return "half", code.facts.where(functions["rotate_half"])
-    for name, line in functions.items():
-        if "rotary" in name or "rope" in name:
-            return "half", code.facts.where(line)
+    for line in rotations.values():
+        return "half", code.facts.where(line)
     if not spec.rope_parameters:
         return "none", "config has no rope parameters"
     return "half", "config rope_parameters (rotation helper not found in the file)"
+
+
+def _function_text(path: str, line: int) -> str:
+    """The source of the module-level function defined at ``line`` (1-based), up to the next
+    top-level statement; empty when the file cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return ""
+    body = [lines[line - 1]] if 0 < line <= len(lines) else []
+    for text in lines[line:]:
+        if text and not text[0].isspace() and not text.startswith((")", "#")):
+            break
+        body.append(text)
+    return "\n".join(body)

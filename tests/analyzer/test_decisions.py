@@ -280,3 +280,18 @@ def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():
     plan = analyze_model("gpt-sw3")
     assert plan.source["modeling_file"].endswith("models/gpt2/modeling_gpt2.py")
     assert plan.architecture == "GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize(
+    "model,style,cited",
+    [
+        ("llama", "half", "modeling_llama.py:"),
+        # Complex multiplication of adjacent pairs (view_as_complex) is the interleaved rotation.
+        ("deepseek_v2", "interleaved", "view_as_complex"),
+        ("deepseek_v3", "interleaved", "rope_interleave"),
+    ],
+)
+def test_rope_style_is_read_from_the_rotation_code(model, style, cited):
+    plan = analyze_model(model)
+    assert plan.rope_style == style
+    assert any(cited in source for source in sources_of(plan, "rope_style"))

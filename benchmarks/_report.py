@@ -60,6 +60,7 @@ def build_rows(records: list[dict]) -> list[dict]:
                         "valid": False,
                         "error": rec["error"],
                         "not_runnable": bool(rec.get("not_runnable")),
+                        "budget_cut": bool(rec.get("budget_cut")),
                     }
                 )
                 continue
@@ -151,6 +152,8 @@ def targets(rows: list[dict]) -> list[dict]:
         for workload, bar_padded in (("W1", 1.5), ("W2", 1.0)):
             kv = _rate(rows, workload=workload, system="kvskill", **cell)
             for system, bar in (("hf_padded", bar_padded), ("hf_cb", 2.0)):
+                if _find(rows, workload=workload, system=system, **cell) is None:
+                    continue  # not in this cell's plan (e.g. 2-thread cells without hf_cb)
                 other = _rate(rows, workload=workload, system=system, **cell)
                 value = kv / other if kv and other else None
                 name = f"{workload} kvskill / {system} tok/s"
@@ -197,6 +200,8 @@ def markdown_report(result: dict) -> str:
     for r in rows:
         if r.get("not_runnable"):
             valid = "not runnable"
+        elif r.get("budget_cut"):
+            valid = "cut (time budget)"
         else:
             valid = "yes" if r["valid"] else ("ERROR" if r.get("error") else "NO")
         lines.append(

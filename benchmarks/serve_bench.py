@@ -66,6 +66,9 @@ DEFAULT_PLAN = (
     PlanEntry("qwen3-4l-h256", 2, ("W1", "W2"), ("kvskill", "hf_padded")),
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: With a deadline, a cell is not started with less time than this left (process start, model
+#: build and warm-up alone take 10-20 s).
+_MIN_CELL_S = 60.0
 
 
 def _parse_list(value: str, allowed: tuple[str, ...] | None, what: str) -> list[str]:
@@ -85,9 +88,11 @@ def run_cell(
     threads: int,
     repeats: int,
     timeout_s: float,
+    budget_cut: bool = False,
 ) -> list[dict]:
     """Run one system over `workloads` in a fresh interpreter; one record per workload (with
-    `error` where it failed)."""
+    `error` where it failed). `budget_cut`: the timeout is what is left of the run's time
+    budget, so a timeout means the budget ran out."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = Path(f.name)
     cmd = [
@@ -111,7 +116,11 @@ def run_cell(
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             error = f"exit {proc.returncode}: {tail[0][:300]}"
     except subprocess.TimeoutExpired:
-        error = f"timed out after {timeout_s:.0f} s"
+        error = (
+            f"stopped after {timeout_s:.0f} s: the run's time budget (--deadline) ran out"
+            if budget_cut
+            else f"timed out after {timeout_s:.0f} s"
+        )
     try:
         text = out_path.read_text() if out_path.exists() else ""
         records = json.loads(text) if text else []
@@ -119,8 +128,11 @@ def run_cell(
         out_path.unlink(missing_ok=True)
     done = {r["workload"] for r in records}
     base = {"system": system, "model": model, "threads": threads}
+    cut = budget_cut and error is not None and error.startswith("stopped")
     records += [
-        {**base, "workload": w, "error": error or "no result"} for w in workloads if w not in done
+        {**base, "workload": w, "error": error or "no result", "budget_cut": cut}
+        for w in workloads
+        if w not in done
     ]
     return records
 
@@ -152,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="seconds per system process (all workloads)"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="seconds after start by which every cell must end (0 = none): a cell still running "
+        "then is stopped and one that would start with under a minute left is not run; both are "
+        "reported as errors (what make bench uses to stay within its budget)",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-write", action="store_true", help="print only, write no files")
@@ -203,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             for (m, t), (ws, ss) in groups.items()
         ]
     partial = args.out_dir / "serve_bench.partial.json"
+    run_started = time.perf_counter()
     for entry in [] if args.from_records else plan:
         model, n_threads, cell_workloads = entry.model, entry.threads, list(entry.workloads)
         for system in entry.systems:
@@ -210,14 +231,26 @@ def main(argv: list[str] | None = None) -> int:
             repeats = args.repeats
             if system == "hf_sequential" and args.repeats_sequential:
                 repeats = args.repeats_sequential
-            cell = run_cell(
-                system=system,
-                workloads=cell_workloads,
-                model=model,
-                threads=n_threads,
-                repeats=repeats,
-                timeout_s=args.timeout,
-            )
+            left = args.deadline - (started - run_started) if args.deadline else None
+            if left is not None and left < _MIN_CELL_S:
+                reason = (
+                    f"not run: the run's time budget (--deadline {args.deadline:.0f} s) ran out"
+                )
+                cell = [
+                    {"system": system, "model": model, "threads": n_threads, "workload": w}
+                    | {"error": reason, "budget_cut": True}
+                    for w in cell_workloads
+                ]
+            else:
+                cell = run_cell(
+                    system=system,
+                    workloads=cell_workloads,
+                    model=model,
+                    threads=n_threads,
+                    repeats=repeats,
+                    timeout_s=args.timeout if left is None else min(args.timeout, left),
+                    budget_cut=left is not None and left < args.timeout,
+                )
             records += cell
             if not args.no_write:
                 # Raw records so far: an interrupted run still leaves what it measured.

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.scan import scan_file
+from kvskill.analyzer.scan import ModuleFacts, scan_file
+
+#: what a runner imports when the bundled runtime schedules requests and owns the KV cache;
+#: helpers alone (ForwardMetaData, forward_context, masks, load_model) leave both to the runner
+ENGINE_MODULES = ("kvskill.runtime.llm", "kvskill.runtime.engine", "kvskill.runtime.scheduler")
+ENGINE_NAMES = ("LLM", "LLMEngine", "Scheduler", "KVCacheManager", "prepare_kv_cache")
 
 
 def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> str:
@@ -13,21 +18,35 @@ def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Note
         return requested
     for runner in runner_files:
         facts = scan_file(runner)
-        framework_imports = [m for m in facts.imports if m.startswith("kvskill.runtime")]
         name = facts.file_name
-        if framework_imports:
-            line = facts.imports[framework_imports[0]]
+        engine = _engine_import(facts)
+        if engine is not None:
+            what, line = engine
             book.cite(
                 "deploy_mode",
-                f"{name} drives the model through the bundled runtime ({framework_imports[0]})",
+                f"{name} drives the model through the bundled runtime's engine ({what})",
                 f"{name}:{line}",
             )
             return "framework"
+        helpers = [m for m in facts.imports if m.startswith("kvskill.runtime")]
+        how = f" (it imports only helpers from {helpers[0]})" if helpers else ""
         book.cite(
             "deploy_mode",
-            f"{name} manages its own inference loop and KV tensors (no framework import)",
+            f"{name} manages its own inference loop and KV tensors{how}",
             name,
         )
         return "standalone"
     book.cite("deploy_mode", "no runner_*.py next to the model; framework is the default", "rule")
     return "framework"
+
+
+def _engine_import(facts: ModuleFacts) -> tuple[str, int] | None:
+    """The first import of the runtime's engine layer: a module or an engine class name."""
+    for module, line in facts.imports.items():
+        if module.startswith(ENGINE_MODULES):
+            return module, line
+    for dotted, line in facts.imported_names.items():
+        module, _, imported = dotted.rpartition(".")
+        if module.startswith("kvskill.runtime") and imported in ENGINE_NAMES:
+            return dotted, line
+    return None

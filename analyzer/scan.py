@@ -95,6 +95,8 @@ class ModuleFacts:
     function_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: imported module paths ("transformers.cache_utils", "kvskill.runtime") -> line
     imports: dict[str, int] = field(default_factory=dict)
+    #: names taken with ``from module import name``, as "module.name" -> line
+    imported_names: dict[str, int] = field(default_factory=dict)
     #: ``config.X`` attributes read anywhere -> first line
     config_reads: dict[str, int] = field(default_factory=dict)
 
@@ -240,10 +242,13 @@ class _Collector(cst.CSTVisitor):
 
     # -- imports -----------------------------------------------------------------------
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        if node.module is not None:
-            self._import("." * len(node.relative) + _dotted(node.module))
-        elif node.relative:
-            self._import("." * len(node.relative))
+        module = "." * len(node.relative) + (_dotted(node.module) if node.module else "")
+        if module:
+            self._import(module)
+        if module and not isinstance(node.names, cst.ImportStar):
+            line = self.facts.imports.get(module, 1)
+            for alias in node.names:
+                self.facts.imported_names.setdefault(f"{module}.{_dotted(alias.name)}", line)
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:

@@ -237,3 +237,26 @@ def test_transformers4_mla_remote_code_with_legacy_rope_scaling(tmp_path):
     scaling_line = plan.code["attention"]["TinyMlaAttention"]["scaling_line"]
     assert "self.softmax_scale = self.q_head_dim" in lines[scaling_line - 1]
     assert plan.kv_bytes_per_token == (512 + 64) * 2 * 2  # float16, two layers
+
+
+@pytest.mark.parametrize(
+    "imports,mode",
+    [
+        ("from kvskill.runtime import LLM, SamplingParams\n", "framework"),
+        ("from kvskill.runtime.engine import Engine\n", "framework"),
+        ("import kvskill.runtime.llm\n", "framework"),
+        # The generated standalone runner: runtime helpers only, its own loop and KV tensors.
+        (
+            "from kvskill.runtime import ForwardMetaData, forward_context, get_init_attn_mask\n"
+            "from kvskill.runtime.loader import load_model\n",
+            "standalone",
+        ),
+    ],
+)
+def test_runner_mode_follows_what_it_takes_from_the_runtime(tmp_path, imports, mode):
+    model = write_remote_model(tmp_path / "m")
+    (model / "runner_tiny.py").write_text(imports + "\nRUNNER = True\n", encoding="utf-8")
+    plan = analyze_model(str(model))
+    assert plan.deploy_mode == mode
+    reasons = [e.reason for e in plan.evidence if e.decision == "deploy_mode"]
+    assert reasons and ("engine" in reasons[0]) == (mode == "framework")

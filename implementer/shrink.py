@@ -98,10 +98,9 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
         ids = value if isinstance(value, list) else [value]
         if any(isinstance(i, int) and i >= VOCAB_SIZE for i in ids):
             new[key] = None
-    if is_mla_config(config):  # MLA: keep rope 64 and the latent (query D) at 512/128
-        new.update(shrink_mla(config, new))
     if is_mla_config(config):
-        # latent attention: ranks inside the fused MLA operator's limits (mla/shrink.py)
+        # Latent attention: rope 64 and the latent (query D) at 512/128, the fused MLA
+        # operator's limits (mla/shrink.py).
         new.update(shrink_mla(config, new))
     changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
     return ShrinkResult(config=new, changes=changes)

@@ -6,7 +6,14 @@ import pytest
 import torch
 from kvskill.runtime.ops import reference as npu
 from kvskill.runtime.ops.reference import batch_groups, fused_attention
-from ops_golden import CAUSAL_TILE, INT_MAX, make_paged_case, naive_batch, rule_for
+from ops_golden import (
+    CAUSAL_TILE,
+    INT_MAX,
+    make_paged_case,
+    naive_batch,
+    naive_request,
+    rule_for,
+)
 
 # Spread lengths, so that splitting the batch saves padding.
 SHAPES = {
@@ -159,3 +166,55 @@ def test_lone_chunk_after_cached_keys_matches_naive(q_len, kv_len):
     out, _ = _call(case, 3)
     want, _ = naive_batch(case, 0.3, rule_for(3))
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("values", ["the latent", "their own"])
+@pytest.mark.parametrize("q_lens,kv_lens,mode", [([1, 1], [9, 4], 0), ([3, 2], [3, 6], 3)])
+def test_mla_values_are_the_latent_or_their_own(values, q_lens, kv_lens, mode):
+    # Absorbed MLA passes one latent cache as key and value; a separate value cache must still
+    # be read as such.
+    latent = make_paged_case(
+        q_lens, kv_lens, num_heads=4, num_kv_heads=1, head_dim=128, block_size=4, seed=5
+    )
+    rope = make_paged_case(
+        q_lens, kv_lens, num_heads=4, num_kv_heads=1, head_dim=64, block_size=4, seed=6
+    )
+    rope.block_table.copy_(latent.block_table)
+    for b, s2 in enumerate(kv_lens):  # the rope keys at the latent's slots
+        for t in range(s2):
+            blk = int(latent.block_table[b, t // 4])
+            rope.key_cache[blk, t % 4] = rope.ks[b][t]
+    nb, bs = latent.key_cache.shape[:2]
+    key = latent.key_cache.view(nb, bs, -1)
+    value = key if values == "the latent" else latent.value_cache.view(nb, bs, -1)
+    out, _ = npu.npu_fused_infer_attention_score(
+        latent.query_tnd,
+        key,
+        value,
+        query_rope=rope.query_tnd,
+        key_rope=rope.key_cache.view(nb, bs, -1),
+        num_heads=4,
+        num_key_value_heads=1,
+        input_layout="TND",
+        scale=0.05,
+        atten_mask=CAUSAL_TILE if mode else None,
+        sparse_mode=mode,
+        block_table=latent.block_table,
+        block_size=bs,
+        actual_seq_lengths=latent.cu_q,
+        actual_seq_lengths_kv=kv_lens,
+    )
+    start = 0
+    for b, s1 in enumerate(q_lens):
+        v = latent.ks[b] if values == "the latent" else latent.vs[b]
+        want, _ = naive_request(
+            latent.qs[b],
+            latent.ks[b],
+            v,
+            0.05,
+            rule_for(mode),
+            q_rope=rope.qs[b],
+            k_rope=rope.ks[b],
+        )
+        torch.testing.assert_close(out[start : start + s1].double(), want, atol=1e-4, rtol=1e-4)
+        start += s1

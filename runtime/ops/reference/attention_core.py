@@ -134,9 +134,16 @@ def attention(
     """
     if not need_lse and sink is None and pse_shift is None:
         if q_rope is not None:
+            values_are_keys = v is k
             # scale * (q.k + q_rope.k_rope) == scale * [q, q_rope].[k, k_rope]
             q = torch.cat((q, q_rope), dim=-1)
             k = torch.cat((k, k_rope), dim=-1)
+            if values_are_keys:
+                # MLA's value is its key latent: attend with [k, k_rope] as the values too (one
+                # head dim for q, k and v, which PyTorch's fast kernels need) and keep the
+                # latent part of the output.
+                dv = v.shape[-1]
+                return _fused(q, k, k, q_lens, kv_lens, scale, admission)[..., :dv], None
         return _fused(q, k, v, q_lens, kv_lens, scale, admission), None
     q_lens_t, kv_lens_t = _as_tensor(q_lens, q.device), _as_tensor(kv_lens, q.device)
     b, n, sq, _ = q.shape

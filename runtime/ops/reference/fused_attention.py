@@ -254,11 +254,26 @@ def _paged_kv(
             f"cache [num_blocks, block_size, H] (or 5-D NZ); got {describe(key)}"
         )
     k = gather_paged(key, block_table, kv_lens, kvn, "key")
-    v = gather_paged(call.value, block_table, kv_lens, kvn, "value")
+    # MLA passes one latent cache as both key and value: gather it once (``v is k`` then
+    # tells the attention that the values are the keys' leading dims).
+    same = _same_view(call.value, key)
+    v = k if same else gather_paged(call.value, block_table, kv_lens, kvn, "value")
     kr = None
     if call.key_rope is not None:
         kr = gather_paged(call.key_rope, block_table, kv_lens, kvn, "key_rope")
     return k, v, kr
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` view the same memory the same way."""
+    if a is b:
+        return True
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _check_sink(call: FaCall, layout: Layout, head_dim_v: int) -> Tensor | None:

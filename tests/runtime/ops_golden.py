@@ -194,3 +194,44 @@ def unpack(out: torch.Tensor, layout: str, lens: list[int], n: int) -> list[torc
     elif layout == "NBSD":
         out = out.permute(1, 2, 0, 3)
     return [out[b, :s] for b, s in enumerate(lens)]
+
+
+def paged_fia_v1(
+    case: PagedCase,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    mode: int,
+    pre: int = INT_MAX,
+    nxt: int = INT_MAX,
+    lse: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA v1 as converted models call it: TND query over the case's paged 3-D caches.
+
+    Sparse modes 2-4 get the compressed causal tile unless ``mask`` is given.
+    """
+    from kvskill.runtime.ops import reference as npu
+
+    nb, bs = case.key_cache.shape[:2]
+    if mask is None and mode in (2, 3, 4):
+        mask = CAUSAL_TILE
+    return npu.npu_fused_infer_attention_score(
+        case.query_tnd,
+        case.key_cache.view(nb, bs, -1),
+        case.value_cache.view(nb, bs, -1),
+        num_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        input_layout="TND",
+        scale=scale,
+        atten_mask=mask,
+        sparse_mode=mode,
+        pre_tokens=pre,
+        next_tokens=nxt,
+        block_table=case.block_table,
+        block_size=bs,
+        actual_seq_lengths=case.cu_q,
+        actual_seq_lengths_kv=case.kv_lens,
+        softmax_lse_flag=lse,
+    )

@@ -12,6 +12,7 @@ from ops_golden import (
     make_paged_case,
     naive_batch,
     naive_request,
+    paged_fia_v1,
     rule_for,
 )
 
@@ -41,27 +42,9 @@ def always_split(monkeypatch):
     batch_groups._plan.cache_clear()
 
 
-def _call(case, mode, *, pre=INT_MAX, nxt=INT_MAX, lse=False, mask=None):
-    nb, bs = case.key_cache.shape[:2]
-    if mask is None and mode in (2, 3, 4):
-        mask = CAUSAL_TILE
-    return npu.npu_fused_infer_attention_score(
-        case.query_tnd,
-        case.key_cache.view(nb, bs, -1),
-        case.value_cache.view(nb, bs, -1),
-        num_heads=4,
-        num_key_value_heads=2,
-        input_layout="TND",
-        scale=0.3,
-        atten_mask=mask,
-        sparse_mode=mode,
-        pre_tokens=pre,
-        next_tokens=nxt,
-        block_table=case.block_table,
-        block_size=bs,
-        actual_seq_lengths=case.cu_q,
-        actual_seq_lengths_kv=case.kv_lens,
-        softmax_lse_flag=lse,
+def _call(case, mode, *, pre=INT_MAX, nxt=INT_MAX, lse=False):
+    return paged_fia_v1(
+        case, num_heads=4, num_kv_heads=2, scale=0.3, mode=mode, pre=pre, nxt=nxt, lse=lse
     )
 
 

@@ -10,6 +10,7 @@ from ops_golden import (
     INT_MAX,
     make_paged_case,
     naive_batch,
+    paged_fia_v1,
     rule_for,
     tolerance,
 )
@@ -25,24 +26,8 @@ HEADS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
 
 
 def _call_v1(case, n, kvn, scale, mode, pre=INT_MAX, nxt=INT_MAX, lse=False):
-    nb, bs = case.key_cache.shape[:2]
-    return npu.npu_fused_infer_attention_score(
-        case.query_tnd,
-        case.key_cache.view(nb, bs, -1),
-        case.value_cache.view(nb, bs, -1),
-        num_heads=n,
-        num_key_value_heads=kvn,
-        input_layout="TND",
-        scale=scale,
-        atten_mask=CAUSAL_TILE if mode in (2, 3, 4) else None,
-        sparse_mode=mode,
-        pre_tokens=pre,
-        next_tokens=nxt,
-        block_table=case.block_table,
-        block_size=bs,
-        actual_seq_lengths=case.cu_q,
-        actual_seq_lengths_kv=case.kv_lens,
-        softmax_lse_flag=lse,
+    return paged_fia_v1(
+        case, num_heads=n, num_kv_heads=kvn, scale=scale, mode=mode, pre=pre, nxt=nxt, lse=lse
     )
 
 

@@ -82,6 +82,8 @@ def int_list(name: str, value: Any) -> list[int] | None:
         if value.dim() != 1 or value.is_floating_point():
             raise TypeError(f"`{name}` must be a list of ints, got {_describe(value)}")
         return [int(x) for x in value.tolist()]
+    if type(value) is list and all(type(x) is int for x in value):
+        return value  # already a list of plain ints (the common case): no copy
     if isinstance(value, (list, tuple)):
         out = []
         for x in value:

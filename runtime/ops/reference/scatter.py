@@ -22,15 +22,23 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
     a = indices.size(-1)
     flat = indices.reshape(-1, a)
     if flat.numel():
-        lo, hi = torch.aminmax(flat, dim=0)
-        bounds = input.shape[:a]
-        if int(lo.min()) < 0 or any(int(h) >= n for h, n in zip(hi.tolist(), bounds, strict=True)):
+        if a == 1:
+            lo, hi = (int(x) for x in torch.aminmax(flat))
+            out_of_range = lo < 0 or hi >= input.size(0)
+        else:
+            low, high = torch.aminmax(flat, dim=0)
+            lo = int(low.min())
+            out_of_range = lo < 0 or any(
+                h >= n for h, n in zip(high.tolist(), input.shape[:a], strict=True)
+            )
+        if out_of_range:
             raise OpInputError(
                 f"npu_scatter_nd_update_: indices out of range for input of shape "
-                f"{tuple(input.shape)} (min {int(lo.min())}); slice padded slot ids (-1) away "
-                f"first"
+                f"{tuple(input.shape)} (min {lo}); slice padded slot ids (-1) away first"
             )
-    src = updates.reshape(flat.size(0), *input.shape[a:]).to(input.dtype)
+    src = updates.reshape(flat.size(0), *input.shape[a:])
+    if src.dtype != input.dtype:
+        src = src.to(input.dtype)
     if a == 1:
         # The paged-cache write (one slot id per token): one row copy per index.
         input.index_copy_(0, flat[:, 0].long(), src)

@@ -61,9 +61,10 @@ def _plan(
     batch = len(q_lens)
     # Longest work first, so each quantile split starts at its group's longest request.
     order = sorted(range(batch), key=lambda b: (q_lens[b] * kv_lens[b], kv_lens[b]), reverse=True)
-    best_k, best_cost = 1, _cost([order], q_lens, kv_lens, heads_x_dim)
+    cost_of = _decode_cost if max(q_lens) == 1 else _cost
+    best_k, best_cost = 1, cost_of((tuple(order),), q_lens, kv_lens, heads_x_dim)
     for k in range(2, min(batch, MAX_GROUPS) + 1):
-        cost = _cost(_split(order, k), q_lens, kv_lens, heads_x_dim)
+        cost = cost_of(_split(order, k), q_lens, kv_lens, heads_x_dim)
         if cost < best_cost:
             best_k, best_cost = k, cost
     if best_k == 1:
@@ -83,6 +84,13 @@ def _split(order: list[int], k: int) -> tuple[tuple[int, ...], ...]:
     n = len(order)
     bounds = [round(i * n / k) for i in range(k + 1)]
     return tuple(tuple(order[a:b]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a)
+
+
+def _decode_cost(
+    groups: tuple[tuple[int, ...], ...], q_lens: tuple[int, ...], kv_lens: tuple[int, ...], hd: int
+) -> float:
+    """``_cost`` for one query row per request: each group's first member is its longest."""
+    return sum(len(g) * kv_lens[g[0]] * hd + GROUP_OVERHEAD for g in groups)
 
 
 def _cost(

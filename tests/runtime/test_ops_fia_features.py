@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvskill.runtime.ops import reference as npu
-from ops_golden import CAUSAL_TILE, make_paged_case, naive_request, rule_for
+from ops_golden import CAUSAL_TILE, make_paged_case, naive_request, paged_fia_v1, rule_for
 
 
 @pytest.mark.parametrize("mode,pre", [(3, 2147483647), (4, 3)])
@@ -181,27 +181,19 @@ def test_lse_and_no_lse_paths_agree_including_empty_rows(mode, pre, nxt):
     case = make_paged_case(
         [5, 1, 4], [3, 6, 4], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=31
     )
-    nb, bs = case.key_cache.shape[:2]
     mask = CAUSAL_TILE if mode else torch.zeros(8, 8, dtype=torch.bool)
     outs = []
     for flag in (False, True):
-        out, _ = npu.npu_fused_infer_attention_score(
-            case.query_tnd,
-            case.key_cache.view(nb, bs, -1),
-            case.value_cache.view(nb, bs, -1),
+        out, _ = paged_fia_v1(
+            case,
             num_heads=4,
-            num_key_value_heads=2,
-            input_layout="TND",
+            num_kv_heads=2,
             scale=0.3,
-            atten_mask=mask,
-            sparse_mode=mode,
-            pre_tokens=pre,
-            next_tokens=nxt,
-            block_table=case.block_table,
-            block_size=bs,
-            actual_seq_lengths=case.cu_q,
-            actual_seq_lengths_kv=case.kv_lens,
-            softmax_lse_flag=flag,
+            mode=mode,
+            pre=pre,
+            nxt=nxt,
+            lse=flag,
+            mask=mask,
         )
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

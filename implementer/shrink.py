@@ -88,6 +88,10 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
             top_k = int(config.get("num_experts_per_tok") or 1)
             # more experts than the router picks, so routing still selects
             new[key] = min(config[key], max(NUM_EXPERTS, top_k + 2))
+            if "num_experts_per_tok" in config and not config["num_experts_per_tok"]:
+                # Some library default configs (deepseek_v2) leave top-k unset, and the
+                # model's own router cannot run without it: route to two experts.
+                new["num_experts_per_tok"] = min(2, new[key])
     for key in _EXPERT_SIZE_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE

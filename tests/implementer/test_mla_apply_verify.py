@@ -178,3 +178,17 @@ def test_latent_cache_memory_matches_plan(tmp_path):
     assert [tuple(t.shape) for t in tensors] == [(10, 16, 1, 128), (10, 16, 1, 64)] * 2
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert allocated == plan.kv_bytes_per_token * 10 * 16
+
+
+def test_verify_shrink_routes_to_two_experts_when_the_config_leaves_top_k_unset():
+    from kvskill.implementer.shrink import shrink_config
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v2").to_dict()
+    assert config["num_experts_per_tok"] is None  # transformers' default
+    shrunk = shrink_config(config)
+    assert shrunk.config["num_experts_per_tok"] == 2
+    assert shrunk.changes["num_experts_per_tok"] == (None, 2)
+    # A top-k the config sets is kept.
+    kept = shrink_config({**config, "num_experts_per_tok": 6})
+    assert kept.config["num_experts_per_tok"] == 6

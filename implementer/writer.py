@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.errors import BadInputError, NotImplementedYetError
+from kvskill.errors import BadInputError, NotImplementedYetError, UnsupportedModelError
 from kvskill.implementer.mla import MlaSpec, convert_mla_source
 from kvskill.implementer.pipeline import convert_source
 from kvskill.implementer.spec import ConversionSpec
@@ -50,6 +50,8 @@ class ApplyOptions:
     dry_run: bool = False
     force: bool = False
     copy_weights: bool = False
+    #: "auto" | "on" | "off"; MLA is converted absorbed only, so "off" is refused for it
+    mla_absorb: str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,7 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
     )
     # MLA: latent caches and absorbed attention (kvskill.implementer.mla)
     mla = plan.attention == "mla"
+    _check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(
         plan, fa_version=options.fa_version, block_size=options.block_size
     )
@@ -127,6 +130,22 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
     return plan, original, converted
+
+
+def _check_mla_absorb(plan: Plan, choice: str) -> None:
+    """``--mla-absorb on`` needs an MLA model; ``off`` is refused for one (absorbed only)."""
+    mla = plan.attention == "mla"
+    if choice == "on" and not mla:
+        raise BadInputError(
+            f"--mla-absorb on: {plan.model_type} has {plan.attention} attention, not MLA; "
+            "use --mla-absorb auto or off"
+        )
+    if choice == "off" and mla:
+        raise UnsupportedModelError(
+            f"{plan.model_type}: cannot convert: --mla-absorb off: the MLA conversion caches "
+            "only the latent (nope + rope caches) and attends absorbed; un-absorbed MLA is not "
+            "generated, use --mla-absorb auto or on"
+        )
 
 
 def modeling_diff(name: str, original: str, converted: str) -> str:

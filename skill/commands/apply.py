@@ -90,6 +90,7 @@ def apply(model: str, **options) -> None:
         dry_run=options["dry_run"],
         force=options["force"],
         copy_weights=options["copy_weights"],
+        mla_absorb=options["mla_absorb"],
     )
     if options["deploy_mode"] == "standalone":
         from kvskill.implementer.standalone import StandaloneOptions, apply_standalone

@@ -81,3 +81,21 @@ def test_python_dash_m_kvskill_works():
     )
     assert proc.returncode == 0, proc.stderr
     assert "analyze" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("model", "choice", "code", "message"),
+    [
+        # MLA is converted absorbed only, in framework mode as in standalone mode.
+        ("deepseek_v3", "off", 3, "un-absorbed MLA is not generated"),
+        ("qwen3", "on", 2, "not MLA"),
+    ],
+)
+def test_apply_refuses_an_mla_absorb_choice_it_cannot_honour(
+    capsys, tmp_path, model, choice, code, message
+):
+    out_dir = tmp_path / "out"
+    got, _, err = run_cli(capsys, "apply", model, "--mla-absorb", choice, "--out", str(out_dir))
+    assert got == code
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out_dir.exists()

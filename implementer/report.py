@@ -20,7 +20,8 @@ def format_table(report: VerifyReport) -> str:
         f"verify {report.model_type} ({report.directory})",
         f"config: {'shrunk' if report.shrunk else 'as converted'}"
         + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
-        + f"; dtype {report.dtype}; block size {report.block_size}; atol {report.atol:g}",
+        + f"; dtype {report.dtype}; block size {report.block_size}; kv layout {report.kv_layout}"
+        + f"; atol {report.atol:g}",
         "",
     ]
     rows = [

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvskill.errors import BadInputError, KvskillError
+from kvskill.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
@@ -43,6 +43,10 @@ DEFAULT_BLOCK_SIZE = 4
 MAX_BATCHED_TOKENS = 32
 
 
+#: cache layouts the runtime can give a converted model
+KV_LAYOUTS = ("contiguous", "page_pool")
+
+
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions:
     shrink: bool = True
@@ -53,6 +57,10 @@ class VerifyOptions:
     dtype: str = "float32"
     seed: int = 0
     trust_remote_code: bool = False
+    #: the runtime's cache layout for the converted model: "contiguous" (one dense tensor per
+    #: cache) or "page_pool" (one pool of pages, strided views; references/
+    #: noncontiguous_kv_reference.md)
+    kv_layout: str = "contiguous"
 
 
 @dataclass(kw_only=True)
@@ -83,6 +91,7 @@ class VerifyReport:
     dtype: str
     atol: float
     block_size: int
+    kv_layout: str = "contiguous"
     prompts: list[PromptResult] = field(default_factory=list)
     chains: list[dict[str, Any]] = field(default_factory=list)
     #: a failure that stopped the comparison (e.g. the converted forward raised)
@@ -140,6 +149,7 @@ class VerifyReport:
             "dtype": self.dtype,
             "atol": self.atol,
             "block_size": self.block_size,
+            "kv_layout": self.kv_layout,
             "tokens_identical": self.tokens_identical,
             "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
             "prompts": [
@@ -296,7 +306,8 @@ def stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> P
 
 
 def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptions) -> None:
-    """Refuse a tensor-parallel conversion (one process runs it) and an unknown dtype."""
+    """Refuse a tensor-parallel conversion (one process runs it), an unknown dtype or layout,
+    and MLA on the page pool."""
     if int(plan.get("attn_tp_size", 1)) != 1:
         raise BadInputError(
             f"{directory} was converted for attn_tp_size={plan['attn_tp_size']}; a single "
@@ -304,6 +315,15 @@ def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptio
         )
     if options.dtype not in DEFAULT_ATOL:
         raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
+    if options.kv_layout not in KV_LAYOUTS:
+        raise BadInputError(f"kv layout {options.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
+    if options.kv_layout == "page_pool" and plan.get("attention") == "mla":
+        # npu_kv_rmsnorm_rope_cache writes the latent caches in NZ blocks, which need one
+        # dense tensor; a page view's block stride is the page.
+        raise UnsupportedModelError(
+            f"{directory} is an MLA conversion: its NZ latent caches need the contiguous "
+            "layout; verify it with --kv-layout contiguous"
+        )
 
 
 def start_report(
@@ -322,6 +342,7 @@ def start_report(
         dtype=options.dtype,
         atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
         block_size=block_size,
+        kv_layout=options.kv_layout,
     )
 
 
@@ -437,6 +458,7 @@ def _verify(
             max_num_batched_tokens=MAX_BATCHED_TOKENS,
             max_model_len=max(lengths) + options.max_new_tokens,
             seed=options.seed,
+            use_hybrid_blocks=options.kv_layout == "page_pool",
         )
         params = SamplingParams(max_tokens=options.max_new_tokens, temperature=0.0, ignore_eos=True)
         with llm.step_hook(recorder), torch.no_grad():

@@ -44,3 +44,15 @@ def test_gpt_oss_keeps_its_layer_pattern_and_sinks(converted):
     )
     layers = converted.report("gpt_oss").config_changes["layer_types"][1]
     assert layers == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_conversion_is_token_exact_on_the_page_pool_layout(converted, family):
+    # The same converted code, given strided page views instead of dense caches: its cache
+    # write must address (block, offset) pairs, since the views cannot be flattened to slots.
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    report = verify_directory(converted.directory(family), VerifyOptions(kv_layout="page_pool"))
+    assert report.kv_layout == "page_pool"
+    assert report.error is None, report.error
+    assert report.passed, report.failures()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.errors import UnsupportedModelError
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM
@@ -192,3 +193,9 @@ def test_verify_shrink_routes_to_two_experts_when_the_config_leaves_top_k_unset(
     # A top-k the config sets is kept.
     kept = shrink_config({**config, "num_experts_per_tok": 6})
     assert kept.config["num_experts_per_tok"] == 6
+
+
+def test_page_pool_verify_of_mla_is_refused_as_unsupported(applied_v3_yarn):
+    # The NZ latent caches need one dense tensor; the refusal comes before any model is built.
+    with pytest.raises(UnsupportedModelError, match="contiguous"):
+        verify_directory(applied_v3_yarn, VerifyOptions(kv_layout="page_pool"))

@@ -104,6 +104,10 @@ def test_qwen3_contiguous_through_the_cli(capsys, outputs, tmp_path):
     assert [c["name"] for c in report["chains"]] == ["init", "runtime", "release"]
     assert any("mode 1 (contiguous, BSH)" in n for n in report["notes"])
 
+    # The runner allocates its own dense cache: a page-pool layout cannot be asked of it.
+    code, _, err = run_cli(capsys, "verify", str(out), "--kv-layout", "page_pool")
+    assert code == 2 and "applies to framework outputs" in err
+
 
 def test_contiguous_modeling_file_is_the_legacy_bsh_path(outputs):
     directory = outputs.directory("qwen3", "contiguous")

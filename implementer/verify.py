@@ -33,6 +33,7 @@ from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.writer import PLAN_FILE
+from kvskill.runtime.layout import KV_LAYOUTS
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,6 @@ DEFAULT_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 DEFAULT_BLOCK_SIZE = 4
 #: small enough that long prompts are prefilled in several chunks
 MAX_BATCHED_TOKENS = 32
-
-
-#: cache layouts the runtime can give a converted model
-KV_LAYOUTS = ("contiguous", "page_pool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,12 +314,17 @@ def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptio
         raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
     if options.kv_layout not in KV_LAYOUTS:
         raise BadInputError(f"kv layout {options.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
-    if options.kv_layout == "page_pool" and plan.get("attention") == "mla":
+    check_layout_fits(plan, options.kv_layout, directory)
+
+
+def check_layout_fits(plan: dict[str, Any], kv_layout: str, directory: Path) -> None:
+    """Refuse the page pool for an MLA conversion (UnsupportedModelError, exit 3)."""
+    if kv_layout == "page_pool" and plan.get("attention") == "mla":
         # npu_kv_rmsnorm_rope_cache writes the latent caches in NZ blocks, which need one
         # dense tensor; a page view's block stride is the page.
         raise UnsupportedModelError(
             f"{directory} is an MLA conversion: its NZ latent caches need the contiguous "
-            "layout; verify it with --kv-layout contiguous"
+            "layout (--kv-layout contiguous)"
         )
 
 

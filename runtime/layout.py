@@ -42,6 +42,9 @@ from torch import Tensor
 logger = logging.getLogger("kvskill.runtime.layout")
 LOG_PREFIX = "[non-contiguous-kv-cache]"
 
+#: the layouts by name, as the CLI and reports spell them: "page_pool" is ``use_hybrid_blocks``
+KV_LAYOUTS = ("contiguous", "page_pool")
+
 
 def layout_logging_enabled() -> bool:
     """True when ``KVSKILL_LOG_LAYOUT=1``; then make sure the lines reach someone.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from kvskill.errors import BadInputError
+from kvskill.runtime.layout import KV_LAYOUTS
 
 OUTPUT_FORMATS_SIMPLE = ("table", "json")
 
@@ -68,5 +70,24 @@ log_layout_option = click.option(
     default=False,
     help="Log every cache view built (lines prefixed [non-contiguous-kv-cache]).",
 )
+
+kv_layout_option = click.option(
+    "--kv-layout",
+    type=click.Choice(KV_LAYOUTS),
+    default="contiguous",
+    show_default=True,
+    help="Cache layout the runtime gives the converted model: one dense tensor per cache, or "
+    "one page pool cut into strided views (framework outputs only).",
+)
+
+
+def refuse_layout_for_standalone(kv_layout: str, directory: Path) -> None:
+    """A standalone runner allocates its own dense cache: only the default layout applies."""
+    if kv_layout != "contiguous":
+        raise BadInputError(
+            f"--kv-layout {kv_layout} applies to framework outputs; the standalone runner in "
+            f"{directory} allocates its own dense cache"
+        )
+
 
 existing_dir = click.Path(exists=True, file_okay=False, dir_okay=True, path_type=Path)

@@ -16,7 +16,9 @@ from kvskill.options import (
     dtype_option,
     existing_dir,
     format_option,
+    kv_layout_option,
     log_layout_option,
+    refuse_layout_for_standalone,
     seed_option,
     trust_remote_code_option,
 )
@@ -146,6 +148,7 @@ class _Progress:
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
+@kv_layout_option
 @log_layout_option
 @dtype_option
 @seed_option
@@ -157,12 +160,21 @@ def run(directory: Path, **options) -> None:
     A standalone output (it holds runner_<model>.py) is run by its own runner instead: one
     static batch, greedy."""
     from kvskill.implementer.standalone import find_runner
+    from kvskill.implementer.writer import PLAN_FILE
     from kvskill.runtime import LLM, SamplingParams
     from kvskill.runtime.ops import backend
 
     if find_runner(directory) is not None:
+        refuse_layout_for_standalone(options["kv_layout"], directory)
         _run_standalone(directory, options)
         return
+    plan_file = directory / PLAN_FILE
+    if options["kv_layout"] != "contiguous" and plan_file.is_file():
+        from kvskill.implementer.verify import check_layout_fits
+
+        check_layout_fits(
+            json.loads(plan_file.read_text(encoding="utf-8")), options["kv_layout"], directory
+        )
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
     llm = LLM(
@@ -179,6 +191,7 @@ def run(directory: Path, **options) -> None:
         max_num_batched_tokens=options["max_num_batched_tokens"],
         max_num_seqs=options["max_num_seqs"],
         log_layout=options["log_layout"],
+        use_hybrid_blocks=options["kv_layout"] == "page_pool",
     )
     prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
     params = SamplingParams(

@@ -6,14 +6,16 @@ import json
 from pathlib import Path
 
 import click
-from kvskill.errors import BadInputError, ExitCode
+from kvskill.errors import ExitCode
 from kvskill.implementer.report import format_table
-from kvskill.implementer.verify import KV_LAYOUTS, VerifyOptions, verify_directory
+from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
     block_size_option,
     dtype_option,
     existing_dir,
     format_option,
+    kv_layout_option,
+    refuse_layout_for_standalone,
     seed_option,
     trust_remote_code_option,
 )
@@ -41,14 +43,7 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 @click.option("--num-prompts", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--atol", type=float, default=None, help="Logit tolerance (default 1e-4 in float32).")
-@click.option(
-    "--kv-layout",
-    type=click.Choice(KV_LAYOUTS),
-    default="contiguous",
-    show_default=True,
-    help="Cache layout the runtime gives the converted model: one dense tensor per cache, or "
-    "one page pool cut into strided views (framework outputs only).",
-)
+@kv_layout_option
 @block_size_option
 @dtype_option
 @seed_option
@@ -72,11 +67,7 @@ def verify(directory: Path, output_format: str, **options) -> int:
 
     # a standalone output carries its runner_<model>.py: verify drives it instead of the engine
     if find_runner(directory) is not None:
-        if verify_options.kv_layout != "contiguous":
-            raise BadInputError(
-                f"--kv-layout {verify_options.kv_layout} applies to framework outputs; the "
-                f"standalone runner in {directory} allocates its own dense cache"
-            )
+        refuse_layout_for_standalone(verify_options.kv_layout, directory)
         report = verify_standalone(directory, verify_options)
     else:
         report = verify_directory(directory, verify_options)

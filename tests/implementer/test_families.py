@@ -56,3 +56,36 @@ def test_conversion_is_token_exact_on_the_page_pool_layout(converted, family):
     assert report.kv_layout == "page_pool"
     assert report.error is None, report.error
     assert report.passed, report.failures()
+
+
+SMALL_QWEN3 = {
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+}
+
+
+def test_run_on_the_page_pool_generates_what_the_contiguous_layout_does(tmp_path, capsys):
+    import json
+
+    from kvskill.cli import main
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "qwen3"
+    apply_model("qwen3", out, ApplyOptions(config_overrides=SMALL_QWEN3))
+    tokens = {}
+    for layout in ("contiguous", "page_pool"):
+        with pytest.raises(SystemExit) as exc:
+            main(
+                ["run", str(out), "--random-weights", "--num-requests", "3", "--prompt-len",
+                 "40", "--max-tokens", "6", "--block-size", "16", "--kv-layout", layout,
+                 "--format", "json"]
+            )  # fmt: skip
+        report = json.loads(capsys.readouterr().out)
+        assert exc.value.code == 0, report
+        tokens[layout] = [r["token_ids"] for r in report["requests"]]
+    assert tokens["page_pool"] == tokens["contiguous"]

@@ -199,3 +199,13 @@ def test_page_pool_verify_of_mla_is_refused_as_unsupported(applied_v3_yarn):
     # The NZ latent caches need one dense tensor; the refusal comes before any model is built.
     with pytest.raises(UnsupportedModelError, match="contiguous"):
         verify_directory(applied_v3_yarn, VerifyOptions(kv_layout="page_pool"))
+
+
+def test_page_pool_run_of_mla_exits_3_before_building_the_model(applied_v3_yarn, capsys):
+    from kvskill.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(applied_v3_yarn), "--random-weights", "--num-requests", "1",
+              "--kv-layout", "page_pool"])  # fmt: skip
+    assert exc.value.code == 3
+    assert "contiguous" in capsys.readouterr().err

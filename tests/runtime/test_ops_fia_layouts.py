@@ -132,6 +132,16 @@ def test_dense_kv_every_layout(layout, mode):
     check(out, lse, data, q_lens, n, rule_for(mode))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_lens,kv_lens", [([5], [5]), ([1, 1], [6, 4]), ([3, 3], [3, 3])])
+def test_outputs_are_contiguous_like_the_devices_fresh_tensors(layout, q_lens, kv_lens):
+    # One request's prefill, a decode step and equal lengths are where a view of the padded
+    # result could leak out; model code then calls .view on the output.
+    out, lse, _ = run_dense(layout, q_lens, kv_lens, 4, 2, 3, mask=CAUSAL_TILE)
+    assert out.is_contiguous() and lse.is_contiguous()
+    out.view(-1)
+
+
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 @pytest.mark.parametrize("pre,nxt", [(1, 0), (2, 1), (INT_MAX, 0), (3, -1)])
 def test_mode0_mask_with_pre_next_is_top_left_aligned(layout, pre, nxt):

@@ -206,25 +206,30 @@ def paged_block_size(cache: Tensor) -> int:
 
 
 def format_output(out: Tensor, layout: Layout, q_lens: list[int]) -> Tensor:
-    """[B, N, S, Dv] -> the output layout of ``input_layout``."""
+    """[B, N, S, Dv] -> the output layout of ``input_layout``, contiguous.
+
+    The device returns a freshly allocated tensor, and model code relies on it (a source
+    kernel's ``attn_output.view(*input_shape, -1)`` after the call): a view of the padded
+    result (one request's TND rows, a decode BSH) would make that ``view`` raise.
+    """
     kind = layout.output
     if kind == "BNSD":
-        return out
+        return out.contiguous()
     if kind == "BSND":
         return out.permute(0, 2, 1, 3).contiguous()
     if kind == "BSH":
         b, n, s, d = out.shape
-        return out.permute(0, 2, 1, 3).reshape(b, s, n * d)
+        return out.permute(0, 2, 1, 3).reshape(b, s, n * d).contiguous()
     if kind == "NBSD":
         return out.permute(1, 0, 2, 3).contiguous()
     packed = padded_to_packed(out, q_lens)  # [T, N, Dv]
     if kind == "NTD":
         return packed.transpose(0, 1).contiguous()
-    return packed
+    return packed.contiguous()
 
 
 def format_lse(lse: Tensor, layout: Layout, q_lens: list[int]) -> Tensor:
     """[B, N, S] -> (B, N, S, 1), or (T, N, 1) for packed query layouts (npu_ops.md §1.9)."""
     if layout.is_packed:
-        return padded_to_packed(lse.unsqueeze(-1), q_lens)
-    return lse.unsqueeze(-1)
+        return padded_to_packed(lse.unsqueeze(-1), q_lens).contiguous()
+    return lse.unsqueeze(-1).contiguous()

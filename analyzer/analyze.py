@@ -195,6 +195,7 @@ def plan_for_source(
     )
     facts_dict = code_facts(code, source)
     _code_notes(facts_dict, spec, book)
+    _per_layer_heads(source, book)
     add_pitfalls(
         spec=spec,
         book=book,
@@ -342,6 +343,32 @@ def _code_reads_window(code: CodeView) -> bool:
         if any("sliding_window" in call.keywords for call in cls.calls):
             return True
     return False
+
+
+#: config lists giving each layer its own head count (laguna, sapiens2) -> the model-wide key
+PER_LAYER_HEAD_KEYS = {
+    "num_attention_heads_per_layer": "num_attention_heads",
+    "num_key_value_heads_per_layer": "num_key_value_heads",
+}
+
+
+def _per_layer_heads(source: ModelSource, book: Notebook) -> None:
+    """Per-layer head counts other than the model-wide one: the converted attention sizes
+    its query/KV split from the model-wide count, so it cannot run these layers."""
+    for key, model_wide in PER_LAYER_HEAD_KEYS.items():
+        counts = source.config.get(key)
+        if not isinstance(counts, list) or not counts:
+            continue
+        if {repr(c) for c in counts} == {repr(source.config.get(model_wide))}:
+            continue
+        msg = (
+            f"per-layer head counts ({key}: {sorted(set(map(str, counts)))}, {model_wide}: "
+            f"{source.config.get(model_wide)}): the converted attention sizes its query/KV "
+            f"split from {model_wide}"
+        )
+        book.warn(msg)
+        book.block(msg)
+        book.cite(model_wide, f"{key} differs from {model_wide}", book.cfg(key))
 
 
 def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:

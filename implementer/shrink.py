@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
@@ -51,13 +52,30 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return 2  # GQA, group size 2
 
 
+def _per_layer_lists(config: dict[str, Any]) -> dict[str, list[Any]]:
+    """Config lists with one entry per layer: ``layer_types``, ``mlp_layer_types``,
+    ``num_attention_heads_per_layer``, ``no_rope_layers``, ... (a key naming layers whose
+    list is exactly ``num_hidden_layers`` long)."""
+    total = config.get("num_hidden_layers")
+    return {
+        key: value
+        for key, value in config.items()
+        if "layer" in key and isinstance(value, list) and value and len(value) == total
+    }
+
+
 def _num_layers(config: dict[str, Any]) -> int:
-    """Fewest leading layers that still hold every layer kind (at least MIN_LAYERS)."""
+    """Fewest leading layers that still hold every layer kind (at least MIN_LAYERS).
+
+    Every per-layer list counts: the kept layers show each of its values at least once (an
+    attention kind, an MLP kind, a head count, a no-rope flag).
+    """
     total = int(config.get("num_hidden_layers") or MIN_LAYERS)
-    types = config.get("layer_types")
     needed = MIN_LAYERS
-    if isinstance(types, list) and types:
-        first_seen = {t: i for i, t in reversed(list(enumerate(types)))}
+    for values in _per_layer_lists(config).values():
+        first_seen: dict[Any, int] = {}
+        for i, value in enumerate(values):
+            first_seen.setdefault(repr(value), i)
         needed = max(needed, max(first_seen.values()) + 1)
     sparse_step = config.get("decoder_sparse_step")
     if isinstance(sparse_step, int) and sparse_step > 1:
@@ -70,14 +88,19 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
     new = dict(config)
     layers = _num_layers(config)
     new["num_hidden_layers"] = layers
-    if isinstance(config.get("layer_types"), list):
-        new["layer_types"] = list(config["layer_types"][:layers])
+    for key, values in _per_layer_lists(config).items():
+        new[key] = list(values[:layers])
     if "max_window_layers" in config and isinstance(config["max_window_layers"], int):
         new["max_window_layers"] = min(config["max_window_layers"], layers)
     new["hidden_size"] = HIDDEN_SIZE
     new["num_key_value_heads"] = _kv_heads(config)
     new["num_attention_heads"] = NUM_HEADS
     new["head_dim"] = HEAD_DIM
+    for key, model_wide in PER_LAYER_HEAD_KEYS.items():
+        if isinstance(new.get(key), list):
+            # A per-layer count equal to the model-wide one follows it down (the analyzer
+            # refuses counts that differ from it).
+            new[key] = [new[model_wide] if v == config.get(model_wide) else v for v in new[key]]
     if "intermediate_size" in config:
         new["intermediate_size"] = INTERMEDIATE_SIZE
     new["vocab_size"] = VOCAB_SIZE
@@ -92,6 +115,11 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
                 # Some library default configs (deepseek_v2) leave top-k unset, and the
                 # model's own router cannot run without it: route to two experts.
                 new["num_experts_per_tok"] = min(2, new[key])
+    if config.get("n_group"):
+        # Grouped routing (DeepSeek-V3 style): one group holding every shrunk expert, so the
+        # group's top-2 scores and the top-k within it are still taken.
+        new["n_group"] = 1
+        new["topk_group"] = 1
     for key in _EXPERT_SIZE_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE

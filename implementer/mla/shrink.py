@@ -52,9 +52,6 @@ def shrink_mla(config: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]
             new["qk_head_dim"] = NOPE_HEAD_DIM + rope
     if config.get("q_lora_rank"):
         new["q_lora_rank"] = Q_LORA_RANK
-    if config.get("n_group"):
-        new["n_group"] = 1
-        new["topk_group"] = 1
     dense = config.get("first_k_dense_replace")
     if isinstance(dense, int):
         new["first_k_dense_replace"] = min(dense, 1)

@@ -295,3 +295,13 @@ def test_rope_style_is_read_from_the_rotation_code(model, style, cited):
     plan = analyze_model(model)
     assert plan.rope_style == style
     assert any(cited in source for source in sources_of(plan, "rope_style"))
+
+
+def test_per_layer_head_counts_other_than_the_model_wide_one_are_a_blocker():
+    uniform = analyze_model("laguna", config_overrides={"num_hidden_layers": 2})
+    assert not any("per-layer head counts" in b for b in uniform.implementer_blockers)
+    mixed = analyze_model(
+        "laguna",
+        config_overrides={"num_hidden_layers": 2, "num_attention_heads_per_layer": [48, 32]},
+    )
+    assert any("num_attention_heads_per_layer" in b for b in mixed.implementer_blockers)

@@ -1,0 +1,60 @@
+"""The verify shrink keeps the structure: every per-layer list, grouped routing."""
+
+from __future__ import annotations
+
+from kvskill.implementer.shrink import MIN_LAYERS, shrink_config
+
+
+def test_every_per_layer_list_is_cut_with_the_layers_and_keeps_each_kind():
+    # Attention kinds repeat early, MLP kinds only change at layer 3: the kept layers must
+    # reach it, and every per-layer list must be as long as the new num_hidden_layers.
+    config = {
+        "num_hidden_layers": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+        "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 5,
+        "no_rope_layers": [1, 1, 1, 1, 0, 1, 1, 1],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 512,
+        "vocab_size": 1000,
+    }
+    new = shrink_config(config).config
+    layers = new["num_hidden_layers"]
+    assert layers == 5  # the first 0 of no_rope_layers is layer 4
+    for key in ("layer_types", "mlp_layer_types", "no_rope_layers"):
+        assert new[key] == config[key][:layers]
+        assert set(new[key]) == set(config[key])
+
+
+def test_lists_that_are_not_per_layer_are_left_alone():
+    config = {"num_hidden_layers": 3, "eos_token_id": [1, 2, 3], "layer_norm_eps": 1e-5}
+    new = shrink_config(config).config
+    assert new["num_hidden_layers"] == max(MIN_LAYERS, 2)
+    assert new["eos_token_id"] == [1, 2, 3]
+
+
+def test_grouped_routing_becomes_one_group():
+    # DeepSeek-V3-style routers view the experts as n_group groups; with the shrunk expert
+    # count the original 8 groups would not divide it.
+    config = {
+        "num_hidden_layers": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+    }
+    new = shrink_config(config).config
+    assert (new["n_group"], new["topk_group"]) == (1, 1)
+    assert new["num_experts"] > new["num_experts_per_tok"]
+
+
+def test_per_layer_head_counts_follow_the_model_wide_count_down():
+    config = {
+        "num_hidden_layers": 3,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "num_attention_heads_per_layer": [48, 48, 48],
+    }
+    new = shrink_config(config).config
+    layers = new["num_hidden_layers"]
+    assert new["num_attention_heads_per_layer"] == [new["num_attention_heads"]] * layers

@@ -125,11 +125,16 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
             new[key] = EXPERT_INTERMEDIATE_SIZE
     if isinstance(config.get("mlp_only_layers"), list):
         new["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
-    for key in _TOKEN_ID_KEYS:
+    for offset, key in enumerate(_TOKEN_ID_KEYS, start=1):
         value = config.get(key)
         ids = value if isinstance(value, list) else [value]
         if any(isinstance(i, int) and i >= VOCAB_SIZE for i in ids):
-            new[key] = None
+            # Past the shrunk vocabulary: moved to its end (some config classes require an
+            # int); verify ignores EOS, so which token they name does not matter.
+            fitted = [
+                VOCAB_SIZE - offset if isinstance(i, int) and i >= VOCAB_SIZE else i for i in ids
+            ]
+            new[key] = fitted if isinstance(value, list) else fitted[0]
     if is_mla_config(config):
         # Latent attention: rope 64 and the latent (query D) at 512/128, the fused MLA
         # operator's limits (mla/shrink.py).

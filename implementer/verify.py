@@ -374,7 +374,16 @@ def load_model_pair(
 
     dtype = resolve_dtype(options.dtype)
     converted_dir = stage_converted(directory, workdir, config) if options.shrink else directory
-    reference, note = build_reference(plan, config, workdir / "reference", directory)
+    try:
+        reference, note = build_reference(plan, config, workdir / "reference", directory)
+    except KvskillError:
+        raise
+    except Exception as exc:  # the original model's own code refused the config
+        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
+        raise BadInputError(
+            f"the original {plan.get('model_type')} model cannot be built from {which}: "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
     if note:
         report.notes.append(note)
     if options.shrink or not load_original_weights(reference, directory):
@@ -531,3 +540,8 @@ __all__ = [
     "choose_prompt_lengths",
     "verify_directory",
 ]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)

@@ -177,3 +177,17 @@ def test_reapplied_output_still_verifies_against_the_first_source(converted, tmp
     )
     assert code == 0
     assert json.loads(stdout)["passed"] is True
+
+
+def test_verify_of_a_config_the_original_model_cannot_build_is_bad_input(tmp_path, capsys):
+    # A config.json the original modeling code refuses (here an unknown rope type) is the
+    # input's fault: exit 2 and one line, not an internal error.
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "apply", "qwen3", "--out", str(out))
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "no-such-rope"}
+    (out / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "verify", str(out))
+    assert code == 2
+    assert "cannot be built from the shrunk config" in err and "Traceback" not in err

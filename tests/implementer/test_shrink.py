@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvskill.implementer.shrink import MIN_LAYERS, shrink_config
+from kvskill.implementer.shrink import MIN_LAYERS, VOCAB_SIZE, shrink_config
 
 
 def test_every_per_layer_list_is_cut_with_the_layers_and_keeps_each_kind():
@@ -58,3 +58,12 @@ def test_per_layer_head_counts_follow_the_model_wide_count_down():
     new = shrink_config(config).config
     layers = new["num_hidden_layers"]
     assert new["num_attention_heads_per_layer"] == [new["num_attention_heads"]] * layers
+
+
+def test_token_ids_past_the_shrunk_vocabulary_stay_ints_inside_it():
+    # Some config classes (cwm) require an int bos/eos id: None would not build.
+    config = {"num_hidden_layers": 2, "bos_token_id": 100_000, "eos_token_id": [3, 128_001]}
+    new = shrink_config(config).config
+    assert isinstance(new["bos_token_id"], int) and 0 <= new["bos_token_id"] < VOCAB_SIZE
+    assert new["eos_token_id"][0] == 3 and 0 <= new["eos_token_id"][1] < VOCAB_SIZE
+    assert "pad_token_id" not in new  # keys the config did not have are not added

@@ -26,6 +26,10 @@ from kvskill.implementer.spec import FA_UNBOUNDED_TOKENS, ConversionSpec
 HEAD_DIM_ASSIGN = m.Assign(
     targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("head_dim")))]
 )
+#: ``self.v_head_dim = ...`` in __init__ (values narrower or wider than keys, e.g. MiMo)
+V_HEAD_DIM_ASSIGN = m.Assign(
+    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("v_head_dim")))]
+)
 SLIDING = "SlidingWindow"
 
 
@@ -82,6 +86,13 @@ def init_values(
         "head_dim_expr": "self.head_dim"
         if class_assigns(cls, HEAD_DIM_ASSIGN)
         else f'getattr({config}, "head_dim", None) or {config}.hidden_size // {config}.num_attention_heads',
+    }
+    # the value cache holds the value head dim when the layer has its own
+    values["dim_exprs"] = {
+        "k_cache": values["head_dim_expr"],
+        "v_cache": "self.v_head_dim"
+        if class_assigns(cls, V_HEAD_DIM_ASSIGN)
+        else values["head_dim_expr"],
     }
     if windowed:
         full = {k: str(FA_UNBOUNDED_TOKENS) for k in spec.attn_types}

@@ -25,7 +25,7 @@ self.cache_entries = [
     CacheEntry(
         cache_name="{{ name }}",
         attn_type=self.attn_type,
-        dim={{ head_dim_expr }},
+        dim={{ dim_exprs[name] }},
         num_head=self.num_key_value_heads_per_rank,
         # NOTE: get_cache_info() updates this to the layer's dtype after any cast.
         dtype=torch.get_default_dtype(),

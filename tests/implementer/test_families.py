@@ -89,3 +89,22 @@ def test_run_on_the_page_pool_generates_what_the_contiguous_layout_does(tmp_path
         assert exc.value.code == 0, report
         tokens[layout] = [r["token_ids"] for r in report["requests"]]
     assert tokens["page_pool"] == tokens["contiguous"]
+
+
+def test_value_head_dim_other_than_the_key_head_dim_verifies(tmp_path):
+    # MiMo-V2-Flash's values are 128 wide and its keys 192 (shrunk: 128 and 64): the value
+    # cache must be declared, written and read with the value head dim. Full attention only,
+    # since its sliding layers double the kv heads in code (verify catches that, see notes).
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "mimo"
+    overrides = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
+    apply_model("mimo_v2_flash", out, ApplyOptions(config_overrides=overrides))
+    source = (out / "modeling_mimo_v2_flash.py").read_text()
+    assert "dim=self.v_head_dim," in source
+    report = verify_directory(out, VerifyOptions())
+    assert (
+        report.config_changes["head_dim"][1] != report.config_changes.get("v_head_dim", [0, 128])[1]
+    )
+    assert report.passed, report.failures()

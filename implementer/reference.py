@@ -47,6 +47,7 @@ def _transformers_reference(
 
     config = AutoConfig.from_pretrained(str(workdir))
     config._attn_implementation = REFERENCE_ATTENTION
+    _check_fits(AutoModelForCausalLM, config, plan.get("model_type"))
     model = AutoModelForCausalLM.from_config(config, attn_implementation=REFERENCE_ATTENTION)
     note = None
     installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
@@ -57,6 +58,29 @@ def _transformers_reference(
             "reference uses the installed one"
         )
     return model, note
+
+
+def _check_fits(auto_cls, config, model_type: str | None) -> None:
+    """Refuse a config whose two models (original and converted, fp32) exceed free memory.
+
+    Counted on the meta device, so asking costs nothing; building them would instead end in
+    the kernel's out-of-memory kill with no message.
+    """
+    import torch
+    from kvskill.runtime.loader import available_memory_bytes
+
+    with torch.device("meta"):
+        shell = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
+    params = sum(p.numel() for p in shell.parameters())
+    need = 2 * 4 * params
+    free = available_memory_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise BadInputError(
+            f"verify would build the original and the converted {model_type} with "
+            f"{params / 1e6:,.0f}M parameters each (~{need / 2**30:.1f} GiB in fp32) but "
+            f"{free / 2**30:.1f} GiB is free; verify with the default shrink, or a smaller "
+            "config (a nested sub-config such as text_config is not shrunk)"
+        )
 
 
 def _directory_reference(

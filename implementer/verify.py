@@ -382,7 +382,7 @@ def load_model_pair(
         which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
         raise BadInputError(
             f"the original {plan.get('model_type')} model cannot be built from {which}: "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {_one_line(exc)}"
         ) from exc
     if note:
         report.notes.append(note)
@@ -542,6 +542,9 @@ __all__ = [
 ]
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else repr(exc)
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's message on one line (config validators raise several lines)."""
+    text = " ".join(str(exc).split())
+    if not text:
+        return repr(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

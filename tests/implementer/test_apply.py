@@ -191,3 +191,15 @@ def test_verify_of_a_config_the_original_model_cannot_build_is_bad_input(tmp_pat
     code, _, err = run_cli(capsys, "verify", str(out))
     assert code == 2
     assert "cannot be built from the shrunk config" in err and "Traceback" not in err
+
+
+def test_verify_refuses_models_that_do_not_fit_in_memory_before_building_them(
+    converted, monkeypatch
+):
+    # Counted on the meta device: a too-large config is a one-line error, not an OOM kill.
+    from kvskill.errors import BadInputError
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    monkeypatch.setattr("kvskill.runtime.loader.available_memory_bytes", lambda device: 1 << 20)
+    with pytest.raises(BadInputError, match="GiB is free"):
+        verify_directory(converted.directory("qwen3"), VerifyOptions())

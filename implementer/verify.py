@@ -457,7 +457,14 @@ def _verify(
     lengths = prompt_lengths_for(plan, config, options, block_size)
     vocab = int(config["vocab_size"])
     prompts = make_prompts(lengths, vocab, options.seed)
-    references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
+    try:
+        references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
+    except Exception as exc:  # the original model's own code fails on this config
+        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
+        raise BadInputError(
+            f"the original {plan.get('model_type')} model fails to generate with {which}: "
+            f"{type(exc).__name__}: {_one_line(exc)}"
+        ) from exc
     total_blocks = sum(math.ceil((n + options.max_new_tokens) / block_size) for n in lengths)
     recorder = _LogitRecorder()
     try:

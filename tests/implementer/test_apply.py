@@ -203,3 +203,17 @@ def test_verify_refuses_models_that_do_not_fit_in_memory_before_building_them(
     monkeypatch.setattr("kvskill.runtime.loader.available_memory_bytes", lambda device: 1 << 20)
     with pytest.raises(BadInputError, match="GiB is free"):
         verify_directory(converted.directory("qwen3"), VerifyOptions())
+
+
+def test_an_original_model_that_fails_to_generate_is_bad_input(converted, monkeypatch):
+    # e.g. hrm_text, whose stacks index layers past the shrunk count: the original's own
+    # failure is reported as such (exit 2), not as an internal error.
+    from kvskill.errors import BadInputError
+    from kvskill.implementer import verify
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(verify, "reference_generate", broken)
+    with pytest.raises(BadInputError, match="fails to generate with the shrunk config"):
+        verify.verify_directory(converted.directory("qwen3"), verify.VerifyOptions())

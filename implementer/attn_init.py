@@ -33,6 +33,20 @@ V_HEAD_DIM_ASSIGN = m.Assign(
 SLIDING = "SlidingWindow"
 
 
+def _local_assign(name: str) -> m.Assign:
+    """``name = ...`` (a local of ``__init__``, e.g. a per-layer head count)."""
+    return m.Assign(targets=[m.AssignTarget(target=m.Name(name))])
+
+
+def head_count_expr(cls: cst.ClassDef, config: str, key: str) -> str:
+    """The layer's own head count: a local ``key`` that ``__init__`` computes (MiMo-V2-Flash
+    doubles the KV heads of its sliding layers) when there is one, else ``config.key``.
+
+    The statements that use it are appended to ``__init__``, where the local is in scope.
+    """
+    return key if class_assigns(cls, _local_assign(key)) else f"{config}.{key}"
+
+
 def _offset(expr: str, offset: int) -> str:
     if offset == 0:
         return expr
@@ -81,6 +95,8 @@ def init_values(
         "attn_type_expr": attn_type_expr(spec, config, layer_idx),
         "config": config,
         "attn_tp_size": spec.attn_tp_size,
+        "heads_expr": head_count_expr(cls, config, "num_attention_heads"),
+        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads"),
         "windowed": windowed,
         "window_expr": "",
         "head_dim_expr": "self.head_dim"

@@ -16,8 +16,8 @@ INIT = """\
 # binds it through the entry's tensor_setter; until then the caches are empty placeholders.
 self.attn_type = {{ attn_type_expr }}
 self.attn_tp_size = {{ attn_tp_size }}  # attention tensor-parallel size the heads are split over
-self.num_heads_per_rank = {{ config }}.num_attention_heads // self.attn_tp_size
-self.num_key_value_heads_per_rank = max({{ config }}.num_key_value_heads // self.attn_tp_size, 1)
+self.num_heads_per_rank = {{ heads_expr }} // self.attn_tp_size
+self.num_key_value_heads_per_rank = max({{ kv_heads_expr }} // self.attn_tp_size, 1)
 self.k_cache = torch.Tensor([])
 self.v_cache = torch.Tensor([])
 self.cache_entries = [

@@ -91,20 +91,21 @@ def test_run_on_the_page_pool_generates_what_the_contiguous_layout_does(tmp_path
     assert tokens["page_pool"] == tokens["contiguous"]
 
 
-def test_value_head_dim_other_than_the_key_head_dim_verifies(tmp_path):
-    # MiMo-V2-Flash's values are 128 wide and its keys 192 (shrunk: 128 and 64): the value
-    # cache must be declared, written and read with the value head dim. Full attention only,
-    # since its sliding layers double the kv heads in code (verify catches that, see notes).
+def test_value_head_dim_and_per_layer_kv_heads_of_mimo_verify(tmp_path):
+    # MiMo-V2-Flash: values 128 wide on 192-wide keys (shrunk: 128 on 64), and sliding layers
+    # whose __init__ doubles the KV heads in a local. The value cache takes the value head
+    # dim; the heads per rank take the layer's own count.
     from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
 
     out = tmp_path / "mimo"
-    overrides = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2}
-    apply_model("mimo_v2_flash", out, ApplyOptions(config_overrides=overrides))
+    apply_model("mimo_v2_flash", out, ApplyOptions())
     source = (out / "modeling_mimo_v2_flash.py").read_text()
     assert "dim=self.v_head_dim," in source
+    assert "max(num_key_value_heads // self.attn_tp_size, 1)" in source
     report = verify_directory(out, VerifyOptions())
     assert (
         report.config_changes["head_dim"][1] != report.config_changes.get("v_head_dim", [0, 128])[1]
     )
+    assert set(report.config_changes["layer_types"][1]) == {"full_attention", "sliding_attention"}
     assert report.passed, report.failures()

@@ -235,6 +235,14 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
     after = list(body.body[seam.kernel_index + 1 :])
     leaked = (_assigned_names(inside) - set(seam.targets)) & _used_names(after)
     leaked -= {seam.key, seam.value, seam.query}
+    tiled = m.Call(
+        func=m.Attribute(value=m.Name(seam.key) | m.Name(seam.value), attr=m.Name("repeat"))
+    )
+    if any(m.findall(stmt, tiled) for stmt in inside):
+        facts.problems.append(
+            f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
+            "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
+        )
     if leaked:
         facts.problems.append(
             f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "

@@ -217,3 +217,12 @@ def test_an_original_model_that_fails_to_generate_is_bad_input(converted, monkey
     monkeypatch.setattr(verify, "reference_generate", broken)
     with pytest.raises(BadInputError, match="fails to generate with the shrunk config"):
         verify.verify_directory(converted.directory("qwen3"), verify.VerifyOptions())
+
+
+def test_kv_heads_tiled_with_repeat_are_refused(tmp_path, capsys):
+    # JetMoE repeats its KV heads (query head h reads KV head h % KVN); the fused operator
+    # groups them (h // G), so a conversion would attend to the wrong heads.
+    code, _, err = run_cli(capsys, "apply", "jetmoe", "--out", str(tmp_path / "out"))
+    assert code == 3
+    assert "tiles its KV heads with .repeat" in err
+    assert not (tmp_path / "out").exists()

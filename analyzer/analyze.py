@@ -101,10 +101,7 @@ def _refuse_non_causal(source: ModelSource) -> None:
             "serves causal decoders only"
         )
     if source.kind != "remote_code" and source.model_type not in causal_lm_model_types():
-        raise UnsupportedModelError(
-            f"'{source.model_type}' has no causal-LM class in the installed transformers "
-            "(encoder-only or not a text decoder)"
-        )
+        raise UnsupportedModelError(_no_causal_lm_reason(source))
     if source.modeling_file is None:
         raise UnsupportedModelError(
             f"no modeling file for '{source.model_type}' in the installed transformers"
@@ -121,6 +118,19 @@ def plan_for_source(
     hbm_gb: float | None,
 ) -> Plan:
     """All decisions for a resolved source."""
+    if _is_wrapper_without_causal_lm(source):
+        # A vision-language (or other composite) model that transformers does not map to a
+        # causal LM but whose language model is one: its KV cache is that model's.
+        inner = _language_model_source(source)
+        if inner is not None:
+            return plan_for_source(
+                inner,
+                deploy_mode=deploy_mode,
+                attn_tp_size=attn_tp_size,
+                block_size=block_size,
+                kv_memory_bytes=kv_memory_bytes,
+                hbm_gb=hbm_gb,
+            )
     _refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
@@ -295,6 +305,30 @@ def _cite_state_entries(entries: dict[str, list[dict]], source: ModelSource, boo
     book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
 
 
+def _is_wrapper_without_causal_lm(source: ModelSource) -> bool:
+    return (
+        source.kind != "remote_code"
+        and source.model_type not in causal_lm_model_types()
+        and not source.config.get("is_encoder_decoder")
+    )
+
+
+def _no_causal_lm_reason(source: ModelSource) -> str:
+    """Why a model type without a causal-LM class is refused, naming its text model if any."""
+    text = source.config.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    if isinstance(text_type, str) and text_type != source.model_type:
+        return (
+            f"'{source.model_type}' is a composite model whose language model "
+            f"('{text_type}') has no causal-LM class in the installed transformers; kvskill "
+            "converts language models that transformers builds as causal LMs"
+        )
+    return (
+        f"'{source.model_type}' has no causal-LM class in the installed transformers "
+        "(encoder-only or not a text decoder)"
+    )
+
+
 def _language_model_source(source: ModelSource) -> ModelSource | None:
     """A composite model whose language model is built from ``text_config`` via AutoModel."""
     text = source.config.get("text_config")
@@ -308,7 +342,12 @@ def _language_model_source(source: ModelSource) -> ModelSource | None:
     modeling = transformers_modeling_file(text_type)
     if modeling is None:
         return None
-    config, derived = build_config(text_type, dict(text), {})
+    text = dict(text)
+    if isinstance(source.config.get("tie_word_embeddings"), bool):
+        # The composite model owns the lm_head and ties it (or not) to its language model's
+        # embeddings by its own flag; the text config's flag is not the one it follows.
+        text["tie_word_embeddings"] = source.config["tie_word_embeddings"]
+    config, derived = build_config(text_type, text, {})
     return replace(
         source,
         model_type=text_type,

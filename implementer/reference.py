@@ -35,7 +35,9 @@ def build_reference(
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     conversion = plan["conversion"]
-    if plan["source"].get("kind") == "transformers":
+    # A model directory without modeling code of its own runs the installed transformers'
+    # class, like a model type given by name.
+    if plan["source"].get("kind") == "transformers" or conversion.get("package"):
         return _transformers_reference(plan, workdir, conversion)
     return _directory_reference(plan, workdir, conversion, converted_dir), None
 

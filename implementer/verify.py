@@ -195,12 +195,26 @@ def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def check_trust(plan: dict[str, Any], trust_remote_code: bool, directory: Path) -> None:
     """Code that does not come from the installed transformers runs only when trusted."""
     kind = plan.get("source", {}).get("kind")
-    if kind != "transformers" and not trust_remote_code:
+    if (
+        kind != "transformers"
+        and not trust_remote_code
+        and not _runs_transformers_code(plan, directory)
+    ):
         raise BadInputError(
             f"{directory} was converted from model code outside the installed transformers "
             f"({kind}: {plan['source'].get('path')}); verify runs that code, pass "
             "--trust-remote-code to allow it"
         )
+
+
+def _runs_transformers_code(plan: dict[str, Any], directory: Path) -> bool:
+    """True when the conversion came from the installed transformers' modeling file (a model
+    directory with config and weights only) and the output holds no other code of its own."""
+    conversion = plan.get("conversion", {})
+    if not conversion.get("package"):
+        return False
+    modeling = conversion.get("modeling_file")
+    return all(p.name == modeling or p.name.startswith("runner_") for p in directory.glob("*.py"))
 
 
 def choose_prompt_lengths(

@@ -81,9 +81,11 @@ class ApplyResult:
 
 
 def source_package(plan: Plan) -> str | None:
-    """Dotted package of a modeling file inside the installed transformers, else None."""
-    if plan.source.get("kind") != "transformers":
-        return None
+    """Dotted package of a modeling file inside the installed transformers, else None.
+
+    A model directory without its own modeling code (config and weights only) is converted
+    from the installed transformers' file too, so its relative imports become absolute.
+    """
     spec = importlib.util.find_spec("transformers")
     if spec is None or spec.origin is None:
         return None

@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 from kvskill.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
+from kvskill.runtime.composite_weights import language_model_state
 from kvskill.runtime.device import select_device
 from kvskill.runtime.kv_cache_manager import KVCacheManager, build_groups
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP, FIXED_BLOCK_ATTN_TYPES
@@ -285,6 +286,18 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
             state.update(load_file(str(path)))
         except Exception as exc:
             raise BadInputError(f"cannot read weights {path}: {exc}") from exc
+    tied = _tied_parameter_names(model)
+    needed = set(model.state_dict()) - tied
+    if not needed <= state.keys():
+        # A composite model's checkpoint (e.g. a vision-language model whose language model
+        # was converted): take the language model's tensors under their causal-LM names.
+        composite = language_model_state(state, needed)
+        if composite is not None:
+            state, ignored = composite
+            logger.info(
+                "weights: the language model of a composite checkpoint; ignored %s",
+                ", ".join(ignored) or "nothing",
+            )
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches raise even when not strict
@@ -294,7 +307,6 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
             f"weights do not match the model built from config.json "
             f"({len(mismatched) or 1} problem(s)); first: {first}"
         ) from exc
-    tied = _tied_parameter_names(model)
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         raise BadInputError(

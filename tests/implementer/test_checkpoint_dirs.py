@@ -1,0 +1,167 @@
+"""Checkpoint directories of transformers models (config + weights, no code of their own),
+and vision-language models whose language model is a causal LM.
+
+Each converted directory is run on its own saved weights and must give the tokens the
+original transformers model gives with those weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from kvskill.analyzer import analyze_model
+from kvskill.errors import UnsupportedModelError
+from kvskill.implementer.verify import VerifyOptions, condition_weights, verify_directory
+from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.runtime import LLM, SamplingParams
+from kvskill.runtime.composite_weights import language_model_state
+
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+)
+VISION = dict(
+    model_type="pixtral",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    head_dim=16,
+    image_size=64,
+    patch_size=16,
+)
+PROMPTS = [[3, 14, 15, 92, 65], list(range(20, 57))]
+NEW_TOKENS = 8
+
+
+def _save(model, path):
+    condition_weights(model, seed=7)  # random weights whose greedy tokens are not a tie
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def _hf_tokens(model) -> list[list[int]]:
+    tokens = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
+
+
+def _kvskill_tokens(directory) -> list[list[int]]:
+    llm = LLM(directory, num_blocks=16, block_size=8)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def mistral_checkpoint(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("mistral_ckpt")
+    config = AutoConfig.for_model("mistral", **TEXT)
+    model = _save(AutoModelForCausalLM.from_config(config), path)
+    return path, _hf_tokens(model)
+
+
+@pytest.fixture(scope="module")
+def mistral3_checkpoint(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path = tmp_path_factory.mktemp("mistral3_ckpt")
+    config = AutoConfig.for_model(
+        "mistral3", text_config=dict(model_type="mistral", **TEXT), vision_config=VISION
+    )
+    model = _save(AutoModelForImageTextToText.from_config(config), path)
+    return path, _hf_tokens(model)
+
+
+def test_checkpoint_directory_converts_with_absolute_imports_and_runs_its_weights(
+    mistral_checkpoint, tmp_path
+):
+    source, expected = mistral_checkpoint
+    out = tmp_path / "converted"
+    apply_model(str(source), out, ApplyOptions())
+    code = (out / "modeling_mistral.py").read_text()
+    # The file left the transformers package: `from ...activations` could not be imported.
+    assert "from ..." not in code and "from transformers.activations import" in code
+    assert json.loads((out / "kvskill_plan.json").read_text())["source"]["kind"] == "directory"
+    assert _kvskill_tokens(out) == expected
+
+
+def test_checkpoint_directory_verifies_without_trusting_remote_code(mistral_checkpoint, tmp_path):
+    out = tmp_path / "converted"
+    apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert report.passed
+
+
+def test_checkpoint_directory_with_its_own_code_still_needs_trust(mistral_checkpoint, tmp_path):
+    from kvskill.errors import BadInputError
+
+    out = tmp_path / "converted"
+    apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())
+    (out / "helpers.py").write_text("RAN = True\n")
+    with pytest.raises(BadInputError, match="--trust-remote-code"):
+        verify_directory(out, VerifyOptions())
+
+
+def test_vision_language_checkpoint_converts_its_language_model(mistral3_checkpoint, tmp_path):
+    source, expected = mistral3_checkpoint
+    out = tmp_path / "converted"
+    apply_model(str(source), out, ApplyOptions())
+    plan = json.loads((out / "kvskill_plan.json").read_text())
+    assert plan["model_type"] == "mistral"
+    assert plan["source"]["language_model_of"] == "mistral3"
+    config = json.loads((out / "config.json").read_text())
+    # mistral3 ties its lm_head to the language model's embeddings by its own flag
+    assert config["tie_word_embeddings"] is True
+    # Text-only prompts through the whole vision-language model give the same tokens as the
+    # converted language model fed the checkpoint's language-model tensors.
+    assert _kvskill_tokens(out) == expected
+    assert verify_directory(out, VerifyOptions()).passed
+
+
+def test_vision_language_model_by_name_delegates_to_its_text_model():
+    plan = analyze_model("llava")
+    assert plan.model_type == "llama"
+    assert plan.source["language_model_of"] == "llava"
+
+
+def test_vision_language_model_with_its_own_text_decoder_is_refused_by_name():
+    with pytest.raises(UnsupportedModelError, match="'qwen2_5_vl_text'"):
+        analyze_model("qwen2_5_vl")
+
+
+def test_language_model_state_renames_and_sets_the_rest_aside():
+    t = torch.zeros(1)
+    state = {
+        "model.language_model.embed_tokens.weight": t,
+        "model.language_model.layers.0.w": t,
+        "lm_head.weight": t,
+        "model.vision_tower.blocks.0.w": t,
+        "model.multi_modal_projector.w": t,
+    }
+    needed = {"model.embed_tokens.weight", "model.layers.0.w", "lm_head.weight"}
+    renamed, ignored = language_model_state(state, needed)
+    assert set(renamed) == needed
+    assert ignored == ["model.multi_modal_projector", "model.vision_tower"]
+    legacy = {"language_model.model.embed_tokens.weight": t, "language_model.lm_head.weight": t}
+    renamed, _ = language_model_state(legacy, {"model.embed_tokens.weight", "lm_head.weight"})
+    assert set(renamed) == {"model.embed_tokens.weight", "lm_head.weight"}
+    # Nothing provides model.norm.weight: not a composite checkpoint of this model.
+    assert language_model_state(state, needed | {"model.norm.weight"}) is None

@@ -427,7 +427,7 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     plan, config = read_conversion(directory)
     check_trust(plan, options.trust_remote_code, directory)
     check_verifiable(directory, plan, options)
-    shrunk = shrink_config(config) if options.shrink else None
+    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     run_config = shrunk.config if shrunk else config
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if plan.get("attention") == "mla":  # the MLA NZ caches need 16-token-aligned blocks

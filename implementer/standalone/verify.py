@@ -39,6 +39,7 @@ from kvskill.implementer.verify import (
     VerifyReport,
     check_trust,
     check_verifiable,
+    is_windowed,
     load_model_pair,
     make_prompts,
     prompt_lengths_for,
@@ -96,7 +97,7 @@ def verify_standalone(directory: Path, options: VerifyOptions) -> VerifyReport:
     record = standalone_record(directory, plan)
     check_trust(plan, options.trust_remote_code, directory)
     check_verifiable(directory, plan, options)
-    shrunk = shrink_config(config) if options.shrink else None
+    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if record.get("mla_absorb"):  # the MLA NZ caches need 16-token-aligned blocks
         block_size = -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE

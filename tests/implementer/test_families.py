@@ -109,3 +109,18 @@ def test_value_head_dim_and_per_layer_kv_heads_of_mimo_verify(tmp_path):
     )
     assert set(report.config_changes["layer_types"][1]) == {"full_attention", "sliding_attention"}
     assert report.passed, report.failures()
+
+
+def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
+    # Moshi's default sliding_window (3000) equals max_position_embeddings: transformers'
+    # DynamicCache windows every layer by it, but the window never binds, so the plain
+    # causal conversion is exact. verify must not shrink that window below its prompts (the
+    # original would then see only the last 8 tokens in decode and all of them in prefill).
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "moshi"
+    apply_model("moshi", out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert "sliding_window" not in report.config_changes
+    assert report.passed, report.failures()

@@ -124,3 +124,25 @@ def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
     report = verify_directory(out, VerifyOptions())
     assert "sliding_window" not in report.config_changes
     assert report.passed, report.failures()
+
+
+def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp_path):
+    # granite_swa's tied embeddings and unscaled q.k (attention_multiplier 1.0) give logits
+    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify.py); a
+    # window off by one must still fail.
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "granite_swa"
+    apply_model("granite_swa", out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert max(p.logit_scale for p in report.prompts) > 100
+    assert report.passed, report.failures()
+    path = out / "modeling_granite_swa.py"
+    text = path.read_text()
+    anchor = "config.sliding_window - 1"
+    assert text.count(anchor) == 1
+    path.write_text(text.replace(anchor, "config.sliding_window"))
+    mutated = verify_directory(out, VerifyOptions())
+    assert not mutated.passed
+    assert not mutated.tokens_identical or not mutated.logits_within

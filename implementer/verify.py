@@ -283,8 +283,13 @@ def reference_generate(
     # NOTE: both sides generate exactly max_new_tokens; the model's own EOS must not stop
     # the reference early (the runtime runs with ignore_eos).
     model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt])
+    # NOTE: an explicit all-ones mask: without one, generate masks out every prompt token
+    # equal to pad_token_id (0), which the runtime attends to (seed 2 draws token 0).
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+        )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logits = torch.stack([step[0].float() for step in out.logits])
     return tokens, logits

@@ -126,6 +126,16 @@ def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
     assert report.passed, report.failures()
 
 
+def test_prompt_tokens_equal_to_the_pad_id_are_attended_by_the_reference(converted):
+    # Seed 2 draws token 0, verify's pad_token_id: without an explicit attention mask
+    # transformers' generate masks those prompt tokens out, and the runtime does not.
+    from kvskill.implementer.verify import VerifyOptions, make_prompts, verify_directory
+
+    assert any(0 in p for p in make_prompts([3, 21, 19, 25], 256, seed=2))
+    report = verify_directory(converted.directory("qwen3"), VerifyOptions(seed=2))
+    assert report.passed, report.failures()
+
+
 def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp_path):
     # granite_swa's tied embeddings and unscaled q.k (attention_multiplier 1.0) give logits
     # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify.py); a

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
-from kvskill.analyzer.config import normalise
+from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inputs import (
@@ -170,6 +170,7 @@ def plan_for_source(
         )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
+    _window_only_in_cache(spec, source.config, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
@@ -327,6 +328,41 @@ def _no_causal_lm_reason(source: ModelSource) -> str:
         f"'{source.model_type}' has no causal-LM class in the installed transformers "
         "(encoder-only or not a text decoder)"
     )
+
+
+def _window_only_in_cache(spec: ModelSpec, config: dict[str, Any], book: Notebook) -> None:
+    """A ``sliding_window`` the attention never reads, which transformers' cache still applies.
+
+    With no ``layer_types``, transformers' ``DynamicCache(config=...)`` makes every layer a
+    sliding-window cache layer as soon as ``config.sliding_window`` is set (cache_utils
+    ``get_layer_types_and_kwargs``), and that layer keeps only the last W-1 keys. A model
+    whose mask stays plain causal (moshi) then attends to the whole prompt in prefill but to
+    the last W tokens in decode, so its output depends on how the sequence was split; no one
+    mask of the fused operator (causal or band) gives both. The window is harmless only when
+    it cannot bind: W >= max_position_embeddings (moshi's default, 3000 and 3000).
+    """
+    from_window_alone = spec.layer_pattern_source.rsplit(".", 1)[-1] == "sliding_window"
+    if spec.sliding_window is None or not from_window_alone or "sliding" in spec.layer_kinds:
+        return  # no window, a layer pattern, or code that reads the window (mistral)
+    window, key = spec.sliding_window, spec.sources.get("sliding_window")
+    max_positions = text_config(config)[0].get("max_position_embeddings")
+    if isinstance(max_positions, int) and window >= max_positions:
+        book.cite(
+            "layers",
+            f"transformers' cache keeps a window of sliding_window={window} keys per layer "
+            f"(no layer_types), but it never binds: max_position_embeddings={max_positions}",
+            book.cfg(key),
+        )
+        return
+    msg = (
+        "mask and cache disagree: the mask is plain causal but transformers' DynamicCache "
+        f"makes every layer a sliding-window cache (sliding_window={window}, no layer_types, "
+        f"max_position_embeddings={max_positions}): prefill attends to the whole prompt, "
+        f"decode only to the last {window} tokens, and no single fused-attention mask gives "
+        "both; set sliding_window to null or >= max_position_embeddings"
+    )
+    book.warn(msg)
+    book.block(msg)
 
 
 def _language_model_source(source: ModelSource) -> ModelSource | None:

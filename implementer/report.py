@@ -21,7 +21,7 @@ def format_table(report: VerifyReport) -> str:
         f"config: {'shrunk' if report.shrunk else 'as converted'}"
         + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
         + f"; dtype {report.dtype}; block size {report.block_size}; kv layout {report.kv_layout}"
-        + f"; atol {report.atol:g}",
+        + f"; atol {report.atol:g} + rtol {report.rtol:.2g} x largest logit",
         "",
     ]
     rows = [
@@ -54,7 +54,8 @@ def format_table(report: VerifyReport) -> str:
         f"{verdict}: tokens {'identical' if report.tokens_identical else 'differ'}"
         + (f" ({ties} near tie(s))" if ties else "")
         + ", max logit "
-        f"diff {report.max_logit_diff:.2e} (atol {report.atol:g}), chains "
+        f"diff {report.max_logit_diff:.2e} (atol {report.atol:g} + rtol {report.rtol:.2g} x "
+        f"largest logit {max((p.logit_scale for p in report.prompts), default=0.0):.3g}), chains "
         f"{'ok' if report.chains and all(c['passed'] for c in report.chains) else 'not ok'}"
     )
     return "\n".join(lines)

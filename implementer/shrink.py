@@ -83,8 +83,14 @@ def _num_layers(config: dict[str, Any]) -> int:
     return min(total, needed)
 
 
-def shrink_config(config: dict[str, Any]) -> ShrinkResult:
-    """A tiny config with the same structure as ``config`` (which is not modified)."""
+def shrink_config(config: dict[str, Any], *, shrink_window: bool = True) -> ShrinkResult:
+    """A tiny config with the same structure as ``config`` (which is not modified).
+
+    ``shrink_window=False`` keeps ``sliding_window`` as it is, for a model none of whose
+    layers attends over it: transformers may still build its cache from the window (moshi's
+    ``DynamicCache`` windows every layer when there are no ``layer_types``), so a window
+    shrunk below the prompts would change the original, not exercise the conversion.
+    """
     new = dict(config)
     layers = _num_layers(config)
     new["num_hidden_layers"] = layers
@@ -104,7 +110,7 @@ def shrink_config(config: dict[str, Any]) -> ShrinkResult:
     if "intermediate_size" in config:
         new["intermediate_size"] = INTERMEDIATE_SIZE
     new["vocab_size"] = VOCAB_SIZE
-    if isinstance(config.get("sliding_window"), int):
+    if shrink_window and isinstance(config.get("sliding_window"), int):
         new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
     for key in _EXPERT_COUNT_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:

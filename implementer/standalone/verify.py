@@ -3,8 +3,9 @@
 Same criterion as framework verify (design §6): the reference is transformers ``generate``
 (greedy, one prompt at a time) on the original code; the converted model gets identical
 weights and runs the same variable-length prompts through ``runner_<model>.py`` as one static
-batch. Tokens must be identical and every step's logits within ``atol``. The chains that apply
-to a runner-owned cache:
+batch. Tokens must be identical and every step's logits within ``atol`` (plus ``LOGIT_RTOL`` of
+the largest reference logit, see ``verify.py``). The chains that apply to a runner-owned
+cache:
 
 1. init: every cache entry is bound to the tensor the runner allocated, with the mode's shape
    ([batch, max_seq_len, heads * dim] contiguous, [total_blocks, block_size, heads, dim] paged)
@@ -39,7 +40,9 @@ from kvskill.implementer.verify import (
     VerifyReport,
     check_trust,
     check_verifiable,
+    is_windowed,
     load_model_pair,
+    logit_scale,
     make_prompts,
     prompt_lengths_for,
     read_conversion,
@@ -96,7 +99,7 @@ def verify_standalone(directory: Path, options: VerifyOptions) -> VerifyReport:
     record = standalone_record(directory, plan)
     check_trust(plan, options.trust_remote_code, directory)
     check_verifiable(directory, plan, options)
-    shrunk = shrink_config(config) if options.shrink else None
+    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if record.get("mla_absorb"):  # the MLA NZ caches need 16-token-aligned blocks
         block_size = -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE
@@ -282,4 +285,5 @@ def _compare(index, prompt, tokens, ref_logits, runner_tokens, runner_logits) ->
         runtime_tokens=list(runner_tokens),
         max_logit_diff=diff,
         first_mismatch=mismatch,
+        logit_scale=logit_scale(ref_logits, steps),
     )

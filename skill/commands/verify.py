@@ -42,7 +42,13 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 )
 @click.option("--num-prompts", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--atol", type=float, default=None, help="Logit tolerance (default 1e-4 in float32).")
+@click.option(
+    "--atol",
+    type=float,
+    default=None,
+    help="Absolute logit tolerance (default 1e-4 in float32), plus 16 float32 ulps of the "
+    "largest reference logit.",
+)
 @kv_layout_option
 @block_size_option
 @dtype_option

@@ -226,3 +226,16 @@ def test_kv_heads_tiled_with_repeat_are_refused(tmp_path, capsys):
     assert code == 3
     assert "tiles its KV heads with .repeat" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_window_only_the_cache_applies_is_refused(tmp_path, capsys):
+    # Moshi's mask is plain causal, but with no layer_types transformers' DynamicCache makes
+    # every layer a sliding-window cache: prefill sees the whole prompt, decode the last W
+    # tokens. A window below max_position_embeddings binds, and no single mask matches.
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        capsys, "apply", "moshi", "--config-overrides", "sliding_window=8", "--out", str(out)
+    )
+    assert code == 3
+    assert "mask and cache disagree" in err and "sliding_window=8" in err
+    assert not out.exists()

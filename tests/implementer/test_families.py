@@ -109,3 +109,50 @@ def test_value_head_dim_and_per_layer_kv_heads_of_mimo_verify(tmp_path):
     )
     assert set(report.config_changes["layer_types"][1]) == {"full_attention", "sliding_attention"}
     assert report.passed, report.failures()
+
+
+def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
+    # Moshi's default sliding_window (3000) equals max_position_embeddings: transformers'
+    # DynamicCache windows every layer by it, but the window never binds, so the plain
+    # causal conversion is exact. verify must not shrink that window below its prompts (the
+    # original would then see only the last 8 tokens in decode and all of them in prefill).
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "moshi"
+    apply_model("moshi", out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert "sliding_window" not in report.config_changes
+    assert report.passed, report.failures()
+
+
+def test_prompt_tokens_equal_to_the_pad_id_are_attended_by_the_reference(converted):
+    # Seed 2 draws token 0, verify's pad_token_id: without an explicit attention mask
+    # transformers' generate masks those prompt tokens out, and the runtime does not.
+    from kvskill.implementer.verify import VerifyOptions, make_prompts, verify_directory
+
+    assert any(0 in p for p in make_prompts([3, 21, 19, 25], 256, seed=2))
+    report = verify_directory(converted.directory("qwen3"), VerifyOptions(seed=2))
+    assert report.passed, report.failures()
+
+
+def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp_path):
+    # granite_swa's tied embeddings and unscaled q.k (attention_multiplier 1.0) give logits
+    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify.py); a
+    # window off by one must still fail.
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "granite_swa"
+    apply_model("granite_swa", out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert max(p.logit_scale for p in report.prompts) > 100
+    assert report.passed, report.failures()
+    path = out / "modeling_granite_swa.py"
+    text = path.read_text()
+    anchor = "config.sliding_window - 1"
+    assert text.count(anchor) == 1
+    path.write_text(text.replace(anchor, "config.sliding_window"))
+    mutated = verify_directory(out, VerifyOptions())
+    assert not mutated.passed
+    assert not mutated.tokens_identical or not mutated.logits_within

@@ -67,3 +67,11 @@ def test_token_ids_past_the_shrunk_vocabulary_stay_ints_inside_it():
     assert isinstance(new["bos_token_id"], int) and 0 <= new["bos_token_id"] < VOCAB_SIZE
     assert new["eos_token_id"][0] == 3 and 0 <= new["eos_token_id"][1] < VOCAB_SIZE
     assert "pad_token_id" not in new  # keys the config did not have are not added
+
+
+def test_a_window_no_layer_uses_can_be_kept():
+    # verify keeps a window the plan does not use: transformers may still build the original's
+    # cache from it (moshi), so shrinking it would change the original.
+    config = {"num_hidden_layers": 2, "sliding_window": 3000, "max_position_embeddings": 3000}
+    assert shrink_config(config).config["sliding_window"] == 8
+    assert shrink_config(config, shrink_window=False).config["sliding_window"] == 3000

@@ -45,3 +45,42 @@ def test_prompt_lengths_span_blocks_and_the_window():
     assert lengths == [3, 21, 19, 33]
     assert len(set(lengths)) == 4 and max(lengths) > 8 and max(lengths) > 4 * 4
     assert max(choose_prompt_lengths(6, block_size=4, window=None, limit=10)) <= 10
+
+
+def _report_with(max_logit_diff: float, logit_scale: float, rtol: float | None = None):
+    from kvskill.implementer.verify import LOGIT_RTOL, PromptResult, VerifyReport
+
+    prompt = PromptResult(
+        index=0,
+        prompt_len=21,
+        reference_tokens=[1],
+        runtime_tokens=[1],
+        max_logit_diff=max_logit_diff,
+        first_mismatch=None,
+        logit_scale=logit_scale,
+    )
+    report = VerifyReport(
+        model_type="m",
+        directory="d",
+        shrunk=True,
+        config_changes={},
+        dtype="float32",
+        atol=1e-4,
+        block_size=4,
+        rtol=LOGIT_RTOL if rtol is None else rtol,
+    )
+    report.prompts.append(prompt)
+    return report
+
+
+def test_logit_tolerance_grows_with_the_float32_spacing_of_the_largest_logit():
+    # granite_swa: 1.8e-4 apart at logits near 172 is 12 float32 ulps (one ulp 1.5e-5 there)
+    assert _report_with(1.8e-4, logit_scale=172.0).logits_within
+    # the same difference on logits of order 1 is 1000 ulps: a real error
+    assert not _report_with(1.8e-4, logit_scale=1.0).logits_within
+    # an error that changes logits (window off by one, wrong scale) is caught at any scale
+    assert not _report_with(1e-2, logit_scale=172.0).logits_within
+    # rtol 0 is the plain absolute check
+    report = _report_with(1.8e-4, logit_scale=172.0, rtol=0.0)
+    assert not report.logits_within
+    assert "logits differ by 0.00018 > 0.0001" in report.failures()[0]

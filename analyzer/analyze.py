@@ -166,7 +166,7 @@ def plan_for_source(
             "source",
             f"'{source.delegated_from}' builds its language model from text_config "
             f"(model_type '{source.model_type}'); the KV cache is that model's",
-            book.cfg("text_config.model_type"),
+            book.cfg("model_type"),
         )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
@@ -379,6 +379,10 @@ def _language_model_source(source: ModelSource) -> ModelSource | None:
     if modeling is None:
         return None
     text = dict(text)
+    # --config-overrides name the model the user converts: the language model.
+    for key in source.overridden:
+        if key != "text_config" and key in source.config:
+            text[key] = source.config[key]
     if isinstance(source.config.get("tie_word_embeddings"), bool):
         # The composite model owns the lm_head and ties it (or not) to its language model's
         # embeddings by its own flag; the text config's flag is not the one it follows.
@@ -390,7 +394,7 @@ def _language_model_source(source: ModelSource) -> ModelSource | None:
         modeling_file=str(modeling),
         config=config,
         derived=derived,
-        overridden=(),
+        overridden=source.overridden,
         delegated_from=source.model_type,
     )
 

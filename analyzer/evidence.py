@@ -36,7 +36,12 @@ class Notebook:
         top = key.split(".")[0].split("+")[0]
         if top in self.source.overridden:
             return f"--config-overrides {key}"
-        if self.source.kind == "transformers":
+        if self.source.delegated_from:
+            # The language model's config is the composite's text_config.
+            key = f"text_config.{key}"
+            if self.source.kind == "transformers":
+                return f"{self.source.delegated_from} default config:{key}"
+        elif self.source.kind == "transformers":
             return f"{self.source.model_type} default config:{key}"
         return f"config.json:{key}"
 

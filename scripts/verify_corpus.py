@@ -3,6 +3,7 @@ transformers, each in its own process, and a summary of the outcomes.
 
     .venv/bin/python scripts/verify_corpus.py --jobs 2 --json corpus.json
     .venv/bin/python scripts/verify_corpus.py llama beam laguna
+    .venv/bin/python scripts/verify_corpus.py --vision-language --json corpus.json
 
 Configs are transformers' defaults (verify shrinks them); nothing is downloaded. A process
 per model keeps one model's crash or memory from touching the others. Outcomes:
@@ -84,16 +85,34 @@ def run_one(model_type: str, workdir: Path) -> Outcome:
     return Outcome(model_type, kind, 0, code, message)
 
 
+def _vision_language_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    return sorted(
+        set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="*", help="default: every causal-LM model type")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write every outcome here")
+    parser.add_argument(
+        "--vision-language",
+        action="store_true",
+        help="also the image-text-to-text types transformers maps to no causal-LM class",
+    )
     args = parser.parse_args(argv)
 
     from kvskill.analyzer.corpus import corpus_model_types
 
-    types = args.model_types or corpus_model_types()
+    types = list(args.model_types or corpus_model_types())
+    if args.vision_language:
+        types += [t for t in _vision_language_types() if t not in types]
     with (
         tempfile.TemporaryDirectory(prefix="kvskill-corpus-") as tmp,
         ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool,

@@ -142,6 +142,15 @@ def test_vision_language_model_by_name_delegates_to_its_text_model():
     assert plan.source["language_model_of"] == "llava"
 
 
+def test_config_overrides_of_a_vision_language_model_reach_its_language_model():
+    plan = analyze_model("mistral3", config_overrides={"num_hidden_layers": 3})
+    assert len(plan.layers) == 3
+    evidence = {e["decision"]: e["source"] for e in plan.to_dict()["evidence"]}
+    # Config keys are cited where they live: the composite's text_config.
+    assert evidence["source"] == "mistral3 default config:text_config.model_type"
+    assert evidence["attention"].startswith("mistral3 default config:text_config.")
+
+
 def test_vision_language_model_with_its_own_text_decoder_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="'qwen2_5_vl_text'"):
         analyze_model("qwen2_5_vl")

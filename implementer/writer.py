@@ -302,7 +302,7 @@ class OutputFiles:
         model_dir = _model_dir(plan)
         return cls(
             texts=texts,
-            extras=_extra_files(model_dir, modeling_name),
+            extras={**_extra_files(model_dir, modeling_name), **_generation_config(model_dir)},
             weights=_weight_files(model_dir),
             copy_weights=copy_weights,
         )
@@ -327,6 +327,12 @@ def _extra_files(model_dir: Path | None, modeling_name: str) -> dict[str, Path]:
         for p in sorted(model_dir.glob("*.py"))
         if p.name != modeling_name and not p.name.startswith("runner_")
     }
+
+
+def _generation_config(model_dir: Path | None) -> dict[str, Path]:
+    """The checkpoint's ``generation_config.json`` (its end tokens), kept unchanged."""
+    path = model_dir / "generation_config.json" if model_dir is not None else None
+    return {path.name: path} if path is not None and path.is_file() else {}
 
 
 def _weight_files(model_dir: Path | None) -> list[Path]:

@@ -14,6 +14,7 @@ from kvskill.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.loader import (
+    generation_eos_token_id,
     load_model,
     max_tokens_per_request,
     prepare_kv_cache,
@@ -157,7 +158,11 @@ class LLM:
         return int(vocab)
 
     def _eos_token_ids(self, override: int | Sequence[int] | None) -> list[int]:
-        value = override if override is not None else getattr(self.config, "eos_token_id", None)
+        value = override
+        if value is None:
+            value = generation_eos_token_id(self.model_dir)
+        if value is None:
+            value = getattr(self.config, "eos_token_id", None)
         if value is None:
             return []
         return [int(value)] if isinstance(value, int) else [int(v) for v in value]

@@ -127,6 +127,30 @@ def _read_config(model_dir: Path) -> dict:
     return data
 
 
+def generation_eos_token_id(model_dir: Path | None) -> int | list[int] | None:
+    """``eos_token_id`` of the directory's ``generation_config.json``, else None.
+
+    A checkpoint's generation config is what transformers' ``generate`` stops at, and it
+    often names more end tokens than ``config.json`` (an instruct model's end-of-turn).
+    """
+    path = model_dir / "generation_config.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from exc
+    value = data.get("eos_token_id") if isinstance(data, dict) else None
+    if value is None:
+        return None
+    ids = [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise BadInputError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return value
+
+
 def import_model_package(model_dir: Path) -> str:
     """Register ``model_dir`` as a fresh package; returns its import name.
 

@@ -103,6 +103,30 @@ def test_checkpoint_directory_converts_with_absolute_imports_and_runs_its_weight
     assert _kvskill_tokens(out) == expected
 
 
+def test_generation_config_end_tokens_are_kept_and_stop_generation(mistral_checkpoint, tmp_path):
+    import shutil
+
+    source, expected = mistral_checkpoint
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(source, checkpoint)
+    # An end-of-turn token the model emits third, as an instruct checkpoint lists it beside
+    # config.json's EOS: transformers' generate stops there, so must the runtime.
+    end_of_turn = expected[0][2]
+    (checkpoint / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [255, end_of_turn]})
+    )
+    out = tmp_path / "converted"
+    apply_model(str(checkpoint), out, ApplyOptions())
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"][1] == (
+        end_of_turn
+    )
+    llm = LLM(out, num_blocks=16, block_size=8)
+    (output,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS))
+    first = expected[0].index(end_of_turn)
+    assert output.token_ids == expected[0][: first + 1]
+    assert output.finish_reason == "stop"
+
+
 def test_checkpoint_directory_verifies_without_trusting_remote_code(mistral_checkpoint, tmp_path):
     out = tmp_path / "converted"
     apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())

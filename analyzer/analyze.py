@@ -184,6 +184,11 @@ def plan_for_source(
             "paged KV cache and the vision tower (no KV cache) is left as it is",
             book.cfg("text_config.model_type"),
         )
+        book.warn(
+            "vision-language model: the runtime passes token ids with one position per token; "
+            "text-only requests are exact (every multimodal-rope section is the text position), "
+            "image and video inputs with their 3-D rope positions are not passed through"
+        )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
     _window_only_in_cache(spec, source.config, book)

@@ -152,11 +152,13 @@ def load_original_weights(model: nn.Module, directory: Path) -> bool:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return False
+    from kvskill.runtime.checkpoint_names import transformers_renamed_state
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
     for path in files:
         state.update(load_file(str(path)))
+    state = transformers_renamed_state(model, state, set(model.state_dict())) or state
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise BadInputError(

@@ -112,20 +112,31 @@ def _shrink_composite(config: dict[str, Any], *, shrink_window: bool) -> ShrinkR
     # head into sections sized for it, often by a default in the code that the config does
     # not list (qwen2_5_vl: [16, 24, 24] of 64).
     text = _shrink_decoder(inner, shrink_window=shrink_window, head_dim=_head_dim(inner))
-    new = {**config, "text_config": text.config}
+    towers = _shrink_towers({k: v for k, v in config.items() if k != "text_config"})
     changes = {f"text_config.{k}": change for k, change in text.changes.items()}
+    changes.update(towers.changes)
+    return ShrinkResult(config={**towers.config, "text_config": text.config}, changes=changes)
+
+
+def _shrink_towers(config: dict[str, Any], prefix: str = "") -> ShrinkResult:
+    """Every ``*_config`` below CONFIG to TOWER_LAYERS layers, and its vocabulary (a text
+    encoder inside a vision tower: deepseek_ocr2) to VOCAB_SIZE, at any depth."""
+    new, changes = dict(config), {}
     for key, tower in config.items():
-        if key == "text_config" or not key.endswith("_config") or not isinstance(tower, dict):
+        if not key.endswith("_config") or not isinstance(tower, dict):
             continue
-        layers = {
-            k: TOWER_LAYERS
-            for k in _TOWER_LAYER_KEYS
-            if isinstance(tower.get(k), int) and tower[k] > TOWER_LAYERS
-        }
-        if layers:
-            new[key] = {**tower, **layers}
-            changes.update({f"{key}.{k}": (tower[k], v) for k, v in layers.items()})
+        inner = _shrink_towers(tower, f"{prefix}{key}.")
+        sizes = {k: TOWER_LAYERS for k in _TOWER_LAYER_KEYS if _above(tower.get(k), TOWER_LAYERS)}
+        if _above(tower.get("vocab_size"), VOCAB_SIZE):
+            sizes["vocab_size"] = VOCAB_SIZE
+        new[key] = {**inner.config, **sizes}
+        changes.update(inner.changes)
+        changes.update({f"{prefix}{key}.{k}": (tower[k], v) for k, v in sizes.items()})
     return ShrinkResult(config=new, changes=changes)
+
+
+def _above(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > limit
 
 
 def _head_dim(config: dict[str, Any]) -> int:

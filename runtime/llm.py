@@ -74,6 +74,8 @@ class LLM:
             random_weights=random_weights,
             trust_remote_code=trust_remote_code,
         )
+        #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
+        self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
         self.device = param.device if param is not None else select_device(device)
         with _layout_logging(log_layout):
@@ -88,7 +90,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len
-                or getattr(self.config, "max_position_embeddings", None),
+                or getattr(self.text_config, "max_position_embeddings", None),
             )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         scheduler_config = SchedulerConfig(
@@ -127,7 +129,7 @@ class LLM:
                     "max_model_len"
                 )
             return requested
-        limit = getattr(self.config, "max_position_embeddings", None) or capacity
+        limit = getattr(self.text_config, "max_position_embeddings", None) or capacity
         if capacity < 2:
             raise BadInputError(
                 f"the KV cache holds only {capacity} token(s) for one request; give more "
@@ -142,7 +144,7 @@ class LLM:
         return min(limit, capacity)
 
     def _vocab_size(self) -> int:
-        vocab = getattr(self.config, "vocab_size", None)
+        vocab = getattr(self.text_config, "vocab_size", None)
         if vocab is None:
             head = (
                 self.model.get_output_embeddings()
@@ -157,7 +159,10 @@ class LLM:
         return int(vocab)
 
     def _eos_token_ids(self, override: int | Sequence[int] | None) -> list[int]:
-        value = override if override is not None else getattr(self.config, "eos_token_id", None)
+        value = override
+        for config in (self.text_config, self.config):
+            # NOTE: vision-language checkpoints may name EOS on the composite config only
+            value = value if value is not None else getattr(config, "eos_token_id", None)
         if value is None:
             return []
         return [int(value)] if isinstance(value, int) else [int(v) for v in value]
@@ -248,6 +253,12 @@ class LLM:
             yield hook
         finally:
             self.engine.step_hooks.remove(hook)
+
+
+def _text_config(config):
+    """``config.get_text_config()`` (the ``text_config`` of a composite config), else CONFIG."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def _acquire_model(model, *, dtype, device, seed, random_weights, trust_remote_code):

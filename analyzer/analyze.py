@@ -19,6 +19,7 @@ from kvskill.analyzer.inputs import (
     build_config,
     causal_lm_class_name,
     causal_lm_model_types,
+    image_text_to_text_class_name,
     resolve_model,
     transformers_modeling_file,
 )
@@ -100,7 +101,11 @@ def _refuse_non_causal(source: ModelSource) -> None:
             f"'{source.model_type}' is an encoder-decoder model (cross-attention); kvskill "
             "serves causal decoders only"
         )
-    if source.kind != "remote_code" and source.model_type not in causal_lm_model_types():
+    if (
+        source.kind != "remote_code"
+        and source.model_type not in causal_lm_model_types()
+        and source.vision_language_head is None
+    ):
         raise UnsupportedModelError(_no_causal_lm_reason(source))
     if source.modeling_file is None:
         raise UnsupportedModelError(
@@ -131,9 +136,11 @@ def plan_for_source(
                 kv_memory_bytes=kv_memory_bytes,
                 hbm_gb=hbm_gb,
             )
+        source = _with_own_text_decoder(source)
     _refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
+    hint = source.vision_language_head or hint
     if source.kind == "remote_code":
         auto = (source.config.get("auto_map") or {}).get("AutoModelForCausalLM")
         hint = auto.split(".")[-1] if isinstance(auto, str) else None
@@ -167,6 +174,20 @@ def plan_for_source(
             f"'{source.delegated_from}' builds its language model from text_config "
             f"(model_type '{source.model_type}'); the KV cache is that model's",
             book.cfg("model_type"),
+        )
+    if source.vision_language_head:
+        book.cite(
+            "source",
+            f"'{source.model_type}' defines its text decoder in its own modeling file (text "
+            f"model type '{_text_model_type(source)}' has no causal-LM class): "
+            f"{roles.causal_lm} is converted, its text attention {roles.attention[0]} gets the "
+            "paged KV cache and the vision tower (no KV cache) is left as it is",
+            book.cfg("text_config.model_type"),
+        )
+        book.warn(
+            "vision-language model: the runtime passes token ids with one position per token; "
+            "text-only requests are exact (every multimodal-rope section is the text position), "
+            "image and video inputs with their 3-D rope positions are not passed through"
         )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
@@ -314,10 +335,25 @@ def _is_wrapper_without_causal_lm(source: ModelSource) -> bool:
     )
 
 
-def _no_causal_lm_reason(source: ModelSource) -> str:
-    """Why a model type without a causal-LM class is refused, naming its text model if any."""
+def _text_model_type(source: ModelSource) -> str | None:
     text = source.config.get("text_config")
     text_type = text.get("model_type") if isinstance(text, dict) else None
+    return text_type if isinstance(text_type, str) else None
+
+
+def _with_own_text_decoder(source: ModelSource) -> ModelSource:
+    """A vision-language model whose text decoder is defined in its own modeling file
+    (qwen2_5_vl, qwen3_vl, glm4v, ...): its text model type has no causal-LM class, so the
+    whole ``*ForConditionalGeneration`` is converted. Unchanged when the type has none."""
+    head = image_text_to_text_class_name(source.model_type)
+    if head is None or _text_model_type(source) in (None, source.model_type):
+        return source
+    return replace(source, vision_language_head=head)
+
+
+def _no_causal_lm_reason(source: ModelSource) -> str:
+    """Why a model type without a causal-LM class is refused, naming its text model if any."""
+    text_type = _text_model_type(source)
     if isinstance(text_type, str) and text_type != source.model_type:
         return (
             f"'{source.model_type}' is a composite model whose language model "

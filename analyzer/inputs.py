@@ -47,6 +47,9 @@ class ModelSource:
     derived: dict[str, Any] = field(default_factory=dict)
     #: the composite model type whose ``text_config`` language model this is, if any
     delegated_from: str | None = None
+    #: the vision-language class that holds the text decoder in its own modeling file
+    #: (qwen2_5_vl), when the model type has no causal-LM class
+    vision_language_head: str | None = None
 
     def as_plan_source(self) -> dict[str, Any]:
         source = {
@@ -57,6 +60,8 @@ class ModelSource:
         }
         if self.delegated_from:
             source["language_model_of"] = self.delegated_from
+        if self.vision_language_head:
+            source["vision_language_head"] = self.vision_language_head
         return source
 
 
@@ -127,6 +132,15 @@ def causal_lm_class_name(model_type: str) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def image_text_to_text_class_name(model_type: str) -> str | None:
+    """The ``*ForConditionalGeneration`` class of a vision-language type (qwen2_5_vl ->
+    ``Qwen2_5_VLForConditionalGeneration``), or None when transformers maps it to none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
     return name if isinstance(name, str) else None
 
 

@@ -23,6 +23,7 @@ from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCo
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.model_class import CacheInfoCommand
 from kvskill.implementer.spec import ConversionSpec
+from kvskill.implementer.text_model import LocalTextModelCommand, text_model_problems
 from libcst.codemod import CodemodContext
 
 #: Order matters only at the ends: imports are made absolute first so every later command
@@ -34,6 +35,7 @@ COMMANDS = (
     AttentionForwardCommand,
     CacheInfoCommand,
     SkipDenseMasksCommand,
+    LocalTextModelCommand,
     RuntimeImportsCommand,
 )
 
@@ -68,7 +70,7 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
     attention = [c for c in classes if is_attention_class(c)]
     heads = [c for c in classes if is_causal_lm_class(c)]
-    problems: list[str] = []
+    problems: list[str] = text_model_problems(module)
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "

@@ -42,15 +42,26 @@ def build_reference(
     return _directory_reference(plan, workdir, conversion, converted_dir), None
 
 
+def _auto_class(plan: dict[str, Any]):
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model
+    converted as a whole (its text model type has no causal-LM class: qwen2_5_vl)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if plan["source"].get("vision_language_head"):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def _transformers_reference(
     plan: dict[str, Any], workdir: Path, conversion: dict[str, Any]
 ) -> tuple[nn.Module, str | None]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(workdir))
     config._attn_implementation = REFERENCE_ATTENTION
-    _check_fits(AutoModelForCausalLM, config, plan.get("model_type"))
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=REFERENCE_ATTENTION)
+    auto_cls = _auto_class(plan)
+    _check_fits(auto_cls, config, plan.get("model_type"))
+    model = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
     note = None
     installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
     digest = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else ""
@@ -84,7 +95,7 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
             f"verify would build the original and the converted {model_type} with "
             f"{params / 1e6:,.0f}M parameters each (~{need / 2**30:.1f} GiB in fp32) but "
             f"{free / 2**30:.1f} GiB is free; verify with the default shrink, or a smaller "
-            "config (a nested sub-config such as text_config is not shrunk)"
+            "config"
         )
 
 
@@ -141,11 +152,13 @@ def load_original_weights(model: nn.Module, directory: Path) -> bool:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return False
+    from kvskill.runtime.checkpoint_names import transformers_renamed_state
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
     for path in files:
         state.update(load_file(str(path)))
+    state = transformers_renamed_state(model, state, set(model.state_dict())) or state
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise BadInputError(

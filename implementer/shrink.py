@@ -6,6 +6,11 @@ layer-type pattern (at least one layer of each kind, in source order), a sliding
 top-k, shared experts, sparse-step pattern), MLA ranks within the operator's limits (see
 ``mla/shrink.py``), RoPE parameters, tied embeddings and learnable sinks. Sizes (hidden,
 heads, head dim, vocabulary, intermediate) become tiny.
+
+A composite config (a vision-language model: ``text_config`` + ``vision_config``) shrinks its
+text decoder by the same rules, and its other towers to one layer each: verify runs text-only
+prompts, so a tower is built and loaded but never run, and its full depth would only cost
+memory (mllama's and emu3's unshrunk text configs did not fit in RAM).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
+from kvskill.analyzer.config import text_config
 from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
@@ -33,6 +39,9 @@ MIN_LAYERS = 2
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _EXPERT_SIZE_KEYS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: layer counts of a non-text tower (vision encoder, VQ model): each becomes TOWER_LAYERS
+_TOWER_LAYER_KEYS = ("depth", "num_hidden_layers", "num_layers", "num_global_layers")
+TOWER_LAYERS = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +100,58 @@ def shrink_config(config: dict[str, Any], *, shrink_window: bool = True) -> Shri
     ``DynamicCache`` windows every layer when there are no ``layer_types``), so a window
     shrunk below the prompts would change the original, not exercise the conversion.
     """
+    if text_config(config)[1]:
+        return _shrink_composite(config, shrink_window=shrink_window)
+    return _shrink_decoder(config, shrink_window=shrink_window)
+
+
+def _shrink_composite(config: dict[str, Any], *, shrink_window: bool) -> ShrinkResult:
+    """``text_config`` shrunk as a decoder, every other ``*_config`` tower to one layer."""
+    inner = config["text_config"]
+    # NOTE: the decoder keeps its head dim: multimodal rope splits the rotary half of each
+    # head into sections sized for it, often by a default in the code that the config does
+    # not list (qwen2_5_vl: [16, 24, 24] of 64).
+    text = _shrink_decoder(inner, shrink_window=shrink_window, head_dim=_head_dim(inner))
+    towers = _shrink_towers({k: v for k, v in config.items() if k != "text_config"})
+    changes = {f"text_config.{k}": change for k, change in text.changes.items()}
+    changes.update(towers.changes)
+    return ShrinkResult(config={**towers.config, "text_config": text.config}, changes=changes)
+
+
+def _shrink_towers(config: dict[str, Any], prefix: str = "") -> ShrinkResult:
+    """Every ``*_config`` below CONFIG to TOWER_LAYERS layers, and its vocabulary (a text
+    encoder inside a vision tower: deepseek_ocr2) to VOCAB_SIZE, at any depth."""
+    new, changes = dict(config), {}
+    for key, tower in config.items():
+        if not key.endswith("_config") or not isinstance(tower, dict):
+            continue
+        inner = _shrink_towers(tower, f"{prefix}{key}.")
+        sizes = {k: TOWER_LAYERS for k in _TOWER_LAYER_KEYS if _above(tower.get(k), TOWER_LAYERS)}
+        if _above(tower.get("vocab_size"), VOCAB_SIZE):
+            sizes["vocab_size"] = VOCAB_SIZE
+        new[key] = {**inner.config, **sizes}
+        changes.update(inner.changes)
+        changes.update({f"{prefix}{key}.{k}": (tower[k], v) for k, v in sizes.items()})
+    return ShrinkResult(config=new, changes=changes)
+
+
+def _above(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > limit
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    heads = config.get("num_attention_heads")
+    if isinstance(config.get("head_dim"), int):
+        return config["head_dim"]
+    if isinstance(heads, int) and heads and isinstance(config.get("hidden_size"), int):
+        return config["hidden_size"] // heads
+    return HEAD_DIM
+
+
+def _shrink_decoder(
+    config: dict[str, Any], *, shrink_window: bool, head_dim: int = HEAD_DIM
+) -> ShrinkResult:
+    """``shrink_config`` of a decoder's own (flat) config, with heads of ``head_dim``."""
     new = dict(config)
     layers = _num_layers(config)
     new["num_hidden_layers"] = layers
@@ -98,10 +159,10 @@ def shrink_config(config: dict[str, Any], *, shrink_window: bool = True) -> Shri
         new[key] = list(values[:layers])
     if "max_window_layers" in config and isinstance(config["max_window_layers"], int):
         new["max_window_layers"] = min(config["max_window_layers"], layers)
-    new["hidden_size"] = HIDDEN_SIZE
+    new["hidden_size"] = NUM_HEADS * head_dim
     new["num_key_value_heads"] = _kv_heads(config)
     new["num_attention_heads"] = NUM_HEADS
-    new["head_dim"] = HEAD_DIM
+    new["head_dim"] = head_dim
     for key, model_wide in PER_LAYER_HEAD_KEYS.items():
         if isinstance(new.get(key), list):
             # A per-layer count equal to the model-wide one follows it down (the analyzer

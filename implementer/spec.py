@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvskill.analyzer.config import text_config
 from kvskill.analyzer.plan import AttnType, Plan
 from kvskill.errors import UnsupportedModelError
 
@@ -118,7 +119,7 @@ def _check_supported(plan: Plan) -> None:
 
 
 def _layer_type_mapping(plan: Plan) -> dict[str, str]:
-    layer_types: list[Any] | None = plan.config.get("layer_types")
+    layer_types: list[Any] | None = text_config(plan.config)[0].get("layer_types")
     if not isinstance(layer_types, list) or len(layer_types) < len(plan.layers):
         raise UnsupportedModelError(
             f"{plan.model_type}: layers mix attention types but config.layer_types does not "
@@ -147,10 +148,11 @@ def _window_rules(plan: Plan) -> dict[str, WindowRule]:
                 f"{plan.model_type}: layer {layer.index} is SlidingWindow but the Plan has no "
                 "window (window_tokens / sliding_window)"
             )
-        if plan.config.get("sliding_window") != layer.sliding_window:
+        window = text_config(plan.config)[0].get("sliding_window")
+        if window != layer.sliding_window:
             raise UnsupportedModelError(
                 f"{plan.model_type}: layer {layer.index} has window {layer.sliding_window} but "
-                f"config.sliding_window is {plan.config.get('sliding_window')!r}; per-layer "
+                f"config.sliding_window is {window!r}; per-layer "
                 "windows are not rewritten yet"
             )
         rule = WindowRule(

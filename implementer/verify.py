@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvskill.analyzer.config import text_config
 from kvskill.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
@@ -459,8 +460,9 @@ def prompt_lengths_for(
     plan: dict[str, Any], config: dict[str, Any], options: VerifyOptions, block_size: int
 ) -> list[int]:
     """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
-    window = config.get("sliding_window") if is_windowed(plan) else None
-    limit = int(config.get("max_position_embeddings") or 4096) - options.max_new_tokens
+    text = text_config(config)[0]  # a vision-language model's decoder keeps these
+    window = text.get("sliding_window") if is_windowed(plan) else None
+    limit = int(text.get("max_position_embeddings") or 4096) - options.max_new_tokens
     return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
 
 
@@ -502,7 +504,7 @@ def _verify(
     reference, converted = pair.reference, pair.converted
     block_size = report.block_size
     lengths = prompt_lengths_for(plan, config, options, block_size)
-    vocab = int(config["vocab_size"])
+    vocab = int(text_config(config)[0]["vocab_size"])
     prompts = make_prompts(lengths, vocab, options.seed)
     try:
         references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]

@@ -75,6 +75,8 @@ class LLM:
             random_weights=random_weights,
             trust_remote_code=trust_remote_code,
         )
+        #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
+        self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
         self.device = param.device if param is not None else select_device(device)
         with _layout_logging(log_layout):
@@ -89,7 +91,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len
-                or getattr(self.config, "max_position_embeddings", None),
+                or getattr(self.text_config, "max_position_embeddings", None),
             )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         scheduler_config = SchedulerConfig(
@@ -128,7 +130,7 @@ class LLM:
                     "max_model_len"
                 )
             return requested
-        limit = getattr(self.config, "max_position_embeddings", None) or capacity
+        limit = getattr(self.text_config, "max_position_embeddings", None) or capacity
         if capacity < 2:
             raise BadInputError(
                 f"the KV cache holds only {capacity} token(s) for one request; give more "
@@ -143,7 +145,7 @@ class LLM:
         return min(limit, capacity)
 
     def _vocab_size(self) -> int:
-        vocab = getattr(self.config, "vocab_size", None)
+        vocab = getattr(self.text_config, "vocab_size", None)
         if vocab is None:
             head = (
                 self.model.get_output_embeddings()
@@ -161,8 +163,9 @@ class LLM:
         value = override
         if value is None:
             value = generation_eos_token_id(self.model_dir)
-        if value is None:
-            value = getattr(self.config, "eos_token_id", None)
+        for config in (self.text_config, self.config):
+            # NOTE: vision-language checkpoints may name EOS on the composite config only
+            value = value if value is not None else getattr(config, "eos_token_id", None)
         if value is None:
             return []
         return [int(value)] if isinstance(value, int) else [int(v) for v in value]
@@ -253,6 +256,12 @@ class LLM:
             yield hook
         finally:
             self.engine.step_hooks.remove(hook)
+
+
+def _text_config(config):
+    """``config.get_text_config()`` (the ``text_config`` of a composite config), else CONFIG."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
 
 
 def _acquire_model(model, *, dtype, device, seed, random_weights, trust_remote_code):

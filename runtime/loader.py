@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 from kvskill.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
+from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state
 from kvskill.runtime.device import select_device
 from kvskill.runtime.kv_cache_manager import KVCacheManager, build_groups
@@ -312,6 +313,9 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
             raise BadInputError(f"cannot read weights {path}: {exc}") from exc
     tied = _tied_parameter_names(model)
     needed = set(model.state_dict()) - tied
+    if not needed <= state.keys():
+        # Saved under names transformers renames on load (qwen2_5_vl's hub layout).
+        state = transformers_renamed_state(model, state, needed) or state
     if not needed <= state.keys():
         # A composite model's checkpoint (e.g. a vision-language model whose language model
         # was converted): take the language model's tensors under their causal-LM names.

@@ -123,19 +123,20 @@ def plan_for_source(
     hbm_gb: float | None,
 ) -> Plan:
     """All decisions for a resolved source."""
+    # A composite model's language model is planned with the same options.
+    options = dict(
+        deploy_mode=deploy_mode,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
+        kv_memory_bytes=kv_memory_bytes,
+        hbm_gb=hbm_gb,
+    )
     if _is_wrapper_without_causal_lm(source):
         # A vision-language (or other composite) model that transformers does not map to a
         # causal LM but whose language model is one: its KV cache is that model's.
         inner = _language_model_source(source)
         if inner is not None:
-            return plan_for_source(
-                inner,
-                deploy_mode=deploy_mode,
-                attn_tp_size=attn_tp_size,
-                block_size=block_size,
-                kv_memory_bytes=kv_memory_bytes,
-                hbm_gb=hbm_gb,
-            )
+            return plan_for_source(inner, **options)
         source = _with_own_text_decoder(source)
     _refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
@@ -155,14 +156,7 @@ def plan_for_source(
     if not roles.attention and not roles.linear_attention:
         inner = _language_model_source(source)
         if inner is not None:
-            return plan_for_source(
-                inner,
-                deploy_mode=deploy_mode,
-                attn_tp_size=attn_tp_size,
-                block_size=block_size,
-                kv_memory_bytes=kv_memory_bytes,
-                hbm_gb=hbm_gb,
-            )
+            return plan_for_source(inner, **options)
         raise UnsupportedModelError(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )

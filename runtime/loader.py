@@ -108,7 +108,7 @@ def load_model(
         )
     _check_fits_in_memory(model_cls, config, torch_dtype, device)
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = _build(model_cls, config, model_dir)
     if weight_files:
         _load_safetensors(model, weight_files)
     model = model.to(device=device, dtype=torch_dtype).eval()
@@ -280,10 +280,22 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+def _build(model_cls: type[nn.Module], config, model_dir: Path | None) -> nn.Module:
+    """``model_cls(config)``; a failure of the model's own code is bad input, on one line."""
+    try:
+        return model_cls(config)
+    except Exception as exc:  # the modeling file is user code: any failure is reported as input
+        where = f" from {model_dir / 'config.json'}" if model_dir is not None else ""
+        message = " ".join(str(exc).split())[:300]
+        raise BadInputError(
+            f"cannot build {model_cls.__name__}{where}: {type(exc).__name__}: {message}"
+        ) from exc
+
+
 def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.device) -> None:
     # Build on the meta device first: counting parameters costs no memory.
     with torch.device("meta"):
-        shell = model_cls(config)
+        shell = _build(model_cls, config, None)
     num_bytes = (
         sum(p.numel() for p in shell.parameters()) * torch.empty((), dtype=dtype).element_size()
     )

@@ -104,6 +104,18 @@ def test_loader_errors(tmp_path, toy_dir):
     (plain / "modeling_toy.py").write_text(source.replace("def get_cache_info", "def _unused"))
     with pytest.raises(UnsupportedModelError, match="has no get_cache_info"):
         load_model(plain, random_weights=True, trust_remote_code=True)
+    # The model's own code fails to build from the config: one line, exit 2, no traceback.
+    failing = write_toy_dir(tmp_path / "failing", weights=False)
+    source = (failing / "modeling_toy.py").read_text()
+    (failing / "modeling_toy.py").write_text(
+        source.replace(
+            "    def __init__(self, config: ToyConfig) -> None:\n",
+            "    def __init__(self, config: ToyConfig) -> None:\n        config.no_such_key\n",
+            1,
+        )
+    )
+    with pytest.raises(BadInputError, match="cannot build .*: AttributeError: .*no_such_key"):
+        load_model(failing, random_weights=True, trust_remote_code=True)
     broken = write_toy_dir(tmp_path / "broken", weights=False)
     (broken / "config.json").write_text("{not json")
     with pytest.raises(BadInputError, match="cannot read"):

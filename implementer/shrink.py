@@ -115,7 +115,10 @@ def _shrink_composite(config: dict[str, Any], *, shrink_window: bool) -> ShrinkR
     towers = _shrink_towers({k: v for k, v in config.items() if k != "text_config"})
     changes = {f"text_config.{k}": change for k, change in text.changes.items()}
     changes.update(towers.changes)
-    return ShrinkResult(config={**towers.config, "text_config": text.config}, changes=changes)
+    outer = _projection_widths(
+        towers.config, inner.get("hidden_size"), text.config.get("hidden_size")
+    )
+    return ShrinkResult(config={**outer, "text_config": text.config}, changes=changes)
 
 
 def _shrink_towers(config: dict[str, Any], prefix: str = "") -> ShrinkResult:
@@ -129,10 +132,36 @@ def _shrink_towers(config: dict[str, Any], prefix: str = "") -> ShrinkResult:
         sizes = {k: TOWER_LAYERS for k in _TOWER_LAYER_KEYS if _above(tower.get(k), TOWER_LAYERS)}
         if _above(tower.get("vocab_size"), VOCAB_SIZE):
             sizes["vocab_size"] = VOCAB_SIZE
-        new[key] = {**inner.config, **sizes}
+        new[key] = {**inner.config, **sizes, **_cut_tower_lists(tower, sizes)}
         changes.update(inner.changes)
         changes.update({f"{prefix}{key}.{k}": (tower[k], v) for k, v in sizes.items()})
     return ShrinkResult(config=new, changes=changes)
+
+
+def _cut_tower_lists(tower: dict[str, Any], sizes: dict[str, int]) -> dict[str, list[Any]]:
+    """A tower's per-layer lists (``layer_types``, ...) cut to its new layer count: config
+    classes check that they are exactly as long (deepseek_ocr2, muse_spark)."""
+    cut: dict[str, list[Any]] = {}
+    for count_key, layers in sizes.items():
+        if count_key not in _TOWER_LAYER_KEYS:
+            continue
+        for key, values in tower.items():
+            if "layer" in key and isinstance(values, list) and len(values) == tower[count_key]:
+                cut[key] = list(values[:layers])
+    return cut
+
+
+def _projection_widths(config: dict[str, Any], text_before: int, text_after: int) -> dict:
+    """Towers' ``*_hidden_size`` widths that meet the text model (a merger's
+    ``out_hidden_size``) follow its shrunk hidden size, at any depth; config classes may
+    check that they match (granite_docling)."""
+    new = dict(config)
+    for key, value in config.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            new[key] = _projection_widths(value, text_before, text_after)
+        elif key.endswith("_hidden_size") and value == text_before and text_before != text_after:
+            new[key] = text_after
+    return new
 
 
 def _above(value: Any, limit: int) -> bool:

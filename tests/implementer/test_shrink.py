@@ -75,3 +75,32 @@ def test_a_window_no_layer_uses_can_be_kept():
     config = {"num_hidden_layers": 2, "sliding_window": 3000, "max_position_embeddings": 3000}
     assert shrink_config(config).config["sliding_window"] == 8
     assert shrink_config(config, shrink_window=False).config["sliding_window"] == 3000
+
+
+def test_a_composite_towers_per_layer_lists_and_text_facing_widths_follow_the_shrink():
+    config = {
+        "model_type": "vlm",
+        "text_config": {
+            "num_hidden_layers": 4,
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 32000,
+        },
+        "vision_config": {
+            "num_hidden_layers": 3,
+            "layer_types": ["full", "window", "full"],
+            "image_mean": [0.5, 0.5, 0.5],
+            "hidden_size": 1024,
+            # the merger projects into the text model: its width must follow the text's
+            "out_hidden_size": 2048,
+        },
+    }
+    shrunk = shrink_config(config).config
+    vision = shrunk["vision_config"]
+    assert vision["num_hidden_layers"] == 1
+    assert vision["layer_types"] == ["full"]
+    assert vision["image_mean"] == [0.5, 0.5, 0.5]  # keyed by channel, not by layer
+    assert vision["hidden_size"] == 1024
+    assert vision["out_hidden_size"] == shrunk["text_config"]["hidden_size"] != 2048

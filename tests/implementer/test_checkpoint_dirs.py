@@ -98,6 +98,17 @@ def test_generation_config_end_tokens_are_kept_and_stop_generation(mistral_check
     assert output.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("eos", ['{"eos_token_id": "2"}', "{not json"])
+def test_a_malformed_generation_config_is_bad_input(mistral_checkpoint, tmp_path, eos):
+    from kvskill.errors import BadInputError
+
+    out = tmp_path / "converted"
+    apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())
+    (out / "generation_config.json").write_text(eos)
+    with pytest.raises(BadInputError, match="generation_config.json"):
+        LLM(out, num_blocks=16, block_size=8)
+
+
 def test_checkpoint_directory_verifies_without_trusting_remote_code(mistral_checkpoint, tmp_path):
     out = tmp_path / "converted"
     apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())

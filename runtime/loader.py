@@ -110,7 +110,11 @@ def load_model(
     torch.manual_seed(seed)
     model = _build(model_cls, config, model_dir)
     if weight_files:
-        _load_safetensors(model, weight_files)
+        try:
+            _load_safetensors(model, weight_files)
+        except WeightsMismatchError as mismatch:
+            del model  # the retry builds its own; do not hold two copies
+            model = _load_with_transformers_conversions(model_cls, config, model_dir, mismatch)
     model = model.to(device=device, dtype=torch_dtype).eval()
     return LoadedModel(model, config, model_dir, module, weights_loaded=bool(weight_files))
 
@@ -314,6 +318,45 @@ def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.d
         )
 
 
+class WeightsMismatchError(BadInputError):
+    """The checkpoint's tensors do not fit the model built from config.json."""
+
+
+def _load_with_transformers_conversions(
+    model_cls: type[nn.Module], config, model_dir: Path, mismatch: WeightsMismatchError
+) -> nn.Module:
+    """The model loaded by transformers with its load-time weight conversions, else MISMATCH.
+
+    transformers 5 stores MoE experts fused (``experts.gate_up_proj``) while checkpoints keep
+    one tensor per expert (``experts.0.gate_proj.weight``); its loader merges them with
+    converters that renaming alone cannot do (qwen3_moe, mixtral, deepseek_v3 checkpoints).
+    """
+    from transformers.conversion_mapping import (
+        USER_REGISTERED_MAPPINGS,
+        get_checkpoint_conversion_mapping,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if not model_type or get_checkpoint_conversion_mapping(model_type) is None:
+        raise mismatch
+    # NOTE: transformers skips its conversions for modeling code that is not its own; a
+    # converted file keeps every parameter name of the file it came from, so the model
+    # type's mapping holds. Registering the type is transformers' way to opt custom code in.
+    USER_REGISTERED_MAPPINGS.add(model_type)
+    try:
+        model, info = model_cls.from_pretrained(
+            str(model_dir), config=config, dtype=torch.float32, output_loading_info=True
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the original mismatch
+        raise mismatch from exc
+    tied = _tied_parameter_names(model)
+    missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+    if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
+        raise mismatch
+    logger.info("weights: loaded through transformers' %s checkpoint conversions", model_type)
+    return model
+
+
 def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
     from safetensors.torch import load_file
 
@@ -343,13 +386,13 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
     except RuntimeError as exc:  # shape mismatches raise even when not strict
         mismatched = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
         first = mismatched[0] if mismatched else str(exc).splitlines()[0]
-        raise BadInputError(
+        raise WeightsMismatchError(
             f"weights do not match the model built from config.json "
             f"({len(mismatched) or 1} problem(s)); first: {first}"
         ) from exc
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise BadInputError(
+        raise WeightsMismatchError(
             f"weights do not match the model: missing {missing[:5]}"
             f"{' …' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
             f"{' …' if len(result.unexpected_keys) > 5 else ''}"

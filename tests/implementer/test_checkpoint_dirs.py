@@ -175,3 +175,26 @@ def test_language_model_state_renames_and_sets_the_rest_aside():
     assert set(renamed) == {"model.embed_tokens.weight", "lm_head.weight"}
     # Nothing provides model.norm.weight: not a composite checkpoint of this model.
     assert language_model_state(state, needed | {"model.norm.weight"}) is None
+
+
+def test_moe_checkpoint_with_one_tensor_per_expert_runs_its_weights(tmp_path):
+    # transformers 5 fuses the experts on load (experts.gate_up_proj); the checkpoint keeps
+    # experts.0.gate_proj.weight, ...: only transformers' converters can merge them.
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        **{**TEXT, "intermediate_size": 128},
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    source = tmp_path / "checkpoint"
+    expected = hf_tokens(save_checkpoint(AutoModelForCausalLM.from_config(config), source))
+    with safe_open(str(source / "model.safetensors"), "pt") as f:
+        saved = list(f.keys())
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in saved
+    out = tmp_path / "converted"
+    apply_model(str(source), out, ApplyOptions())
+    assert kvskill_tokens(out) == expected

@@ -223,7 +223,7 @@ def _fused(
         return F.scaled_dot_product_attention(
             q.float(), kf, vf, is_causal=True, scale=scale, enable_gqa=kvn != n
         )
-    if _newest_rows_only(adm, q_lens, sq):
+    if newest_rows_only(adm, q_lens, sq):
         return _attend_newest(q.float(), kf, vf, kv_lens, scale)
     if _chunk_after_prefix(adm, q_lens, kv_lens, sq, skv):
         return _attend_chunk(q.float(), kf, vf, scale)
@@ -318,7 +318,7 @@ def _chunk_after_prefix(
     return q_lens[0] == sq and kv_lens[0] == skv and 0 < sq < skv
 
 
-def _newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:
+def newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:
     """True when every request has one query row that admits exactly its keys j < kv_len.
 
     Sparse mode 3 aligns the causal diagonal bottom-right, so a single query row (the newest

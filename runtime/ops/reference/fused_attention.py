@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..cpu_kernels import paged_decode
+from ..cpu_kernels.paged_decode import BlockOutOfRangeError
 from ._checks import OpInputError, describe
-from .attention_core import Admission, attention
+from .attention_core import Admission, attention, newest_rows_only
 from .attention_inputs import (
     Layout,
     dense_to_padded,
@@ -51,8 +53,11 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     shapes = resolve_lengths(call, layout, paged)
     admission = build_admission(call, shapes, paged)
     q, q_rope = _padded_query(call, layout, shapes)
-    groups = _batch_groups(call, shapes, paged, q)
-    if groups is None:
+    out = _decode_in_kernel(call, layout, shapes, kvn, admission, q) if paged else None
+    groups = None if out is not None else _batch_groups(call, shapes, paged, q)
+    if out is not None:
+        lse = None
+    elif groups is None:
         k, v, k_rope = _padded_kv(call, layout, shapes, kvn, paged)
         sink = _check_kv(call, layout, q, k, v)
         out, lse = attention(
@@ -78,6 +83,29 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
         # Never read: an empty fp32 tensor, as torch_npu >= 7.2 returns (npu_ops.md §1.9).
         softmax_lse = torch.empty(0, dtype=torch.float32, device=q.device)
     return attention_out, softmax_lse
+
+
+def _decode_in_kernel(
+    call: FaCall, layout: Layout, shapes: Shapes, kvn: int, admission: Admission, q: Tensor
+) -> Tensor | None:
+    """The padded output of a plain paged decode from the compiled CPU kernel, else None.
+
+    Covers what a served model's decode step asks: one query row per request that sees all
+    of its kv_lens[b] keys, no lse, sink, bias or rope part. Anything else, and every input the
+    operator rejects, stays on the PyTorch path below (which raises the operator's errors).
+    """
+    if call.return_lse or call.query_rope is not None or call.pse_shift is not None:
+        return None
+    if call.learnable_sink is not None or not newest_rows_only(admission, shapes.q_lens, q.size(2)):
+        return None
+    if layout.query in ("BSH", "BSND") and call.key.dim() == 4:
+        return None  # the operator rejects this pairing; the PyTorch path says so
+    try:
+        return paged_decode(
+            q, call.key, call.value, call.block_table, shapes.kv_lens, kvn, float(call.scale)
+        )
+    except BlockOutOfRangeError as exc:
+        raise OpInputError(f"{call.names.op}: {exc}") from None
 
 
 def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

@@ -1,0 +1,129 @@
+"""Compile the C kernels once per machine and load them with ctypes.
+
+The shared library lands in ``$KVSKILL_KERNEL_CACHE`` (default
+``$XDG_CACHE_HOME/kvskill/cpu_kernels`` or ``~/.cache/kvskill/cpu_kernels``), in a folder named
+by a hash of the source, the compiler flags and the CPU model: ``-march=native`` code must not
+be loaded on another CPU. It is compiled to a temporary name and renamed into place, so
+processes that start together never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_SOURCE_DIR = Path(__file__).resolve().parent
+# -fno-math-errno lets expf run without errno bookkeeping; no fast-math: its reassociation is
+# harmless here, but linking it would flush denormals process-wide, changing torch's numerics.
+_FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC")
+_NATIVE_FLAG = "-march=native"
+_LIBS = ("-lpthread", "-lm")
+_COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStatus:
+    """Whether the compiled kernels are in use, and why (one line)."""
+
+    available: bool
+    reason: str
+
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_reasons: dict[str, str] = {}
+_forced_off = 0
+
+
+def status(name: str = "paged_decode") -> KernelStatus:
+    """Load (compiling if needed) kernel ``name`` and report whether it is in use."""
+    lib = load(name)
+    return KernelStatus(lib is not None, _reasons.get(name, "disabled for this block"))
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library of ``<name>.c``, or None when kernels are off or cannot be built."""
+    if _forced_off:
+        return None
+    if name not in _loaded:
+        _loaded[name], _reasons[name] = _load(name)
+    return _loaded[name]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the block on the PyTorch reference only (tests compare the two paths with it)."""
+    global _forced_off
+    _forced_off += 1
+    try:
+        yield
+    finally:
+        _forced_off -= 1
+
+
+def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
+    setting = os.environ.get("KVSKILL_CPU_KERNELS", "1").strip().lower()
+    if setting in ("0", "off", "false", "no"):
+        return None, "KVSKILL_CPU_KERNELS=0: the PyTorch reference runs everything"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None, "no C compiler (cc, gcc or $CC) found: the PyTorch reference runs everything"
+    source = _SOURCE_DIR / f"{name}.c"
+    try:
+        path = _built(compiler, source)
+        return ctypes.CDLL(str(path)), f"{name} compiled with {Path(compiler).name}, at {path}"
+    except (OSError, subprocess.SubprocessError, _BuildError) as exc:
+        return None, f"{name} could not be compiled ({exc}): the PyTorch reference runs it"
+
+
+class _BuildError(Exception):
+    pass
+
+
+def _built(compiler: str, source: Path) -> Path:
+    text = source.read_bytes()
+    for flags in ((*_FLAGS, _NATIVE_FLAG), _FLAGS):
+        digest = hashlib.sha256(
+            b"\0".join([text, " ".join(flags).encode(), _cpu_model().encode(), compiler.encode()])
+        ).hexdigest()[:16]
+        target = _cache_dir() / digest / f"{source.stem}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [compiler, *flags, "-o", tmp, str(source), *_LIBS]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+        if done.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        error = (done.stderr.strip().splitlines() or ["no message"])[0]
+    raise _BuildError(f"{Path(compiler).name} exited with an error: {error}")
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("KVSKILL_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvskill" / "cpu_kernels"
+
+
+def _cpu_model() -> str:
+    """The CPU's model and instruction-set flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features", "CPU part")
+    seen = {line.split(":")[0].strip(): line for line in lines if line.startswith(wanted)}
+    return "\n".join(sorted(seen.values())) or f"{platform.machine()} {platform.processor()}"

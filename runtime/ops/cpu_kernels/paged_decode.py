@@ -1,0 +1,160 @@
+"""Decode attention over paged KV through the compiled kernel (``paged_decode.c``).
+
+``paged_decode`` takes what the fused-attention reference has already validated and returns
+the padded output ``[B, N, 1, Dv]`` in fp32, or None when the call is not one the kernel
+covers (another dtype, a cache form it does not walk, kernels off). The caller then runs the
+PyTorch path, so None never changes a result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from .build import load
+
+# Below this many cached key rows (summed over requests and kv heads) a second thread costs
+# more to start than it saves.
+_KEY_ROWS_PER_THREAD = 16_384
+
+
+class _Args(ctypes.Structure):
+    # Field for field the C struct ``decode_args``.
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("q_sb", ctypes.c_int64),
+        ("q_sn", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("k_sblk", ctypes.c_int64),
+        ("k_srow", ctypes.c_int64),
+        ("k_shead", ctypes.c_int64),
+        ("v", ctypes.c_void_p),
+        ("v_sblk", ctypes.c_int64),
+        ("v_srow", ctypes.c_int64),
+        ("v_shead", ctypes.c_int64),
+        ("table", ctypes.c_void_p),
+        ("table_sb", ctypes.c_int64),
+        ("table_width", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("kv_lens", ctypes.c_void_p),
+        ("batch", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("dim_v", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("out", ctypes.c_void_p),
+    ]
+
+
+class BlockOutOfRangeError(RuntimeError):
+    """A block table entry the kernel was about to read names no block of the cache."""
+
+    def __init__(self, request: int, num_blocks: int) -> None:
+        super().__init__(
+            f"block_table row {request} names a block outside the cache's {num_blocks} blocks "
+            f"within its first kv length tokens"
+        )
+        self.request = request
+
+
+def paged_decode(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    kv_lens: list[int],
+    num_kv_heads: int,
+    scale: float,
+) -> Tensor | None:
+    """Attention of one query row per request over its first kv_lens[b] paged tokens.
+
+    Args:
+        q: [B, N, 1, D] (any strides with a contiguous head dim).
+        key_cache, value_cache: 3-D [num_blocks, block_size, KVN*D] or 4-D
+            [num_blocks, KVN, block_size, D], contiguous in the head dim (page-pool views
+            with a larger block stride are fine).
+        block_table: int32 [B, max_blocks], validated to cover kv_lens.
+        kv_lens: per request; 0 gives a zero output row.
+
+    Returns:
+        fp32 [B, N, 1, Dv], or None when this call is left to the PyTorch path.
+
+    Raises:
+        BlockOutOfRangeError: a block id the request needs is outside the cache.
+    """
+    if q.dtype != torch.float32 or q.device.type != "cpu" or q.stride(-1) != 1:
+        return None
+    if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+        return None
+    key = _cache_strides(key_cache, num_kv_heads)
+    value = _cache_strides(value_cache, num_kv_heads)
+    if key is None or value is None or key[4] != q.size(-1):
+        return None
+    if key_cache.size(0) != value_cache.size(0) or key[3] != value[3]:
+        return None
+    fn = _kernel()
+    if fn is None:
+        return None
+    batch, heads = q.size(0), q.size(1)
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    out = torch.empty((batch, heads, 1, value[4]), dtype=torch.float32)
+    args = _Args(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        key_cache.data_ptr(),
+        *key[:3],
+        value_cache.data_ptr(),
+        *value[:3],
+        block_table.data_ptr(),
+        block_table.stride(0),
+        block_table.size(1),
+        key_cache.size(0),
+        key[3],
+        lens.data_ptr(),
+        batch,
+        heads,
+        num_kv_heads,
+        key[4],
+        value[4],
+        scale,
+        out.data_ptr(),
+    )
+    key_rows = sum(kv_lens) * num_kv_heads
+    threads = max(1, min(torch.get_num_threads(), key_rows // _KEY_ROWS_PER_THREAD))
+    code = fn(ctypes.byref(args), threads)
+    if code < 0:
+        raise MemoryError("paged decode kernel: out of memory for its score buffers")
+    if code > 0:
+        raise BlockOutOfRangeError(code - 1, key_cache.size(0))
+    return out
+
+
+def _cache_strides(cache: Tensor, num_kv_heads: int) -> tuple[int, int, int, int, int] | None:
+    """(block, row, head) strides in elements, block size and head dim; None if not walkable."""
+    if cache.dtype != torch.float32 or cache.device.type != "cpu" or cache.stride(-1) != 1:
+        return None
+    if cache.dim() == 3:
+        if cache.size(2) % num_kv_heads:
+            return None
+        dim = cache.size(2) // num_kv_heads
+        return cache.stride(0), cache.stride(1), dim, cache.size(1), dim
+    if cache.dim() == 4 and cache.size(1) == num_kv_heads:
+        return cache.stride(0), cache.stride(2), cache.stride(1), cache.size(2), cache.size(3)
+    return None
+
+
+def _kernel():
+    """The bound C entry point, or None when kernels are off or unavailable."""
+    lib = load("paged_decode")
+    if lib is None:
+        return None
+    fn = lib.kvskill_paged_decode  # ctypes caches this object on the library
+    if fn.restype is not ctypes.c_int64:
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+    return fn

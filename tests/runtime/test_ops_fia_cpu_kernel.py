@@ -1,0 +1,262 @@
+"""The compiled paged-decode kernel computes what the PyTorch path and the naive math compute."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvskill.runtime.ops import cpu_kernels
+from kvskill.runtime.ops import reference as npu
+from kvskill.runtime.ops.reference import OpInputError, fused_attention
+from ops_golden import CAUSAL_TILE, make_paged_case, naive_batch, paged_fia_v1, rule_for
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.status().available, reason=cpu_kernels.status().reason
+)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many calls the kernel answered (a None return leaves the call to PyTorch)."""
+    answered = []
+    original = fused_attention.paged_decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_attention, "paged_decode", spy)
+    return answered
+
+
+def _decode_case(kv_lens, *, heads=4, kv_heads=2, head_dim=64, head_dim_v=None, block_size=16):
+    return make_paged_case(
+        [1] * len(kv_lens),
+        kv_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=block_size,
+        seed=sum(kv_lens),
+    )
+
+
+def _both_paths(call):
+    """(kernel result, PyTorch result); the spy records True, then False."""
+    got = call()
+    with cpu_kernels.disabled():
+        want = call()
+    return got, want
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,head_dim_v,block_size",
+    [
+        (4, 2, 64, None, 16),
+        (8, 1, 128, None, 4),
+        (6, 6, 8, None, 1),
+        (16, 2, 20, 12, 3),
+    ],
+)
+def test_decode_matches_naive_and_the_pytorch_path(
+    kernel_calls, heads, kv_heads, head_dim, head_dim_v, block_size
+):
+    kv_lens = [1, 17, 300, 5, 64, 33]
+    case = _decode_case(
+        kv_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=block_size,
+    )
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=heads, num_kv_heads=kv_heads, scale=0.125, mode=3)[0]
+    )
+    assert kernel_calls == [True, False]
+    naive, _ = naive_batch(case, 0.125, rule_for(3))
+    torch.testing.assert_close(got.double(), naive, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([4, 16, 17, 64]),
+    block_size=st.sampled_from([1, 2, 16]),
+)
+def test_random_decode_calls_match_naive(kv_lens, kv_heads, group, head_dim, block_size):
+    case = _decode_case(
+        kv_lens,
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    out, _ = paged_fia_v1(
+        case, num_heads=kv_heads * group, num_kv_heads=kv_heads, scale=0.3, mode=3
+    )
+    naive, _ = naive_batch(case, 0.3, rule_for(3))
+    torch.testing.assert_close(out.double(), naive, atol=2e-5, rtol=2e-5)
+
+
+def test_request_without_keys_gets_zeros_on_both_paths(kernel_calls):
+    case = _decode_case([0, 9, 0])
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.1, mode=0)[0]
+    )
+    assert kernel_calls == [True, False]
+    assert got[0].abs().max() == 0 and got[2].abs().max() == 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_page_pool_views_and_4d_caches_read_the_same_tokens(kernel_calls):
+    """A page view (block stride larger than the block) and the [nb, KVN, bs, D] form."""
+    case = _decode_case([40, 3, 129], block_size=8)
+    nb, bs, kvn, d = case.key_cache.shape
+    page = bs * kvn * d + 24  # each page also holds other data
+    pool = torch.randn(2, nb, page)
+    for i, cache in enumerate((case.key_cache, case.value_cache)):
+        pool[i, :, : bs * kvn * d] = cache.reshape(nb, -1)
+    k_view = pool[0].as_strided((nb, bs, kvn * d), (page, kvn * d, 1))
+    v_view = pool[1].as_strided((nb, bs, kvn * d), (page, kvn * d, 1))
+    k4 = case.key_cache.permute(0, 2, 1, 3).contiguous()
+    v4 = case.value_cache.permute(0, 2, 1, 3).contiguous()
+    outs = []
+    for key, value in ((k_view, v_view), (k4, v4)):
+        out, _ = npu.npu_fused_infer_attention_score_v2(
+            case.query_tnd,
+            key,
+            value,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            input_layout="TND",
+            softmax_scale=0.2,
+            atten_mask=CAUSAL_TILE,
+            sparse_mode=3,
+            block_table=case.block_table,
+            block_size=bs,
+            actual_seq_qlen=case.cu_q,
+            actual_seq_kvlen=case.kv_lens,
+        )
+        outs.append(out)
+    assert kernel_calls == [True, True]
+    naive, _ = naive_batch(case, 0.2, rule_for(3))
+    for out in outs:
+        torch.testing.assert_close(out.double(), naive, atol=2e-5, rtol=2e-5)
+
+
+def test_bsh_decode_query(kernel_calls):
+    case = _decode_case([12, 50])
+    nb, bs = case.key_cache.shape[:2]
+    query = torch.stack(case.qs).reshape(2, 1, 4 * 64)
+    out, _ = npu.npu_fused_infer_attention_score(
+        query,
+        case.key_cache.view(nb, bs, -1),
+        case.value_cache.view(nb, bs, -1),
+        num_heads=4,
+        num_key_value_heads=2,
+        input_layout="BSH",
+        scale=0.1,
+        block_table=case.block_table,
+        block_size=bs,
+        actual_seq_lengths_kv=case.kv_lens,
+    )
+    assert kernel_calls == [True]
+    naive, _ = naive_batch(case, 0.1, rule_for(0))
+    torch.testing.assert_close(out.view(2, 4, 64).double(), naive, atol=2e-5, rtol=2e-5)
+
+
+def test_block_outside_the_cache_is_an_operator_error(kernel_calls):
+    case = _decode_case([20, 40])
+    case.block_table[1, 2] = case.key_cache.shape[0] + 5
+    with pytest.raises(OpInputError, match="block_table row 1 names a block outside"):
+        paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.1, mode=3)
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["lse", "window", "bfloat16", "prefill"],
+)
+def test_calls_outside_the_kernel_stay_on_pytorch(kernel_calls, what):
+    q_lens = [3, 1] if what == "prefill" else [1, 1]
+    case = make_paged_case(
+        q_lens,
+        [30, 9],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.bfloat16 if what == "bfloat16" else torch.float32,
+    )
+    kwargs = {"lse": what == "lse"}
+    if what == "window":
+        kwargs.update(mode=4, pre=5, nxt=0)
+    else:
+        kwargs["mode"] = 3
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.25, **kwargs)[0]
+    )
+    assert not any(kernel_calls)
+    assert torch.equal(got, want)
+
+
+def test_two_threads_split_the_work_without_changing_it():
+    case = _decode_case([2048, 700, 3000, 1500, 16, 2500, 900, 1800], head_dim=16)
+    call = lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.25, mode=3)[0]  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(2)
+        two = call()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def _status_in_subprocess(env: dict[str, str]) -> str:
+    code = (
+        "from kvskill.runtime.ops import cpu_kernels; s = cpu_kernels.status(); "
+        "print(s.available, s.reason)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_kernels_can_be_switched_off():
+    assert _status_in_subprocess({"KVSKILL_CPU_KERNELS": "0"}).startswith(
+        "False KVSKILL_CPU_KERNELS=0"
+    )
+
+
+def test_a_compiler_that_fails_leaves_the_reference_in_charge(tmp_path):
+    line = _status_in_subprocess({"CC": "false", "KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert line.startswith("False paged_decode could not be compiled (false exited with an error")
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_library_is_built_once_into_the_cache(tmp_path):
+    line = _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert line.startswith("True paged_decode compiled with")
+    built = list(tmp_path.rglob("paged_decode.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert built[0].stat().st_mtime_ns == stamp

@@ -7,10 +7,9 @@
  *     key of kv head h:      k + block * k_sblk + row * k_srow + h * k_shead   (D floats)
  *
  * Query head n reads kv head n / G (G = N / KVN, groups contiguous), as the fused-attention
- * operator does. The G query heads of one kv head are one work item, so every cached key and
- * value row is read once per step. Scores are scaled, softmaxed in fp32 and applied to the
- * values; a request with no keys gets zeros. Work items are split over threads by their key
- * count.
+ * operator does. A request is one work item: every cached key and value row is read once per
+ * call, whole. Scores are scaled, softmaxed in fp32 and applied to the values; a request with
+ * no keys gets zeros. Requests are split over threads by their key counts.
  *
  * Returns 0, or 1 + the request index whose block table names a block outside the cache.
  */
@@ -42,16 +41,60 @@ typedef struct {
     int64_t bad_request; /* -1, or the request with an out-of-range block */
 } decode_job;
 
-/* Sixteen independent partial sums: lets the compiler keep them in vector registers. */
+/* Eight independent partial sums: one vector register, so the loop vectorises without
+ * letting the compiler reassociate floating-point sums on its own. */
 static inline float dot(const float *restrict x, const float *restrict y, int64_t n) {
-    float part[16] = {0};
+    float part[8] = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += x[i + j] * y[i + j];
-    float s = 0.0f;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) part[j] += x[i + j] * y[i + j];
+    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+    float s = (part[0] + part[2]) + (part[1] + part[3]);
     for (; i < n; i++) s += x[i] * y[i];
-    for (int j = 0; j < 16; j++) s += part[j];
     return s;
+}
+
+/* exp(x) for x <= 0, branch-free so that a loop over it vectorises (libm's expf is a call per
+ * element, which cost more than the rest of the kernel). exp(x) = 2^k exp(r) with
+ * k = round(x / ln 2) and |r| <= ln(2) / 2, r computed in two parts (Cody-Waite), exp(r) by
+ * its Taylor series to degree 7 (truncation error < 6e-9). Relative error about 2e-7 (a few
+ * fp32 ulps). Below -87 the result is clamped to exp(-87) ~ 1.6e-38, which adds nothing to a
+ * softmax that holds a 1 (its maximum). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float kf = (float)(int32_t)(x * 1.44269504089f - 0.5f); /* round half away from zero */
+    float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } two_k = {.i = ((int32_t)kf + 127) << 23};
+    return p * two_k.f;
+}
+
+/* Softmax of s[0..n) in place (n >= 1), partial maxima and sums kept lane-wise. */
+static void softmax(float *restrict s, int64_t n) {
+    float lane[8];
+    for (int j = 0; j < 8; j++) lane[j] = s[0];
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; j++) lane[j] = s[t + j] > lane[j] ? s[t + j] : lane[j];
+    float top = lane[0];
+    for (int j = 1; j < 8; j++) top = lane[j] > top ? lane[j] : top;
+    for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    for (t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
+    for (int j = 0; j < 8; j++) lane[j] = 0.0f;
+    for (t = 0; t + 8 <= n; t += 8)
+        for (int j = 0; j < 8; j++) lane[j] += s[t + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += lane[j];
+    for (; t < n; t++) sum += s[t];
+    float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) s[t] *= inv;
 }
 
 static int64_t block_of(const decode_args *a, int64_t b, int64_t t) {
@@ -60,71 +103,80 @@ static int64_t block_of(const decode_args *a, int64_t b, int64_t t) {
     return (id < 0 || id >= a->num_blocks) ? -1 : id;
 }
 
-static void run_item(const decode_args *a, int64_t item, float *scores, float *qs, float *acc,
+/* Ask for the next block's row r while this block's row r is computed: blocks are scattered
+ * over the pool, so the hardware prefetcher cannot guess where the next one starts. */
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* One request, all heads: each cached row (every kv head of one token) is read in one pass,
+ * block by block, once for the scores and once for the values. */
+static void run_item(const decode_args *a, int64_t b, float *scores, float *qs, float *acc,
                      int64_t *bad_request) {
-    int64_t b = item / a->kv_heads, h = item % a->kv_heads;
-    int64_t g_count = a->heads / a->kv_heads, len = a->kv_lens[b];
-    int64_t d = a->dim, dv = a->dim_v, bs = a->block_size;
-    float *out = a->out + (b * a->heads + h * g_count) * dv;
+    int64_t heads = a->heads, kv_heads = a->kv_heads, g_count = heads / kv_heads;
+    int64_t len = a->kv_lens[b], d = a->dim, dv = a->dim_v, bs = a->block_size;
+    float *out = a->out + b * heads * dv;
     if (len <= 0) {
-        memset(out, 0, sizeof(float) * g_count * dv);
+        memset(out, 0, sizeof(float) * heads * dv);
         return;
     }
-    for (int64_t g = 0; g < g_count; g++) {
-        const float *src = a->q + b * a->q_sb + (h * g_count + g) * a->q_sn;
-        for (int64_t i = 0; i < d; i++) qs[g * d + i] = src[i] * a->scale;
+    for (int64_t n = 0; n < heads; n++) {
+        const float *src = a->q + b * a->q_sb + n * a->q_sn;
+        for (int64_t i = 0; i < d; i++) qs[n * d + i] = src[i] * a->scale;
     }
-    /* scores[g * len + t] = scale * q_g . k_t */
+    /* scores[n * len + t] = scale * q_n . k_t (query head n reads kv head n / g_count) */
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         int64_t id = block_of(a, b, t0);
         if (id < 0) {
             *bad_request = b;
-            memset(out, 0, sizeof(float) * g_count * dv);
+            memset(out, 0, sizeof(float) * heads * dv);
             return;
         }
-        const float *kb = a->k + id * a->k_sblk + h * a->k_shead;
-        int64_t rows = len - t0 < bs ? len - t0 : bs;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t g = 0; g < g_count; g++)
-                scores[g * len + t0 + r] = dot(qs + g * d, kb + r * a->k_srow, d);
-    }
-    for (int64_t g = 0; g < g_count; g++) {
-        float *s = scores + g * len, top = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - top);
-            sum += s[t];
-        }
-        float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * g_count * dv);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const float *vb = a->v + block_of(a, b, t0) * a->v_sblk + h * a->v_shead;
-        int64_t rows = len - t0 < bs ? len - t0 : bs;
+        const float *kb = a->k + id * a->k_sblk;
+        int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
+        const float *kn = t0 + bs < len && next >= 0 ? a->k + next * a->k_sblk : NULL;
         for (int64_t r = 0; r < rows; r++) {
-            const float *restrict vr = vb + r * a->v_srow;
-            for (int64_t g = 0; g < g_count; g++) {
-                float p = scores[g * len + t0 + r];
-                float *restrict dst = acc + g * dv;
-                for (int64_t i = 0; i < dv; i++) dst[i] += p * vr[i];
+            if (kn) prefetch_row(kn + r * a->k_srow, a->k_srow);
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const float *key = kb + r * a->k_srow + h * a->k_shead;
+                for (int64_t g = 0; g < g_count; g++) {
+                    int64_t n = h * g_count + g;
+                    scores[n * len + t0 + r] = dot(qs + n * d, key, d);
+                }
             }
         }
     }
-    memcpy(out, acc, sizeof(float) * g_count * dv);
+    for (int64_t n = 0; n < heads; n++) softmax(scores + n * len, len);
+    memset(acc, 0, sizeof(float) * heads * dv);
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const float *vb = a->v + block_of(a, b, t0) * a->v_sblk;
+        int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
+        const float *vn = t0 + bs < len && next >= 0 ? a->v + next * a->v_sblk : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            if (vn) prefetch_row(vn + r * a->v_srow, a->v_srow);
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const float *restrict value = vb + r * a->v_srow + h * a->v_shead;
+                for (int64_t g = 0; g < g_count; g++) {
+                    int64_t n = h * g_count + g;
+                    float p = scores[n * len + t0 + r];
+                    float *restrict dst = acc + n * dv;
+                    for (int64_t i = 0; i < dv; i++) dst[i] += p * value[i];
+                }
+            }
+        }
+    }
+    memcpy(out, acc, sizeof(float) * heads * dv);
 }
 
 static void *run_job(void *arg) {
     decode_job *job = (decode_job *)arg;
     const decode_args *a = job->a;
-    int64_t g_count = a->heads / a->kv_heads, longest = 1;
-    for (int64_t it = job->first; it < job->last; it++) {
-        int64_t len = a->kv_lens[it / a->kv_heads];
-        longest = len > longest ? len : longest;
-    }
-    float *scores = malloc(sizeof(float) * g_count * longest);
-    float *qs = malloc(sizeof(float) * g_count * a->dim);
-    float *acc = malloc(sizeof(float) * g_count * a->dim_v);
+    int64_t longest = 1;
+    for (int64_t it = job->first; it < job->last; it++)
+        longest = a->kv_lens[it] > longest ? a->kv_lens[it] : longest;
+    float *scores = malloc(sizeof(float) * a->heads * longest);
+    float *qs = malloc(sizeof(float) * a->heads * a->dim);
+    float *acc = malloc(sizeof(float) * a->heads * a->dim_v);
     if (!scores || !qs || !acc) {
         job->bad_request = -2;
     } else {
@@ -139,9 +191,8 @@ static void *run_job(void *arg) {
 
 /* Returns 0 on success, 1 + request index for an out-of-range block, -1 out of memory. */
 int64_t kvskill_paged_decode(const decode_args *a, int64_t threads) {
-    int64_t items = a->batch * a->kv_heads, total = 0;
+    int64_t items = a->batch, total = 0;
     for (int64_t b = 0; b < a->batch; b++) total += (a->kv_lens[b] > 0 ? a->kv_lens[b] : 0) + 1;
-    total *= a->kv_heads;
     if (threads > items) threads = items;
     if (threads < 1) threads = 1;
     decode_job jobs[64];
@@ -155,7 +206,7 @@ int64_t kvskill_paged_decode(const decode_args *a, int64_t threads) {
         jobs[j].first = item;
         jobs[j].bad_request = -1;
         while (item < items && (j == threads - 1 || done < goal)) {
-            int64_t len = a->kv_lens[item / a->kv_heads];
+            int64_t len = a->kv_lens[item];
             done += (len > 0 ? len : 0) + 1;
             item++;
         }

@@ -328,7 +328,9 @@ def load_average() -> list[float] | None:
 def environment() -> dict:
     """Machine and software versions recorded with every result file."""
     import transformers
+    from kvskill.runtime.ops import cpu_kernels
 
+    kernel = cpu_kernels.status()
     return {
         "machine": {
             "cores": os.cpu_count(),
@@ -343,6 +345,8 @@ def environment() -> dict:
             "kvskill_dirty": bool(_git("status", "--porcelain", "--", ".")),
         },
         "python_executable": sys.executable,
+        # whether kvskill's paged decode ran in the compiled CPU kernel or in PyTorch
+        "cpu_kernels": {"available": kernel.available, "reason": kernel.reason},
     }
 
 

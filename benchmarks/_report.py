@@ -180,6 +180,14 @@ def _model_lines(models: dict) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def _kernel_line(kernel: dict | None) -> list[str]:
+    if kernel is None:
+        return []
+    if kernel["available"]:
+        return ["kvskill's paged decode attention ran in the compiled CPU kernel."]
+    return [f"kvskill's paged decode attention ran in PyTorch: {kernel['reason']}."]
+
+
 def markdown_report(result: dict) -> str:
     rows = result["rows"]
     env = result["machine"]
@@ -191,6 +199,7 @@ def markdown_report(result: dict) -> str:
         f"load average before/after {result['load_average_before']} / "
         f"{result['load_average_after']}; median of {result['settings']['repeats']} timed runs "
         f"after a warm-up (hf_sequential: {result['settings']['repeats_hf_sequential']}).",
+        *_kernel_line(result.get("cpu_kernels")),
         "",
         *_model_lines(result["settings"].get("models") or {}),
         "| workload | model | thr | system | useful tok/s | vs kvskill | mean TTFT s | wall s "

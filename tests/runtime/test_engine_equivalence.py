@@ -152,3 +152,31 @@ def test_streaming_yields_tokens_in_order(toy_dir, twin):
     assert sorted(finished) == sorted(llm.last_request_ids)
     for rid, prompt in zip(llm.last_request_ids, prompts, strict=True):
         assert streamed[rid] == twin.greedy(prompt, 6)
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_decode_attention_on_either_cpu_path_matches_twin(toy_dir, twin, kernels, monkeypatch):
+    # Plain decode calls (the full-attention layer) run in the compiled kernel when it is
+    # available; the sliding layer, prefill, and everything with kernels off, in PyTorch.
+    from kvskill.runtime.ops import cpu_kernels
+    from kvskill.runtime.ops.reference import fused_attention
+
+    answered = []
+    original = fused_attention.paged_decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_attention, "paged_decode", spy)
+    prompts = toy_prompts(random.Random(11), 6, max_len=25)
+    llm = make_llm(toy_dir)
+    if kernels == "off":
+        with cpu_kernels.disabled():
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=9))
+        assert not any(answered)
+    else:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=9))
+        assert any(answered) == cpu_kernels.status().available
+    assert_matches_twin(twin, prompts, outputs, 9)

@@ -343,12 +343,20 @@ def _load_with_transformers_conversions(
     # converted file keeps every parameter name of the file it came from, so the model
     # type's mapping holds. Registering the type is transformers' way to opt custom code in.
     USER_REGISTERED_MAPPINGS.add(model_type)
+    from transformers.utils import logging as hf_logging
+
+    # Its "Loading weights" progress bar would land in the middle of `kvskill run` output.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model, info = model_cls.from_pretrained(
             str(model_dir), config=config, dtype=torch.float32, output_loading_info=True
         )
     except Exception as exc:  # noqa: BLE001 - any failure leaves the original mismatch
         raise mismatch from exc
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     tied = _tied_parameter_names(model)
     missing = [k for k in info.get("missing_keys", ()) if k not in tied]
     if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):

@@ -177,7 +177,7 @@ def test_language_model_state_renames_and_sets_the_rest_aside():
     assert language_model_state(state, needed | {"model.norm.weight"}) is None
 
 
-def test_moe_checkpoint_with_one_tensor_per_expert_runs_its_weights(tmp_path):
+def test_moe_checkpoint_with_one_tensor_per_expert_runs_its_weights(tmp_path, capfd):
     # transformers 5 fuses the experts on load (experts.gate_up_proj); the checkpoint keeps
     # experts.0.gate_proj.weight, ...: only transformers' converters can merge them.
     from safetensors import safe_open
@@ -197,4 +197,7 @@ def test_moe_checkpoint_with_one_tensor_per_expert_runs_its_weights(tmp_path):
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in saved
     out = tmp_path / "converted"
     apply_model(str(source), out, ApplyOptions())
+    capfd.readouterr()
     assert kvskill_tokens(out) == expected
+    # transformers' loader ran without drawing its progress bar into the runtime's output
+    assert "Loading weights" not in capfd.readouterr().err

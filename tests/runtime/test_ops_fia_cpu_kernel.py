@@ -252,6 +252,11 @@ def test_a_compiler_that_fails_leaves_the_reference_in_charge(tmp_path):
     assert not list(tmp_path.rglob("*.so"))
 
 
+def test_a_compiler_command_with_a_launcher_is_split_like_a_shell_would(tmp_path):
+    line = _status_in_subprocess({"CC": "env cc", "KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert line.startswith("True paged_decode compiled with env cc")
+
+
 def test_the_library_is_built_once_into_the_cache(tmp_path):
     line = _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
     assert line.startswith("True paged_decode compiled with")

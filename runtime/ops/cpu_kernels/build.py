@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -74,13 +75,18 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     setting = os.environ.get("KVSKILL_CPU_KERNELS", "1").strip().lower()
     if setting in ("0", "off", "false", "no"):
         return None, "KVSKILL_CPU_KERNELS=0: the PyTorch reference runs everything"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    # $CC may carry a launcher or flags ("ccache gcc"), as make passes it to a shell.
+    try:
+        compiler = shlex.split(os.environ.get("CC", ""))
+    except ValueError as exc:
+        return None, f"$CC cannot be parsed ({exc}): the PyTorch reference runs everything"
+    compiler = compiler or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         return None, "no C compiler (cc, gcc or $CC) found: the PyTorch reference runs everything"
     source = _SOURCE_DIR / f"{name}.c"
     try:
         path = _built(compiler, source)
-        return ctypes.CDLL(str(path)), f"{name} compiled with {Path(compiler).name}, at {path}"
+        return ctypes.CDLL(str(path)), f"{name} compiled with {_name(compiler)}, at {path}"
     except (OSError, subprocess.SubprocessError, _BuildError) as exc:
         return None, f"{name} could not be compiled ({exc}): the PyTorch reference runs it"
 
@@ -89,11 +95,17 @@ class _BuildError(Exception):
     pass
 
 
-def _built(compiler: str, source: Path) -> Path:
+def _name(compiler: list[str]) -> str:
+    return " ".join([Path(compiler[0]).name, *compiler[1:]])
+
+
+def _built(compiler: list[str], source: Path) -> Path:
     text = source.read_bytes()
     for flags in ((*_FLAGS, _NATIVE_FLAG), _FLAGS):
         digest = hashlib.sha256(
-            b"\0".join([text, " ".join(flags).encode(), _cpu_model().encode(), compiler.encode()])
+            b"\0".join(
+                [text, " ".join(flags).encode(), _cpu_model().encode(), " ".join(compiler).encode()]
+            )
         ).hexdigest()[:16]
         target = _cache_dir() / digest / f"{source.stem}.so"
         if target.exists():
@@ -101,14 +113,17 @@ def _built(compiler: str, source: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = [compiler, *flags, "-o", tmp, str(source), *_LIBS]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-        if done.returncode == 0:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
+        cmd = [*compiler, *flags, "-o", tmp, str(source), *_LIBS]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return target
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         error = (done.stderr.strip().splitlines() or ["no message"])[0]
-    raise _BuildError(f"{Path(compiler).name} exited with an error: {error}")
+    raise _BuildError(f"{_name(compiler)} exited with an error: {error}")
 
 
 def _cache_dir() -> Path:

@@ -235,3 +235,20 @@ def paged_fia_v1(
         actual_seq_lengths_kv=case.kv_lens,
         softmax_lse_flag=lse,
     )
+
+
+def spy_on_decode_kernel(monkeypatch) -> list[bool]:
+    """Record, per paged fused-attention call, whether the compiled decode kernel answered it
+    (a None return leaves the call to the PyTorch path)."""
+    from kvskill.runtime.ops.reference import fused_attention
+
+    answered: list[bool] = []
+    original = fused_attention.paged_decode
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_attention, "paged_decode", spy)
+    return answered

@@ -159,17 +159,9 @@ def test_decode_attention_on_either_cpu_path_matches_twin(toy_dir, twin, kernels
     # Plain decode calls (the full-attention layer) run in the compiled kernel when it is
     # available; the sliding layer, prefill, and everything with kernels off, in PyTorch.
     from kvskill.runtime.ops import cpu_kernels
-    from kvskill.runtime.ops.reference import fused_attention
+    from ops_golden import spy_on_decode_kernel
 
-    answered = []
-    original = fused_attention.paged_decode
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused_attention, "paged_decode", spy)
+    answered = spy_on_decode_kernel(monkeypatch)
     prompts = toy_prompts(random.Random(11), 6, max_len=25)
     llm = make_llm(toy_dir)
     if kernels == "off":

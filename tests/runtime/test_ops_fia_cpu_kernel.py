@@ -12,8 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvskill.runtime.ops import cpu_kernels
 from kvskill.runtime.ops import reference as npu
-from kvskill.runtime.ops.reference import OpInputError, fused_attention
-from ops_golden import CAUSAL_TILE, make_paged_case, naive_batch, paged_fia_v1, rule_for
+from kvskill.runtime.ops.reference import OpInputError
+from ops_golden import (
+    CAUSAL_TILE,
+    make_paged_case,
+    naive_batch,
+    paged_fia_v1,
+    rule_for,
+    spy_on_decode_kernel,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.status().available, reason=cpu_kernels.status().reason
@@ -23,16 +30,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """How many calls the kernel answered (a None return leaves the call to PyTorch)."""
-    answered = []
-    original = fused_attention.paged_decode
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused_attention, "paged_decode", spy)
-    return answered
+    return spy_on_decode_kernel(monkeypatch)
 
 
 def _decode_case(kv_lens, *, heads=4, kv_heads=2, head_dim=64, head_dim_v=None, block_size=16):

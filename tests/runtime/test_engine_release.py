@@ -117,3 +117,43 @@ def test_finished_request_frees_blocks_while_others_run(toy_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert check_pools_released(llm.kv_manager) == []
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_first_llm_freezes_the_startup_heap_but_not_its_own_model(toy_dir, freeze):
+    # A fresh process: gc.freeze() is process-wide. The heap found at the first LLM is frozen
+    # (full collections skip it); the model and engine built after it stay collectable.
+    import subprocess
+    import textwrap
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    code = textwrap.dedent(
+        f"""
+        import gc, weakref
+        from kvskill.runtime import LLM
+        before = gc.get_freeze_count()
+        llm = LLM({str(toy_dir)!r}, trust_remote_code=True, num_blocks=16,
+                  freeze_startup_heap={freeze})
+        frozen = gc.get_freeze_count()
+        LLM({str(toy_dir)!r}, trust_remote_code=True, num_blocks=16)
+        model = weakref.ref(llm.model)
+        del llm
+        gc.collect()
+        print(before, frozen > before, gc.get_freeze_count() <= frozen, model() is None)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=fixtures,
+    )
+    assert done.returncode == 0, done.stderr
+    before, froze, frozen_once, model_freed = done.stdout.split()
+    assert before == "0"
+    assert froze == str(freeze)
+    # only the first LLM of a process freezes (the second one does when the first opted out;
+    # frozen objects freed by their reference count leave the count)
+    assert frozen_once == str(freeze)
+    assert model_freed == "True"

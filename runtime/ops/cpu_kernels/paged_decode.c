@@ -1,4 +1,5 @@
-/* Decode attention over a paged KV cache, fp32, for the CPU runtime.
+/* Decode attention over a paged KV cache for the CPU runtime: fp32 or bfloat16 in, fp32 math and
+ * output.
  *
  * One query row per request attends to the request's first kv_lens[b] cached tokens, read in
  * place through its block table (no gather into a dense copy):
@@ -20,11 +21,12 @@
 #include <string.h>
 
 typedef struct {
-    const float *q;
+    /* q, k and v are all fp32, or all bfloat16 (bf16 = 1); strides count elements */
+    const void *q;
     int64_t q_sb, q_sn;
-    const float *k;
+    const void *k;
     int64_t k_sblk, k_srow, k_shead;
-    const float *v;
+    const void *v;
     int64_t v_sblk, v_srow, v_shead;
     const int32_t *table;
     int64_t table_sb, table_width, num_blocks;
@@ -32,8 +34,15 @@ typedef struct {
     const int64_t *kv_lens;
     int64_t batch, heads, kv_heads, dim, dim_v;
     float scale;
-    float *out; /* [batch, heads, dim_v], contiguous */
+    float *out; /* [batch, heads, dim_v], contiguous, fp32 whatever the inputs */
+    int64_t bf16;
 } decode_args;
+
+/* Per-thread buffers: scores of one request, its scaled queries, its outputs, and one key or
+ * value row widened to fp32 when the inputs are bfloat16. */
+typedef struct {
+    float *scores, *qs, *acc, *row;
+} scratch;
 
 typedef struct {
     const decode_args *a;
@@ -114,23 +123,36 @@ static int64_t block_of(const decode_args *a, int64_t b, int64_t t) {
 
 /* Ask for the next block's row r while this block's row r is computed: blocks are scattered
  * over the pool, so the hardware prefetcher cannot guess where the next one starts. */
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* n values at element offset `at` of `base` as fp32: in place for fp32 inputs; bfloat16 ones
+ * are widened into `buf` (exactly: a bfloat16 is the top half of the fp32 with its value). */
+static inline const float *as_f32(const decode_args *a, const void *base, int64_t at, int64_t n,
+                                  float *restrict buf) {
+    if (!a->bf16) return (const float *)base + at;
+    const uint16_t *src = (const uint16_t *)base + at;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(buf + i, &bits, sizeof bits);
+    }
+    return buf;
 }
 
 /* One request, all heads: each cached row (every kv head of one token) is read in one pass,
  * block by block, once for the scores and once for the values. */
-static void run_item(const decode_args *a, int64_t b, float *scores, float *qs, float *acc,
-                     int64_t *bad_request) {
+static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t *bad_request) {
     int64_t heads = a->heads, kv_heads = a->kv_heads, g_count = heads / kv_heads;
     int64_t len = a->kv_lens[b], d = a->dim, dv = a->dim_v, bs = a->block_size;
-    float *out = a->out + b * heads * dv;
+    int64_t elem = a->bf16 ? 2 : 4;
+    float *out = a->out + b * heads * dv, *scores = w->scores, *qs = w->qs, *acc = w->acc;
     if (len <= 0) {
         memset(out, 0, sizeof(float) * heads * dv);
         return;
     }
     for (int64_t n = 0; n < heads; n++) {
-        const float *src = a->q + b * a->q_sb + n * a->q_sn;
+        const float *src = as_f32(a, a->q, b * a->q_sb + n * a->q_sn, d, w->row);
         for (int64_t i = 0; i < d; i++) qs[n * d + i] = src[i] * a->scale;
     }
     /* scores[n * len + t] = scale * q_n . k_t (query head n reads kv head n / g_count) */
@@ -141,13 +163,15 @@ static void run_item(const decode_args *a, int64_t b, float *scores, float *qs, 
             memset(out, 0, sizeof(float) * heads * dv);
             return;
         }
-        const float *kb = a->k + id * a->k_sblk;
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
-        const float *kn = t0 + bs < len && next >= 0 ? a->k + next * a->k_sblk : NULL;
+        const char *kn = t0 + bs < len && next >= 0
+                             ? (const char *)a->k + next * a->k_sblk * elem
+                             : NULL;
         for (int64_t r = 0; r < rows; r++) {
-            if (kn) prefetch_row(kn + r * a->k_srow, a->k_srow);
+            if (kn) prefetch_row(kn + r * a->k_srow * elem, a->k_srow * elem);
             for (int64_t h = 0; h < kv_heads; h++) {
-                const float *key = kb + r * a->k_srow + h * a->k_shead;
+                int64_t at = id * a->k_sblk + r * a->k_srow + h * a->k_shead;
+                const float *key = as_f32(a, a->k, at, d, w->row);
                 for (int64_t g = 0; g < g_count; g++) {
                     int64_t n = h * g_count + g;
                     scores[n * len + t0 + r] = dot(qs + n * d, key, d);
@@ -158,13 +182,16 @@ static void run_item(const decode_args *a, int64_t b, float *scores, float *qs, 
     for (int64_t n = 0; n < heads; n++) softmax(scores + n * len, len);
     memset(acc, 0, sizeof(float) * heads * dv);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const float *vb = a->v + block_of(a, b, t0) * a->v_sblk;
+        int64_t id = block_of(a, b, t0);
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
-        const float *vn = t0 + bs < len && next >= 0 ? a->v + next * a->v_sblk : NULL;
+        const char *vn = t0 + bs < len && next >= 0
+                             ? (const char *)a->v + next * a->v_sblk * elem
+                             : NULL;
         for (int64_t r = 0; r < rows; r++) {
-            if (vn) prefetch_row(vn + r * a->v_srow, a->v_srow);
+            if (vn) prefetch_row(vn + r * a->v_srow * elem, a->v_srow * elem);
             for (int64_t h = 0; h < kv_heads; h++) {
-                const float *restrict value = vb + r * a->v_srow + h * a->v_shead;
+                int64_t at = id * a->v_sblk + r * a->v_srow + h * a->v_shead;
+                const float *restrict value = as_f32(a, a->v, at, dv, w->row);
                 for (int64_t g = 0; g < g_count; g++) {
                     int64_t n = h * g_count + g;
                     float p = scores[n * len + t0 + r];
@@ -180,21 +207,25 @@ static void run_item(const decode_args *a, int64_t b, float *scores, float *qs, 
 static void *run_job(void *arg) {
     decode_job *job = (decode_job *)arg;
     const decode_args *a = job->a;
-    int64_t longest = 1;
+    int64_t longest = 1, widest = a->dim > a->dim_v ? a->dim : a->dim_v;
     for (int64_t it = job->first; it < job->last; it++)
         longest = a->kv_lens[it] > longest ? a->kv_lens[it] : longest;
-    float *scores = malloc(sizeof(float) * a->heads * longest);
-    float *qs = malloc(sizeof(float) * a->heads * a->dim);
-    float *acc = malloc(sizeof(float) * a->heads * a->dim_v);
-    if (!scores || !qs || !acc) {
+    scratch w = {
+        .scores = malloc(sizeof(float) * a->heads * longest),
+        .qs = malloc(sizeof(float) * a->heads * a->dim),
+        .acc = malloc(sizeof(float) * a->heads * a->dim_v),
+        .row = malloc(sizeof(float) * widest),
+    };
+    if (!w.scores || !w.qs || !w.acc || !w.row) {
         job->bad_request = -2;
     } else {
         for (int64_t it = job->first; it < job->last && job->bad_request == -1; it++)
-            run_item(a, it, scores, qs, acc, &job->bad_request);
+            run_item(a, it, &w, &job->bad_request);
     }
-    free(scores);
-    free(qs);
-    free(acc);
+    free(w.scores);
+    free(w.qs);
+    free(w.acc);
+    free(w.row);
     return NULL;
 }
 

@@ -2,8 +2,9 @@
 
 ``paged_decode`` takes what the fused-attention reference has already validated and returns
 the padded output ``[B, N, 1, Dv]`` in fp32, or None when the call is not one the kernel
-covers (another dtype, a cache form it does not walk, kernels off). The caller then runs the
-PyTorch path, so None never changes a result.
+covers (mixed or other dtypes, a cache form it does not walk, kernels off). The caller then
+runs the PyTorch path, so None never changes a result. Like that path, the kernel computes in
+fp32 whatever the input dtype (fp32 or bfloat16); the caller casts the output back.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 from torch import Tensor
 
 from .build import load
+
+#: input dtypes the kernel reads (query, key and value alike); it computes in fp32
+_DTYPES = (torch.float32, torch.bfloat16)
 
 # Below this many cached key rows (summed over requests and kv heads) a second thread costs
 # more to start than it saves.
@@ -47,6 +51,7 @@ class _Args(ctypes.Structure):
         ("dim_v", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("out", ctypes.c_void_p),
+        ("bf16", ctypes.c_int64),
     ]
 
 
@@ -73,7 +78,8 @@ def paged_decode(
     """Attention of one query row per request over its first kv_lens[b] paged tokens.
 
     Args:
-        q: [B, N, 1, D] (any strides with a contiguous head dim).
+        q: [B, N, 1, D] (any strides with a contiguous head dim), fp32 or bfloat16; the caches
+            must have the same dtype.
         key_cache, value_cache: 3-D [num_blocks, block_size, KVN*D] or 4-D
             [num_blocks, KVN, block_size, D], contiguous in the head dim (page-pool views
             with a larger block stride are fine).
@@ -86,7 +92,9 @@ def paged_decode(
     Raises:
         BlockOutOfRangeError: a block id the request needs is outside the cache.
     """
-    if q.dtype != torch.float32 or q.device.type != "cpu" or q.stride(-1) != 1:
+    if q.dtype not in _DTYPES or q.device.type != "cpu" or q.stride(-1) != 1:
+        return None
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
         return None
     if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
         return None
@@ -123,6 +131,7 @@ def paged_decode(
         value[4],
         scale,
         out.data_ptr(),
+        q.dtype == torch.bfloat16,
     )
     key_rows = sum(kv_lens) * num_kv_heads
     threads = max(1, min(torch.get_num_threads(), key_rows // _KEY_ROWS_PER_THREAD))
@@ -136,7 +145,7 @@ def paged_decode(
 
 def _cache_strides(cache: Tensor, num_kv_heads: int) -> tuple[int, int, int, int, int] | None:
     """(block, row, head) strides in elements, block size and head dim; None if not walkable."""
-    if cache.dtype != torch.float32 or cache.device.type != "cpu" or cache.stride(-1) != 1:
+    if cache.device.type != "cpu" or cache.stride(-1) != 1:
         return None
     if cache.dim() == 3:
         if cache.size(2) % num_kv_heads:

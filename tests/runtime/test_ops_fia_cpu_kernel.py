@@ -17,6 +17,7 @@ from ops_golden import (
     CAUSAL_TILE,
     make_paged_case,
     naive_batch,
+    naive_request,
     paged_fia_v1,
     rule_for,
     spy_on_decode_kernel,
@@ -194,6 +195,63 @@ def test_bfloat16_inputs_are_computed_in_fp32_like_the_pytorch_path(kernel_calls
     torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
     naive, _ = naive_batch(case, 0.125, rule_for(3))
     torch.testing.assert_close(got.double(), naive, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
+    # One latent cache serves as keys and values; the rope keys have their own paged cache
+    # under the same block table. Scores are scale * (q . latent + q_rope . k_rope).
+    kv_lens = [9, 40, 1, 23]
+    latent = make_paged_case(
+        [1] * 4, kv_lens, num_heads=8, num_kv_heads=1, head_dim=128, block_size=8, seed=21
+    )
+    rope = make_paged_case(
+        [1] * 4, kv_lens, num_heads=8, num_kv_heads=1, head_dim=64, block_size=8, seed=22
+    )
+    rope.block_table.copy_(latent.block_table)
+    for b, s2 in enumerate(kv_lens):  # the rope keys at the latent's slots
+        for t in range(s2):
+            blk = int(latent.block_table[b, t // 8])
+            rope.key_cache[blk, t % 8] = rope.ks[b][t]
+    nb, bs = latent.key_cache.shape[:2]
+    key = latent.key_cache.view(nb, bs, -1).to(dtype)
+
+    def call():
+        return npu.npu_fused_infer_attention_score(
+            latent.query_tnd.to(dtype),
+            key,
+            key,
+            query_rope=rope.query_tnd.to(dtype),
+            key_rope=rope.key_cache.view(nb, bs, -1).to(dtype),
+            num_heads=8,
+            num_key_value_heads=1,
+            input_layout="TND",
+            scale=0.05,
+            atten_mask=CAUSAL_TILE,
+            sparse_mode=3,
+            block_table=latent.block_table,
+            block_size=bs,
+            actual_seq_lengths=latent.cu_q,
+            actual_seq_lengths_kv=kv_lens,
+        )[0]
+
+    got, want = _both_paths(call)
+    assert kernel_calls == [True, False]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        for b in range(4):
+            naive, _ = naive_request(
+                latent.qs[b],
+                latent.ks[b],
+                latent.ks[b],
+                0.05,
+                rule_for(3),
+                q_rope=rope.qs[b],
+                k_rope=rope.ks[b],
+            )
+            torch.testing.assert_close(got[b : b + 1].double(), naive, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
 def test_block_outside_the_cache_is_an_operator_error(kernel_calls):

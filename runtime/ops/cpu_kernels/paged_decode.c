@@ -10,7 +10,9 @@
  * Query head n reads kv head n / G (G = N / KVN, groups contiguous), as the fused-attention
  * operator does. A request is one work item: every cached key and value row is read once per
  * call, whole. Scores are scaled, softmaxed in fp32 and applied to the values; a request with
- * no keys gets zeros. Requests are split over threads by their key counts.
+ * no keys gets zeros. Requests are split over threads by their key counts. Absorbed MLA adds
+ * a rope part to every score (q_rope . k_rope, from its own paged cache) and passes its latent
+ * cache as both keys and values.
  *
  * Returns 0, or 1 + the request index whose block table names a block outside the cache.
  */
@@ -36,12 +38,19 @@ typedef struct {
     float scale;
     float *out; /* [batch, heads, dim_v], contiguous, fp32 whatever the inputs */
     int64_t bf16;
+    /* MLA's rope part (dim_rope > 0): score = scale * (q . k + q_rope . k_rope); the rope keys
+     * live in their own paged cache under the same block table and block size */
+    const void *qr;
+    int64_t qr_sb, qr_sn;
+    const void *kr;
+    int64_t kr_sblk, kr_srow, kr_shead;
+    int64_t dim_rope;
 } decode_args;
 
-/* Per-thread buffers: scores of one request, its scaled queries, its outputs, and one key or
- * value row widened to fp32 when the inputs are bfloat16. */
+/* Per-thread buffers: scores of one request, its scaled queries (and rope queries), its
+ * outputs, and one key or value row (and rope key row) widened to fp32 for bfloat16 inputs. */
 typedef struct {
-    float *scores, *qs, *acc, *row;
+    float *scores, *qs, *qrs, *acc, *row, *rope_row;
 } scratch;
 
 typedef struct {
@@ -151,9 +160,14 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
         memset(out, 0, sizeof(float) * heads * dv);
         return;
     }
+    int64_t dr = a->dim_rope;
     for (int64_t n = 0; n < heads; n++) {
         const float *src = as_f32(a, a->q, b * a->q_sb + n * a->q_sn, d, w->row);
         for (int64_t i = 0; i < d; i++) qs[n * d + i] = src[i] * a->scale;
+        if (dr) {
+            src = as_f32(a, a->qr, b * a->qr_sb + n * a->qr_sn, dr, w->rope_row);
+            for (int64_t i = 0; i < dr; i++) w->qrs[n * dr + i] = src[i] * a->scale;
+        }
     }
     /* scores[n * len + t] = scale * q_n . k_t (query head n reads kv head n / g_count) */
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
@@ -172,9 +186,16 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
             for (int64_t h = 0; h < kv_heads; h++) {
                 int64_t at = id * a->k_sblk + r * a->k_srow + h * a->k_shead;
                 const float *key = as_f32(a, a->k, at, d, w->row);
+                const float *rope_key = NULL;
+                if (dr) {
+                    at = id * a->kr_sblk + r * a->kr_srow + h * a->kr_shead;
+                    rope_key = as_f32(a, a->kr, at, dr, w->rope_row);
+                }
                 for (int64_t g = 0; g < g_count; g++) {
                     int64_t n = h * g_count + g;
-                    scores[n * len + t0 + r] = dot(qs + n * d, key, d);
+                    float score = dot(qs + n * d, key, d);
+                    if (dr) score += dot(w->qrs + n * dr, rope_key, dr);
+                    scores[n * len + t0 + r] = score;
                 }
             }
         }
@@ -208,15 +229,18 @@ static void *run_job(void *arg) {
     decode_job *job = (decode_job *)arg;
     const decode_args *a = job->a;
     int64_t longest = 1, widest = a->dim > a->dim_v ? a->dim : a->dim_v;
+    int64_t rope = a->dim_rope > 0 ? a->dim_rope : 1;
     for (int64_t it = job->first; it < job->last; it++)
         longest = a->kv_lens[it] > longest ? a->kv_lens[it] : longest;
     scratch w = {
         .scores = malloc(sizeof(float) * a->heads * longest),
         .qs = malloc(sizeof(float) * a->heads * a->dim),
+        .qrs = malloc(sizeof(float) * a->heads * rope),
         .acc = malloc(sizeof(float) * a->heads * a->dim_v),
         .row = malloc(sizeof(float) * widest),
+        .rope_row = malloc(sizeof(float) * rope),
     };
-    if (!w.scores || !w.qs || !w.acc || !w.row) {
+    if (!w.scores || !w.qs || !w.qrs || !w.acc || !w.row || !w.rope_row) {
         job->bad_request = -2;
     } else {
         for (int64_t it = job->first; it < job->last && job->bad_request == -1; it++)
@@ -224,8 +248,10 @@ static void *run_job(void *arg) {
     }
     free(w.scores);
     free(w.qs);
+    free(w.qrs);
     free(w.acc);
     free(w.row);
+    free(w.rope_row);
     return NULL;
 }
 

@@ -52,6 +52,14 @@ class _Args(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("out", ctypes.c_void_p),
         ("bf16", ctypes.c_int64),
+        ("qr", ctypes.c_void_p),
+        ("qr_sb", ctypes.c_int64),
+        ("qr_sn", ctypes.c_int64),
+        ("kr", ctypes.c_void_p),
+        ("kr_sblk", ctypes.c_int64),
+        ("kr_srow", ctypes.c_int64),
+        ("kr_shead", ctypes.c_int64),
+        ("dim_rope", ctypes.c_int64),
     ]
 
 
@@ -74,6 +82,8 @@ def paged_decode(
     kv_lens: list[int],
     num_kv_heads: int,
     scale: float,
+    q_rope: Tensor | None = None,
+    key_rope_cache: Tensor | None = None,
 ) -> Tensor | None:
     """Attention of one query row per request over its first kv_lens[b] paged tokens.
 
@@ -85,6 +95,8 @@ def paged_decode(
             with a larger block stride are fine).
         block_table: int32 [B, max_blocks], validated to cover kv_lens.
         kv_lens: per request; 0 gives a zero output row.
+        q_rope, key_rope_cache: absorbed MLA's rope parts ([B, N, 1, Dr] and a paged cache in
+            one of the forms above with the key cache's blocks), added to every score.
 
     Returns:
         fp32 [B, N, 1, Dv], or None when this call is left to the PyTorch path.
@@ -103,6 +115,9 @@ def paged_decode(
     if key is None or value is None or key[4] != q.size(-1):
         return None
     if key_cache.size(0) != value_cache.size(0) or key[3] != value[3]:
+        return None
+    rope = _rope_args(q, q_rope, key_rope_cache, key_cache, key[3], num_kv_heads)
+    if rope is None:
         return None
     fn = _kernel()
     if fn is None:
@@ -132,6 +147,7 @@ def paged_decode(
         scale,
         out.data_ptr(),
         q.dtype == torch.bfloat16,
+        *rope,
     )
     key_rows = sum(kv_lens) * num_kv_heads
     threads = max(1, min(torch.get_num_threads(), key_rows // _KEY_ROWS_PER_THREAD))
@@ -141,6 +157,39 @@ def paged_decode(
     if code > 0:
         raise BlockOutOfRangeError(code - 1, key_cache.size(0))
     return out
+
+
+_NO_ROPE = (None, 0, 0, None, 0, 0, 0, 0)
+
+
+def _rope_args(
+    q: Tensor,
+    q_rope: Tensor | None,
+    key_rope_cache: Tensor | None,
+    key_cache: Tensor,
+    block_size: int,
+    num_kv_heads: int,
+) -> tuple | None:
+    """The rope fields of the C arguments (zeros without rope), or None if not walkable."""
+    if q_rope is None and key_rope_cache is None:
+        return _NO_ROPE
+    if q_rope is None or key_rope_cache is None:
+        return None
+    if q_rope.dtype != q.dtype or key_rope_cache.dtype != q.dtype or q_rope.stride(-1) != 1:
+        return None
+    strides = _cache_strides(key_rope_cache, num_kv_heads)
+    if strides is None or strides[3] != block_size or strides[4] != q_rope.size(-1):
+        return None
+    if key_rope_cache.size(0) != key_cache.size(0) or q_rope.shape[:3] != q.shape[:3]:
+        return None
+    return (
+        q_rope.data_ptr(),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        key_rope_cache.data_ptr(),
+        *strides[:3],
+        strides[4],
+    )
 
 
 def _cache_strides(cache: Tensor, num_kv_heads: int) -> tuple[int, int, int, int, int] | None:

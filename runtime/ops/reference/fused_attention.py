@@ -53,7 +53,7 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     shapes = resolve_lengths(call, layout, paged)
     admission = build_admission(call, shapes, paged)
     q, q_rope = _padded_query(call, layout, shapes)
-    out = _decode_in_kernel(call, layout, shapes, kvn, admission, q) if paged else None
+    out = _decode_in_kernel(call, layout, shapes, kvn, admission, q, q_rope) if paged else None
     groups = None if out is not None else _batch_groups(call, shapes, paged, q)
     if out is not None:
         lse = None
@@ -86,15 +86,22 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
 
 
 def _decode_in_kernel(
-    call: FaCall, layout: Layout, shapes: Shapes, kvn: int, admission: Admission, q: Tensor
+    call: FaCall,
+    layout: Layout,
+    shapes: Shapes,
+    kvn: int,
+    admission: Admission,
+    q: Tensor,
+    q_rope: Tensor | None,
 ) -> Tensor | None:
     """The padded output of a plain paged decode from the compiled CPU kernel, else None.
 
     Covers what a served model's decode step asks: one query row per request that sees all
-    of its kv_lens[b] keys, no lse, sink, bias or rope part. Anything else, and every input the
-    operator rejects, stays on the PyTorch path below (which raises the operator's errors).
+    of its kv_lens[b] keys (absorbed MLA's rope part included), no lse, sink or bias. Anything
+    else, and every input the operator rejects, stays on the PyTorch path below (which raises
+    the operator's errors).
     """
-    if call.return_lse or call.query_rope is not None or call.pse_shift is not None:
+    if call.return_lse or call.pse_shift is not None:
         return None
     if call.learnable_sink is not None or not newest_rows_only(admission, shapes.q_lens, q.size(2)):
         return None
@@ -102,7 +109,15 @@ def _decode_in_kernel(
         return None  # the operator rejects this pairing; the PyTorch path says so
     try:
         return paged_decode(
-            q, call.key, call.value, call.block_table, shapes.kv_lens, kvn, float(call.scale)
+            q,
+            call.key,
+            call.value,
+            call.block_table,
+            shapes.kv_lens,
+            kvn,
+            float(call.scale),
+            q_rope=q_rope,
+            key_rope_cache=call.key_rope,
         )
     except BlockOutOfRangeError as exc:
         raise OpInputError(f"{call.names.op}: {exc}") from None

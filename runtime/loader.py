@@ -106,6 +106,7 @@ def load_model(
             f"{model_dir} has no *.safetensors weights; pass --random-weights "
             "(random_weights=True) to run with randomly initialised weights"
         )
+    config = _config_for_class(model_cls, config)
     _check_fits_in_memory(model_cls, config, torch_dtype, device)
     torch.manual_seed(seed)
     model = _build(model_cls, config, model_dir)
@@ -282,6 +283,21 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, RuntimeError, AttributeError):
         return None
+
+
+def _config_for_class(model_cls: type[nn.Module], config):
+    """The config ``model_cls`` is built from: the composite's text config when the class
+    takes that one.
+
+    emu3's causal LM (``Emu3ForCausalLM``) takes an ``Emu3TextConfig`` while the model type's
+    config.json is the composite ``Emu3Config``; transformers' ``AutoModelForCausalLM`` makes
+    the same substitution.
+    """
+    wanted = getattr(model_cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return config
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    return text if isinstance(text, wanted) else config
 
 
 def _build(model_cls: type[nn.Module], config, model_dir: Path | None) -> nn.Module:

@@ -156,3 +156,16 @@ def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp
     mutated = verify_directory(out, VerifyOptions())
     assert not mutated.passed
     assert not mutated.tokens_identical or not mutated.logits_within
+
+
+def test_emu3_causal_lm_is_built_from_the_text_config_of_its_composite_config(tmp_path):
+    # emu3's config.json is the composite Emu3Config, while Emu3ForCausalLM takes the
+    # Emu3TextConfig inside it (as transformers' AutoModelForCausalLM does). Built from the
+    # composite it failed ("'Emu3Config' object has no attribute 'pad_token_id'").
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "emu3"
+    apply_model("emu3", out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert report.passed, report.failures()

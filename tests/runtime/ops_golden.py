@@ -252,3 +252,41 @@ def spy_on_decode_kernel(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(fused_attention, "paged_decode", spy)
     return answered
+
+
+def make_mla_paged_case(
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    num_heads: int,
+    block_size: int,
+    seed: int,
+    latent_dim: int = 128,
+    rope_dim: int = 64,
+) -> tuple[PagedCase, PagedCase]:
+    """(latent, rope): absorbed MLA's latent cache and its rope-key cache, one kv head each,
+    the rope keys written at the latent's slots (one block table serves both)."""
+    latent = make_paged_case(
+        q_lens,
+        kv_lens,
+        num_heads=num_heads,
+        num_kv_heads=1,
+        head_dim=latent_dim,
+        block_size=block_size,
+        seed=seed,
+    )
+    rope = make_paged_case(
+        q_lens,
+        kv_lens,
+        num_heads=num_heads,
+        num_kv_heads=1,
+        head_dim=rope_dim,
+        block_size=block_size,
+        seed=seed + 1,
+    )
+    rope.block_table.copy_(latent.block_table)
+    for b, s2 in enumerate(kv_lens):
+        for t in range(s2):
+            blk = int(latent.block_table[b, t // block_size])
+            rope.key_cache[blk, t % block_size] = rope.ks[b][t]
+    return latent, rope

@@ -15,6 +15,7 @@ from kvskill.runtime.ops import reference as npu
 from kvskill.runtime.ops.reference import OpInputError
 from ops_golden import (
     CAUSAL_TILE,
+    make_mla_paged_case,
     make_paged_case,
     naive_batch,
     naive_request,
@@ -202,17 +203,7 @@ def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
     # One latent cache serves as keys and values; the rope keys have their own paged cache
     # under the same block table. Scores are scale * (q . latent + q_rope . k_rope).
     kv_lens = [9, 40, 1, 23]
-    latent = make_paged_case(
-        [1] * 4, kv_lens, num_heads=8, num_kv_heads=1, head_dim=128, block_size=8, seed=21
-    )
-    rope = make_paged_case(
-        [1] * 4, kv_lens, num_heads=8, num_kv_heads=1, head_dim=64, block_size=8, seed=22
-    )
-    rope.block_table.copy_(latent.block_table)
-    for b, s2 in enumerate(kv_lens):  # the rope keys at the latent's slots
-        for t in range(s2):
-            blk = int(latent.block_table[b, t // 8])
-            rope.key_cache[blk, t % 8] = rope.ks[b][t]
+    latent, rope = make_mla_paged_case([1] * 4, kv_lens, num_heads=8, block_size=8, seed=21)
     nb, bs = latent.key_cache.shape[:2]
     key = latent.key_cache.view(nb, bs, -1).to(dtype)
 

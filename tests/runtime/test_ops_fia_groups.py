@@ -10,6 +10,7 @@ from kvskill.runtime.ops.reference import batch_groups, fused_attention
 from ops_golden import (
     CAUSAL_TILE,
     INT_MAX,
+    make_mla_paged_case,
     make_paged_case,
     naive_batch,
     naive_request,
@@ -161,17 +162,7 @@ def test_lone_chunk_after_cached_keys_matches_naive(q_len, kv_len):
 def test_mla_values_are_the_latent_or_their_own(values, q_lens, kv_lens, mode):
     # Absorbed MLA passes one latent cache as key and value; a separate value cache must still
     # be read as such.
-    latent = make_paged_case(
-        q_lens, kv_lens, num_heads=4, num_kv_heads=1, head_dim=128, block_size=4, seed=5
-    )
-    rope = make_paged_case(
-        q_lens, kv_lens, num_heads=4, num_kv_heads=1, head_dim=64, block_size=4, seed=6
-    )
-    rope.block_table.copy_(latent.block_table)
-    for b, s2 in enumerate(kv_lens):  # the rope keys at the latent's slots
-        for t in range(s2):
-            blk = int(latent.block_table[b, t // 4])
-            rope.key_cache[blk, t % 4] = rope.ks[b][t]
+    latent, rope = make_mla_paged_case(q_lens, kv_lens, num_heads=4, block_size=4, seed=5)
     nb, bs = latent.key_cache.shape[:2]
     key = latent.key_cache.view(nb, bs, -1)
     value = key if values == "the latent" else latent.value_cache.view(nb, bs, -1)

@@ -209,6 +209,7 @@ def run(directory: Path, **options) -> None:
         progress.close()
     wall_s = time.perf_counter() - started
     report = _report(llm, outputs, wall_s, directory, backend().name)
+    report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
     if options["output_format"] == "json":
         click.echo(json.dumps(report))
     else:
@@ -261,6 +262,17 @@ def _prompts(options: dict, *, vocab_size: int, max_model_len: int) -> list[list
     ]
 
 
+def _cpu_decode_kernel(ops_backend: str) -> dict | None:
+    """Whether the reference ops ran plain decode attention in the compiled CPU kernel (None
+    on the NPU, which runs the real operator)."""
+    if ops_backend != "reference":
+        return None
+    from kvskill.runtime.ops import cpu_kernels
+
+    state = cpu_kernels.status()
+    return {"in_use": state.available, "reason": state.reason}
+
+
 def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> dict:
     stats = llm.stats
     generated = sum(len(o.token_ids) for o in outputs)
@@ -302,11 +314,18 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
     }
 
 
+def _kernel_note(report: dict) -> str:
+    kernel = report.get("cpu_decode_kernel")
+    if kernel is None:
+        return ""
+    return " (decode in the CPU kernel)" if kernel["in_use"] else " (decode in PyTorch)"
+
+
 def _render_table(report: dict) -> str:
     s = report["summary"]
     rows = [
         ("model", report["model_dir"]),
-        ("device / ops", f"{report['device']} / {report['ops_backend']}"),
+        ("device / ops", f"{report['device']} / {report['ops_backend']}{_kernel_note(report)}"),
         ("requests", str(s["requests"])),
         ("prompt tokens", str(s["prompt_tokens"])),
         ("generated tokens", str(s["generated_tokens"])),

@@ -36,6 +36,7 @@ def test_run_prints_summary_table(capsys, toy_dir):
         assert label in out
     assert "KV FullAttention blocks  peak" in out and "/11 (block size 4)" in out
     assert out.count("request 0-") == 5
+    assert "/ reference (decode in " in out
 
 
 def test_run_json_matches_python_api(capsys, toy_dir):
@@ -50,6 +51,14 @@ def test_run_json_matches_python_api(capsys, toy_dir):
     assert [r["token_ids"] for r in report["requests"]] == [o.token_ids for o in expected]
     assert report["summary"]["generated_tokens"] == 8
     assert report["kv_cache"]["SlidingWindow"]["blocks_used_now"] == 0
+    from kvskill.runtime.ops import cpu_kernels
+
+    # on the reference ops the report says where plain decode attention ran, and why
+    assert report["ops_backend"] == "reference"
+    assert report["cpu_decode_kernel"] == {
+        "in_use": cpu_kernels.status().available,
+        "reason": cpu_kernels.status().reason,
+    }
 
 
 def test_run_reads_prompt_files(tmp_path):

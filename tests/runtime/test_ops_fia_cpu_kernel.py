@@ -309,6 +309,13 @@ def _status_in_subprocess(env: dict[str, str]) -> str:
     return done.stdout.strip()
 
 
+def test_status_inside_the_disabled_block_says_so():
+    with cpu_kernels.disabled():
+        state = cpu_kernels.status()
+    assert not state.available and "disabled()" in state.reason
+    assert cpu_kernels.status().available
+
+
 def test_kernels_can_be_switched_off():
     assert _status_in_subprocess({"KVSKILL_CPU_KERNELS": "0"}).startswith(
         "False KVSKILL_CPU_KERNELS=0"

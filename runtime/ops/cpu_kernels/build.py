@@ -47,8 +47,10 @@ _forced_off = 0
 
 def status(name: str = "paged_decode") -> KernelStatus:
     """Load (compiling if needed) kernel ``name`` and report whether it is in use."""
+    if _forced_off:
+        return KernelStatus(False, "turned off by cpu_kernels.disabled() for this block")
     lib = load(name)
-    return KernelStatus(lib is not None, _reasons.get(name, "disabled for this block"))
+    return KernelStatus(lib is not None, _reasons[name])
 
 
 def load(name: str) -> ctypes.CDLL | None:

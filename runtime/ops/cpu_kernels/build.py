@@ -89,7 +89,8 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     try:
         path = _built(compiler, source)
         return ctypes.CDLL(str(path)), f"{name} compiled with {_name(compiler)}, at {path}"
-    except (OSError, subprocess.SubprocessError, _BuildError) as exc:
+    # RuntimeError: Path.home() without a home directory to find
+    except (OSError, RuntimeError, subprocess.SubprocessError, _BuildError) as exc:
         return None, f"{name} could not be compiled ({exc}): the PyTorch reference runs it"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -245,11 +246,47 @@ def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
         torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
-def test_block_outside_the_cache_is_an_operator_error(kernel_calls):
+@pytest.mark.parametrize("path", ["kernel", "pytorch"])
+@pytest.mark.parametrize("bad_id", [-1, "past the end"])
+def test_a_needed_block_outside_the_cache_is_the_same_operator_error(path, bad_id):
     case = _decode_case([20, 40])
-    case.block_table[1, 2] = case.key_cache.shape[0] + 5
-    with pytest.raises(OpInputError, match="block_table row 1 names a block outside"):
+    num_blocks = case.key_cache.shape[0]
+    case.block_table[1, 2] = num_blocks + 5 if bad_id == "past the end" else bad_id
+    off = cpu_kernels.disabled() if path == "pytorch" else contextlib.nullcontext()
+    with off, pytest.raises(OpInputError) as err:
         paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.1, mode=3)
+    assert str(err.value) == (
+        f"npu_fused_infer_attention_score: block_table row 1 names a block outside the "
+        f"cache's {num_blocks} blocks within its first kv length tokens"
+    )
+
+
+def test_a_request_whose_scores_are_all_minus_infinity_gets_zeros_on_both_paths(kernel_calls):
+    case = _decode_case([6, 9], head_dim=8)
+    case.qs[0].copy_(-case.qs[0].abs() - 1)  # every query element negative ...
+    for t in range(6):  # ... against +inf keys: every score of request 0 is -inf
+        blk = int(case.block_table[0, t // 16])
+        case.key_cache[blk, t % 16] = float("inf")
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.1, mode=3)[0]
+    )
+    assert kernel_calls == [True, False]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_table_entries_a_request_does_not_need_are_never_read_on_either_path(kernel_calls):
+    # The device reads only the blocks of each request's first kv_len tokens; the rest of a
+    # row may hold padding such as -1.
+    case = _decode_case([3, 40])
+    case.block_table[0, 1:] = -1
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.1, mode=3)[0]
+    )
+    assert kernel_calls == [True, False]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    naive, _ = naive_batch(case, 0.1, rule_for(3))
+    torch.testing.assert_close(got.double(), naive, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize(
@@ -324,8 +361,31 @@ def test_kernels_can_be_switched_off():
 
 def test_a_compiler_that_fails_leaves_the_reference_in_charge(tmp_path):
     line = _status_in_subprocess({"CC": "false", "KVSKILL_KERNEL_CACHE": str(tmp_path)})
-    assert line.startswith("False paged_decode could not be compiled (false exited with an error")
+    assert line.startswith("False paged_decode could not be compiled (false failed:")
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_compiler_that_writes_nothing_or_undecodable_messages_falls_back(tmp_path):
+    mute = tmp_path / "mute-cc"  # exits 0 without writing the library
+    mute.write_text("#!/bin/sh\nexit 0\n")
+    noisy = tmp_path / "noisy-cc"  # fails with a message that is not UTF-8
+    noisy.write_text("#!/bin/sh\nprintf '\\377 broken\\n' >&2\nexit 1\n")
+    for script in (mute, noisy):
+        script.chmod(0o755)
+        cache = tmp_path / f"cache-{script.name}"
+        line = _status_in_subprocess({"CC": str(script), "KVSKILL_KERNEL_CACHE": str(cache)})
+        assert line.startswith(f"False paged_decode could not be compiled ({script.name} failed:")
+        assert not list(cache.rglob("*.so"))
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt(tmp_path):
+    line = _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert line.startswith("True")
+    [built] = tmp_path.rglob("paged_decode.so")
+    built.write_bytes(b"")  # truncated
+    line = _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
+    assert line.startswith("True paged_decode compiled with")
+    assert built.stat().st_size > 0
 
 
 def test_a_compiler_command_with_a_launcher_is_split_like_a_shell_would(tmp_path):

@@ -88,7 +88,15 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     source = _SOURCE_DIR / f"{name}.c"
     try:
         path = _built(compiler, source)
-        return ctypes.CDLL(str(path)), f"{name} compiled with {_name(compiler)}, at {path}"
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            # A cached library that does not load (truncated, or built by a broken compiler
+            # run) is rebuilt once instead of being trusted forever.
+            path.unlink(missing_ok=True)
+            path = _built(compiler, source)
+            lib = ctypes.CDLL(str(path))
+        return lib, f"{name} compiled with {_name(compiler)}, at {path}"
     # RuntimeError: Path.home() without a home directory to find
     except (OSError, RuntimeError, subprocess.SubprocessError, _BuildError) as exc:
         return None, f"{name} could not be compiled ({exc}): the PyTorch reference runs it"
@@ -118,15 +126,24 @@ def _built(compiler: list[str], source: Path) -> Path:
         os.close(fd)
         cmd = [*compiler, *flags, "-o", tmp, str(source), *_LIBS]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-            if done.returncode == 0:
+            # errors="replace": a compiler speaking another encoding must not raise here
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=_COMPILE_TIMEOUT_S,
+            )
+            if done.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.replace(tmp, target)
                 return target
+            error = (done.stderr.strip().splitlines() or ["no output file"])[0]
+        except subprocess.TimeoutExpired:
+            error = f"no result within {_COMPILE_TIMEOUT_S} s"
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        error = (done.stderr.strip().splitlines() or ["no message"])[0]
-    raise _BuildError(f"{_name(compiler)} exited with an error: {error}")
+    raise _BuildError(f"{_name(compiler)} failed: {error}")
 
 
 def _cache_dir() -> Path:

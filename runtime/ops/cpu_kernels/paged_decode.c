@@ -113,6 +113,11 @@ static void softmax(float *restrict s, int64_t n) {
     float top = lane[0];
     for (int j = 1; j < 8; j++) top = lane[j] > top ? lane[j] : top;
     for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    if (top == -INFINITY) {
+        /* every score -inf (infinite inputs): zeros, as PyTorch's SDPA gives, not NaN */
+        memset(s, 0, sizeof(float) * n);
+        return;
+    }
     for (t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - top);
     for (int j = 0; j < 8; j++) lane[j] = 0.0f;
     for (t = 0; t + 8 <= n; t += 8)

@@ -22,6 +22,10 @@ class OpInputError(RuntimeError):
     """
 
 
+class BlockIdError(OpInputError):
+    """A block table entry a request needs names no block of the paged cache."""
+
+
 class ReferenceUnsupportedError(NotImplementedError):
     """A valid operator feature (quantisation, left padding, ...) the reference does not model."""
 

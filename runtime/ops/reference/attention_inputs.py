@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._checks import OpInputError, ReferenceUnsupportedError, describe
+from ._checks import BlockIdError, OpInputError, ReferenceUnsupportedError, describe
 
 #: every input_layout string the torch_npu adapter accepts (npu_ops.md §1.2), minus NSD
 ACCEPTED_LAYOUTS = (
@@ -172,7 +172,7 @@ def gather_paged(
     block_size = cache.size(1) if cache.dim() == 3 else cache.size(-2)
     num_used = -(-max_len // block_size) if block_size else 0
     # index_select takes the int32 table as it is: no int64 copy.
-    ids = block_table[:, :num_used]
+    ids = _needed_block_ids(block_table[:, :num_used], kv_lens, block_size, cache.size(0))
     b = ids.size(0)
     if cache.dim() == 3:
         if cache.size(2) % num_kv_heads:
@@ -198,6 +198,30 @@ def gather_paged(
         f"paged {what} must be 3-D [num_blocks, block_size, H], 4-D [num_blocks, N, "
         f"block_size, D] or 5-D NZ [num_blocks, N, D/C0, block_size, C0]; got {describe(cache)}"
     )
+
+
+def _needed_block_ids(ids: Tensor, kv_lens: list[int], block_size: int, num_blocks: int) -> Tensor:
+    """The table's first columns, with entries a request does not need replaced by block 0.
+
+    Only the blocks holding a request's first kv_lens[b] tokens are read (npu_ops.md §1.7: the
+    device does not look at the rest, which may hold padding such as -1); gathering the batch's
+    widest span reads the others too, so they are pointed at a real block. A needed entry
+    outside the cache is an operator input error, as in the compiled decode kernel.
+    """
+    if ids.numel() == 0:
+        return ids
+    need = torch.tensor([-(-n // block_size) for n in kv_lens], device=ids.device)
+    used = torch.arange(ids.size(1), device=ids.device) < need.view(-1, 1)
+    bad = used & ((ids < 0) | (ids >= num_blocks))
+    if bool(bad.any()):
+        row = int(bad.any(dim=1).nonzero()[0])
+        raise BlockIdError(
+            f"block_table row {row} names a block outside the cache's {num_blocks} blocks "
+            "within its first kv length tokens"
+        )
+    if bool(used.all()):
+        return ids
+    return torch.where(used, ids, torch.zeros((), dtype=ids.dtype, device=ids.device))
 
 
 def paged_block_size(cache: Tensor) -> int:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..cpu_kernels import paged_decode
 from ..cpu_kernels.paged_decode import BlockOutOfRangeError
-from ._checks import OpInputError, describe
+from ._checks import BlockIdError, OpInputError, describe
 from .attention_core import Admission, attention, newest_rows_only
 from .attention_inputs import (
     Layout,
@@ -296,6 +296,16 @@ def _paged_kv(
             f"{call.names.op}: input_layout {call.input_layout!r} with paged KV needs the 3-D "
             f"cache [num_blocks, block_size, H] (or 5-D NZ); got {describe(key)}"
         )
+    try:
+        return _gather_kv(call, block_table, kv_lens, kvn)
+    except BlockIdError as exc:
+        raise OpInputError(f"{call.names.op}: {exc}") from None
+
+
+def _gather_kv(
+    call: FaCall, block_table: Tensor, kv_lens: list[int], kvn: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    key = call.key
     k = gather_paged(key, block_table, kv_lens, kvn, "key")
     # MLA passes one latent cache as both key and value: gather it once (``v is k`` then
     # tells the attention that the values are the keys' leading dims).

@@ -210,7 +210,13 @@ def _needed_block_ids(ids: Tensor, kv_lens: list[int], block_size: int, num_bloc
     """
     if ids.numel() == 0:
         return ids
-    need = torch.tensor([-(-n // block_size) for n in kv_lens], device=ids.device)
+    need_list = [-(-n // block_size) for n in kv_lens]
+    if min(need_list) == ids.size(1):
+        # Every request needs every column (equal lengths, a decode batch): one range check.
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo >= 0 and hi < num_blocks:
+            return ids
+    need = torch.tensor(need_list, device=ids.device)
     used = torch.arange(ids.size(1), device=ids.device) < need.view(-1, 1)
     bad = used & ((ids < 0) | (ids >= num_blocks))
     if bool(bad.any()):

@@ -246,6 +246,39 @@ def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
         torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
+def test_the_portable_c_loops_compute_what_the_simd_ones_do(monkeypatch, tmp_path, kernel_calls):
+    # The same source built with -DKVSKILL_PORTABLE takes the plain loops that machines without
+    # AVX2 + FMA run; both must agree with each other and with the naive math.
+    from kvskill.runtime.ops.cpu_kernels import build
+
+    kv_lens = [1, 17, 300, 5, 64, 33, 8]
+    cases = [
+        (_decode_case(kv_lens), 4, 2),
+        (_decode_case(kv_lens, heads=8, kv_heads=1, head_dim=128, block_size=4), 8, 1),
+        (_decode_case(kv_lens, heads=6, kv_heads=3, head_dim=20, block_size=8), 6, 3),
+    ]
+
+    def outputs():
+        return [
+            paged_fia_v1(case, num_heads=n, num_kv_heads=kvn, scale=0.125, mode=3)[0]
+            for case, n, kvn in cases
+        ]
+
+    simd = outputs()
+    compiler = os.environ.get("CC") or "cc"
+    monkeypatch.setenv("CC", f"{compiler} -DKVSKILL_PORTABLE")
+    monkeypatch.setenv("KVSKILL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_reasons", {})
+    assert "-DKVSKILL_PORTABLE" in cpu_kernels.status().reason
+    portable = outputs()
+    assert kernel_calls == [True] * 6
+    for (case, _, _), a, b in zip(cases, simd, portable, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        naive, _ = naive_batch(case, 0.125, rule_for(3))
+        torch.testing.assert_close(b.double(), naive, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])
 @pytest.mark.parametrize("bad_id", [-1, "past the end"])
 def test_a_needed_block_outside_the_cache_is_the_same_operator_error(path, bad_id):

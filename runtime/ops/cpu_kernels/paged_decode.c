@@ -22,6 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* AVX2 + FMA (what -march=native gives on current x86) takes the blocked score and value loops
+ * below; every other target, or -DKVSKILL_PORTABLE, the plain C loops that compute the same
+ * sums (the scores in another order of addition, within fp32 rounding). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSKILL_PORTABLE)
+#include <immintrin.h>
+#define KVSKILL_AVX2 1
+#endif
+
 typedef struct {
     /* q, k and v are all fp32, or all bfloat16 (bf16 = 1); strides count elements */
     const void *q;
@@ -48,9 +56,10 @@ typedef struct {
 } decode_args;
 
 /* Per-thread buffers: scores of one request, its scaled queries (and rope queries), its
- * outputs, and one key or value row (and rope key row) widened to fp32 for bfloat16 inputs. */
+ * outputs, one query row widened to fp32, and one kv head's rows of one block (keys, values or
+ * rope keys) widened to fp32 for bfloat16 inputs. */
 typedef struct {
-    float *scores, *qs, *qrs, *acc, *row, *rope_row;
+    float *scores, *qs, *qrs, *acc, *row, *block_rows;
 } scratch;
 
 typedef struct {
@@ -135,10 +144,10 @@ static int64_t block_of(const decode_args *a, int64_t b, int64_t t) {
     return (id < 0 || id >= a->num_blocks) ? -1 : id;
 }
 
-/* Ask for the next block's row r while this block's row r is computed: blocks are scattered
- * over the pool, so the hardware prefetcher cannot guess where the next one starts. */
-static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
+/* Ask for a whole block while the one before it is computed: blocks are scattered over the
+ * pool, so the hardware prefetcher cannot guess where the next one starts. */
+static inline void prefetch_block(const char *block, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 3);
 }
 
 /* n values at element offset `at` of `base` as fp32: in place for fp32 inputs; bfloat16 ones
@@ -154,23 +163,122 @@ static inline const float *as_f32(const decode_args *a, const void *base, int64_
     return buf;
 }
 
-/* One request, all heads: each cached row (every kv head of one token) is read in one pass,
- * block by block, once for the scores and once for the values. */
+/* Rows [0, rows) of one kv head in one block as fp32, row r at result + r * (*stride): in
+ * place for fp32 inputs, widened into `buf` (stride n) for bfloat16 ones. `at` is the element
+ * offset of row 0, `row_stride` the cache's row stride. */
+static inline const float *block_rows_f32(const decode_args *a, const void *base, int64_t at,
+                                          int64_t row_stride, int64_t rows, int64_t n,
+                                          float *restrict buf, int64_t *stride) {
+    if (!a->bf16) {
+        *stride = row_stride;
+        return (const float *)base + at;
+    }
+    for (int64_t r = 0; r < rows; r++) as_f32(a, base, at + r * row_stride, n, buf + r * n);
+    *stride = n;
+    return buf;
+}
+
+#ifdef KVSKILL_AVX2
+/* out[j] = x . rows[j * stride] for eight rows, n a multiple of 8: eight independent chains of
+ * multiply-adds, then one transposing reduction (hadd tree) instead of eight horizontal sums. */
+static inline void dot_8_rows(const float *x, const float *rows, int64_t stride, int64_t n,
+                              float *out) {
+    __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0, p4 = p0, p5 = p0, p6 = p0,
+           p7 = p0;
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        p0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + i), p0);
+        p1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + stride + i), p1);
+        p2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 2 * stride + i), p2);
+        p3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 3 * stride + i), p3);
+        p4 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 4 * stride + i), p4);
+        p5 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 5 * stride + i), p5);
+        p6 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 6 * stride + i), p6);
+        p7 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows + 7 * stride + i), p7);
+    }
+    /* after two hadds, lane j of the low half holds the low-half sum of row j (j < 4) and the
+     * high half the high-half sums; swapping halves across the two quads lines rows up 0..7 */
+    __m256 q0123 = _mm256_hadd_ps(_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
+    __m256 q4567 = _mm256_hadd_ps(_mm256_hadd_ps(p4, p5), _mm256_hadd_ps(p6, p7));
+    __m256 low = _mm256_permute2f128_ps(q0123, q4567, 0x20);
+    __m256 high = _mm256_permute2f128_ps(q0123, q4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(low, high));
+}
+
+/* acc[0..n) += sum over r of p[r] * rows[r * stride], n a multiple of 32: the 32 sums of a
+ * slice stay in registers over all rows (one load and store per slice, not per row). */
+static inline void weighted_rows_32(float *acc, const float *p, const float *rows,
+                                    int64_t stride, int64_t count, int64_t n) {
+    for (int64_t c = 0; c < n; c += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
+        for (int64_t r = 0; r < count; r++) {
+            const float *row = rows + r * stride + c;
+            __m256 w = _mm256_set1_ps(p[r]);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(acc + c, a0);
+        _mm256_storeu_ps(acc + c + 8, a1);
+        _mm256_storeu_ps(acc + c + 16, a2);
+        _mm256_storeu_ps(acc + c + 24, a3);
+    }
+}
+#endif
+
+/* scores[r] (+)= x . rows[r * stride] for r < count; `add` keeps what scores holds (the rope
+ * part of MLA is added to the latent part). */
+static void score_rows(const float *x, const float *rows, int64_t stride, int64_t count,
+                       int64_t n, int add, float *restrict scores) {
+    int64_t r = 0;
+#ifdef KVSKILL_AVX2
+    if (n % 8 == 0) {
+        float eight[8];
+        for (; r + 8 <= count; r += 8) {
+            dot_8_rows(x, rows + r * stride, stride, n, eight);
+            for (int j = 0; j < 8; j++) scores[r + j] = add ? scores[r + j] + eight[j] : eight[j];
+        }
+    }
+#endif
+    for (; r < count; r++) {
+        float s = dot(x, rows + r * stride, n);
+        scores[r] = add ? scores[r] + s : s;
+    }
+}
+
+/* acc[0..n) += sum over r < count of p[r] * rows[r * stride], rows taken in order. */
+static void accumulate_rows(float *restrict acc, const float *p, const float *rows,
+                            int64_t stride, int64_t count, int64_t n) {
+#ifdef KVSKILL_AVX2
+    if (n % 32 == 0) {
+        weighted_rows_32(acc, p, rows, stride, count, n);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < count; r++) {
+        const float *restrict row = rows + r * stride;
+        for (int64_t i = 0; i < n; i++) acc[i] += p[r] * row[i];
+    }
+}
+
+/* One request, all heads, block by block and kv head by kv head: each cached row is read once
+ * for the scores and once for the values; the query heads of a group reuse it from L1. */
 static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t *bad_request) {
     int64_t heads = a->heads, kv_heads = a->kv_heads, g_count = heads / kv_heads;
     int64_t len = a->kv_lens[b], d = a->dim, dv = a->dim_v, bs = a->block_size;
-    int64_t elem = a->bf16 ? 2 : 4;
+    int64_t elem = a->bf16 ? 2 : 4, dr = a->dim_rope, stride;
     float *out = a->out + b * heads * dv, *scores = w->scores, *qs = w->qs, *acc = w->acc;
     if (len <= 0) {
         memset(out, 0, sizeof(float) * heads * dv);
         return;
     }
-    int64_t dr = a->dim_rope;
     for (int64_t n = 0; n < heads; n++) {
         const float *src = as_f32(a, a->q, b * a->q_sb + n * a->q_sn, d, w->row);
         for (int64_t i = 0; i < d; i++) qs[n * d + i] = src[i] * a->scale;
         if (dr) {
-            src = as_f32(a, a->qr, b * a->qr_sb + n * a->qr_sn, dr, w->rope_row);
+            src = as_f32(a, a->qr, b * a->qr_sb + n * a->qr_sn, dr, w->row);
             for (int64_t i = 0; i < dr; i++) w->qrs[n * dr + i] = src[i] * a->scale;
         }
     }
@@ -183,26 +291,19 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
             return;
         }
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
-        const char *kn = t0 + bs < len && next >= 0
-                             ? (const char *)a->k + next * a->k_sblk * elem
-                             : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            if (kn) prefetch_row(kn + r * a->k_srow * elem, a->k_srow * elem);
-            for (int64_t h = 0; h < kv_heads; h++) {
-                int64_t at = id * a->k_sblk + r * a->k_srow + h * a->k_shead;
-                const float *key = as_f32(a, a->k, at, d, w->row);
-                const float *rope_key = NULL;
-                if (dr) {
-                    at = id * a->kr_sblk + r * a->kr_srow + h * a->kr_shead;
-                    rope_key = as_f32(a, a->kr, at, dr, w->rope_row);
-                }
-                for (int64_t g = 0; g < g_count; g++) {
-                    int64_t n = h * g_count + g;
-                    float score = dot(qs + n * d, key, d);
-                    if (dr) score += dot(w->qrs + n * dr, rope_key, dr);
-                    scores[n * len + t0 + r] = score;
-                }
-            }
+        if (t0 + bs < len && next >= 0)
+            prefetch_block((const char *)a->k + next * a->k_sblk * elem,
+                           ((kv_heads - 1) * a->k_shead + bs * a->k_srow) * elem);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *keys = block_rows_f32(a, a->k, id * a->k_sblk + h * a->k_shead,
+                                               a->k_srow, rows, d, w->block_rows, &stride);
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                score_rows(qs + n * d, keys, stride, rows, d, 0, scores + n * len + t0);
+            if (!dr) continue;
+            keys = block_rows_f32(a, a->kr, id * a->kr_sblk + h * a->kr_shead, a->kr_srow, rows,
+                                  dr, w->block_rows, &stride);
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                score_rows(w->qrs + n * dr, keys, stride, rows, dr, 1, scores + n * len + t0);
         }
     }
     for (int64_t n = 0; n < heads; n++) softmax(scores + n * len, len);
@@ -210,21 +311,14 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         int64_t id = block_of(a, b, t0);
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
-        const char *vn = t0 + bs < len && next >= 0
-                             ? (const char *)a->v + next * a->v_sblk * elem
-                             : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            if (vn) prefetch_row(vn + r * a->v_srow * elem, a->v_srow * elem);
-            for (int64_t h = 0; h < kv_heads; h++) {
-                int64_t at = id * a->v_sblk + r * a->v_srow + h * a->v_shead;
-                const float *restrict value = as_f32(a, a->v, at, dv, w->row);
-                for (int64_t g = 0; g < g_count; g++) {
-                    int64_t n = h * g_count + g;
-                    float p = scores[n * len + t0 + r];
-                    float *restrict dst = acc + n * dv;
-                    for (int64_t i = 0; i < dv; i++) dst[i] += p * value[i];
-                }
-            }
+        if (t0 + bs < len && next >= 0)
+            prefetch_block((const char *)a->v + next * a->v_sblk * elem,
+                           ((kv_heads - 1) * a->v_shead + bs * a->v_srow) * elem);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *values = block_rows_f32(a, a->v, id * a->v_sblk + h * a->v_shead,
+                                                 a->v_srow, rows, dv, w->block_rows, &stride);
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                accumulate_rows(acc + n * dv, scores + n * len + t0, values, stride, rows, dv);
         }
     }
     memcpy(out, acc, sizeof(float) * heads * dv);
@@ -235,6 +329,7 @@ static void *run_job(void *arg) {
     const decode_args *a = job->a;
     int64_t longest = 1, widest = a->dim > a->dim_v ? a->dim : a->dim_v;
     int64_t rope = a->dim_rope > 0 ? a->dim_rope : 1;
+    widest = widest > rope ? widest : rope;
     for (int64_t it = job->first; it < job->last; it++)
         longest = a->kv_lens[it] > longest ? a->kv_lens[it] : longest;
     scratch w = {
@@ -243,9 +338,9 @@ static void *run_job(void *arg) {
         .qrs = malloc(sizeof(float) * a->heads * rope),
         .acc = malloc(sizeof(float) * a->heads * a->dim_v),
         .row = malloc(sizeof(float) * widest),
-        .rope_row = malloc(sizeof(float) * rope),
+        .block_rows = malloc(sizeof(float) * a->block_size * widest),
     };
-    if (!w.scores || !w.qs || !w.qrs || !w.acc || !w.row || !w.rope_row) {
+    if (!w.scores || !w.qs || !w.qrs || !w.acc || !w.row || !w.block_rows) {
         job->bad_request = -2;
     } else {
         for (int64_t it = job->first; it < job->last && job->bad_request == -1; it++)
@@ -256,7 +351,7 @@ static void *run_job(void *arg) {
     free(w.qrs);
     free(w.acc);
     free(w.row);
-    free(w.rope_row);
+    free(w.block_rows);
     return NULL;
 }
 

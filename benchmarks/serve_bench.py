@@ -1,10 +1,12 @@
 """Serving benchmark: the kvskill runtime against transformers' generation paths.
 
-Same model (one seeded state dict), same workload, same torch thread count, fp32. Every
-(workload, model, system, threads) cell runs in a fresh subprocess so its peak RSS is its own;
-inside it one warm-up run is excluded and the median of the repeats is reported. Greedy tokens
-are cross-checked against the one-request-at-a-time reference: a row whose tokens differ is
-marked invalid.
+Same model (one seeded state dict), same workload, same torch thread count, fp32. Each
+(model, threads) pair runs in one fresh subprocess, every system in it: per workload, each
+system gets one warm-up run (excluded), then the systems' timed runs take turns, round by
+round, and the median of each system's repeats is reported. Two systems are thus compared in
+the same process and over the same minutes, not across processes (which on a shared VM differ
+by more than the effects measured). Greedy tokens are cross-checked against the
+one-request-at-a-time reference: a row whose tokens differ is marked invalid.
 
     python benchmarks/serve_bench.py                       # full matrix, writes results/
     python benchmarks/serve_bench.py --workloads W1 --models qwen3-4l-h256 --threads 1
@@ -82,27 +84,29 @@ def _parse_list(value: str, allowed: tuple[str, ...] | None, what: str) -> list[
 
 def run_cell(
     *,
-    system: str,
+    systems: list[str],
     workloads: list[str],
     model: str,
     threads: int,
     repeats: int,
+    repeats_sequential: int,
     timeout_s: float,
     budget_cut: bool = False,
 ) -> list[dict]:
-    """Run one system over `workloads` in a fresh interpreter; one record per workload (with
-    `error` where it failed). `budget_cut`: the timeout is what is left of the run's time
-    budget, so a timeout means the budget ran out."""
+    """Run `systems` over `workloads` on one model in a fresh interpreter; one record per
+    (system, workload), with `error` where it failed. `budget_cut`: the timeout is what is left
+    of the run's time budget, so a timeout means the budget ran out."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = Path(f.name)
     cmd = [
         sys.executable,
         str(Path(__file__).resolve().parent / "_cell.py"),
-        "--system", system,
+        "--systems", ",".join(systems),
         "--workloads", ",".join(workloads),
         "--model", model,
         "--threads", str(threads),
         "--repeats", str(repeats),
+        "--repeats-sequential", str(repeats_sequential),
         "--out", str(out_path),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -126,13 +130,14 @@ def run_cell(
         records = json.loads(text) if text else []
     finally:
         out_path.unlink(missing_ok=True)
-    done = {r["workload"] for r in records}
-    base = {"system": system, "model": model, "threads": threads}
+    done = {(r["system"], r["workload"]) for r in records}
+    base = {"model": model, "threads": threads}
     cut = budget_cut and error is not None and error.startswith("stopped")
     records += [
-        {**base, "workload": w, "error": error or "no result", "budget_cut": cut}
+        {**base, "system": s, "workload": w, "error": error or "no result", "budget_cut": cut}
         for w in workloads
-        if w not in done
+        for s in systems
+        if (s, w) not in done
     ]
     return records
 
@@ -163,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         help="timed runs for hf_sequential (the slowest path); 0 = same as --repeats",
     )
     parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds per system process (all workloads)"
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds per model process (all systems, workloads)",
     )
     parser.add_argument(
         "--deadline",
@@ -226,46 +234,47 @@ def main(argv: list[str] | None = None) -> int:
     run_started = time.perf_counter()
     for entry in [] if args.from_records else plan:
         model, n_threads, cell_workloads = entry.model, entry.threads, list(entry.workloads)
-        for system in entry.systems:
-            started = time.perf_counter()
-            repeats = args.repeats
-            if system == "hf_sequential" and args.repeats_sequential:
-                repeats = args.repeats_sequential
-            left = args.deadline - (started - run_started) if args.deadline else None
-            if left is not None and left < _MIN_CELL_S:
-                reason = (
-                    f"not run: the run's time budget (--deadline {args.deadline:.0f} s) ran out"
-                )
-                cell = [
-                    {"system": system, "model": model, "threads": n_threads, "workload": w}
-                    | {"error": reason, "budget_cut": True}
-                    for w in cell_workloads
-                ]
-            else:
-                cell = run_cell(
-                    system=system,
-                    workloads=cell_workloads,
-                    model=model,
-                    threads=n_threads,
-                    repeats=repeats,
-                    timeout_s=args.timeout if left is None else min(args.timeout, left),
-                    budget_cut=left is not None and left < args.timeout,
-                )
-            records += cell
-            if not args.no_write:
-                # Raw records so far: an interrupted run still leaves what it measured.
-                args.out_dir.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps(records))
-            summary = ", ".join(
-                f"{r['workload']} " + (r["error"] if "error" in r else f"{r['tokens_per_s']:.0f}")
-                for r in cell
+        systems_here = list(entry.systems)
+        if not systems_here:
+            continue
+        started = time.perf_counter()
+        left = args.deadline - (started - run_started) if args.deadline else None
+        if left is not None and left < _MIN_CELL_S:
+            reason = f"not run: the run's time budget (--deadline {args.deadline:.0f} s) ran out"
+            cell = [
+                {"system": s, "model": model, "threads": n_threads, "workload": w}
+                | {"error": reason, "budget_cut": True}
+                for w in cell_workloads
+                for s in systems_here
+            ]
+        else:
+            cell = run_cell(
+                systems=systems_here,
+                workloads=cell_workloads,
+                model=model,
+                threads=n_threads,
+                repeats=args.repeats,
+                repeats_sequential=args.repeats_sequential,
+                timeout_s=args.timeout if left is None else min(args.timeout, left),
+                budget_cut=left is not None and left < args.timeout,
             )
+        records += cell
+        if not args.no_write:
+            # Raw records so far: an interrupted run still leaves what it measured.
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(records))
+        for r in cell:
+            outcome = r["error"] if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
             print(
-                f"[serve_bench] {model} t={n_threads} {system}: {summary} tok/s"
-                f" ({time.perf_counter() - started:.0f} s)",
+                f"[serve_bench] {model} t={n_threads} {r['workload']} {r['system']}: {outcome}",
                 file=sys.stderr,
                 flush=True,
             )
+        print(
+            f"[serve_bench] {model} t={n_threads}: {time.perf_counter() - started:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     result = {
         "benchmark": "serve_bench",

@@ -8,9 +8,10 @@
  *     key of kv head h:      k + block * k_sblk + row * k_srow + h * k_shead   (D floats)
  *
  * Query head n reads kv head n / G (G = N / KVN, groups contiguous), as the fused-attention
- * operator does. A request is one work item: every cached key and value row is read once per
- * call, whole. Scores are scaled, softmaxed in fp32 and applied to the values; a request with
- * no keys gets zeros. Requests are split over threads by their key counts. Absorbed MLA adds
+ * operator does. A request is one work item, walked block by block and kv head by kv head:
+ * every cached key and value is read from memory once per call, and the G query heads of a
+ * group reuse it from L1. Scores are scaled, softmaxed in fp32 and applied to the values; a
+ * request with no keys gets zeros. Requests are split over threads by their key counts. Absorbed MLA adds
  * a rope part to every score (q_rope . k_rope, from its own paged cache) and passes its latent
  * cache as both keys and values.
  *

@@ -123,8 +123,9 @@ class KvskillRuntime:
 
         model_dir = converted_dir(spec)
         loaded = load_model(model_dir, dtype="float32", random_weights=True)
-        # The same state dict as the transformers reference: every key must match.
-        loaded.model.load_state_dict(reference.state_dict(), strict=True)
+        # The transformers reference's own tensors (assign=True shares their storage): every
+        # key must match, and every system reads its weights from the same memory.
+        loaded.model.load_state_dict(reference.state_dict(), strict=True, assign=True)
         loaded.model.eval()
         self.llm = LLM(
             loaded.model,

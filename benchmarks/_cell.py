@@ -95,6 +95,7 @@ class _Turn:
     peak_rss_mb: float = 0.0
     error: str | None = None
     not_runnable: bool = False
+    close_error: str | None = None
 
     def fail(self, exc: Exception) -> None:
         self.not_runnable = isinstance(exc, NotRunnableError)
@@ -109,7 +110,8 @@ def run_workload(
     Round r runs each system's r-th repeat in turn, so the systems share this process (its
     allocator state, its memory placement) and the machine's slow and fast moments alike: a
     ratio of two systems is not a ratio of two processes, which on a shared VM differ by
-    more than the effects measured.
+    more than the effects measured. The order rotates by one system each round, so no system
+    always runs first or always after the same one.
     """
     workload = make_workload(workload_name, spec.vocab_size)
     turns = [_Turn(system, repeats[system]) for system in systems]
@@ -121,7 +123,8 @@ def run_workload(
             except Exception as exc:  # one failing system must not hide the others' numbers
                 turn.fail(exc)
         for round_ in range(max(t.repeats for t in turns)):
-            for turn in turns:
+            shift = round_ % len(turns)
+            for turn in turns[shift:] + turns[:shift]:
                 if turn.error is not None or round_ >= turn.repeats:
                     continue
                 # Every run starts from an empty young generation: a full collection costs
@@ -139,13 +142,19 @@ def run_workload(
                 turn.peak_rss_mb = max(turn.peak_rss_mb, _peak_rss_since_reset_mb())
     finally:
         for turn in turns:
-            if turn.close is not None:
+            if turn.close is None:
+                continue
+            try:
                 turn.close()
+            except Exception as exc:  # its runs are measured; the others must still close
+                turn.close_error = f"{type(exc).__name__}: {exc}"
     return [_record(turn, workload, workload_name) for turn in turns]
 
 
 def _record(turn: _Turn, workload, workload_name: str) -> dict:
     base = {"system": turn.system, "workload": workload_name}
+    if turn.close_error is not None:
+        base["close_error"] = turn.close_error
     if turn.error is not None:
         return base | {"error": turn.error, "not_runnable": turn.not_runnable}
     runs = turn.runs

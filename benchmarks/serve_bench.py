@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=900.0,
-        help="seconds per model process (all systems, workloads)",
+        default=1800.0,
+        help="seconds per model process (all its systems and workloads)",
     )
     parser.add_argument(
         "--deadline",

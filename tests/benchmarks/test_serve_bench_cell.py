@@ -47,6 +47,14 @@ def systems(monkeypatch):
     def make_runner(system, model, spec, workload):
         if system == "cannot_build":
             raise NotRunnableError("its cache cannot hold this model")
+        if system == "cannot_close":
+            fake = _FakeSystem(system, log, wall_s=1.0)
+            made[system] = fake
+
+            def close():
+                raise OSError("its worker thread did not stop")
+
+            return fake.run, close
         fake = _FakeSystem(
             system,
             log,
@@ -69,10 +77,14 @@ def _run(names: list[str], repeats: int = 3) -> dict[str, dict]:
     return {r["system"]: r for r in records}
 
 
-def test_timed_runs_take_turns_after_every_warm_up(systems):
+def test_timed_runs_take_turns_after_every_warm_up_in_a_rotating_order(systems):
     log, made = systems
     records = _run(["fast", "slow"])
-    assert log == ["fast:warmup", "slow:warmup"] + ["fast:run", "slow:run"] * 3
+    assert log == ["fast:warmup", "slow:warmup"] + ["fast:run", "slow:run", "slow:run"] + [
+        "fast:run",
+        "fast:run",
+        "slow:run",
+    ]
     assert records["fast"]["wall_s_runs"] == [1.0] * 3
     assert records["slow"]["wall_s"] == 2.0
     assert records["fast"]["tokens_per_s"] == 2 * records["slow"]["tokens_per_s"]
@@ -103,3 +115,12 @@ def test_a_system_failing_mid_run_drops_out_and_is_closed(systems):
     assert log.count("flaky:run") == 2  # not run again after it failed
     assert records["fast"]["wall_s_runs"] == [1.0] * 3
     assert made["flaky"].closed
+
+
+def test_a_runner_that_fails_to_close_keeps_its_numbers_and_the_others_close(systems):
+    log, made = systems
+    records = _run(["cannot_close", "fast"])
+    assert records["cannot_close"]["close_error"] == "OSError: its worker thread did not stop"
+    assert records["cannot_close"]["wall_s_runs"] == [1.0] * 3
+    assert "close_error" not in records["fast"]
+    assert made["fast"].closed

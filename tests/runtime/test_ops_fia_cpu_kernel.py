@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -199,10 +200,12 @@ def test_bfloat16_inputs_are_computed_in_fp32_like_the_pytorch_path(kernel_calls
     torch.testing.assert_close(got.double(), naive, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
-    # One latent cache serves as keys and values; the rope keys have their own paged cache
-    # under the same block table. Scores are scale * (q . latent + q_rope . k_rope).
+def _absorbed_mla_decode(dtype):
+    """(call, latent case, rope case): an absorbed MLA decode of 4 requests, 8 heads.
+
+    One latent cache serves as keys and values; the rope keys have their own paged cache
+    under the same block table. Scores are scale * (q . latent + q_rope . k_rope).
+    """
     kv_lens = [9, 40, 1, 23]
     latent, rope = make_mla_paged_case([1] * 4, kv_lens, num_heads=8, block_size=8, seed=21)
     nb, bs = latent.key_cache.shape[:2]
@@ -227,6 +230,12 @@ def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
             actual_seq_lengths_kv=kv_lens,
         )[0]
 
+    return call, latent, rope
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
+    call, latent, rope = _absorbed_mla_decode(dtype)
     got, want = _both_paths(call)
     assert kernel_calls == [True, False]
     if dtype == torch.float32:
@@ -246,37 +255,74 @@ def test_absorbed_mla_decode_reads_latent_and_rope_caches(kernel_calls, dtype):
         torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
+def _fia_v1_4d(case, heads, kv_heads, scale):
+    """The decode of `case` with its caches in the [nb, KVN, bs, D] form."""
+    return npu.npu_fused_infer_attention_score(
+        case.query_tnd,
+        case.key_cache.permute(0, 2, 1, 3).contiguous(),
+        case.value_cache.permute(0, 2, 1, 3).contiguous(),
+        num_heads=heads,
+        num_key_value_heads=kv_heads,
+        input_layout="TND",
+        scale=scale,
+        atten_mask=CAUSAL_TILE,
+        sparse_mode=3,
+        block_table=case.block_table,
+        block_size=case.key_cache.shape[1],
+        actual_seq_lengths=case.cu_q,
+        actual_seq_lengths_kv=case.kv_lens,
+    )[0]
+
+
 def test_the_portable_c_loops_compute_what_the_simd_ones_do(monkeypatch, tmp_path, kernel_calls):
     # The same source built with -DKVSKILL_PORTABLE takes the plain loops that machines without
-    # AVX2 + FMA run; both must agree with each other and with the naive math.
+    # AVX2 + FMA run; both must agree with each other (and, for fp32, with the naive math).
+    # Blocks of 8 or more rows with head dims that are multiples of 8 take the SIMD build's
+    # eight-row scores and register-held value sums (3-D and 4-D caches, bf16, MLA's latent
+    # and rope); head dim 20 and blocks of 4 rows take its plain loops.
     from kvskill.runtime.ops.cpu_kernels import build
 
     kv_lens = [1, 17, 300, 5, 64, 33, 8]
-    cases = [
-        (_decode_case(kv_lens), 4, 2),
-        (_decode_case(kv_lens, heads=8, kv_heads=1, head_dim=128, block_size=4), 8, 1),
+    gqa = _decode_case(kv_lens)
+    bf16 = make_paged_case(
+        [1] * 3, [5, 70, 33], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.bfloat16, seed=3,
+    )  # fmt: skip
+    fp32_cases = [
+        (gqa, 4, 2),
+        (_decode_case(kv_lens, heads=8, kv_heads=1, head_dim=128, block_size=16), 8, 1),
         (_decode_case(kv_lens, heads=6, kv_heads=3, head_dim=20, block_size=8), 6, 3),
+        (_decode_case(kv_lens, heads=8, kv_heads=1, head_dim=128, block_size=4), 8, 1),
     ]
 
-    def outputs():
-        return [
-            paged_fia_v1(case, num_heads=n, num_kv_heads=kvn, scale=0.125, mode=3)[0]
-            for case, n, kvn in cases
-        ]
+    def v1(case, heads, kv_heads):
+        return paged_fia_v1(case, num_heads=heads, num_kv_heads=kv_heads, scale=0.125, mode=3)[0]
 
-    simd = outputs()
+    calls = [
+        *(functools.partial(v1, *c) for c in fp32_cases),
+        functools.partial(v1, bf16, 4, 2),
+        functools.partial(_fia_v1_4d, gqa, 4, 2, 0.125),
+        _absorbed_mla_decode(torch.float32)[0],
+        _absorbed_mla_decode(torch.bfloat16)[0],
+    ]
+
+    simd = [call() for call in calls]
     compiler = os.environ.get("CC") or "cc"
     monkeypatch.setenv("CC", f"{compiler} -DKVSKILL_PORTABLE")
     monkeypatch.setenv("KVSKILL_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setattr(build, "_reasons", {})
     assert "-DKVSKILL_PORTABLE" in cpu_kernels.status().reason
-    portable = outputs()
-    assert kernel_calls == [True] * 6
-    for (case, _, _), a, b in zip(cases, simd, portable, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    portable = [call() for call in calls]
+    assert kernel_calls == [True] * (2 * len(calls))
+    for a, b in zip(simd, portable, strict=True):
+        if a.dtype == torch.bfloat16:  # both round one fp32 result; sums may differ by an ulp
+            torch.testing.assert_close(a, b, atol=0, rtol=2**-7)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for (case, _, _), out in zip(fp32_cases, portable, strict=False):
         naive, _ = naive_batch(case, 0.125, rule_for(3))
-        torch.testing.assert_close(b.double(), naive, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out.double(), naive, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])

@@ -145,10 +145,17 @@ static int64_t block_of(const decode_args *a, int64_t b, int64_t t) {
     return (id < 0 || id >= a->num_blocks) ? -1 : id;
 }
 
-/* Ask for a whole block while the one before it is computed: blocks are scattered over the
- * pool, so the hardware prefetcher cannot guess where the next one starts. */
+/* Ask for the next block while this one is computed: blocks are scattered over the pool, so
+ * the hardware prefetcher cannot guess where the next one starts. Into L2, not L1: a block
+ * can be as large as L1 and would evict the one being read. */
 static inline void prefetch_block(const char *block, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 3);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(block + i, 0, 2);
+}
+
+/* Bytes from a block's first element to the end of its last row of its last head. */
+static inline int64_t block_extent(int64_t rows, int64_t row_stride, int64_t heads,
+                                   int64_t head_stride, int64_t dim, int64_t elem) {
+    return ((rows - 1) * row_stride + (heads - 1) * head_stride + dim) * elem;
 }
 
 /* n values at element offset `at` of `base` as fp32: in place for fp32 inputs; bfloat16 ones
@@ -294,7 +301,7 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
         if (t0 + bs < len && next >= 0)
             prefetch_block((const char *)a->k + next * a->k_sblk * elem,
-                           ((kv_heads - 1) * a->k_shead + bs * a->k_srow) * elem);
+                           block_extent(bs, a->k_srow, kv_heads, a->k_shead, d, elem));
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *keys = block_rows_f32(a, a->k, id * a->k_sblk + h * a->k_shead,
                                                a->k_srow, rows, d, w->block_rows, &stride);
@@ -314,7 +321,7 @@ static void run_item(const decode_args *a, int64_t b, const scratch *w, int64_t 
         int64_t rows = len - t0 < bs ? len - t0 : bs, next = block_of(a, b, t0 + bs);
         if (t0 + bs < len && next >= 0)
             prefetch_block((const char *)a->v + next * a->v_sblk * elem,
-                           ((kv_heads - 1) * a->v_shead + bs * a->v_srow) * elem);
+                           block_extent(bs, a->v_srow, kv_heads, a->v_shead, dv, elem));
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *values = block_rows_f32(a, a->v, id * a->v_sblk + h * a->v_shead,
                                                  a->v_srow, rows, dv, w->block_rows, &stride);
@@ -339,7 +346,8 @@ static void *run_job(void *arg) {
         .qrs = malloc(sizeof(float) * a->heads * rope),
         .acc = malloc(sizeof(float) * a->heads * a->dim_v),
         .row = malloc(sizeof(float) * widest),
-        .block_rows = malloc(sizeof(float) * a->block_size * widest),
+        /* only bfloat16 rows are widened into it */
+        .block_rows = malloc(sizeof(float) * (a->bf16 ? a->block_size * widest : 1)),
     };
     if (!w.scores || !w.qs || !w.qrs || !w.acc || !w.row || !w.block_rows) {
         job->bad_request = -2;

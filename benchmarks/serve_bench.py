@@ -58,7 +58,7 @@ class PlanEntry:
 #: - the MLA model on W1 and W2 at 1 thread, every system (its ratios are informational);
 #: - the 4-layer Qwen3 again at 2 threads on the workloads with targets (W1, W2), kvskill
 #:   against the bar (padded `generate`) only. With two threads on a 2-core machine that
-#:   others share, every OpenMP region waits for a busy core and a cell can take minutes; the
+#:   others share, every OpenMP region waits for a busy core and a run can take minutes; the
 #:   one-at-a-time and continuous-batching paths are the slowest there, so they are left to
 #:   `--threads 2`. These rows are cross-checked against padded `generate`.
 DEFAULT_PLAN = (
@@ -68,8 +68,8 @@ DEFAULT_PLAN = (
     PlanEntry("qwen3-4l-h256", 2, ("W1", "W2"), ("kvskill", "hf_padded")),
 )
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-#: With a deadline, a cell is not started with less time than this left (process start, model
-#: build and warm-up alone take 10-20 s).
+#: With a deadline, a model's process is not started with less time than this left (process
+#: start, model build and warm-ups alone take 10-20 s).
 _MIN_CELL_S = 60.0
 
 
@@ -177,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         "--deadline",
         type=float,
         default=0.0,
-        help="seconds after start by which every cell must end (0 = none): a cell still running "
-        "then is stopped and one that would start with under a minute left is not run; both are "
-        "reported as errors (what make bench uses to stay within its budget)",
+        help="seconds after start by which every model's process must end (0 = none): one "
+        "still running then is stopped (the workloads it finished are kept) and one that would "
+        "start with under a minute left is not run; what either misses is reported as errors "
+        "(what make bench uses to stay within its budget)",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-write", action="store_true", help="print only, write no files")

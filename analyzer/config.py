@@ -254,6 +254,9 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
             "num_state_heads": v_heads,
             "state_k_dim": k_dim,
             "state_v_dim": v_dim,
+            # transformers' gated delta rule returns its state in float32 whatever the model's
+            # dtype, and keeps it so between steps; a narrower state changes the logits
+            "state_dtype": "float32",
         }
     d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
     if d_state:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvskill.analyzer.config import ModelSpec, text_config
+from kvskill.analyzer.config import DTYPE_BYTES, ModelSpec, text_config
 from kvskill.analyzer.plan import AttnType
 
 GIB = 1 << 30
@@ -34,12 +34,17 @@ def bytes_per_token_by_type(
 def state_bytes_per_request(
     cache_entries: dict[str, list[dict]], layer_counts: dict[str, int], dtype_bytes: int
 ) -> int:
-    """Bytes of conv + recurrent state one request holds across all Mamba-type layers."""
+    """Bytes of conv + recurrent state one request holds across all Mamba-type layers.
+
+    ``dtype_bytes`` is the model's; an entry naming its own dtype (a float32 recurrent state
+    of a bfloat16 model) is counted at that dtype's size.
+    """
     entries = cache_entries.get(AttnType.MAMBA.value, [])
     per_layer = 0
     for entry in entries:
         dims = entry["dim"] if isinstance(entry["dim"], list) else [entry["dim"]]
-        per_layer += math.prod(int(d) for d in dims) * int(entry["num_head"]) * dtype_bytes
+        size = DTYPE_BYTES.get(entry.get("dtype"), dtype_bytes)
+        per_layer += math.prod(int(d) for d in dims) * int(entry["num_head"]) * size
     return per_layer * layer_counts.get(AttnType.MAMBA.value, 0)
 
 

@@ -313,5 +313,5 @@ def _state_entries(spec: ModelSpec, attn_tp_size: int) -> list[dict]:
     if state.get("num_state_heads"):
         heads = max(state["num_state_heads"] // attn_tp_size, 1)
         dims = [state["state_k_dim"], state["state_v_dim"]]
-        entries.append(_entry("ssm_state", dims, heads, spec.dtype))
+        entries.append(_entry("ssm_state", dims, heads, state.get("state_dtype", spec.dtype)))
     return entries

@@ -36,6 +36,15 @@ SDPA_CALL = m.Call(
 CACHE_ENTRIES_ASSIGN = m.Assign(
     targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("cache_entries")))]
 )
+#: ``self.cache_entries = [MambaCacheEntry(...), ...]``: a converted recurrent-state layer
+STATE_ENTRIES_ASSIGN = m.Assign(
+    targets=[
+        m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("cache_entries")))
+    ],
+    value=m.List(
+        elements=[m.Element(value=m.Call(func=m.Name("MambaCacheEntry"))), m.ZeroOrMore()]
+    ),
+)
 #: a call of either fused-attention operator: the forward is already converted
 FA_CALL = m.Call(
     func=m.Attribute(
@@ -112,9 +121,9 @@ def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
 
 def is_attention_class(cls: cst.ClassDef) -> bool:
     """A class whose forward writes a KV cache and calls an attention kernel, or one already
-    converted (it declares ``cache_entries``)."""
+    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
     if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
-        return True
+        return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
     forward = _method(cls, "forward")
     if forward is None:
         return False

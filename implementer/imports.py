@@ -22,6 +22,11 @@ RUNTIME_IMPORTS: dict[str, tuple[str, ...]] = {
     "kvskill.runtime": ("CacheEntry", "LayerCacheInfo", "ModelCacheInfo", "get_forward_metadata"),
     "kvskill.runtime.ops": ("torch_npu",),
 }
+#: added when the file declares recurrent-state entries (gated delta nets)
+STATE_IMPORTS: dict[str, tuple[str, ...]] = {
+    "kvskill.runtime": ("MambaCacheEntry",),
+    "kvskill.runtime.ops": ("fla",),
+}
 
 
 def _dotted(node: cst.BaseExpression | None) -> str:
@@ -81,7 +86,11 @@ class RuntimeImportsCommand(FrameworkCommand):
     def visit_Module(self, node: cst.Module) -> bool:
         if m.findall(node, CACHE_ENTRIES_ASSIGN):
             AddImportsVisitor.add_needed_import(self.context, "torch")
-            for module, names in RUNTIME_IMPORTS.items():
-                for name in names:
-                    AddImportsVisitor.add_needed_import(self.context, module, name)
+            wanted = [RUNTIME_IMPORTS]
+            if m.findall(node, m.Call(func=m.Name("MambaCacheEntry"))):
+                wanted.append(STATE_IMPORTS)
+            for imports in wanted:
+                for module, names in imports.items():
+                    for name in names:
+                        AddImportsVisitor.add_needed_import(self.context, module, name)
         return False

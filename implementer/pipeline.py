@@ -6,7 +6,7 @@ rewrite cannot handle fails with the exact reason and never yields a half-conver
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 from kvskill.errors import BadInputError, UnsupportedModelError
@@ -18,6 +18,11 @@ from kvskill.implementer.facts import (
     is_attention_class,
     is_causal_lm_class,
     m,
+)
+from kvskill.implementer.gated_delta import (
+    GatedDeltaCommand,
+    gated_delta_facts,
+    is_gated_delta_class,
 )
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
@@ -33,6 +38,7 @@ COMMANDS = (
     AbsoluteImportsCommand,
     AttentionInitCommand,
     AttentionForwardCommand,
+    GatedDeltaCommand,
     CacheInfoCommand,
     SkipDenseMasksCommand,
     LocalTextModelCommand,
@@ -47,6 +53,8 @@ class ModuleSummary:
     attention_classes: list[str]
     causal_lm_classes: list[str]
     already_converted: bool
+    #: gated delta net classes (recurrent-state layers of the Mamba group)
+    state_classes: list[str] = field(default_factory=list)
 
 
 def parse(source: str, filename: str = "<modeling file>") -> cst.Module:
@@ -70,7 +78,9 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
     attention = [c for c in classes if is_attention_class(c)]
     heads = [c for c in classes if is_causal_lm_class(c)]
+    state = [c for c in classes if is_gated_delta_class(c)]
     problems: list[str] = text_model_problems(module)
+    problems.extend(_state_layer_problems(state, spec))
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "
@@ -97,11 +107,31 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
     converted = all(attention_facts(c).converted and m.findall(c, FA_CALL) for c in attention)
+    converted = converted and all(gated_delta_facts(c).converted for c in state)
     return ModuleSummary(
         attention_classes=[c.name.value for c in attention],
         causal_lm_classes=[c.name.value for c in heads],
         already_converted=converted,
+        state_classes=[c.name.value for c in state],
     )
+
+
+def _state_layer_problems(state: list[cst.ClassDef], spec: ConversionSpec) -> list[str]:
+    """Recurrent-state layers: the code and the Plan must agree that they exist, and each
+    class must have the shape the gated delta rewrite handles."""
+    if spec.has_state_layers and not state:
+        return [
+            "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
+            "found (a module whose forward calls causal_conv1d_fn/update and a "
+            "*gated_delta_rule); other state mixers (Mamba2, short conv, KDA) are not "
+            "rewritten yet"
+        ]
+    if state and not spec.has_state_layers:
+        return [
+            f"{', '.join(c.name.value for c in state)}: gated delta net code, but the Plan "
+            "lists no Mamba layer"
+        ]
+    return [p for c in state for p in gated_delta_facts(c).problems]
 
 
 def convert_source(

@@ -15,6 +15,8 @@ from kvskill.analyzer.config import text_config
 from kvskill.analyzer.plan import AttnType, Plan
 from kvskill.errors import UnsupportedModelError
 
+#: attn_types of layers that keep one recurrent state per request instead of per-token KV
+STATE_ATTN_TYPES = frozenset({AttnType.MAMBA.value})
 #: the key value ``pre_tokens``/``next_tokens`` default to in both FA versions ("unbounded")
 FA_UNBOUNDED_TOKENS = 2147483647
 
@@ -45,10 +47,13 @@ class ConversionSpec:
 
     fa_version: FaVersion
     input_layout: str
-    #: attn_type used by every layer when the model does not mix types, else None
+    #: attn_type of every attention layer when they do not mix types, else None (state
+    #: layers, such as gated delta nets, are not attention layers: they are always "Mamba")
     uniform_attn_type: str | None
-    #: mixed models: config.layer_types value -> attn_type
+    #: attention layers of mixed types: config.layer_types value -> attn_type
     layer_type_to_attn_type: dict[str, str] = field(default_factory=dict)
+    #: whether some layers are recurrent-state (Mamba group) layers, e.g. gated delta nets
+    has_state_layers: bool = False
     #: {attn_type: {"prefill": int, "decode": int}}
     sparse_mode: dict[str, dict[str, int]] = field(default_factory=dict)
     #: sliding attn_types -> window rule
@@ -80,7 +85,7 @@ class ConversionSpec:
                 "npu_fused_infer_attention_score_v2 supports (learnable_sink); use --fa-version "
                 "v2 or auto"
             )
-        types = plan.layer_attn_types()
+        types = [t for t in plan.layer_attn_types() if t not in STATE_ATTN_TYPES]
         uniform = types[0] if len(set(types)) == 1 else None
         mapping = {} if uniform is not None else _layer_type_mapping(plan)
         return cls(
@@ -93,6 +98,7 @@ class ConversionSpec:
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
             has_sinks=plan.has_sinks,
+            has_state_layers=any(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()),
         )
 
 
@@ -108,10 +114,18 @@ def _check_supported(plan: Plan) -> None:
     if plan.input_layout != "TND":
         reasons.append(f"input_layout {plan.input_layout!r}; the framework rewrite emits TND")
     unknown = sorted(
-        {t for t in plan.layer_attn_types()} - {AttnType.FULL.value, AttnType.SLIDING.value}
+        {t for t in plan.layer_attn_types()}
+        - {AttnType.FULL.value, AttnType.SLIDING.value, *STATE_ATTN_TYPES}
     )
     if unknown:
-        reasons.append(f"layers of attn_type {unknown} (only FullAttention and SlidingWindow)")
+        reasons.append(
+            f"layers of attn_type {unknown} (only FullAttention, SlidingWindow and Mamba)"
+        )
+    if any(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()) and plan.attn_tp_size != 1:
+        reasons.append(
+            f"attn_tp_size {plan.attn_tp_size} with recurrent-state (Mamba) layers; their "
+            "states are not split over ranks yet"
+        )
     if not plan.layers:
         reasons.append("the Plan lists no layers")
     if reasons:
@@ -127,6 +141,8 @@ def _layer_type_mapping(plan: Plan) -> dict[str, str]:
         )
     mapping: dict[str, str] = {}
     for layer in plan.layers:
+        if layer.attn_type in STATE_ATTN_TYPES:
+            continue
         value = str(layer_types[layer.index])
         if mapping.setdefault(value, layer.attn_type) != layer.attn_type:
             raise UnsupportedModelError(

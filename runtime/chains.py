@@ -135,14 +135,21 @@ class RuntimeChainRecorder:
             )
         )
 
-    def check(self, group_keys: Sequence[str]) -> ChainResult:
+    def check(self, group_keys: Sequence[str], state_group_keys: Sequence[str] = ()) -> ChainResult:
+        """Tables of every step, and the kv lengths of decode steps.
+
+        Args:
+            group_keys: every KV group.
+            state_group_keys: those of them holding one state block per request (Mamba):
+                their table is ``[B, 1]`` and they have no slot mapping.
+        """
         failures: list[str] = []
         first_decode_checked = 0
         seen_decode: set[str] = set()
         preempted: set[str] = set()
         for i, step in enumerate(self.steps):
             preempted.update(step.preempted_ids)
-            failures += _check_tables(i, step, group_keys)
+            failures += _check_tables(i, step, group_keys, frozenset(state_group_keys))
             if step.is_prefill:
                 continue
             for rid, prompt, outputs, kv in zip(
@@ -176,7 +183,9 @@ class RuntimeChainRecorder:
         return _result("runtime", summary, failures)
 
 
-def _check_tables(index: int, step: _StepFacts, group_keys: Sequence[str]) -> list[str]:
+def _check_tables(
+    index: int, step: _StepFacts, group_keys: Sequence[str], state_groups: frozenset[str]
+) -> list[str]:
     failures = []
     for key in group_keys:
         facts = step.groups.get(key)
@@ -184,6 +193,14 @@ def _check_tables(index: int, step: _StepFacts, group_keys: Sequence[str]) -> li
             failures.append(f"step {index}: block_table has no entry for group {key!r}")
             continue
         shape, dtype, num_slots = facts
+        if key in state_groups:
+            if shape != (step.batch, 1) or dtype != torch.int32 or num_slots != -1:
+                failures.append(
+                    f"step {index}: state group {key!r} has block_table {shape} {dtype} and "
+                    f"{'no' if num_slots == -1 else num_slots} slots; expected "
+                    f"[{step.batch}, 1] torch.int32 (one state block per request), no slots"
+                )
+            continue
         if len(shape) != 2 or shape[0] != step.batch or dtype != torch.int32:
             failures.append(
                 f"step {index}: block_table[{key!r}] is {shape} {dtype}, expected "
@@ -262,6 +279,7 @@ def run_three_chains(
     recorder = RuntimeChainRecorder()
     with llm.step_hook(recorder):
         outputs = llm.generate(prompts, params)
-    runtime = recorder.check(llm.kv_manager.group_keys)
+    manager = llm.kv_manager
+    runtime = recorder.check(manager.group_keys, manager.state_group_keys)
     release = check_release_chain(llm, prompts, params, outputs)
     return ChainReport((init, runtime, release), tuple(outputs))

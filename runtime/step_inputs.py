@@ -81,6 +81,12 @@ def build_step_inputs(
         block_size = kv_manager.block_size_of(key)
         rows = kv_manager.block_id_rows(key, request_ids)
         table = prepare_block_tables(rows)  # int32 [B, M]
+        if not manager.is_token_addressed:
+            # A state group (Mamba): one block per request holds its whole recurrent state;
+            # block_table[:, 0] is that state's index, and there are no token slots.
+            assert all(len(r) >= 1 for r in rows), _not_covered(key)
+            block_table[key] = table.to(device)
+            continue
         if type(manager).num_blocks_for is SingleTypeKVCacheManager.num_blocks_for:
             # Logical block i holds positions [i * bs, (i + 1) * bs): a row covers the step's
             # tokens exactly when its last new token's block exists, which reading the slot

@@ -100,6 +100,13 @@ class StandaloneSpec:
             base = MlaSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
             return cls(kv_mode=mode, mla=True, base=base)
         spec = ConversionSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
+        if spec.has_state_layers:
+            # The runner allocates and indexes attention caches only; the gated delta layers'
+            # conv and ssm states live in the framework runtime's Mamba group.
+            raise UnsupportedModelError(
+                f"{plan.model_type}: cannot convert: recurrent-state (Mamba) layers are "
+                "converted in framework mode only; use --mode framework"
+            )
         if mode is KvMode.CONTIGUOUS:
             _check_contiguous(plan, spec)
         return cls(kv_mode=mode, mla=False, base=spec)

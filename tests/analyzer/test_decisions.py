@@ -213,6 +213,10 @@ def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
     assert conv["cache_name"] == "conv_state" and conv["dim"] == [3, 2 * 16 * 128 + 32 * 128]
     assert ssm["cache_name"] == "ssm_state" and ssm["num_head"] == 32
     assert ssm["dim"] == [128, 128]
+    # transformers keeps the recurrent state in float32 in a bfloat16 model; the conv state
+    # in the model's dtype. Per layer: 3 x 8192 bf16 + 32 x 128 x 128 fp32, 36 layers.
+    assert (conv["dtype"], ssm["dtype"]) == ("bfloat16", "float32")
+    assert plan.memory["state_bytes_per_request"] == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
     assert plan.code["linear_attention_classes"] == ["Qwen3NextGatedDeltaNet"]
     # only the 12 full-attention layers grow with tokens (2 KV heads x 256 dims)
     assert plan.kv_bytes_per_token == 2 * 2 * 256 * 2 * 12

@@ -19,7 +19,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from remote_model import write_remote_model  # noqa: E402
 
 #: the families of the installed transformers every release must convert token-exact
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    # hybrid: gated delta net layers (Mamba group) between full-attention layers
+    "qwen3_next",
+    "qwen3_5",
+)
 REMOTE = "tiny_remote"
 
 

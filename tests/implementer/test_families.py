@@ -46,7 +46,7 @@ def test_gpt_oss_keeps_its_layer_pattern_and_sinks(converted):
     assert layers == ["sliding_attention", "full_attention"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_next"])
 def test_conversion_is_token_exact_on_the_page_pool_layout(converted, family):
     # The same converted code, given strided page views instead of dense caches: its cache
     # write must address (block, offset) pairs, since the views cannot be flattened to slots.

@@ -1,0 +1,312 @@
+"""Gated delta net layers (Qwen3-Next, Qwen3.5 style): keep their states in the paged runtime.
+
+A gated delta net is recognised by what its ``forward`` does, never by its name: it runs a
+causal conv (``causal_conv1d_fn`` / ``causal_conv1d_update``) and a gated delta rule
+(``*chunk_gated_delta_rule`` / ``*recurrent_gated_delta_rule``), both in ``if`` statements
+that choose between transformers' cached decode path and its prefill path. The rewrite keeps
+the projections, the splits, the gates and the output norm as written, and replaces four
+top-level statements of the forward:
+
+    read     ``if cache is not None: conv_state = cache.get_conv_state(...) ...``
+             -> the step's metadata, each request's state index and start offsets
+    conv     ``if conv_state is not None and seq_len == 1: x = causal_conv1d_update(...)``
+             -> the varlen conv over the packed requests, on the paged conv states
+    rule     ``if recurrent_state is not None and seq_len == 1: o, s = ...delta_rule(...)``
+             -> the chunked (prefill) or recurrent (decode) rule on the paged ssm states
+    write    ``if cache is not None: cache.update_recurrent_state(...)`` -> removed
+
+``__init__`` declares two ``MambaCacheEntry`` (conv and ssm state) under attn_type "Mamba".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    _assigned_names,
+    _method,
+    _used_names,
+    class_assigns,
+    code,
+)
+from kvskill.implementer.snippets import methods, statements
+
+
+def _name_ending(suffix: str) -> m.BaseMatcherNode:
+    ends = m.MatchIfTrue(lambda value: value.endswith(suffix))
+    return m.Name(value=ends) | m.Attribute(attr=m.Name(value=ends))
+
+
+def _call_of(*suffixes: str) -> m.Call:
+    func = _name_ending(suffixes[0])
+    for suffix in suffixes[1:]:
+        func = func | _name_ending(suffix)
+    return m.Call(func=func)
+
+
+#: the gated delta rule in any spelling (torch_chunk_..., chunk_..., fused_recurrent_...)
+RULE_CALL = _call_of("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
+#: the prefill conv (the one whose arguments the rewrite reuses)
+CONV_FN_CALL = _call_of("causal_conv1d_fn")
+CONV_CALL = _call_of("causal_conv1d_fn", "causal_conv1d_update")
+STATE_READ_CALL = m.Call(
+    func=m.Attribute(attr=m.Name("get_conv_state") | m.Name("get_recurrent_state"))
+)
+STATE_WRITE_CALL = m.Call(func=m.Attribute(attr=m.Name("update_recurrent_state")))
+#: ``self.<attr> = ...`` in ``__init__`` for the state shapes
+REQUIRED_ATTRS = ("conv_kernel_size", "conv_dim", "num_v_heads", "head_k_dim", "head_v_dim")
+
+
+def _self_assign(attr: str) -> m.Assign:
+    return m.Assign(
+        targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))]
+    )
+
+
+@dataclass(kw_only=True)
+class GatedDeltaFacts:
+    """One gated delta net class and the statements its forward rewrite replaces."""
+
+    name: str
+    converted: bool
+    read_index: int | None = None
+    conv_index: int | None = None
+    rule_index: int | None = None
+    write_index: int | None = None
+    #: the conv's input and the name its result is bound to (``mixed_qkv``), [1, C, T]
+    conv_source: str = ""
+    conv_target: str = ""
+    conv_weight: str = ""
+    conv_bias: str = "None"
+    activation: str = "self.activation"
+    query: str = ""
+    key: str = ""
+    value: str = ""
+    g: str = ""
+    beta: str = ""
+    scale: str | None = None
+    l2norm: str = "False"
+    #: the rule's assignment targets: output and final state
+    rule_targets: list[str] = field(default_factory=list)
+    #: the forward's first argument after self (the hidden states)
+    hidden: str = "hidden_states"
+    problems: list[str] = field(default_factory=list)
+
+
+def is_gated_delta_class(cls: cst.ClassDef) -> bool:
+    """A class whose forward runs a causal conv and a gated delta rule, or one converted by
+    this rewrite (it declares ``cache_entries`` and calls the paged rule)."""
+    forward = _method(cls, "forward")
+    if forward is None:
+        return False
+    return bool(m.findall(forward, RULE_CALL)) and bool(m.findall(forward, CONV_CALL))
+
+
+def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | None:
+    for index, stmt in enumerate(body.body):
+        if m.findall(stmt, matcher):
+            return index
+    return None
+
+
+def _single_call_assign(stmt: cst.CSTNode, call: m.Call) -> tuple[list[str], cst.Call] | None:
+    """Targets and call of the first ``names = call(...)`` inside STMT."""
+    for node in m.findall(stmt, m.Assign(value=call)):
+        assign = cst.ensure_type(node, cst.Assign)
+        target = assign.targets[0].target
+        elements = target.elements if isinstance(target, cst.Tuple) else [target]
+        names = [e.value if isinstance(e, cst.Element) else e for e in elements]
+        if all(isinstance(n, cst.Name) for n in names):
+            return [cst.ensure_type(n, cst.Name).value for n in names], cst.ensure_type(
+                assign.value, cst.Call
+            )
+    return None
+
+
+def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
+    """Gather what the rewrite needs; ``problems`` lists what blocks it."""
+    facts = GatedDeltaFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
+    if facts.converted:
+        return facts
+    missing = [a for a in REQUIRED_ATTRS if not class_assigns(cls, _self_assign(a))]
+    if missing:
+        facts.problems.append(
+            f"{facts.name}.__init__ does not set {', '.join('self.' + a for a in missing)}, "
+            "from which the conv and ssm state shapes are written"
+        )
+    forward = _method(cls, "forward")
+    assert forward is not None, "is_gated_delta_class checked the forward"
+    params = [p.name.value for p in forward.params.params]
+    if len(params) >= 2:
+        facts.hidden = params[1]
+    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+    facts.read_index = _top_index(body, STATE_READ_CALL)
+    facts.conv_index = _top_index(body, CONV_CALL)
+    facts.rule_index = _top_index(body, RULE_CALL)
+    facts.write_index = _top_index(body, STATE_WRITE_CALL)
+    order = [facts.read_index, facts.conv_index, facts.rule_index]
+    if None in order or order != sorted(order) or len(set(order)) != 3:
+        facts.problems.append(
+            f"{facts.name}.forward does not read its cached states, run the causal conv and "
+            "then the gated delta rule in three separate statements"
+        )
+        return facts
+    if facts.write_index is not None and facts.write_index <= facts.rule_index:
+        facts.problems.append(f"{facts.name}.forward writes its state before the delta rule")
+        return facts
+    _conv_facts(facts, body.body[facts.conv_index])
+    _rule_facts(facts, body.body[facts.rule_index])
+    if not facts.problems:
+        _check_names(facts, body)
+    return facts
+
+
+def _conv_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
+    found = _single_call_assign(stmt, CONV_FN_CALL)
+    if found is None or len(found[0]) != 1:
+        facts.problems.append(
+            f"{facts.name}.forward does not assign causal_conv1d_fn(...) to one name"
+        )
+        return
+    (facts.conv_target,), call = found
+    positional = [a.value for a in call.args if a.keyword is None and not a.star]
+    keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
+    if len(positional) < 2:
+        facts.problems.append(f"{facts.name}.forward passes the conv input or weight by keyword")
+        return
+    facts.conv_source = code(positional[0])
+    facts.conv_weight = code(positional[1])
+    facts.conv_bias = code(positional[2]) if len(positional) > 2 else keywords.get("bias", "None")
+    facts.activation = (
+        code(positional[3]) if len(positional) > 3 else keywords.get("activation", "None")
+    )
+
+
+def _rule_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
+    found = _single_call_assign(stmt, RULE_CALL)
+    if found is None or len(found[0]) != 2:
+        facts.problems.append(
+            f"{facts.name}.forward does not assign the gated delta rule to (output, state)"
+        )
+        return
+    facts.rule_targets, call = found
+    positional = [a.value for a in call.args if a.keyword is None and not a.star]
+    keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
+    names = ["query", "key", "value", "g", "beta"]
+    values = [code(v) for v in positional[:5]] + [keywords.get(n) for n in names[len(positional) :]]
+    if any(v is None for v in values):
+        facts.problems.append(
+            f"{facts.name}.forward passes the gated delta rule no query/key/value/g/beta"
+        )
+        return
+    facts.query, facts.key, facts.value, facts.g, facts.beta = values
+    facts.scale = keywords.get("scale")
+    facts.l2norm = keywords.get("use_qk_l2norm_in_kernel", "False")
+
+
+def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
+    """Names the replaced statements defined must not be read by the statements kept."""
+    replaced_at = {facts.read_index, facts.conv_index, facts.rule_index, facts.write_index}
+    replaced = [s for i, s in enumerate(body.body) if i in replaced_at]
+    kept = [s for i, s in enumerate(body.body) if i not in replaced_at]
+    defined_again = {facts.conv_target, *facts.rule_targets}
+    leaked = (_assigned_names(replaced) - defined_again) & _used_names(kept)
+    if leaked:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(leaked)} outside the cache statements the "
+            "rewrite replaces"
+        )
+
+
+def _forward_values(facts: GatedDeltaFacts) -> dict:
+    return {
+        "hidden": facts.hidden,
+        "target": facts.conv_target,
+        "source": facts.conv_source,
+        "weight": facts.conv_weight,
+        "bias": facts.conv_bias,
+        "activation": facts.activation,
+        "output": facts.rule_targets[0],
+        "state": facts.rule_targets[1],
+        "query": facts.query,
+        "key": facts.key,
+        "value": facts.value,
+        "g": facts.g,
+        "beta": facts.beta,
+        "scale": facts.scale,
+        "l2norm": facts.l2norm,
+    }
+
+
+def _with_leading(new: list[cst.BaseStatement], old: cst.BaseStatement) -> list[cst.BaseStatement]:
+    """NEW, keeping the blank lines and comments that led into OLD."""
+    first = new[0]
+    return [
+        first.with_changes(leading_lines=[*old.leading_lines, *first.leading_lines]),
+        *new[1:],
+    ]
+
+
+class GatedDeltaCommand(FrameworkCommand):
+    """Declare the conv and ssm state entries and run both operators on the paged states."""
+
+    DESCRIPTION = "Keep gated delta net states in the paged runtime's Mamba group."
+
+    def skip_function_bodies(self) -> bool:
+        return True
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        if not is_gated_delta_class(original_node):
+            return updated_node
+        facts = gated_delta_facts(original_node)
+        if facts.converted:
+            return updated_node
+        assert not facts.problems, "the pipeline validates gated delta facts first"
+        config = self.parser_config()
+        init_stmts = statements(
+            "framework_gdn_init.py.j2",
+            config,
+            kernel_expr="self.conv_kernel_size",
+            conv_dim_expr="self.conv_dim",
+            v_heads_expr="self.num_v_heads",
+            k_dim_expr="self.head_k_dim",
+            v_dim_expr="self.head_v_dim",
+        )
+        body = replace_method(
+            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
+        )
+        updated_node = updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        body = replace_method(
+            updated_node, "forward", lambda f: self._convert_forward(f, facts, config)
+        )
+        body.extend(methods("framework_gdn_methods.py.j2", config))
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+
+    def _convert_forward(
+        self, forward: cst.FunctionDef, facts: GatedDeltaFacts, config: cst.PartialParserConfig
+    ) -> cst.FunctionDef:
+        values = _forward_values(facts)
+        replacements = {
+            facts.read_index: statements("framework_gdn_state.py.j2", config, **values),
+            facts.conv_index: statements("framework_gdn_conv.py.j2", config, **values),
+            facts.rule_index: statements("framework_gdn_rule.py.j2", config, **values),
+        }
+        block = cst.ensure_type(forward.body, cst.IndentedBlock)
+        body: list[cst.BaseStatement] = []
+        for index, stmt in enumerate(block.body):
+            if index == facts.write_index:
+                continue
+            if index in replacements:
+                body.extend(_with_leading(replacements[index], stmt))
+            else:
+                body.append(stmt)
+        return forward.with_changes(body=block.with_changes(body=body))
+
+
+__all__ = ["GatedDeltaCommand", "GatedDeltaFacts", "gated_delta_facts", "is_gated_delta_class"]

@@ -1,0 +1,184 @@
+"""Gated delta net layers (Qwen3-Next, Qwen3.5): the rewrite, its refusals, and the paged
+states under chunked prefill, preemption and block reuse."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kvskill.analyzer import analyze_model
+from kvskill.errors import UnsupportedModelError
+from kvskill.implementer.gated_delta import gated_delta_facts, is_gated_delta_class
+from kvskill.implementer.pipeline import convert_source, parse
+from kvskill.implementer.spec import ConversionSpec
+
+#: a small Qwen3-Next: three gated delta layers, then one full-attention layer
+SMALL_QWEN3_NEXT = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": 256,
+}
+
+
+def _transformers_source(model_type: str) -> str:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    with open(module.__file__, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _spec(model_type: str) -> ConversionSpec:
+    return ConversionSpec.from_plan(analyze_model(model_type))
+
+
+def test_the_facts_find_the_four_statements_the_rewrite_replaces():
+    module = parse(_transformers_source("qwen3_next"))
+    (cls,) = [c for c in module.body if getattr(c, "name", None) and is_gated_delta_class(c)]
+    facts = gated_delta_facts(cls)
+    assert facts.problems == []
+    assert facts.read_index < facts.conv_index < facts.rule_index < facts.write_index
+    assert (facts.conv_source, facts.conv_target) == ("mixed_qkv", "mixed_qkv")
+    assert facts.conv_weight == "self.conv1d.weight.squeeze(1)"
+    assert facts.activation == "self.activation"
+    assert (facts.query, facts.key, facts.value) == ("query", "key", "value")
+    assert (facts.g, facts.beta, facts.l2norm) == ("g", "beta", "True")
+    assert facts.rule_targets == ["core_attn_out", "last_recurrent_state"]
+
+
+def test_the_converted_layer_keeps_its_states_in_the_mamba_group():
+    code = convert_source(
+        _transformers_source("qwen3_next"),
+        _spec("qwen3_next"),
+        package="transformers.models.qwen3_next",
+    )
+    layer = code[code.index("class Qwen3NextGatedDeltaNet") : code.index("class Qwen3NextMLP")]
+    assert 'self.attn_type = "Mamba"' in layer
+    assert 'self.pinned_cache_dtypes = {"ssm_state": torch.float32}' in layer
+    assert "shape=(self.conv_kernel_size - 1, self.conv_dim)" in layer
+    assert "shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim)" in layer
+    # transformers' cache is gone from the forward; both paths of both operators remain
+    assert "cache.get_conv_state" not in layer and "update_recurrent_state" not in layer
+    for op in (
+        "fla.causal_conv1d_fn(",
+        "fla.causal_conv1d_update(",
+        "fla.chunk_gated_delta_rule(",
+        "fla.fused_recurrent_gated_delta_rule(",
+    ):
+        assert op in layer
+    assert "ssm_state_indices=state_index" in layer
+    # the attention layers of the hybrid model are full attention, not a Mamba conditional
+    attention = code[code.index("class Qwen3NextAttention") : code.index("class Qwen3NextGated")]
+    assert 'self.attn_type = "FullAttention"' in attention
+    assert "from kvskill.runtime.ops import fla, torch_npu" in code
+    assert re.search(r"from kvskill\.runtime import .*MambaCacheEntry", code)
+
+
+def test_a_forward_of_another_shape_is_refused_with_the_reason():
+    # both paths bind the rule's result to one name instead of (output, state)
+    source = _transformers_source("qwen3_next").replace(
+        "core_attn_out, last_recurrent_state = torch_", "outputs = torch_"
+    )
+    assert source.count("outputs = torch_") == 2
+    with pytest.raises(UnsupportedModelError, match=r"rule to \(output, state\)"):
+        convert_source(source, _spec("qwen3_next"), package="transformers.models.qwen3_next")
+
+
+def test_mamba_layers_without_a_gated_delta_class_are_refused():
+    # the Plan says Mamba layers; the code (Qwen3's) has none
+    with pytest.raises(UnsupportedModelError, match="no gated delta net class was found"):
+        convert_source(
+            _transformers_source("qwen3"), _spec("qwen3_next"), package="transformers.models.qwen3"
+        )
+
+
+def test_states_of_mamba_models_are_not_split_over_ranks_yet():
+    plan = analyze_model("qwen3_next", attn_tp_size=2)
+    with pytest.raises(UnsupportedModelError, match="attn_tp_size 2 with recurrent-state"):
+        ConversionSpec.from_plan(plan)
+
+
+def test_standalone_mode_refuses_state_layers(tmp_path):
+    from kvskill.cli import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["apply", "qwen3_next", "--mode", "standalone", "--out", str(out)])
+    assert exit_info.value.code == 3  # unsupported model, nothing written
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def small_qwen3_next(tmp_path_factory):
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path_factory.mktemp("gdn") / "qwen3_next"
+    apply_model("qwen3_next", out, ApplyOptions(config_overrides=SMALL_QWEN3_NEXT))
+    return out
+
+
+def _llm(directory, **options):
+    from kvskill.runtime import LLM
+
+    return LLM(directory, random_weights=True, seed=3, block_size=4, **options)
+
+
+def _tokens(llm, prompts) -> list[list[int]]:
+    from kvskill.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+def _prompts() -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (23, 41, 9, 30, 17, 35)]
+
+
+def test_split_prompts_and_preempted_requests_give_the_tokens_of_a_roomy_run(small_qwen3_next):
+    prompts = _prompts()
+    roomy = _llm(small_qwen3_next, num_blocks=200, max_num_batched_tokens=512)
+    expected = _tokens(roomy, prompts)
+    assert roomy.engine.stats.num_preemptions == 0
+    # A 12-token budget splits every longer prompt over several prefill steps (each later
+    # chunk continues from the states the earlier one left); 30 blocks cannot hold all six
+    # requests, so some are preempted and recomputed from their prompt.
+    tight = _llm(small_qwen3_next, num_blocks=30, max_num_batched_tokens=12)
+    assert _tokens(tight, prompts) == expected
+    stats = tight.engine.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_prefill_steps > 2 * roomy.engine.stats.num_prefill_steps
+    # and on the one page-aligned pool shared by the attention and Mamba groups
+    pooled = _llm(
+        small_qwen3_next, num_blocks=200, max_num_batched_tokens=12, use_hybrid_blocks=True
+    )
+    assert _tokens(pooled, prompts) == expected
+
+
+def test_a_request_never_reads_the_state_a_block_held_before(small_qwen3_next):
+    prompts = _prompts()
+    llm = _llm(small_qwen3_next, num_blocks=200, max_num_batched_tokens=12)
+    expected = _tokens(llm, prompts)
+    # Every state block now belongs to no request; fill them with garbage a new request
+    # would carry into every token if it started from its block instead of from zeros.
+    layers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
+    assert len(layers) == 3
+    for layer in layers:
+        layer.conv_state.fill_(50.0)
+        layer.ssm_state.fill_(50.0)
+    assert _tokens(llm, prompts) == expected

@@ -47,6 +47,8 @@ FAMILIES = [
     Family("qwen3_moe"),
     Family("mixtral"),
     Family("gpt_oss"),
+    Family("qwen3_next"),
+    Family("qwen3_5"),
     Family("deepseek_v3"),
     Family(
         "deepseek_v2",

@@ -258,6 +258,17 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
             # dtype, and keeps it so between steps; a narrower state changes the logits
             "state_dtype": "float32",
         }
+    if cfg.get("linear_num_heads") and cfg.get("linear_head_dim"):
+        # Kimi delta attention (kimi-linear, bailing-hybrid): q, k, v heads of one size
+        heads, dim = int(cfg["linear_num_heads"]), int(cfg["linear_head_dim"])
+        return {
+            "conv_kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
+            "conv_dim": 3 * heads * dim,
+            "num_state_heads": heads,
+            "state_k_dim": dim,
+            "state_v_dim": dim,
+            "state_dtype": "float32",
+        }
     d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
     if d_state:
         expand = cfg.get("mamba_expand") or cfg.get("expand") or 2

@@ -1,8 +1,9 @@
-"""Gated delta net layers (Qwen3-Next, Qwen3.5 style): keep their states in the paged runtime.
+"""Gated delta net layers (Qwen3-Next, Qwen3.5, Kimi delta attention): paged recurrent states.
 
 A gated delta net is recognised by what its ``forward`` does, never by its name: it runs a
 causal conv (``causal_conv1d_fn`` / ``causal_conv1d_update``) and a gated delta rule
-(``*chunk_gated_delta_rule`` / ``*recurrent_gated_delta_rule``), both in ``if`` statements
+(``*chunk_gated_delta_rule`` / ``*recurrent_gated_delta_rule``, or Kimi's
+``*_kimi_delta_attention`` with a decay per key channel), both in ``if`` statements
 that choose between transformers' cached decode path and its prefill path. The rewrite keeps
 the projections, the splits, the gates and the output norm as written, and replaces four
 top-level statements of the forward:
@@ -49,7 +50,15 @@ def _call_of(*suffixes: str) -> m.Call:
 
 
 #: the gated delta rule in any spelling (torch_chunk_..., chunk_..., fused_recurrent_...)
-RULE_CALL = _call_of("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
+GDN_RULE_CALL = _call_of("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
+#: Kimi delta attention: the same rule with a decay per key channel
+KDA_RULE_CALL = _call_of("kimi_delta_attention")
+RULE_CALL = GDN_RULE_CALL | KDA_RULE_CALL
+#: the runtime operators each rule runs on: (prefill, decode)
+RULE_OPS = {
+    "gated_delta": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "kda": ("chunk_kda", "fused_recurrent_kda"),
+}
 #: the prefill conv (the one whose arguments the rewrite reuses)
 CONV_FN_CALL = _call_of("causal_conv1d_fn")
 CONV_CALL = _call_of("causal_conv1d_fn", "causal_conv1d_update")
@@ -57,8 +66,14 @@ STATE_READ_CALL = m.Call(
     func=m.Attribute(attr=m.Name("get_conv_state") | m.Name("get_recurrent_state"))
 )
 STATE_WRITE_CALL = m.Call(func=m.Attribute(attr=m.Name("update_recurrent_state")))
-#: ``self.<attr> = ...`` in ``__init__`` for the state shapes
-REQUIRED_ATTRS = ("conv_kernel_size", "conv_dim", "num_v_heads", "head_k_dim", "head_v_dim")
+#: the state shapes read ``self.<attr>`` set in ``__init__``: per role, the first name found
+SHAPE_ATTRS = {
+    "kernel_expr": ("conv_kernel_size",),
+    "conv_dim_expr": ("conv_dim",),
+    "v_heads_expr": ("num_v_heads", "num_heads"),
+    "k_dim_expr": ("head_k_dim", "head_dim"),
+    "v_dim_expr": ("head_v_dim", "head_dim"),
+}
 
 
 def _self_assign(attr: str) -> m.Assign:
@@ -73,6 +88,10 @@ class GatedDeltaFacts:
 
     name: str
     converted: bool
+    #: "gated_delta" (decay per head) or "kda" (decay per key channel)
+    rule: str = "gated_delta"
+    #: template values of the state shapes, e.g. {"v_heads_expr": "self.num_v_heads"}
+    shapes: dict[str, str] = field(default_factory=dict)
     read_index: int | None = None
     conv_index: int | None = None
     rule_index: int | None = None
@@ -132,12 +151,15 @@ def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     facts = GatedDeltaFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    missing = [a for a in REQUIRED_ATTRS if not class_assigns(cls, _self_assign(a))]
-    if missing:
-        facts.problems.append(
-            f"{facts.name}.__init__ does not set {', '.join('self.' + a for a in missing)}, "
-            "from which the conv and ssm state shapes are written"
-        )
+    for role, names in SHAPE_ATTRS.items():
+        found = next((n for n in names if class_assigns(cls, _self_assign(n))), None)
+        if found is None:
+            facts.problems.append(
+                f"{facts.name}.__init__ sets none of {', '.join('self.' + n for n in names)}, "
+                "from which the conv and ssm state shapes are written"
+            )
+        else:
+            facts.shapes[role] = f"self.{found}"
     forward = _method(cls, "forward")
     assert forward is not None, "is_gated_delta_class checked the forward"
     params = [p.name.value for p in forward.params.params]
@@ -175,15 +197,17 @@ def _conv_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
     (facts.conv_target,), call = found
     positional = [a.value for a in call.args if a.keyword is None and not a.star]
     keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
-    if len(positional) < 2:
-        facts.problems.append(f"{facts.name}.forward passes the conv input or weight by keyword")
+    # transformers' own signature: (hidden_states, weight, bias=None, activation=None)
+    names = ["hidden_states", "weight", "bias", "activation"]
+    values = {n: code(v) for n, v in zip(names, positional, strict=False)}
+    values.update({n: keywords[n] for n in names if n in keywords})
+    if "hidden_states" not in values or "weight" not in values:
+        facts.problems.append(f"{facts.name}.forward passes causal_conv1d_fn no input or weight")
         return
-    facts.conv_source = code(positional[0])
-    facts.conv_weight = code(positional[1])
-    facts.conv_bias = code(positional[2]) if len(positional) > 2 else keywords.get("bias", "None")
-    facts.activation = (
-        code(positional[3]) if len(positional) > 3 else keywords.get("activation", "None")
-    )
+    facts.conv_source = values["hidden_states"]
+    facts.conv_weight = values["weight"]
+    facts.conv_bias = values.get("bias", "None")
+    facts.activation = values.get("activation", "None")
 
 
 def _rule_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
@@ -194,6 +218,7 @@ def _rule_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
         )
         return
     facts.rule_targets, call = found
+    facts.rule = "kda" if m.matches(call, KDA_RULE_CALL) else "gated_delta"
     positional = [a.value for a in call.args if a.keyword is None and not a.star]
     keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
     names = ["query", "key", "value", "g", "beta"]
@@ -222,8 +247,29 @@ def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
         )
 
 
+def state_layer_problems(state: list[cst.ClassDef], has_state_layers: bool) -> list[str]:
+    """Recurrent-state layers: the code and the Plan must agree that they exist, and each
+    class must have the shape the gated delta rewrite handles."""
+    if has_state_layers and not state:
+        return [
+            "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
+            "found (a module whose forward calls causal_conv1d_fn/update and a "
+            "*gated_delta_rule); other state mixers (Mamba2, short conv, KDA) are not "
+            "rewritten yet"
+        ]
+    if state and not has_state_layers:
+        return [
+            f"{', '.join(c.name.value for c in state)}: gated delta net code, but the Plan "
+            "lists no Mamba layer"
+        ]
+    return [p for c in state for p in gated_delta_facts(c).problems]
+
+
 def _forward_values(facts: GatedDeltaFacts) -> dict:
+    prefill_op, decode_op = RULE_OPS[facts.rule]
     return {
+        "prefill_op": prefill_op,
+        "decode_op": decode_op,
         "hidden": facts.hidden,
         "target": facts.conv_target,
         "source": facts.conv_source,
@@ -269,15 +315,7 @@ class GatedDeltaCommand(FrameworkCommand):
             return updated_node
         assert not facts.problems, "the pipeline validates gated delta facts first"
         config = self.parser_config()
-        init_stmts = statements(
-            "framework_gdn_init.py.j2",
-            config,
-            kernel_expr="self.conv_kernel_size",
-            conv_dim_expr="self.conv_dim",
-            v_heads_expr="self.num_v_heads",
-            k_dim_expr="self.head_k_dim",
-            v_dim_expr="self.head_v_dim",
-        )
+        init_stmts = statements("framework_gdn_init.py.j2", config, **facts.shapes)
         body = replace_method(
             updated_node, "__init__", lambda init: append_statements(init, init_stmts)
         )
@@ -309,4 +347,10 @@ class GatedDeltaCommand(FrameworkCommand):
         return forward.with_changes(body=block.with_changes(body=body))
 
 
-__all__ = ["GatedDeltaCommand", "GatedDeltaFacts", "gated_delta_facts", "is_gated_delta_class"]
+__all__ = [
+    "GatedDeltaCommand",
+    "GatedDeltaFacts",
+    "gated_delta_facts",
+    "is_gated_delta_class",
+    "state_layer_problems",
+]

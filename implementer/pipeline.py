@@ -23,6 +23,7 @@ from kvskill.implementer.gated_delta import (
     GatedDeltaCommand,
     gated_delta_facts,
     is_gated_delta_class,
+    state_layer_problems,
 )
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
@@ -80,7 +81,7 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     heads = [c for c in classes if is_causal_lm_class(c)]
     state = [c for c in classes if is_gated_delta_class(c)]
     problems: list[str] = text_model_problems(module)
-    problems.extend(_state_layer_problems(state, spec))
+    problems.extend(state_layer_problems(state, spec.has_state_layers))
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "
@@ -114,24 +115,6 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
         already_converted=converted,
         state_classes=[c.name.value for c in state],
     )
-
-
-def _state_layer_problems(state: list[cst.ClassDef], spec: ConversionSpec) -> list[str]:
-    """Recurrent-state layers: the code and the Plan must agree that they exist, and each
-    class must have the shape the gated delta rewrite handles."""
-    if spec.has_state_layers and not state:
-        return [
-            "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
-            "found (a module whose forward calls causal_conv1d_fn/update and a "
-            "*gated_delta_rule); other state mixers (Mamba2, short conv, KDA) are not "
-            "rewritten yet"
-        ]
-    if state and not spec.has_state_layers:
-        return [
-            f"{', '.join(c.name.value for c in state)}: gated delta net code, but the Plan "
-            "lists no Mamba layer"
-        ]
-    return [p for c in state for p in gated_delta_facts(c).problems]
 
 
 def convert_source(

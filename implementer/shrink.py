@@ -204,18 +204,21 @@ def _shrink_decoder(
         new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
     for key in _EXPERT_COUNT_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
-            top_k = int(config.get("num_experts_per_tok") or 1)
+            top_k = int(
+                config.get("num_experts_per_tok") or config.get("num_experts_per_token") or 1
+            )
             # more experts than the router picks, so routing still selects
             new[key] = min(config[key], max(NUM_EXPERTS, top_k + 2))
             if "num_experts_per_tok" in config and not config["num_experts_per_tok"]:
                 # Some library default configs (deepseek_v2) leave top-k unset, and the
                 # model's own router cannot run without it: route to two experts.
                 new["num_experts_per_tok"] = min(2, new[key])
-    if config.get("n_group"):
-        # Grouped routing (DeepSeek-V3 style): one group holding every shrunk expert, so the
-        # group's top-2 scores and the top-k within it are still taken.
-        new["n_group"] = 1
-        new["topk_group"] = 1
+    for key in ("n_group", "num_expert_group"):
+        if config.get(key):
+            # Grouped routing (DeepSeek-V3 style): one group holding every shrunk expert, so
+            # the group's top-2 scores and the top-k within it are still taken.
+            new[key] = 1
+            new["topk_group"] = 1
     for key in _EXPERT_SIZE_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE

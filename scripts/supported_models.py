@@ -49,6 +49,7 @@ FAMILIES = [
     Family("gpt_oss"),
     Family("qwen3_next"),
     Family("qwen3_5"),
+    Family("kimi_linear"),
     Family("deepseek_v3"),
     Family(
         "deepseek_v2",
@@ -72,6 +73,10 @@ def _analyze_cell(plan) -> str:
     modes = ", ".join(
         f"{kind} sparse {m['prefill']}/{m['decode']}" for kind, m in plan.sparse_mode.items()
     )
+    kinds = plan.layer_attn_types()
+    states = kinds.count("Mamba")
+    if states:
+        modes += f", Mamba states in {states} of {len(kinds)} layers"
     extra = ", learnable sinks" if plan.has_sinks else ""
     extra += ", MLA absorbed" if plan.mla_absorb else ""
     return (

@@ -15,6 +15,11 @@ from kvskill.implementer.facts import (
     is_attention_class,
     is_causal_lm_class,
 )
+from kvskill.implementer.gated_delta import (
+    GatedDeltaCommand,
+    is_gated_delta_class,
+    state_layer_problems,
+)
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.mla.codemods import (
@@ -32,6 +37,7 @@ from libcst.codemod import CodemodContext
 COMMANDS = (
     MlaAttentionInitCommand,
     MlaAttentionForwardCommand,
+    GatedDeltaCommand,
     MlaCacheInfoCommand,
     SkipDenseMasksCommand,
     RuntimeImportsCommand,
@@ -46,7 +52,8 @@ def check_module(module: cst.Module, spec: MlaSpec, filename: str) -> list[str]:
     """
     classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
     attention = [c for c in classes.values() if is_attention_class(c)]
-    problems: list[str] = []
+    state = [c for c in classes.values() if is_gated_delta_class(c)]
+    problems: list[str] = state_layer_problems(state, spec.has_state_layers)
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes the latent with "

@@ -44,6 +44,8 @@ class MlaSpec:
     cache_write: CacheWrite
     attn_tp_size: int = 1
     block_size: int = 128
+    #: whether some layers are recurrent-state (Mamba group) layers (Kimi Linear's KDA)
+    has_state_layers: bool = False
 
     @classmethod
     def from_plan(
@@ -64,6 +66,7 @@ class MlaSpec:
             cache_write=CacheWrite(plan.mla_cache_write or CacheWrite.SCATTER.value),
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
+            has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
         )
 
 
@@ -79,8 +82,16 @@ def _check_supported(plan: Plan) -> None:
     if plan.input_layout != "TND_NTD":
         reasons.append(f"input_layout {plan.input_layout!r}; absorbed MLA uses TND_NTD")
     kinds = set(plan.layer_attn_types())
-    if kinds != {AttnType.FULL.value}:
-        reasons.append(f"layers of attn_type {sorted(kinds)}; MLA layers are FullAttention")
+    if AttnType.FULL.value not in kinds or kinds - {AttnType.FULL.value, AttnType.MAMBA.value}:
+        reasons.append(
+            f"layers of attn_type {sorted(kinds)}; MLA layers are FullAttention (between "
+            "them only recurrent-state Mamba layers)"
+        )
+    if AttnType.MAMBA.value in kinds and plan.attn_tp_size != 1:
+        reasons.append(
+            f"attn_tp_size {plan.attn_tp_size} with recurrent-state (Mamba) layers; their "
+            "states are not split over ranks yet"
+        )
     modes = plan.sparse_mode.get(AttnType.FULL.value, {})
     if dict(modes) != MLA_SPARSE_MODE:
         reasons.append(

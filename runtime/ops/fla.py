@@ -386,12 +386,90 @@ def chunk_gated_delta_rule(
 #: the name the AscendC FLA interface uses for the token-by-token gated delta rule
 recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
 
+
+def _check_channel_gate(op: str, k: Tensor, v: Tensor, g: Tensor) -> None:
+    expected = (*v.shape[:3], k.size(-1))
+    if tuple(g.shape) != expected:
+        raise OpInputError(
+            f"{op}: g must hold one log decay per key channel, [B, T, HV, K] = "
+            f"{list(expected)}, got {describe(g)} (a decay per head is the gated delta rule)"
+        )
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Kimi delta attention (KDA), prefill form: the gated delta rule with its decay per key
+    channel, ``h <- diag(exp(g_t)) h`` instead of ``exp(g_t) h``.
+
+    Shapes and states as ``chunk_gated_delta_rule`` except g [B, T, HV, K]. unconfirmed:
+    keyword-for-keyword identity with vLLM's / FLA's ``chunk_kda``; these follow the gated
+    delta operators' names.
+    """
+    _check_channel_gate("chunk_kda", k, v, g)
+    return chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+
+
+def fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    inplace_final_state: bool = True,
+    cu_seqlens: Tensor | None = None,
+    ssm_state_indices: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Kimi delta attention, token by token (decode): ``fused_recurrent_gated_delta_rule``
+    with g [B, T, HV, K], one log decay per key channel. Same unconfirmed naming as
+    ``chunk_kda``."""
+    _check_channel_gate("fused_recurrent_kda", k, v, g)
+    return fused_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        inplace_final_state=inplace_final_state,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+
+
 __all__ = [
     "PAD_SLOT_ID",
     "causal_conv1d_fn",
     "chunk_gated_delta_rule",
+    "chunk_kda",
     "causal_conv1d_update",
     "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
     "gated_delta_scan",
     "l2norm",
     "recurrent_gated_delta_rule",

@@ -224,6 +224,16 @@ def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
     assert any(e.decision == "cache_entries.Mamba" for e in plan.evidence)
 
 
+def test_kimi_linear_delta_layers_get_states_from_the_linear_head_keys():
+    plan = analyze_model("kimi_linear")
+    assert plan.attention == "mla" and MAMBA in plan.attn_types
+    conv, ssm = plan.cache_entries[MAMBA]
+    # q, k and v convolved together: 3 x 32 heads x 128; kernel 4 keeps 3 columns
+    assert conv["dim"] == [3, 3 * 32 * 128] and conv["dtype"] == "bfloat16"
+    assert (ssm["num_head"], ssm["dim"], ssm["dtype"]) == (32, [128, 128], "float32")
+    assert plan.implementer_blockers == []
+
+
 def test_gemma2_soft_capping_keeps_legacy_with_the_blocker():
     plan = analyze_model("gemma2")
     assert plan.kv_mode == "legacy"

@@ -182,3 +182,27 @@ def test_a_request_never_reads_the_state_a_block_held_before(small_qwen3_next):
         layer.conv_state.fill_(50.0)
         layer.ssm_state.fill_(50.0)
     assert _tokens(llm, prompts) == expected
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        # OLMo-hybrid passes weight=, bias= and activation= to causal_conv1d_fn by keyword
+        # and guards its state read with a local `use_cache`.
+        ("olmo_hybrid", "fla.chunk_gated_delta_rule("),
+        # Kimi Linear: Kimi delta attention (a decay per key channel) between MLA layers.
+        ("kimi_linear", "fla.chunk_kda("),
+    ],
+)
+def test_other_delta_layers_convert_token_exact(tmp_path, model_type, expected):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / model_type
+    apply_model(model_type, out, ApplyOptions())
+    code = (out / f"modeling_{model_type}.py").read_text()
+    assert expected in code and "self.conv_state.transpose(-1, -2)" in code
+    assert "cache.update_recurrent_state" not in code
+    report = verify_directory(out, VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()

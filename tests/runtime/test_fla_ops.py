@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kvskill.runtime.ops import fla
 from kvskill.runtime.ops import reference as npu
 from kvskill.runtime.ops.reference import ReferenceUnsupportedError
+from kvskill.runtime.ops.reference._checks import OpInputError
 
 # --- causal conv1d -------------------------------------------------------------------------
 
@@ -360,3 +361,59 @@ def test_npu_chunk_variant_scale_defaults_to_one_and_state_is_value_major():
         torch.testing.assert_close(
             final[n].transpose(-1, -2).double(), want_h, atol=1e-5, rtol=1e-5
         )
+
+
+# --- Kimi delta attention (decay per key channel) -------------------------------------------
+
+
+def test_kda_matches_transformers_own_kimi_recurrence():
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    torch.manual_seed(3)
+    b, t, h, d = 2, 7, 3, 8
+    q, k, v = (torch.randn(b, t, h, d) for _ in range(3))
+    g = -torch.rand(b, t, h, d)  # log decay, one per key channel
+    beta = torch.rand(b, t, h)
+    h0 = torch.randn(b, h, d, d)
+    want, want_state = kimi.recurrent_kimi_delta_attention(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    states = h0.clone()
+    got, _ = fla.fused_recurrent_kda(
+        q, k, v, g, beta, initial_state=states, use_qk_l2norm_in_kernel=True
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, want_state, rtol=1e-5, atol=1e-5)
+    # the prefill form over the same two sequences packed into one
+    packed = [x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, t, 2 * t], dtype=torch.int32)
+    out, final = fla.chunk_kda(
+        *packed[:3],
+        packed[3],
+        packed[4],
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True,
+    )
+    torch.testing.assert_close(out.view(b, t, h, d), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_kda_with_one_decay_per_head_is_the_gated_delta_rule():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 6, 2, 4) for _ in range(3))
+    g_head = -torch.rand(1, 6, 2)
+    beta = torch.rand(1, 6, 2)
+    gdn, _ = fla.chunk_gated_delta_rule(q, k, v, g_head, beta)
+    kda, _ = fla.chunk_kda(q, k, v, g_head[..., None].expand(1, 6, 2, 4), beta)
+    torch.testing.assert_close(kda, gdn)
+    with pytest.raises(OpInputError, match=r"one log decay per key channel"):
+        fla.chunk_kda(q, k, v, g_head, beta)

@@ -39,6 +39,7 @@ from kvskill.analyzer.rules import (
     decide_layout,
     decide_sparse_modes,
     sinks_line,
+    sliding_kv_heads,
 )
 from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
@@ -196,7 +197,12 @@ def plan_for_source(
     modes, windows = decide_sparse_modes(kv_mode, attention, attn_types, spec.sliding_window, book)
     scale = decide_scale(spec, code, book)
     kv_heads = decide_kv_heads(spec, attn_tp_size, book)
-    entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size)
+    sliding_heads = (
+        sliding_kv_heads(spec, code, attn_tp_size, book)
+        if AttnType.SLIDING.value in attn_types
+        else None
+    )
+    entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)
     _cite_state_entries(entries, source, book)
     counts = {t: sum(1 for layer in layers if layer.attn_type == t) for t in attn_types}
     memory = plan_memory(

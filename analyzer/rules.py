@@ -271,10 +271,39 @@ def decide_kv_heads(spec: ModelSpec, attn_tp_size: int, book: Notebook) -> int:
     return per_rank
 
 
+def sliding_kv_heads(
+    spec: ModelSpec, code: CodeView, attn_tp_size: int, book: Notebook
+) -> int | None:
+    """KV heads per rank of sliding layers whose attention ``__init__`` multiplies the
+    config's count (MiMo-V2-Flash: ``num_key_value_heads * 2 if is_swa``), else None."""
+    cls = code.attention_class()
+    found = cls.sliding_kv_head_factor if cls is not None else None
+    if found is None:
+        return None
+    factor, line = found
+    heads = spec.num_kv_heads * factor
+    per_rank = max(heads // attn_tp_size, 1)
+    book.cite(
+        "cache_entries.SlidingWindow",
+        f"sliding layers have {factor} x {spec.num_kv_heads} = {heads} KV heads "
+        f"({per_rank} per rank), set in the attention __init__",
+        code.where(line),
+    )
+    return per_rank
+
+
 def cache_entries(
-    spec: ModelSpec, attn_types: list[str], kv_heads_per_rank: int, attn_tp_size: int
+    spec: ModelSpec,
+    attn_types: list[str],
+    kv_heads_per_rank: int,
+    attn_tp_size: int,
+    sliding_kv_heads_per_rank: int | None = None,
 ) -> dict[str, list[dict]]:
-    """The caches one layer of each attn_type declares."""
+    """The caches one layer of each attn_type declares.
+
+    ``sliding_kv_heads_per_rank``: the sliding layers' own KV heads when the code gives them
+    more than the config's count (see ``sliding_kv_heads``).
+    """
     dtype = spec.dtype
     entries: dict[str, list[dict]] = {}
     for attn_type in attn_types:
@@ -286,10 +315,14 @@ def cache_entries(
                 _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
             ]
         else:
-            window = spec.sliding_window if attn_type == AttnType.SLIDING.value else None
+            sliding = attn_type == AttnType.SLIDING.value
+            window = spec.sliding_window if sliding else None
+            heads = kv_heads_per_rank
+            if sliding and sliding_kv_heads_per_rank is not None:
+                heads = sliding_kv_heads_per_rank
             entries[attn_type] = [
-                _entry("k_cache", spec.head_dim, kv_heads_per_rank, dtype, window),
-                _entry("v_cache", spec.v_head_dim, kv_heads_per_rank, dtype, window),
+                _entry("k_cache", spec.head_dim, heads, dtype, window),
+                _entry("v_cache", spec.v_head_dim, heads, dtype, window),
             ]
     return entries
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import libcst as cst
+import libcst.matchers as m
 from kvskill.errors import UnsupportedModelError
 
 #: receiver names whose ``.update(...)`` call is a KV-cache write
@@ -76,6 +77,9 @@ class ClassFacts:
     names_used: dict[str, int] = field(default_factory=dict)
     #: ``self.X = SomeClass(...)`` (also inside ModuleList comprehensions) -> class names
     attr_classes: dict[str, list[str]] = field(default_factory=dict)
+    #: ``num_key_value_heads = config.num_key_value_heads * N if <sliding test> else ...``
+    #: in ``__init__`` (MiMo-V2-Flash): (N, line)
+    sliding_kv_head_factor: tuple[int, int] | None = None
 
     def first_call(self, kind: str) -> CallFact | None:
         return next((c for c in self.calls if c.kind == kind), None)
@@ -303,6 +307,11 @@ class _Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         if self.cls is None:
             return
+        if self.method == "__init__" and self.cls.sliding_kv_head_factor is None:
+            factor = _sliding_head_factor(node)
+            if factor is not None:
+                line = self.locator.occurrence("num_key_value_heads", self.method_line, 0)
+                self.cls.sliding_kv_head_factor = (factor, line)
         for target in node.targets:
             expr = target.target
             if isinstance(expr, cst.Attribute) and _dotted(expr.value) == "self":
@@ -369,3 +378,22 @@ def _classify(call: cst.Call) -> tuple[str, str, str] | None:
     if callee in _LINEAR_ATTENTION_CALLEES:
         return "linear_attention_call", callee, receiver
     return None
+
+
+_SLIDING_WORDS = ("swa", "sliding")
+
+
+def _sliding_head_factor(node: cst.Assign) -> int | None:
+    """N of ``num_key_value_heads = <x> * N if <sliding test> else <x>``, else None."""
+    (target,) = node.targets if len(node.targets) == 1 else (None,)
+    if target is None or not m.matches(target.target, m.Name("num_key_value_heads")):
+        return None
+    value = node.value
+    if not isinstance(value, cst.IfExp) or not isinstance(value.body, cst.BinaryOperation):
+        return None
+    test = cst.Module(body=[]).code_for_node(value.test).lower()
+    body = value.body
+    if not isinstance(body.operator, cst.Multiply) or not any(w in test for w in _SLIDING_WORDS):
+        return None
+    factor = body.right if isinstance(body.right, cst.Integer) else body.left
+    return int(factor.value) if isinstance(factor, cst.Integer) else None

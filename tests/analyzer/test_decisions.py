@@ -234,6 +234,22 @@ def test_kimi_linear_delta_layers_get_states_from_the_linear_head_keys():
     assert plan.implementer_blockers == []
 
 
+def test_mimo_sliding_layers_double_their_kv_heads_in_the_entries_and_memory():
+    # MiMo-V2-Flash's attention __init__: num_key_value_heads = config... * 2 if is_swa
+    plan = analyze_model("mimo_v2_flash")
+    full, sliding = plan.cache_entries[FULL], plan.cache_entries[SLIDING]
+    assert [e["num_head"] for e in full] == [4, 4]
+    assert [e["num_head"] for e in sliding] == [8, 8]
+    per_layer = (192 + 128) * 2  # k + v dims x bf16 bytes
+    layers = plan.layer_attn_types().count(SLIDING)
+    assert plan.memory["bytes_per_token"][SLIDING] == 8 * per_layer * layers
+    (cited,) = sources_of(plan, "cache_entries.SlidingWindow")
+    assert cited.startswith("modeling_mimo_v2_flash.py:")
+    # per rank under tensor parallelism, like every other head count
+    plan_tp = analyze_model("mimo_v2_flash", attn_tp_size=4)
+    assert [e["num_head"] for e in plan_tp.cache_entries[SLIDING]] == [2, 2]
+
+
 def test_gemma2_soft_capping_keeps_legacy_with_the_blocker():
     plan = analyze_model("gemma2")
     assert plan.kv_mode == "legacy"

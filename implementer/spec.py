@@ -128,6 +128,11 @@ def _check_supported(plan: Plan) -> None:
         )
     if not plan.layers:
         reasons.append("the Plan lists no layers")
+    elif all(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()):
+        reasons.append(
+            "every layer is a recurrent-state (Mamba) layer; the rewrite converts state "
+            "layers only between attention layers (hybrid models)"
+        )
     if reasons:
         raise UnsupportedModelError(f"{name}: cannot convert: " + "; ".join(reasons))
 

@@ -105,6 +105,11 @@ def test_mamba_layers_without_a_gated_delta_class_are_refused():
         )
 
 
+def test_a_model_of_state_layers_only_is_refused():
+    with pytest.raises(UnsupportedModelError, match="every layer is a recurrent-state"):
+        ConversionSpec.from_plan(analyze_model("mamba"))
+
+
 def test_states_of_mamba_models_are_not_split_over_ranks_yet():
     plan = analyze_model("qwen3_next", attn_tp_size=2)
     with pytest.raises(UnsupportedModelError, match="attn_tp_size 2 with recurrent-state"):

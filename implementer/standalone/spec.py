@@ -16,7 +16,7 @@ from enum import Enum
 from kvskill.analyzer.plan import Plan
 from kvskill.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
-from kvskill.implementer.spec import ConversionSpec
+from kvskill.implementer.spec import STATE_ATTN_TYPES, ConversionSpec
 
 #: the contiguous layout's sparse modes: causal prefill over the 2048 tile; decode (one query
 #: per row, BSH) runs the operator's decode branch, which masks by actual_seq_lengths_kv alone
@@ -84,6 +84,13 @@ class StandaloneSpec:
         """
         mode = KvMode(kv_mode)
         absorb = MlaAbsorb(mla_absorb)
+        if any(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()):
+            # The runner allocates and indexes attention caches only; the delta layers' conv
+            # and ssm states live in the framework runtime's Mamba group.
+            raise UnsupportedModelError(
+                f"{plan.model_type}: cannot convert: recurrent-state (Mamba) layers are "
+                "converted in framework mode only; use --mode framework"
+            )
         is_mla = plan.attention == "mla"
         if absorb is MlaAbsorb.ON and not is_mla:
             raise BadInputError(
@@ -100,13 +107,6 @@ class StandaloneSpec:
             base = MlaSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
             return cls(kv_mode=mode, mla=True, base=base)
         spec = ConversionSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
-        if spec.has_state_layers:
-            # The runner allocates and indexes attention caches only; the gated delta layers'
-            # conv and ssm states live in the framework runtime's Mamba group.
-            raise UnsupportedModelError(
-                f"{plan.model_type}: cannot convert: recurrent-state (Mamba) layers are "
-                "converted in framework mode only; use --mode framework"
-            )
         if mode is KvMode.CONTIGUOUS:
             _check_contiguous(plan, spec)
         return cls(kv_mode=mode, mla=False, base=spec)

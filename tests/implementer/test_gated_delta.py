@@ -116,12 +116,13 @@ def test_states_of_mamba_models_are_not_split_over_ranks_yet():
         ConversionSpec.from_plan(plan)
 
 
-def test_standalone_mode_refuses_state_layers(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3_next", "kimi_linear"])  # GQA and MLA paths
+def test_standalone_mode_refuses_state_layers(tmp_path, model_type):
     from kvskill.cli import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        main(["apply", "qwen3_next", "--mode", "standalone", "--out", str(out)])
+        main(["apply", model_type, "--mode", "standalone", "--out", str(out)])
     assert exit_info.value.code == 3  # unsupported model, nothing written
     assert not out.exists()
 

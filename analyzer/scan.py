@@ -395,5 +395,7 @@ def _sliding_head_factor(node: cst.Assign) -> int | None:
     body = value.body
     if not isinstance(body.operator, cst.Multiply) or not any(w in test for w in _SLIDING_WORDS):
         return None
+    if "not " in test or "!=" in test:
+        return None  # the multiplied branch may be the full layers': not read, not guessed
     factor = body.right if isinstance(body.right, cst.Integer) else body.left
     return int(factor.value) if isinstance(factor, cst.Integer) else None

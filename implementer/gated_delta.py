@@ -52,7 +52,7 @@ def _call_of(*suffixes: str) -> m.Call:
 #: the gated delta rule in any spelling (torch_chunk_..., chunk_..., fused_recurrent_...)
 GDN_RULE_CALL = _call_of("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
 #: Kimi delta attention: the same rule with a decay per key channel
-KDA_RULE_CALL = _call_of("kimi_delta_attention")
+KDA_RULE_CALL = _call_of("kimi_delta_attention", "_kda")
 RULE_CALL = GDN_RULE_CALL | KDA_RULE_CALL
 #: the runtime operators each rule runs on: (prefill, decode)
 RULE_OPS = {
@@ -132,18 +132,64 @@ def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | Non
     return None
 
 
-def _single_call_assign(stmt: cst.CSTNode, call: m.Call) -> tuple[list[str], cst.Call] | None:
-    """Targets and call of the first ``names = call(...)`` inside STMT."""
+def _call_assigns(stmt: cst.CSTNode, call: m.Call) -> list[tuple[list[str], cst.Call]]:
+    """Targets and call of every ``names = call(...)`` inside STMT, in order."""
+    found = []
     for node in m.findall(stmt, m.Assign(value=call)):
         assign = cst.ensure_type(node, cst.Assign)
         target = assign.targets[0].target
         elements = target.elements if isinstance(target, cst.Tuple) else [target]
         names = [e.value if isinstance(e, cst.Element) else e for e in elements]
-        if all(isinstance(n, cst.Name) for n in names):
-            return [cst.ensure_type(n, cst.Name).value for n in names], cst.ensure_type(
-                assign.value, cst.Call
-            )
-    return None
+        targets = [n.value if isinstance(n, cst.Name) else "" for n in names]
+        found.append((targets, cst.ensure_type(assign.value, cst.Call)))
+    return found
+
+
+def _arguments(
+    call: cst.Call, names: list[str], keywords_allowed: set[str]
+) -> tuple[dict[str, str], list[str]]:
+    """CALL's arguments by parameter name (positional ones in NAMES order), and the reasons
+    they cannot be read (an extra positional, an unknown keyword, a ``*args``)."""
+    values: dict[str, str] = {}
+    problems: list[str] = []
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    if len(positional) > len(names):
+        problems.append(f"{len(positional)} positional arguments")
+    for name, arg in zip(names, positional, strict=False):
+        values[name] = code(arg.value)
+    for arg in call.args:
+        if arg.star == "*":
+            problems.append("*args")
+        elif arg.keyword is not None:
+            keyword = arg.keyword.value
+            if keyword not in keywords_allowed:
+                problems.append(f"keyword {keyword}=")
+            values[keyword] = code(arg.value)
+    return values, problems
+
+
+#: transformers' causal conv signatures, and the keywords the rewrite knows the meaning of
+CONV_FN_PARAMS = ["hidden_states", "weight", "bias", "activation"]
+CONV_UPDATE_PARAMS = ["hidden_states", "conv_state", "weight", "bias", "activation"]
+CONV_KEYWORDS = {"hidden_states", "conv_state", "weight", "bias", "activation"}
+#: transformers' delta rule signature (both forms)
+RULE_PARAMS = [
+    "query",
+    "key",
+    "value",
+    "g",
+    "beta",
+    "initial_state",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+]
+RULE_KEYWORDS = {*RULE_PARAMS, "scale", "cu_seqlens"}
+#: what the rewrite passes on from the source's rule call; both calls must agree on them
+RULE_OPERANDS = ("query", "key", "value", "g", "beta", "scale", "use_qk_l2norm_in_kernel")
+#: locals the emitted statements bind in the forward
+EMITTED_LOCALS = frozenset(
+    {"md", "state_index", "has_initial_state", "query_start_loc", "initial_state"}
+)
 
 
 def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
@@ -180,57 +226,123 @@ def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     if facts.write_index is not None and facts.write_index <= facts.rule_index:
         facts.problems.append(f"{facts.name}.forward writes its state before the delta rule")
         return facts
-    _conv_facts(facts, body.body[facts.conv_index])
+    before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
+    _conv_facts(facts, body.body[facts.conv_index], before)
     _rule_facts(facts, body.body[facts.rule_index])
     if not facts.problems:
         _check_names(facts, body)
     return facts
 
 
-def _conv_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
-    found = _single_call_assign(stmt, CONV_FN_CALL)
-    if found is None or len(found[0]) != 1:
+def _conv_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement, before: set[str]) -> None:
+    """The conv statement: every assignment in it binds the conv's result to one name, from
+    a causal conv call, the cache's ``update_conv_state`` or a slice of that name; the two
+    conv calls agree on weight, bias and activation; the input is a name set before it."""
+    calls = _call_assigns(stmt, CONV_CALL)
+    fn_calls = [(t, c) for t, c in calls if m.matches(c, CONV_FN_CALL)]
+    if not fn_calls or any(len(t) != 1 or not t[0] for t, _ in calls):
         facts.problems.append(
             f"{facts.name}.forward does not assign causal_conv1d_fn(...) to one name"
         )
         return
-    (facts.conv_target,), call = found
-    positional = [a.value for a in call.args if a.keyword is None and not a.star]
-    keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
-    # transformers' own signature: (hidden_states, weight, bias=None, activation=None)
-    names = ["hidden_states", "weight", "bias", "activation"]
-    values = {n: code(v) for n, v in zip(names, positional, strict=False)}
-    values.update({n: keywords[n] for n in names if n in keywords})
-    if "hidden_states" not in values or "weight" not in values:
-        facts.problems.append(f"{facts.name}.forward passes causal_conv1d_fn no input or weight")
+    facts.conv_target = fn_calls[0][0][0]
+    readings = []
+    for _, call in calls:
+        fn = m.matches(call, CONV_FN_CALL)
+        values, problems = _arguments(
+            call, CONV_FN_PARAMS if fn else CONV_UPDATE_PARAMS, CONV_KEYWORDS
+        )
+        if problems or "hidden_states" not in values or "weight" not in values:
+            facts.problems.append(
+                f"{facts.name}.forward calls the causal conv with arguments the rewrite cannot "
+                f"read ({', '.join(problems) or 'no input or weight'})"
+            )
+            return
+        readings.append(
+            (values["weight"], values.get("bias", "None"), values.get("activation", "None"))
+        )
+        if fn:
+            facts.conv_source = values["hidden_states"]
+    if len(set(readings)) != 1:
+        facts.problems.append(
+            f"{facts.name}.forward's prefill and decode convs differ in weight, bias or activation"
+        )
         return
-    facts.conv_source = values["hidden_states"]
-    facts.conv_weight = values["weight"]
-    facts.conv_bias = values.get("bias", "None")
-    facts.activation = values.get("activation", "None")
+    facts.conv_weight, facts.conv_bias, facts.activation = readings[0]
+    if facts.conv_source not in before:
+        facts.problems.append(
+            f"{facts.name}.forward's conv input {facts.conv_source!r} is not a name set "
+            "before the conv statement"
+        )
+        return
+    target = facts.conv_target
+    allowed = (
+        m.Assign(targets=[m.AssignTarget(target=m.Name(target))], value=CONV_CALL)
+        | m.Assign(
+            targets=[m.AssignTarget(target=m.Name(target))],
+            value=m.Call(func=m.Attribute(attr=m.Name("update_conv_state"))),
+        )
+        | m.Assign(
+            targets=[m.AssignTarget(target=m.Name(target))],
+            value=m.Subscript(value=m.Name(target)),
+        )
+    )
+    _only(facts, stmt, allowed, "conv")
+
+
+def _only(facts: GatedDeltaFacts, stmt: cst.BaseStatement, allowed, what: str) -> None:
+    """Every simple statement inside STMT matches ALLOWED (``if`` tests are free)."""
+    for line in m.findall(stmt, m.SimpleStatementLine()):
+        for small in cst.ensure_type(line, cst.SimpleStatementLine).body:
+            if not m.matches(small, allowed | m.Pass()):
+                facts.problems.append(
+                    f"{facts.name}.forward's {what} statement also does `{code(small)}`, which "
+                    "the rewrite would drop"
+                )
+                return
 
 
 def _rule_facts(facts: GatedDeltaFacts, stmt: cst.BaseStatement) -> None:
-    found = _single_call_assign(stmt, RULE_CALL)
-    if found is None or len(found[0]) != 2:
+    """The rule statement: each branch assigns one rule call to (output, state), and the
+    calls agree on every operand the rewrite passes on."""
+    calls = _call_assigns(stmt, RULE_CALL)
+    if not calls or any(len(t) != 2 or not all(t) for t, _ in calls):
         facts.problems.append(
             f"{facts.name}.forward does not assign the gated delta rule to (output, state)"
         )
         return
-    facts.rule_targets, call = found
-    facts.rule = "kda" if m.matches(call, KDA_RULE_CALL) else "gated_delta"
-    positional = [a.value for a in call.args if a.keyword is None and not a.star]
-    keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
-    names = ["query", "key", "value", "g", "beta"]
-    values = [code(v) for v in positional[:5]] + [keywords.get(n) for n in names[len(positional) :]]
-    if any(v is None for v in values):
+    if len({tuple(t) for t, _ in calls}) != 1:
+        facts.problems.append(f"{facts.name}.forward's rule calls assign different names")
+        return
+    facts.rule_targets = calls[0][0]
+    kinds = {"kda" if m.matches(c, KDA_RULE_CALL) else "gated_delta" for _, c in calls}
+    readings = []
+    for _, call in calls:
+        values, problems = _arguments(call, RULE_PARAMS, RULE_KEYWORDS)
+        missing = [n for n in RULE_PARAMS[:5] if n not in values]
+        if problems or missing:
+            facts.problems.append(
+                f"{facts.name}.forward calls the delta rule with arguments the rewrite cannot "
+                f"read ({', '.join(problems) or 'no ' + '/'.join(missing)})"
+            )
+            return
+        readings.append(tuple(values.get(n) for n in RULE_OPERANDS))
+    if len(kinds) != 1 or len(set(readings)) != 1:
         facts.problems.append(
-            f"{facts.name}.forward passes the gated delta rule no query/key/value/g/beta"
+            f"{facts.name}.forward's prefill and decode rule calls differ in their operands"
         )
         return
-    facts.query, facts.key, facts.value, facts.g, facts.beta = values
-    facts.scale = keywords.get("scale")
-    facts.l2norm = keywords.get("use_qk_l2norm_in_kernel", "False")
+    (facts.rule,) = kinds
+    query, key, value, g, beta, scale, l2norm = readings[0]
+    facts.query, facts.key, facts.value, facts.g, facts.beta = query, key, value, g, beta
+    facts.scale = scale
+    facts.l2norm = l2norm or "False"
+    targets = [m.Name(n) for n in facts.rule_targets]
+    allowed = m.Assign(
+        targets=[m.AssignTarget(target=m.Tuple(elements=[m.Element(t) for t in targets]))],
+        value=RULE_CALL,
+    )
+    _only(facts, stmt, allowed, "delta rule")
 
 
 def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
@@ -239,6 +351,12 @@ def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
     replaced = [s for i, s in enumerate(body.body) if i in replaced_at]
     kept = [s for i, s in enumerate(body.body) if i not in replaced_at]
     defined_again = {facts.conv_target, *facts.rule_targets}
+    clash = EMITTED_LOCALS & (_used_names(kept) | _assigned_names(kept))
+    if clash:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(clash)}, names the rewrite binds for the "
+            "paged state"
+        )
     leaked = (_assigned_names(replaced) - defined_again) & _used_names(kept)
     if leaked:
         facts.problems.append(
@@ -254,8 +372,8 @@ def state_layer_problems(state: list[cst.ClassDef], has_state_layers: bool) -> l
         return [
             "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
             "found (a module whose forward calls causal_conv1d_fn/update and a "
-            "*gated_delta_rule); other state mixers (Mamba2, short conv, KDA) are not "
-            "rewritten yet"
+            "*gated_delta_rule or a Kimi delta attention); other state mixers (Mamba-1/2, "
+            "short convolutions) are not rewritten yet"
         ]
     if state and not has_state_layers:
         return [

@@ -107,6 +107,8 @@ class _StepFacts:
     #: group key -> (block table shape, dtype, slot mapping length)
     groups: dict[str, tuple[tuple[int, ...], torch.dtype, int]]
     preempted_ids: list[str]
+    #: group key -> each request's first block id, for [B, 1] tables (state groups)
+    first_blocks: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,9 +120,12 @@ class RuntimeChainRecorder:
     def __call__(self, record: StepRecord) -> None:
         md = record.metadata
         groups = {}
+        first_blocks = {}
         for key, table in md.block_table.items():
             slots = md.slot_mapping.get(key)
             groups[key] = (tuple(table.shape), table.dtype, -1 if slots is None else slots.numel())
+            if table.dim() == 2 and table.shape[1] == 1:
+                first_blocks[key] = table[:, 0].tolist()
         self.steps.append(
             _StepFacts(
                 is_prefill=md.is_prefill,
@@ -132,6 +137,7 @@ class RuntimeChainRecorder:
                 seq_lengths_kv=list(md.actual_seq_lengths_kv),
                 groups=groups,
                 preempted_ids=list(record.preempted_ids),
+                first_blocks=first_blocks,
             )
         )
 
@@ -144,12 +150,16 @@ class RuntimeChainRecorder:
                 their table is ``[B, 1]`` and they have no slot mapping.
         """
         failures: list[str] = []
+        #: state group -> request id -> the state block it holds until it finishes or is
+        #: preempted
+        owners: dict[str, dict[str, int]] = {key: {} for key in state_group_keys}
         first_decode_checked = 0
         seen_decode: set[str] = set()
         preempted: set[str] = set()
         for i, step in enumerate(self.steps):
             preempted.update(step.preempted_ids)
             failures += _check_tables(i, step, group_keys, frozenset(state_group_keys))
+            failures += _check_state_blocks(i, step, state_group_keys, owners)
             if step.is_prefill:
                 continue
             for rid, prompt, outputs, kv in zip(
@@ -211,6 +221,28 @@ def _check_tables(
                 f"step {index}: slot_mapping[{key!r}] has {num_slots} slots for "
                 f"{step.num_tokens} tokens"
             )
+    return failures
+
+
+def _check_state_blocks(
+    index: int, step: _StepFacts, state_group_keys: Sequence[str], owners: dict
+) -> list[str]:
+    """A request keeps one state block from its first step until it is preempted, and no
+    two requests of a step share one (a shared or moved block mixes their states)."""
+    failures = []
+    for key in state_group_keys:
+        held = owners[key]
+        for rid in step.preempted_ids:
+            held.pop(rid, None)
+        blocks = step.first_blocks.get(key, [])
+        if len(set(blocks)) != len(blocks):
+            failures.append(f"step {index}: requests share a state block of group {key!r}")
+        for rid, block in zip(step.request_ids, blocks, strict=False):
+            if held.setdefault(rid, block) != block:
+                failures.append(
+                    f"step {index}: request {rid}'s state block of group {key!r} moved from "
+                    f"{held[rid]} to {block} without a preemption"
+                )
     return failures
 
 

@@ -40,7 +40,8 @@ class ForwardMetaData:
     num_tokens: int
     #: bool [2048, 2048], True = masked (``triu(diagonal=1)``), for sparse_mode 2/3/4
     attention_mask: Tensor | None = None
-    #: optional extras a model may need (e.g. Mamba state indices); never required
+    #: extras some layers read: the engine always sets "has_initial_state" (bool [B], the
+    #: request already has tokens in the cache), which converted state layers require
     extra: dict[str, object] = field(default_factory=dict)
 
 

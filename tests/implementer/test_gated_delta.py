@@ -97,6 +97,51 @@ def test_a_forward_of_another_shape_is_refused_with_the_reason():
         convert_source(source, _spec("qwen3_next"), package="transformers.models.qwen3_next")
 
 
+_CONV_FN = """            mixed_qkv = causal_conv1d_fn(
+                mixed_qkv,"""
+_CHUNK = """            core_attn_out, last_recurrent_state = torch_chunk_gated_delta_rule(
+                query,"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "reason"),
+    [
+        # a statement inside a replaced branch would be lost
+        (
+            _CHUNK,
+            "            beta = beta * 2.0\n" + _CHUNK,
+            "delta rule statement also does `beta = beta \\* 2.0`",
+        ),
+        # the two rule calls must agree on what the rewrite passes on
+        (
+            _CHUNK,
+            _CHUNK.replace("query,", "query * 0.5,"),
+            "prefill and decode rule calls differ",
+        ),
+        # the emitted code indexes the conv input: an expression is not read
+        (
+            _CONV_FN,
+            _CONV_FN.replace("mixed_qkv,", "mixed_qkv * 2,"),
+            "conv input 'mixed_qkv \\* 2' is not a name",
+        ),
+        # the rewrite binds `md` in the forward; a model's own `md` would be overwritten
+        (
+            "        beta = b.sigmoid()",
+            "        md = 1\n        beta = b.sigmoid() * md",
+            r"uses \['md'\], names the rewrite binds",
+        ),
+    ],
+    ids=["extra-statement", "operands-differ", "conv-input-expression", "local-clash"],
+)
+def test_a_delta_layer_the_rewrite_would_change_is_refused(old, new, reason):
+    source = _transformers_source("qwen3_next")
+    assert source.count(old) == 1
+    with pytest.raises(UnsupportedModelError, match=reason):
+        convert_source(
+            source.replace(old, new), _spec("qwen3_next"), package="transformers.models.qwen3_next"
+        )
+
+
 def test_mamba_layers_without_a_gated_delta_class_are_refused():
     # the Plan says Mamba layers; the code (Qwen3's) has none
     with pytest.raises(UnsupportedModelError, match="no gated delta net class was found"):
@@ -212,3 +257,7 @@ def test_other_delta_layers_convert_token_exact(tmp_path, model_type, expected):
     report = verify_directory(out, VerifyOptions())
     assert report.error is None, report.error
     assert report.passed, report.failures()
+    # converting the converted file changes nothing (its rule is then fla's, not the source's)
+    again = tmp_path / "again"
+    apply_model(str(out), again, ApplyOptions())
+    assert (again / f"modeling_{model_type}.py").read_text() == code

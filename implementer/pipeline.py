@@ -137,6 +137,22 @@ def convert_source(
         BadInputError: the source does not parse.
         UnsupportedModelError: the structure cannot be rewritten; nothing is produced.
     """
+    key = (source, repr(spec), package, filename)
+    if key not in _CONVERTED:
+        _CONVERTED[key] = _convert(source, spec, package, filename)
+        while len(_CONVERTED) > _MEMO_SIZE:
+            _CONVERTED.pop(next(iter(_CONVERTED)))
+    return _CONVERTED[key]
+
+
+#: NOTE: the conversion is a pure function of its inputs and libcst takes seconds on a large
+#: modeling file, so repeated conversions (apply with other config overrides, verify loops)
+#: reuse the last results, as the MLA rewrite does. Failures are not kept: they raise.
+_MEMO_SIZE = 8
+_CONVERTED: dict[tuple[str, str, str | None, str], str] = {}
+
+
+def _convert(source: str, spec: ConversionSpec, package: str | None, filename: str) -> str:
     module = parse(source, filename)
     summarize(module, spec, filename)
     for command in COMMANDS:

@@ -164,6 +164,29 @@ def _projection_widths(config: dict[str, Any], text_before: int, text_after: int
     return new
 
 
+#: linear-attention (gated delta / KDA) head sizes: small, but a multiple of 4 so value heads
+#: can stay a multiple of key heads
+LINEAR_HEADS = 2
+LINEAR_HEAD_DIM = 16
+
+
+def _linear_attention_sizes(config: dict[str, Any]) -> dict[str, int]:
+    """Gated delta / Kimi delta head counts and dims made small, keeping value heads a
+    multiple (the same multiple, up to 2) of key heads: the recurrence of a full-size state
+    layer is most of a verify run's time."""
+    new: dict[str, int] = {}
+    k_heads, v_heads = config.get("linear_num_key_heads"), config.get("linear_num_value_heads")
+    if _above(k_heads, LINEAR_HEADS) and isinstance(v_heads, int) and v_heads % k_heads == 0:
+        new["linear_num_key_heads"] = LINEAR_HEADS
+        new["linear_num_value_heads"] = LINEAR_HEADS * min(v_heads // k_heads, 2)
+    for key in ("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"):
+        if _above(config.get(key), LINEAR_HEAD_DIM):
+            new[key] = LINEAR_HEAD_DIM
+    if _above(config.get("linear_num_heads"), LINEAR_HEADS):
+        new["linear_num_heads"] = LINEAR_HEADS
+    return new
+
+
 def _above(value: Any, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > limit
 
@@ -222,6 +245,7 @@ def _shrink_decoder(
     for key in _EXPERT_SIZE_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE
+    new.update(_linear_attention_sizes(config))
     if isinstance(config.get("mlp_only_layers"), list):
         new["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
     for offset, key in enumerate(_TOKEN_ID_KEYS, start=1):

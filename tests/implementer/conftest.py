@@ -29,7 +29,6 @@ FAMILIES = (
     "gpt_oss",
     # hybrid: gated delta net layers (Mamba group) between full-attention layers
     "qwen3_next",
-    "qwen3_5",
 )
 REMOTE = "tiny_remote"
 

@@ -26,7 +26,7 @@ from kvskill.analyzer.inputs import (
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.pitfalls import add_pitfalls
-from kvskill.analyzer.plan import AttnType, Plan
+from kvskill.analyzer.plan import Plan
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -43,7 +43,8 @@ from kvskill.analyzer.rules import (
 )
 from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 DEFAULT_BLOCK_SIZE = 128
 _ATTN_TYPE_ORDER = {t.value: i for i, t in enumerate(AttnType)}
@@ -199,7 +200,7 @@ def plan_for_source(
     kv_heads = decide_kv_heads(spec, attn_tp_size, book)
     sliding_heads = (
         sliding_kv_heads(spec, code, attn_tp_size, book)
-        if AttnType.SLIDING.value in attn_types
+        if AttnType.SLIDING_WINDOW.value in attn_types
         else None
     )
     entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.cache_bytes import dtype_bytes
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 #: raw layer-type strings -> the analyzer's layer kind
 _LAYER_KIND = {
@@ -31,8 +32,6 @@ _LAYER_KIND = {
     "mlp": "mlp",
     "moe": "mlp",
 }
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +67,7 @@ class ModelSpec:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES.get(self.dtype, 2)
+        return dtype_bytes(self.dtype, default=2)
 
 
 def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:

@@ -6,7 +6,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from kvskill.errors import KvskillError
+from kvskill.core.errors import KvskillError
 
 
 @dataclass(frozen=True, kw_only=True)

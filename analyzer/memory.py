@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvskill.analyzer.config import DTYPE_BYTES, ModelSpec, text_config
-from kvskill.analyzer.plan import AttnType
+from kvskill.analyzer.config import ModelSpec, text_config
+from kvskill.core.attn_types import AttnType
+from kvskill.core.cache_bytes import dtype_bytes as element_bytes
+from kvskill.core.cache_bytes import entry_bytes
 
 GIB = 1 << 30
 #: fraction of device memory usable by weights + KV (activations and workspace take the rest)
@@ -26,7 +28,7 @@ def bytes_per_token_by_type(
     for attn_type, entries in cache_entries.items():
         if attn_type == AttnType.MAMBA.value:
             continue
-        per_layer = sum(int(e["dim"]) * int(e["num_head"]) for e in entries) * dtype_bytes
+        per_layer = sum(entry_bytes(int(e["dim"]), e["num_head"], dtype_bytes) for e in entries)
         result[attn_type] = per_layer * layer_counts.get(attn_type, 0)
     return result
 
@@ -42,9 +44,8 @@ def state_bytes_per_request(
     entries = cache_entries.get(AttnType.MAMBA.value, [])
     per_layer = 0
     for entry in entries:
-        dims = entry["dim"] if isinstance(entry["dim"], list) else [entry["dim"]]
-        size = DTYPE_BYTES.get(entry.get("dtype"), dtype_bytes)
-        per_layer += math.prod(int(d) for d in dims) * int(entry["num_head"]) * size
+        size = element_bytes(entry.get("dtype"), default=dtype_bytes)
+        per_layer += entry_bytes(entry["dim"], entry["num_head"], size)
     return per_layer * layer_counts.get(AttnType.MAMBA.value, 0)
 
 
@@ -91,7 +92,7 @@ def plan_memory(
     per_token = bytes_per_token_by_type(cache_entries, layer_counts, dtype_bytes)
     state = state_bytes_per_request(cache_entries, layer_counts, dtype_bytes)
     window = spec.sliding_window or 0
-    sliding_bytes = per_token.get(AttnType.SLIDING.value, 0)
+    sliding_bytes = per_token.get(AttnType.SLIDING_WINDOW.value, 0)
     sliding_blocks = math.ceil((window - 1) / block_size) + 1 if window and sliding_bytes else 0
     plan: dict[str, Any] = {
         "block_size": block_size,
@@ -106,7 +107,7 @@ def plan_memory(
         return plan
     plan["kv_memory_bytes"] = budget
     plan["kv_memory_source"] = budget_source
-    growing = sum(v for k, v in per_token.items() if k != AttnType.SLIDING.value)
+    growing = sum(v for k, v in per_token.items() if k != AttnType.SLIDING_WINDOW.value)
     fixed_per_request = plan["sliding_bytes_per_request"] + state
     all_per_token = sum(per_token.values())
     # NOTE: one request in flight; each further request costs fixed_per_request more.
@@ -146,7 +147,7 @@ def _budget(
 
 def parse_memory(text: str | None) -> int | None:
     """'8GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    from kvskill.errors import BadInputError
+    from kvskill.core.errors import BadInputError
 
     if text is None:
         return None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.plan import AttnType
 from kvskill.analyzer.rules import TND_HEAD_DIMS
+from kvskill.core.attn_types import AttnType
 
 
 def add_pitfalls(
@@ -44,7 +44,7 @@ def add_pitfalls(
             "actual_seq_kvlen=; a v1 name (scale=) leaves the scale at its default 1.0"
         )
     full_like = [t for t in attn_types if t != AttnType.MAMBA.value]
-    if attention != "mla" and AttnType.FULL.value in full_like:
+    if attention != "mla" and AttnType.FULL_ATTENTION.value in full_like:
         warn(
             "full attention needs sparse_mode=3 with the causal mask in prefill and decode; "
             "sparse_mode=0 without a mask removes causal masking (garbled prefill, no error)"
@@ -68,7 +68,7 @@ def add_pitfalls(
             msg = f"MLA kv_lora_rank is {rank}; the fused operator supports 512 or 128"
             warn(msg)
             book.block(msg)
-    if AttnType.SLIDING.value in attn_types:
+    if AttnType.SLIDING_WINDOW.value in attn_types:
         warn(
             "sliding-window layers keep sparse_mode=4 with pre_tokens=W-1, next_tokens=0 in "
             "decode too; sparse_mode=0 lets long sequences see keys outside the window"

@@ -12,14 +12,6 @@ from enum import Enum
 from typing import Any
 
 
-class AttnType(str, Enum):
-    """Closed set of cache attention types; values are the runtime's group names."""
-
-    FULL = "FullAttention"
-    SLIDING = "SlidingWindow"
-    MAMBA = "Mamba"
-
-
 @dataclass(frozen=True, kw_only=True)
 class Evidence:
     """Why one decision was taken and where the fact came from."""

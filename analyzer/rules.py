@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
-from kvskill.analyzer.plan import AttnType, LayerPlan
+from kvskill.analyzer.plan import LayerPlan
 from kvskill.analyzer.roles import CodeRoles
 from kvskill.analyzer.scan import ModuleFacts
+from kvskill.core.attn_types import AttnType
 
 #: layer kinds whose cache is a fixed-size state per request (grouped as Mamba)
 STATE_KINDS = frozenset({"linear_attention", "mamba", "conv", "recurrent"})
@@ -54,13 +55,15 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
                 LayerPlan(
                     index=index,
                     kind="attention",
-                    attn_type=AttnType.SLIDING.value,
+                    attn_type=AttnType.SLIDING_WINDOW.value,
                     sliding_window=spec.sliding_window,
                 )
             )
         else:
             layer_kind = "mla" if spec.mla and kind == "attention" else kind
-            layers.append(LayerPlan(index=index, kind=layer_kind, attn_type=AttnType.FULL.value))
+            layers.append(
+                LayerPlan(index=index, kind=layer_kind, attn_type=AttnType.FULL_ATTENTION.value)
+            )
     _cite_layers(spec, layers, book)
     return layers
 
@@ -77,7 +80,7 @@ def _cite_layers(spec: ModelSpec, layers: list[LayerPlan], book: Notebook) -> No
         if not spec.layer_pattern_source.startswith("default")
         else book.cfg(spec.sources.get("num_layers")),
     )
-    if spec.sliding_window is not None and AttnType.SLIDING.value not in counts:
+    if spec.sliding_window is not None and AttnType.SLIDING_WINDOW.value not in counts:
         book.cite(
             "layers",
             f"sliding_window={spec.sliding_window} is set but no layer uses it, so the model "
@@ -213,7 +216,7 @@ def decide_sparse_modes(
     for attn_type in attn_types:
         if attn_type == AttnType.MAMBA.value:
             continue
-        if attn_type == AttnType.SLIDING.value and window:
+        if attn_type == AttnType.SLIDING_WINDOW.value and window:
             modes[attn_type] = {"prefill": 4, "decode": 4}
             windows[attn_type] = {"pre_tokens": window - 1, "next_tokens": 0}
             book.cite(
@@ -315,7 +318,7 @@ def cache_entries(
                 _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
             ]
         else:
-            sliding = attn_type == AttnType.SLIDING.value
+            sliding = attn_type == AttnType.SLIDING_WINDOW.value
             window = spec.sliding_window if sliding else None
             heads = kv_heads_per_rank
             if sliding and sliding_kv_heads_per_rank is not None:

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 
 #: receiver names whose ``.update(...)`` call is a KV-cache write
 _CACHE_RECEIVERS = ("cache", "past_key_value", "past_key_values", "layer_past", "kv_cache")

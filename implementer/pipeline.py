@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.attn_forward import AttentionForwardCommand
 from kvskill.implementer.attn_init import AttentionInitCommand
 from kvskill.implementer.facts import (

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from torch import nn
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ from enum import Enum
 from typing import Any
 
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.plan import AttnType, Plan
-from kvskill.errors import UnsupportedModelError
+from kvskill.analyzer.plan import Plan
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import UnsupportedModelError
 
 #: attn_types of layers that keep one recurrent state per request instead of per-token KV
 STATE_ATTN_TYPES = frozenset({AttnType.MAMBA.value})
@@ -115,7 +116,7 @@ def _check_supported(plan: Plan) -> None:
         reasons.append(f"input_layout {plan.input_layout!r}; the framework rewrite emits TND")
     unknown = sorted(
         {t for t in plan.layer_attn_types()}
-        - {AttnType.FULL.value, AttnType.SLIDING.value, *STATE_ATTN_TYPES}
+        - {AttnType.FULL_ATTENTION.value, AttnType.SLIDING_WINDOW.value, *STATE_ATTN_TYPES}
     )
     if unknown:
         reasons.append(
@@ -161,7 +162,7 @@ def _layer_type_mapping(plan: Plan) -> dict[str, str]:
 def _window_rules(plan: Plan) -> dict[str, WindowRule]:
     rules: dict[str, WindowRule] = {}
     for layer in plan.layers:
-        if layer.attn_type != AttnType.SLIDING.value:
+        if layer.attn_type != AttnType.SLIDING_WINDOW.value:
             continue
         tokens = plan.window_tokens.get(layer.attn_type)
         if not tokens or layer.sliding_window is None:

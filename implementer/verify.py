@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
-from kvskill.errors import BadInputError, KvskillError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.errors import BadInputError, NotImplementedYetError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.mla import MlaSpec, convert_mla_source
 from kvskill.implementer.pipeline import convert_source
 from kvskill.implementer.spec import ConversionSpec
@@ -108,11 +108,7 @@ def read_source(path: Path) -> str:
 
 def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
     """Analyze MODEL and convert its modeling file: (plan, original source, converted)."""
-    if options.deploy_mode != "framework":
-        raise NotImplementedYetError(
-            f"`kvskill apply --mode {options.deploy_mode}` is not implemented yet; use "
-            "--mode framework"
-        )
+    assert options.deploy_mode == "framework", "standalone conversions go through apply_standalone"
     plan = analyze_model(
         model,
         deploy_mode="framework",

@@ -8,22 +8,14 @@ Validation happens here, once, at the boundary; every message names the layer an
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
-from kvskill.errors import BadInputError
+from kvskill.core.attn_types import AttnType
+from kvskill.core.cache_bytes import entry_bytes
+from kvskill.core.errors import BadInputError
 from torch import Tensor
-
-
-class AttnType(str, Enum):
-    """The built-in attention kinds; values are the strings converted code uses."""
-
-    FULL_ATTENTION = "FullAttention"
-    SLIDING_WINDOW = "SlidingWindow"
-    MAMBA = "Mamba"
 
 
 class CacheInfoError(BadInputError):
@@ -73,7 +65,7 @@ class CacheEntry:
 
     def bytes_per_block(self, block_size: int) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return math.prod(self.block_shape(block_size)) * element_size
+        return block_size * entry_bytes(self.dims, self.num_head, element_size)
 
 
 @dataclass(init=False, eq=False)

@@ -6,7 +6,7 @@ import importlib.util
 import logging
 
 import torch
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 logger = logging.getLogger(__name__)
 

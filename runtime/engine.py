@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context
 from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.sampler import Sampler, make_generator

@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
 from kvskill.runtime.layout import CacheLayout, allocate_cache_tensors, calculate_block_num

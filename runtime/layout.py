@@ -34,8 +34,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from kvskill.errors import BadInputError
-from kvskill.runtime.cache_info import AttnType, CacheEntry, LayerCacheInfo
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import BadInputError
+from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
 from torch import Tensor
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.loader import (

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
 from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state

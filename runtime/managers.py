@@ -20,8 +20,8 @@ from array import array
 from collections.abc import Sequence
 from typing import ClassVar
 
+from kvskill.core.attn_types import AttnType
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
-from kvskill.runtime.cache_info import AttnType
 
 
 def cdiv(a: int, b: int) -> int:

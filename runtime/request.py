@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 
 class FinishReason(str, Enum):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.runtime.request import FinishReason, Request, RequestStatus, StepOutput
 
 

@@ -98,7 +98,7 @@ def _verify_cell(report) -> str:
 def run_family(family: Family, workdir: Path) -> dict[str, str]:
     """One table row: analyze, apply + verify (framework), standalone."""
     from kvskill.analyzer import analyze_model
-    from kvskill.errors import KvskillError
+    from kvskill.core.errors import KvskillError
     from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
 
@@ -131,7 +131,7 @@ def _standalone_cell(model: str, family: Family, workdir: Path) -> str:
         )
     except ImportError:
         return "not in this build"
-    from kvskill.errors import KvskillError
+    from kvskill.core.errors import KvskillError
     from kvskill.implementer.verify import VerifyOptions
     from kvskill.implementer.writer import ApplyOptions
 

@@ -1,7 +1,7 @@
 """The ``kvskill`` command line: a click group whose commands live in ``kvskill.commands``.
 
 Every error a user can cause ends here as one line on stderr (or one JSON object on stdout
-with ``--format json``) and an exit code from ``kvskill.errors.ExitCode``; never a traceback
+with ``--format json``) and an exit code from ``kvskill.core.errors.ExitCode``; never a traceback
 unless ``--verbose`` asks for one.
 """
 
@@ -15,7 +15,7 @@ import traceback
 import click
 from kvskill import __version__
 from kvskill.commands import COMMANDS
-from kvskill.errors import ExitCode, KvskillError
+from kvskill.core.errors import ExitCode, KvskillError
 
 EPILOG = """\b
 Examples:

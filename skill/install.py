@@ -26,7 +26,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from kvskill import __version__, resources
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 MANIFEST = ".kvskill-manifest.json"
 

@@ -11,7 +11,7 @@ from kvskill.analyzer.lint.context import FileContext, sibling_config
 from kvskill.analyzer.lint.model import FileError, Finding, LintReport
 from kvskill.analyzer.lint.rule import Rule
 from kvskill.analyzer.lint.rules import RULES
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
 

@@ -8,7 +8,7 @@ the rewrite cannot handle fails with the exact reason and never yields a half-co
 from __future__ import annotations
 
 import libcst as cst
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     class_assigns,

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvskill.analyzer.plan import AttnType, Plan
-from kvskill.errors import UnsupportedModelError
+from kvskill.analyzer.plan import Plan
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.spec import FaVersion
 
 MLA_ROPE_DIM = 64
@@ -57,11 +58,11 @@ class MlaSpec:
             UnsupportedModelError: the Plan is not MLA, or its dims break the operator limits.
         """
         _check_supported(plan)
-        modes = plan.sparse_mode[AttnType.FULL.value]
+        modes = plan.sparse_mode[AttnType.FULL_ATTENTION.value]
         return cls(
             fa_version=FaVersion(plan.fa_version if fa_version == "auto" else fa_version),
             input_layout=plan.input_layout,
-            attn_type=AttnType.FULL.value,
+            attn_type=AttnType.FULL_ATTENTION.value,
             sparse_mode={"prefill": int(modes["prefill"]), "decode": int(modes["decode"])},
             cache_write=CacheWrite(plan.mla_cache_write or CacheWrite.SCATTER.value),
             attn_tp_size=plan.attn_tp_size,
@@ -82,7 +83,10 @@ def _check_supported(plan: Plan) -> None:
     if plan.input_layout != "TND_NTD":
         reasons.append(f"input_layout {plan.input_layout!r}; absorbed MLA uses TND_NTD")
     kinds = set(plan.layer_attn_types())
-    if AttnType.FULL.value not in kinds or kinds - {AttnType.FULL.value, AttnType.MAMBA.value}:
+    if AttnType.FULL_ATTENTION.value not in kinds or kinds - {
+        AttnType.FULL_ATTENTION.value,
+        AttnType.MAMBA.value,
+    }:
         reasons.append(
             f"layers of attn_type {sorted(kinds)}; MLA layers are FullAttention (between "
             "them only recurrent-state Mamba layers)"
@@ -92,7 +96,7 @@ def _check_supported(plan: Plan) -> None:
             f"attn_tp_size {plan.attn_tp_size} with recurrent-state (Mamba) layers; their "
             "states are not split over ranks yet"
         )
-    modes = plan.sparse_mode.get(AttnType.FULL.value, {})
+    modes = plan.sparse_mode.get(AttnType.FULL_ATTENTION.value, {})
     if dict(modes) != MLA_SPARSE_MODE:
         reasons.append(
             f"sparse_mode {dict(modes)}; absorbed MLA needs prefill 3 (causal, 2048 mask) and "

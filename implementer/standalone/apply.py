@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.implementer.standalone.pipeline import convert_standalone_source
 from kvskill.implementer.standalone.runner import RenderedRunner, render_runner
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.implementer.standalone.verify import import_runner, standalone_record
 from kvskill.implementer.verify import read_conversion
 

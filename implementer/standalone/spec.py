@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvskill.analyzer.plan import Plan
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
 from kvskill.implementer.spec import STATE_ATTN_TYPES, ConversionSpec
 

@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from kvskill.errors import BadInputError, KvskillError
+from kvskill.core.errors import BadInputError, KvskillError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.standalone.apply import STANDALONE_KEY

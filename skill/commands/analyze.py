@@ -65,9 +65,9 @@ def analyze(
     the installed transformers such as 'qwen3'. Nothing in MODEL is imported or executed.
     """
     from kvskill.analyzer import analyze_model
-    from kvskill.analyzer.inputs import parse_overrides
     from kvskill.analyzer.memory import parse_memory
     from kvskill.analyzer.report import render, update_progress
+    from kvskill.core.overrides import parse_overrides
 
     plan = analyze_model(
         model,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from kvskill.analyzer.inputs import parse_overrides
+from kvskill.core.overrides import parse_overrides
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.options import (
     attn_tp_size_option,

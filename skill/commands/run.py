@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import click
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.options import (
     block_size_option,
     dtype_option,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from kvskill.errors import ExitCode
+from kvskill.core.errors import ExitCode
 from kvskill.implementer.report import format_table
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.analyzer.inputs import parse_overrides
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
+from kvskill.core.overrides import parse_overrides
 
 FULL, SLIDING = "FullAttention", "SlidingWindow"
 

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 from tests.analyzer.fixtures import REMOTE_MODELING, write_checkpoint, write_remote_model
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.memory import parse_memory
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 
 def test_sliding_layers_hold_a_bounded_number_of_blocks():

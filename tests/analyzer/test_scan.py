@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.scan import scan_source
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 
 SOURCE = textwrap.dedent(
     """\

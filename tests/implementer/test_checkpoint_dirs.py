@@ -100,7 +100,7 @@ def test_generation_config_end_tokens_are_kept_and_stop_generation(mistral_check
 
 @pytest.mark.parametrize("eos", ['{"eos_token_id": "2"}', "{not json"])
 def test_a_malformed_generation_config_is_bad_input(mistral_checkpoint, tmp_path, eos):
-    from kvskill.errors import BadInputError
+    from kvskill.core.errors import BadInputError
 
     out = tmp_path / "converted"
     apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())
@@ -117,7 +117,7 @@ def test_checkpoint_directory_verifies_without_trusting_remote_code(mistral_chec
 
 
 def test_checkpoint_directory_with_its_own_code_still_needs_trust(mistral_checkpoint, tmp_path):
-    from kvskill.errors import BadInputError
+    from kvskill.core.errors import BadInputError
 
     out = tmp_path / "converted"
     apply_model(str(mistral_checkpoint[0]), out, ApplyOptions())

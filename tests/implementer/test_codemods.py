@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 from conftest import FAMILIES
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.imports import AbsoluteImportsCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.pipeline import convert_source, parse

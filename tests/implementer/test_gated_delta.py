@@ -7,7 +7,7 @@ import re
 
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.gated_delta import gated_delta_facts, is_gated_delta_class
 from kvskill.implementer.pipeline import convert_source, parse
 from kvskill.implementer.spec import ConversionSpec

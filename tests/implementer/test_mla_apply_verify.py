@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM

@@ -15,7 +15,7 @@ import libcst
 import pytest
 from checkpoint_tokens import hf_tokens, kvskill_tokens, save_checkpoint
 from kvskill.analyzer import analyze_model
-from kvskill.errors import UnsupportedModelError
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.text_model import LocalTextModelCommand, text_model_problems
 from kvskill.implementer.verify import VerifyOptions, verify_directory

@@ -15,7 +15,7 @@ import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.lint import lint_source
 from kvskill.cli import main
-from kvskill.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.standalone import (
     StandaloneOptions,

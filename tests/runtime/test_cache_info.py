@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.runtime import CacheEntry, CacheInfoError, LayerCacheInfo, ModelCacheInfo
 from runtime_factories import Sink, attn_layer, mamba_layer, model_info
 

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-from kvskill.errors import BadInputError, UnsupportedModelError  # noqa: E402
+from kvskill.core.errors import BadInputError, UnsupportedModelError  # noqa: E402
 from kvskill.runtime import LLM, FullAttentionManager, SamplingParams, load_model  # noqa: E402
 from kvskill.runtime.request import Request  # noqa: E402
 from kvskill.runtime.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402

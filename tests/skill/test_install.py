@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kvskill import resources
 from kvskill.cli import main
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 from kvskill.install import MANIFEST, Action, Agent, default_target, install_skill
 
 

@@ -7,7 +7,7 @@ import re
 import libcst as cst
 import pytest
 from kvskill.analyzer.lint import RULES, lint_source, select_rules
-from kvskill.errors import BadInputError
+from kvskill.core.errors import BadInputError
 
 VALID_CASES = [
     pytest.param(rule, code, id=f"{rule.id}-valid-{i}")

@@ -46,12 +46,6 @@ class BadInputError(KvskillError):
     code = "bad_input"
 
 
-class NotImplementedYetError(BadInputError):
-    """A command of the documented surface that this build does not provide yet."""
-
-    code = "not_implemented"
-
-
 class UnsupportedModelError(KvskillError):
     """The model cannot be served (or converted) by kvskill; the message says why."""
 

@@ -1,0 +1,44 @@
+"""Cache byte arithmetic shared by the analyzer's memory plan and the runtime's allocator.
+
+Sizes are computed from dtype names (``"bfloat16"``) so the analyzer needs no tensors; the
+runtime passes ``str(torch_dtype)`` names through :func:`dtype_name`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+#: bytes per element of every dtype a cache may hold
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` or ``"torch.bfloat16"`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_bytes(dtype: object, default: int | None = None) -> int:
+    """Bytes per element of ``dtype``; ``default`` when the name is unknown (else KeyError)."""
+    name = dtype_name(dtype)
+    if name in DTYPE_BYTES:
+        return DTYPE_BYTES[name]
+    if default is None:
+        raise KeyError(f"no element size known for dtype {name!r}")
+    return default
+
+
+def entry_bytes(dims: int | Iterable[int], num_head: int, element_bytes: int) -> int:
+    """Bytes of one cache row: ``num_head`` heads of ``dims`` elements each.
+
+    For an attention entry that is one token's K (or V) of one layer; for a state entry
+    whose ``dims`` is its whole shape (``num_head`` 1) it is one request's state.
+    """
+    shape = [dims] if isinstance(dims, int) else list(dims)
+    return math.prod(int(d) for d in shape) * int(num_head) * int(element_bytes)

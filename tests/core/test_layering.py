@@ -41,9 +41,7 @@ def test_folder_imports_only_what_lies_below_it(folder: str) -> None:
 
 def test_one_attn_type_enum_is_shared_by_every_part() -> None:
     from kvskill import core, runtime
-    from kvskill.analyzer import plan
 
-    assert plan.AttnType is core.AttnType
     assert runtime.AttnType is core.AttnType
     defining = [
         path.relative_to(ROOT)

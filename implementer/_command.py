@@ -1,23 +1,40 @@
-"""The base of every framework codemod, and the class-body edits the codemods share.
+"""The base of every codemod, and the class-body edits the codemods share.
 
-``FrameworkCommand`` is a libcst command that carries the ConversionSpec.
+``FrameworkCommand`` is a libcst command that carries the spec of its conversion path (and the
+dotted package of the source file). ``ClassRewriteCommand`` is the shape most rewrites have:
+pick the classes it serves, skip those already converted, rewrite each whole class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import libcst as cst
-from kvskill.implementer.spec import ConversionSpec
+import libcst.matchers as m
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    FA_CALL,
+    class_assigns,
+    is_attention_class,
+    is_causal_lm_class,
+)
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+
+#: ``def get_cache_info`` already present: the model class is converted
+GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
 
 
 class FrameworkCommand(VisitorBasedCodemodCommand):
     """A codemod with one concern, parameterised by the analyzer's decisions."""
 
-    def __init__(self, context: CodemodContext, spec: ConversionSpec) -> None:
+    def __init__(self, context: CodemodContext, spec: Any, package: str | None = None) -> None:
         super().__init__(context)
+        #: ConversionSpec or MlaSpec: the values the emitted code depends on
         self.spec = spec
+        #: dotted package of the source file ("transformers.models.qwen3"); None for a
+        #: model directory
+        self.package = package
 
     def skip_function_bodies(self) -> bool:
         """Commands that rewrite whole classes do not descend into function bodies (they
@@ -36,6 +53,47 @@ class FrameworkCommand(VisitorBasedCodemodCommand):
         return module.config_for_parsing
 
 
+class ClassRewriteCommand(FrameworkCommand):
+    """Rewrites every class ``selects`` picks, as a whole; leaves all others untouched."""
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        raise NotImplementedError
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        raise NotImplementedError
+
+    def skip_function_bodies(self) -> bool:
+        return True
+
+    def leave_ClassDef(
+        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
+    ) -> cst.ClassDef:
+        if not self.selects(original_node):
+            return updated_node
+        return self.rewrite(original_node, updated_node)
+
+
+class AttentionInitRewrite(ClassRewriteCommand):
+    """Serves attention classes whose ``__init__`` declares no ``cache_entries`` yet."""
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_attention_class(cls) and not class_assigns(cls, CACHE_ENTRIES_ASSIGN)
+
+
+class AttentionForwardRewrite(ClassRewriteCommand):
+    """Serves attention classes whose ``forward`` calls no fused-attention operator yet."""
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_attention_class(cls) and not m.findall(cls, FA_CALL)
+
+
+class ModelClassRewrite(ClassRewriteCommand):
+    """Serves the causal-LM head class until it has ``get_cache_info``."""
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_causal_lm_class(cls) and not m.findall(cls.body, GET_CACHE_INFO)
+
+
 def replace_method(
     cls: cst.ClassDef, name: str, change: Callable[[cst.FunctionDef], cst.FunctionDef]
 ) -> list[cst.BaseStatement]:
@@ -46,6 +104,11 @@ def replace_method(
             stmt = change(stmt)
         body.append(stmt)
     return body
+
+
+def with_body(cls: cst.ClassDef, body: list[cst.BaseStatement]) -> cst.ClassDef:
+    """CLS with its body statements replaced by BODY."""
+    return cls.with_changes(body=cls.body.with_changes(body=body))
 
 
 def append_statements(function: cst.FunctionDef, stmts: list[cst.BaseStatement]) -> cst.FunctionDef:

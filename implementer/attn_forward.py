@@ -11,23 +11,12 @@ returned, so the code after the seam runs unchanged.
 from __future__ import annotations
 
 import libcst as cst
-import libcst.matchers as m
-from kvskill.implementer._command import FrameworkCommand, replace_method
-from kvskill.implementer.attn_init import SLIDING, _by_type
-from kvskill.implementer.facts import (
-    FA_CALL,
-    KernelStyle,
-    SeamFacts,
-    attention_facts,
-    is_attention_class,
-)
+from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
+from kvskill.implementer.attn_init import _by_type
+from kvskill.implementer.fa_call import FA_OPS, fa_keywords
+from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts
 from kvskill.implementer.snippets import methods, statements
-from kvskill.implementer.spec import ConversionSpec, FaVersion
-
-FA_OPS = {
-    FaVersion.V1: "npu_fused_infer_attention_score",
-    FaVersion.V2: "npu_fused_infer_attention_score_v2",
-}
+from kvskill.implementer.spec import ConversionSpec
 
 
 def _sparse_mode_expr(spec: ConversionSpec) -> str:
@@ -43,13 +32,12 @@ def _sparse_mode_expr(spec: ConversionSpec) -> str:
 
 def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     """Keyword arguments of the FA call, with the version's own names (npu_ops §2.2)."""
-    v2 = spec.fa_version is FaVersion.V2
     scale = seam.scale or f"{seam.query}.shape[-1] ** -0.5"
     kwargs = [
-        ("num_query_heads" if v2 else "num_heads", "self.num_heads_per_rank"),
+        ("num_heads", "self.num_heads_per_rank"),
         ("num_key_value_heads", "self.num_key_value_heads_per_rank"),
         ("input_layout", f'"{spec.input_layout}"'),
-        ("softmax_scale" if v2 else "scale", scale),
+        ("scale", scale),
         ("atten_mask", "md.attention_mask"),
         ("sparse_mode", _sparse_mode_expr(spec)),
     ]
@@ -58,13 +46,13 @@ def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     kwargs += [
         ("block_table", "md.block_table[self.attn_type]"),
         ("block_size", "block_size"),
-        ("actual_seq_qlen" if v2 else "actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
-        ("actual_seq_kvlen" if v2 else "actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
+        ("actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
     ]
     if spec.has_sinks:
         assert seam.sinks is not None, "the pipeline checks sinks are passed to the kernel"
         kwargs.append(("learnable_sink", seam.sinks))
-    return kwargs
+    return fa_keywords(spec.fa_version, kwargs)
 
 
 def splice_seam(
@@ -84,32 +72,22 @@ def splice_seam(
     return forward.with_changes(body=block.with_changes(body=body))
 
 
-class AttentionForwardCommand(FrameworkCommand):
+class AttentionForwardCommand(AttentionForwardRewrite):
     """Replace the seam of every attention forward and add ``update_cache``."""
 
     DESCRIPTION = "Write K/V with npu_scatter_nd_update_ and attend with the fused paged attention."
 
-    def skip_function_bodies(self) -> bool:
-        return True
-
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_attention_class(original_node) or m.findall(original_node, FA_CALL):
-            return updated_node
-        seam = attention_facts(original_node).seam
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        seam = attention_facts(original).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        body = replace_method(
-            updated_node, "forward", lambda f: self._convert_forward(f, seam, config)
-        )
+        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
         update_cache = [
             f
             for f in methods("framework_attn_methods.py.j2", config)
             if f.name.value == "update_cache"
         ]
-        body.extend(update_cache)
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        return with_body(updated, [*body, *update_cache])
 
     def _convert_forward(
         self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
@@ -117,16 +95,23 @@ class AttentionForwardCommand(FrameworkCommand):
         new = statements(
             "framework_attn_seam.py.j2",
             config,
-            query=seam.query,
-            key=seam.key,
-            value=seam.value,
-            output=seam.targets[0],
+            **seam_values(seam),
             op=FA_OPS[self.spec.fa_version],
             kwargs=fa_kwargs(self.spec, seam),
-            bnsd=seam.style is KernelStyle.SDPA,
-            extra_outputs=[t for t in seam.targets[1:] if t != "_"],
         )
         return splice_seam(forward, seam, new)
 
 
-__all__ = ["AttentionForwardCommand", "FA_CALL", "SLIDING", "fa_kwargs", "splice_seam"]
+def seam_values(seam: SeamFacts) -> dict:
+    """The template values every attention seam takes from the source's kernel call."""
+    return {
+        "query": seam.query,
+        "key": seam.key,
+        "value": seam.value,
+        "output": seam.targets[0],
+        "bnsd": seam.style is KernelStyle.SDPA,
+        "extra_outputs": [t for t in seam.targets[1:] if t != "_"],
+    }
+
+
+__all__ = ["AttentionForwardCommand", "fa_kwargs", "seam_values", "splice_seam"]

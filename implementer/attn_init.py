@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 
 import libcst as cst
-from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
-from kvskill.implementer.facts import (
-    CACHE_ENTRIES_ASSIGN,
-    attention_facts,
-    class_assigns,
-    is_attention_class,
-    m,
+from kvskill.implementer._command import (
+    AttentionInitRewrite,
+    append_statements,
+    replace_method,
+    with_body,
 )
+from kvskill.implementer.facts import attention_facts, class_assigns, m
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import FA_UNBOUNDED_TOKENS, ConversionSpec
 
@@ -30,7 +29,6 @@ HEAD_DIM_ASSIGN = m.Assign(
 V_HEAD_DIM_ASSIGN = m.Assign(
     targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("v_head_dim")))]
 )
-SLIDING = "SlidingWindow"
 
 
 def _local_assign(name: str) -> m.Assign:
@@ -125,36 +123,24 @@ def init_values(
     return values
 
 
-class AttentionInitCommand(FrameworkCommand):
+class AttentionInitCommand(AttentionInitRewrite):
     """Declare attn_type, heads per rank, window bounds, cache placeholders and entries."""
 
     DESCRIPTION = "Declare the paged cache entries in every attention __init__."
 
-    def skip_function_bodies(self) -> bool:
-        return True
-
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_attention_class(original_node) or class_assigns(
-            original_node, CACHE_ENTRIES_ASSIGN
-        ):
-            return updated_node
-        facts = attention_facts(original_node)
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = attention_facts(original)
         assert facts.config_param is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
         init_stmts = statements(
             "framework_attn_init.py.j2",
             config,
-            **init_values(self.spec, original_node, facts.config_param, facts.layer_idx_param),
+            **init_values(self.spec, original, facts.config_param, facts.layer_idx_param),
         )
         setters = [
             f
             for f in methods("framework_attn_methods.py.j2", config)
             if f.name.value.startswith("set_")
         ]
-        body = replace_method(
-            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
-        )
-        body.extend(setters)
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
+        return with_body(updated, [*body, *setters])

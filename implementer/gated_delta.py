@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import FrameworkCommand, append_statements, replace_method
+from kvskill.implementer._command import (
+    ClassRewriteCommand,
+    append_statements,
+    replace_method,
+    with_body,
+)
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     _assigned_names,
@@ -415,34 +420,25 @@ def _with_leading(new: list[cst.BaseStatement], old: cst.BaseStatement) -> list[
     ]
 
 
-class GatedDeltaCommand(FrameworkCommand):
+class GatedDeltaCommand(ClassRewriteCommand):
     """Declare the conv and ssm state entries and run both operators on the paged states."""
 
     DESCRIPTION = "Keep gated delta net states in the paged runtime's Mamba group."
 
-    def skip_function_bodies(self) -> bool:
-        return True
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
 
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_gated_delta_class(original_node):
-            return updated_node
-        facts = gated_delta_facts(original_node)
-        if facts.converted:
-            return updated_node
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = gated_delta_facts(original)
         assert not facts.problems, "the pipeline validates gated delta facts first"
         config = self.parser_config()
         init_stmts = statements("framework_gdn_init.py.j2", config, **facts.shapes)
-        body = replace_method(
-            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
+        updated = with_body(
+            updated,
+            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
         )
-        updated_node = updated_node.with_changes(body=updated_node.body.with_changes(body=body))
-        body = replace_method(
-            updated_node, "forward", lambda f: self._convert_forward(f, facts, config)
-        )
-        body.extend(methods("framework_gdn_methods.py.j2", config))
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, facts, config))
+        return with_body(updated, [*body, *methods("framework_gdn_methods.py.j2", config)])
 
     def _convert_forward(
         self, forward: cst.FunctionDef, facts: GatedDeltaFacts, config: cst.PartialParserConfig

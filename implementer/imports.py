@@ -13,8 +13,6 @@ import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer._command import FrameworkCommand
 from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN
-from kvskill.implementer.spec import ConversionSpec
-from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
 #: names the converted code uses, by module
@@ -46,12 +44,6 @@ class AbsoluteImportsCommand(FrameworkCommand):
     """Rewrite ``from .x import y`` into ``from <package>.x import y`` inside transformers."""
 
     DESCRIPTION = "Make relative imports of transformers internals absolute."
-
-    def __init__(self, context: CodemodContext, spec: ConversionSpec, package: str | None) -> None:
-        super().__init__(context, spec)
-        #: dotted package of the source file, e.g. "transformers.models.qwen3"; None for a
-        #: model directory, whose relative imports are kept
-        self.package = package
 
     def skip_function_bodies(self) -> bool:
         # imports inside functions are rare in modeling code but must be rewritten too

@@ -7,12 +7,9 @@ a plain attribute, so a launcher can change it before the runtime allocates the 
 from __future__ import annotations
 
 import libcst as cst
-from kvskill.implementer._command import FrameworkCommand, replace_method
-from kvskill.implementer.facts import LM_HEAD_ASSIGN, is_causal_lm_class, m
+from kvskill.implementer._command import ModelClassRewrite, replace_method, with_body
+from kvskill.implementer.facts import LM_HEAD_ASSIGN, m
 from kvskill.implementer.snippets import methods
-
-#: ``def get_cache_info`` already present: the class is converted
-GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
 
 
 def add_cache_info(
@@ -36,28 +33,15 @@ def add_cache_info(
                 inner.append(block_size_stmt)
         return init.with_changes(body=block.with_changes(body=inner))
 
-    body = replace_method(cls, "__init__", after_lm_head)
-    body.extend(cache_info)
-    return cls.with_changes(body=cls.body.with_changes(body=body))
+    return with_body(cls, [*replace_method(cls, "__init__", after_lm_head), *cache_info])
 
 
-class CacheInfoCommand(FrameworkCommand):
+class CacheInfoCommand(ModelClassRewrite):
     """Add ``self.block_size`` after ``self.lm_head`` and the ``get_cache_info`` method."""
 
     DESCRIPTION = "Report every layer's cache entries through get_cache_info()."
 
-    def skip_function_bodies(self) -> bool:
-        return True
-
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_causal_lm_class(original_node) or m.findall(original_node.body, GET_CACHE_INFO):
-            return updated_node
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         config = self.parser_config()
-        return add_cache_info(
-            updated_node,
-            self.spec.block_size,
-            methods("framework_cache_info.py.j2", config),
-            config,
-        )
+        cache_info = methods("framework_cache_info.py.j2", config)
+        return add_cache_info(updated, self.spec.block_size, cache_info, config)

@@ -7,11 +7,11 @@ it is inserted, so a broken template fails in the tests, never in a user's file.
 from __future__ import annotations
 
 from functools import cached_property
+from importlib import resources
 from typing import Any
 
 import jinja2
 import libcst as cst
-from kvskill.resources import templates_dir
 
 
 class Snippets:
@@ -71,10 +71,10 @@ class Snippets:
 
 
 def _load(name: str) -> str:
-    return (templates_dir() / name).read_text(encoding="utf-8")
+    return (resources.files("kvskill.templates") / name).read_text(encoding="utf-8")
 
 
-#: the template files shipped in kvskill.templates
+#: the template files shipped in kvskill.templates (the only source of emitted code)
 _FILES = Snippets(jinja2.FunctionLoader(_load))
 render = _FILES.render
 statements = _FILES.statements

@@ -28,8 +28,8 @@ from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
 from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.implementer.mla import MlaSpec, convert_mla_source
-from kvskill.implementer.pipeline import convert_source
+from kvskill.implementer.mla import MlaSpec
+from kvskill.implementer.pipeline import convert_mla_source, convert_source
 from kvskill.implementer.spec import ConversionSpec
 
 PLAN_FILE = "kvskill_plan.json"

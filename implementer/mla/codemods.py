@@ -10,44 +10,32 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import append_statements, replace_method
-from kvskill.implementer.facts import (
-    CACHE_ENTRIES_ASSIGN,
-    FA_CALL,
-    KernelStyle,
-    SeamFacts,
-    class_assigns,
-    is_attention_class,
-    is_causal_lm_class,
+from kvskill.implementer._command import (
+    AttentionForwardRewrite,
+    AttentionInitRewrite,
+    ClassRewriteCommand,
+    ModelClassRewrite,
+    append_statements,
+    replace_method,
+    with_body,
 )
+from kvskill.implementer.attn_forward import seam_values
+from kvskill.implementer.fa_call import FA_OPS, fa_keywords
+from kvskill.implementer.facts import SeamFacts
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
-from kvskill.implementer.mla.snippets import methods, statements
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
-from kvskill.implementer.model_class import GET_CACHE_INFO, add_cache_info
-from kvskill.implementer.spec import FaVersion
-from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
-
-FA_OPS = {
-    FaVersion.V1: "npu_fused_infer_attention_score",
-    FaVersion.V2: "npu_fused_infer_attention_score_v2",
-}
+from kvskill.implementer.model_class import add_cache_info
+from kvskill.implementer.snippets import methods, statements
 
 
-class MlaCommand(VisitorBasedCodemodCommand):
-    """A codemod parameterised by the MLA spec and the module's class table."""
+class MlaCommand(ClassRewriteCommand):
+    """A class rewrite that reads MLA facts, which need the module's class table."""
 
-    def __init__(self, context: CodemodContext, spec: MlaSpec) -> None:
-        super().__init__(context)
-        self.spec = spec
-        self.classes: dict[str, cst.ClassDef] = {}
+    spec: MlaSpec
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.classes = {c.name.value: c for c in node.body if isinstance(c, cst.ClassDef)}
         return True
-
-    def parser_config(self) -> cst.PartialParserConfig:
-        module = self.context.module
-        return module.config_for_parsing if module is not None else cst.PartialParserConfig()
 
     def facts(self, cls: cst.ClassDef) -> MlaAttentionFacts:
         facts = mla_attention_facts(cls, self.classes, self.spec.cache_write is CacheWrite.FUSED)
@@ -55,21 +43,15 @@ class MlaCommand(VisitorBasedCodemodCommand):
         return facts
 
 
-class MlaAttentionInitCommand(MlaCommand):
+class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
     """Declare attn_type, heads per rank, the latent caches and their entries."""
 
     DESCRIPTION = (
         "Declare nope_cache + rope_cache (one latent head) in every MLA attention __init__."
     )
 
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_attention_class(original_node) or class_assigns(
-            original_node, CACHE_ENTRIES_ASSIGN
-        ):
-            return updated_node
-        facts = self.facts(original_node)
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = self.facts(original)
         config = self.parser_config()
         cfg = facts.config_param
         values = {
@@ -80,48 +62,42 @@ class MlaAttentionInitCommand(MlaCommand):
             "scatter": self.spec.cache_write is CacheWrite.SCATTER,
         }
         entries = [("nope_cache", f"{cfg}.kv_lora_rank"), ("rope_cache", f"{cfg}.qk_rope_head_dim")]
-        init_stmts = statements("init", config, entries=entries, **values)
-        body = replace_method(
-            updated_node, "__init__", lambda init: append_statements(init, init_stmts)
-        )
-        body.extend(methods("methods", config, **values))
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        init_stmts = statements("mla_init.py.j2", config, entries=entries, **values)
+        body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
+        return with_body(updated, [*body, *methods("mla_methods.py.j2", config, **values)])
 
 
 def fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     """Keyword arguments of the absorbed FA call, with the version's own names (npu_ops §2.2)."""
-    v2 = spec.fa_version is FaVersion.V2
     scale = seam.scale or "(q_nope_tnd.shape[-1] + q_rope_tnd.shape[-1]) ** -0.5"
     prefill, decode = spec.sparse_mode["prefill"], spec.sparse_mode["decode"]
-    return [
+    kwargs = [
         ("query_rope", "q_rope_tnd"),
         ("key_rope", "self.nz_view(self.rope_cache)"),
-        ("num_query_heads" if v2 else "num_heads", "self.num_heads_per_rank"),
+        ("num_heads", "self.num_heads_per_rank"),
         ("num_key_value_heads", "self.num_key_value_heads_per_rank"),
         ("input_layout", f'"{spec.input_layout}"'),
-        ("softmax_scale" if v2 else "scale", scale),
+        ("scale", scale),
         ("atten_mask", "md.attention_mask if md.is_prefill else None"),
         ("sparse_mode", f"{prefill} if md.is_prefill else {decode}"),
         ("block_table", "md.block_table[self.attn_type]"),
         ("block_size", "nope_nz.shape[-2]"),
-        ("actual_seq_qlen" if v2 else "actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
-        ("actual_seq_kvlen" if v2 else "actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
+        ("actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
     ]
+    return fa_keywords(spec.fa_version, kwargs)
 
 
-class MlaAttentionForwardCommand(MlaCommand):
+class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
     """Replace the seam of every MLA attention forward by the absorbed paged attention."""
 
     DESCRIPTION = "Write the latent (fused or scatter, NZ) and attend with the absorbed fused MLA."
 
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_attention_class(original_node) or m.findall(original_node, FA_CALL):
-            return updated_node
-        facts = self.facts(original_node)
-        body = replace_method(updated_node, "forward", lambda f: self._convert(f, facts))
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = self.facts(original)
+        return with_body(
+            updated, replace_method(updated, "forward", lambda f: self._convert(f, facts))
+        )
 
     def _convert(self, forward: cst.FunctionDef, facts: MlaAttentionFacts) -> cst.FunctionDef:
         seam = facts.seam
@@ -131,10 +107,10 @@ class MlaAttentionForwardCommand(MlaCommand):
         inside = old[seam.update_index : seam.kernel_index]
         fused = facts.fused
         values = {
+            **seam_values(seam),
             "query_parts": facts.query_parts is not None,
             "q_nope": facts.query_parts[0] if facts.query_parts else "",
             "q_rope": facts.query_parts[1] if facts.query_parts else "",
-            "query": seam.query,
             "scatter": fused is None,
             "latent": seam.key,
             "rope_key": seam.value,
@@ -146,11 +122,8 @@ class MlaAttentionForwardCommand(MlaCommand):
             "sin": fused.sin if fused else "",
             "op": FA_OPS[self.spec.fa_version],
             "kwargs": fa_kwargs(self.spec, seam),
-            "bnsd": seam.style is KernelStyle.SDPA,
-            "output": seam.targets[0],
-            "extra_outputs": [t for t in seam.targets[1:] if t != "_"],
         }
-        new = statements("seam", self.parser_config(), **values)
+        new = statements("mla_seam.py.j2", self.parser_config(), **values)
         if facts.query_parts is None:
             # the query is built inside the seam: keep the statements that define it
             new = [*_defining(inside, seam.query), *new]
@@ -210,17 +183,12 @@ def _defining(stmts: list[cst.BaseStatement], name: str) -> list[cst.BaseStateme
     ]
 
 
-class MlaCacheInfoCommand(MlaCommand):
+class MlaCacheInfoCommand(ModelClassRewrite):
     """Add ``self.block_size`` and ``get_cache_info`` (``is_mla_backend=True``) to the head."""
 
     DESCRIPTION = "Report the latent caches through get_cache_info(is_mla_backend=True)."
 
-    def leave_ClassDef(
-        self, original_node: cst.ClassDef, updated_node: cst.ClassDef
-    ) -> cst.ClassDef:
-        if not is_causal_lm_class(original_node) or m.findall(original_node.body, GET_CACHE_INFO):
-            return updated_node
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         config = self.parser_config()
-        return add_cache_info(
-            updated_node, self.spec.block_size, methods("cache_info", config), config
-        )
+        cache_info = methods("mla_cache_info.py.j2", config)
+        return add_cache_info(updated, self.spec.block_size, cache_info, config)

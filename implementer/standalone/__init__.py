@@ -5,8 +5,8 @@ from kvskill.implementer.standalone.apply import (
     StandaloneOptions,
     apply_standalone,
     convert_standalone_model,
+    convert_standalone_source,
 )
-from kvskill.implementer.standalone.pipeline import convert_standalone_source
 from kvskill.implementer.standalone.runner import render_runner
 from kvskill.implementer.standalone.spec import KvMode, MlaAbsorb, StandaloneSpec
 from kvskill.implementer.standalone.verify import find_runner, verify_standalone

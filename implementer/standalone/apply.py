@@ -15,7 +15,7 @@ from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.standalone.pipeline import convert_standalone_source
+from kvskill.implementer.pipeline import convert
 from kvskill.implementer.standalone.runner import RenderedRunner, render_runner
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
 from kvskill.implementer.writer import (
@@ -51,6 +51,22 @@ class StandaloneConversion:
     original: str
     converted: str
     runner: RenderedRunner
+
+
+def convert_standalone_source(
+    source: str,
+    spec: StandaloneSpec,
+    *,
+    package: str | None = None,
+    filename: str = "<modeling file>",
+) -> str:
+    """The standalone conversion of one modeling file (``str -> str``, no I/O).
+
+    Modes 2 and 3 emit exactly the framework rewrite's modeling code (the layer reads
+    ``slot_mapping``/``block_table`` from the forward metadata whoever builds it, so the
+    generated runner plays the framework's part); mode 1 takes the contiguous path.
+    """
+    return convert(source, spec.base, spec.conversion_path, package=package, filename=filename)
 
 
 def convert_standalone_model(

@@ -16,12 +16,8 @@ from enum import Enum
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
+from kvskill.implementer.registry import ConversionPath
 from kvskill.implementer.spec import STATE_ATTN_TYPES, ConversionSpec
-
-#: the contiguous layout's sparse modes: causal prefill over the 2048 tile; decode (one query
-#: per row, BSH) runs the operator's decode branch, which masks by actual_seq_lengths_kv alone
-#: and ignores sparse_mode (npu_ops §1.4), so it is written as what it is: 0 without a mask
-CONTIGUOUS_SPARSE_MODE = {"prefill": 3, "decode": 0}
 
 
 class KvMode(str, Enum):
@@ -58,6 +54,15 @@ class StandaloneSpec:
     @property
     def block_size(self) -> int:
         return self.base.block_size
+
+    @property
+    def conversion_path(self) -> ConversionPath:
+        """Modes 2 and 3 emit the framework rewrite's code; mode 1 the contiguous rewrite."""
+        if self.mla:
+            return ConversionPath.MLA
+        if self.kv_mode is KvMode.PAGED:
+            return ConversionPath.PAGED
+        return ConversionPath.CONTIGUOUS
 
     @property
     def mode_number(self) -> int:

@@ -12,7 +12,8 @@ import torch
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.mla import CacheWrite, MlaSpec, convert_mla_source
+from kvskill.implementer.mla import CacheWrite, MlaSpec
+from kvskill.implementer.pipeline import convert_mla_source
 from kvskill.implementer.spec import FaVersion
 from kvskill.runtime import LLM, SamplingParams
 

@@ -1,0 +1,115 @@
+"""Checks before any rewrite: every class the conversion would touch has a shape it handles.
+
+Facts are gathered and checked for every class before any codemod runs, so a model the
+rewrite cannot handle fails with every reason at once and never yields a half-converted file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    FA_CALL,
+    attention_facts,
+    class_assigns,
+    is_attention_class,
+    is_causal_lm_class,
+    m,
+)
+from kvskill.implementer.gated_delta import (
+    gated_delta_facts,
+    is_gated_delta_class,
+    state_layer_problems,
+)
+from kvskill.implementer.mla.facts import mla_attention_facts
+from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
+from kvskill.implementer.spec import ConversionSpec
+from kvskill.implementer.text_model import text_model_problems
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleSummary:
+    """What the rewrite found in a module."""
+
+    attention_classes: list[str]
+    causal_lm_classes: list[str]
+    already_converted: bool
+    #: gated delta net classes (recurrent-state layers of the Mamba group)
+    state_classes: list[str] = field(default_factory=list)
+
+
+def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> ModuleSummary:
+    """Check every class the rewrite would touch.
+
+    Raises:
+        UnsupportedModelError: with every reason found, before anything is rewritten.
+    """
+    classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+    attention = [c for c in classes if is_attention_class(c)]
+    heads = [c for c in classes if is_causal_lm_class(c)]
+    state = [c for c in classes if is_gated_delta_class(c)]
+    problems: list[str] = text_model_problems(module)
+    problems.extend(state_layer_problems(state, spec.has_state_layers))
+    if not attention:
+        problems.append(
+            "no attention class found (a module whose forward writes `<cache>.update(key, "
+            "value, self.layer_idx, ...)` and then calls an attention interface or "
+            "scaled_dot_product_attention)"
+        )
+    if not heads:
+        problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
+    for cls in attention:
+        facts = attention_facts(cls)
+        problems.extend(facts.problems)
+        if facts.converted or m.findall(cls, FA_CALL):
+            continue
+        if spec.uniform_attn_type is None and facts.layer_idx_param is None:
+            problems.append(
+                f"{facts.name}.__init__ takes no layer index, but the model mixes attention "
+                "types per layer"
+            )
+        if spec.has_sinks and facts.seam is not None and facts.seam.sinks is None:
+            problems.append(
+                f"{facts.name}.forward passes no sinks (s_aux=/sinks=) to the attention "
+                "kernel, but the Plan says the model has learnable sinks"
+            )
+    if problems:
+        raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
+    converted = all(attention_facts(c).converted and m.findall(c, FA_CALL) for c in attention)
+    converted = converted and all(gated_delta_facts(c).converted for c in state)
+    return ModuleSummary(
+        attention_classes=[c.name.value for c in attention],
+        causal_lm_classes=[c.name.value for c in heads],
+        already_converted=converted,
+        state_classes=[c.name.value for c in state],
+    )
+
+
+def check_mla_module(module: cst.Module, spec: MlaSpec, filename: str) -> list[str]:
+    """Names of the MLA attention classes to convert.
+
+    Raises:
+        UnsupportedModelError: with every reason found, before anything is rewritten.
+    """
+    classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
+    attention = [c for c in classes.values() if is_attention_class(c)]
+    state = [c for c in classes.values() if is_gated_delta_class(c)]
+    problems: list[str] = state_layer_problems(state, spec.has_state_layers)
+    if not attention:
+        problems.append(
+            "no attention class found (a module whose forward writes the latent with "
+            "`<cache>.update(latent, rope_key, self.layer_idx, ...)` and then calls attention)"
+        )
+    if not any(is_causal_lm_class(c) for c in classes.values()):
+        problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
+    for cls in attention:
+        if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+            continue
+        fused = spec.cache_write is CacheWrite.FUSED
+        problems.extend(mla_attention_facts(cls, classes, fused).problems)
+    if problems:
+        raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
+    return [c.name.value for c in attention]

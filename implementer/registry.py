@@ -1,0 +1,98 @@
+"""Every rewrite of the implementer, in the order it runs, with a stable code.
+
+A conversion follows one path (the attention kind and where its cache lives); the pipeline
+runs, in registry order, every rewrite that serves that path. Codes never change meaning or
+get reused: SKILL.md, notes and error reports cite them. Adding a layer kind means one
+codemod class and one line here.
+
+Order matters only at the ends: imports are made absolute first, so every later rewrite sees
+final module names; the runtime imports come last, once the rewrites that use them have run
+(``AddImportsVisitor`` deduplicates, so running it again changes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvskill.implementer._command import FrameworkCommand
+from kvskill.implementer.attn_forward import AttentionForwardCommand
+from kvskill.implementer.attn_init import AttentionInitCommand
+from kvskill.implementer.contiguous import (
+    ContiguousAttentionForwardCommand,
+    ContiguousAttentionInitCommand,
+)
+from kvskill.implementer.gated_delta import GatedDeltaCommand
+from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
+from kvskill.implementer.masks import SkipDenseMasksCommand
+from kvskill.implementer.mla.codemods import (
+    MlaAttentionForwardCommand,
+    MlaAttentionInitCommand,
+    MlaCacheInfoCommand,
+)
+from kvskill.implementer.model_class import CacheInfoCommand
+from kvskill.implementer.text_model import LocalTextModelCommand
+
+
+class ConversionPath(str, Enum):
+    """Which attention rewrite a conversion takes (the other rewrites are shared)."""
+
+    #: MHA / GQA / MQA attention on the paged TND seam (framework mode; standalone mode 2)
+    PAGED = "paged"
+    #: absorbed MLA over the latent caches, paged (framework mode; standalone mode 3)
+    MLA = "mla"
+    #: per-row contiguous BSH caches owned by the runner (standalone mode 1)
+    CONTIGUOUS = "contiguous"
+
+
+ALL_PATHS = frozenset(ConversionPath)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One registered rewrite: its code, its codemod and the paths it serves."""
+
+    code: str
+    command: type[FrameworkCommand]
+    paths: frozenset[ConversionPath]
+
+    @property
+    def summary(self) -> str:
+        """The codemod's one-line description."""
+        return self.command.DESCRIPTION
+
+
+def _paths(*paths: ConversionPath) -> frozenset[ConversionPath]:
+    return frozenset(paths)
+
+
+PAGED, MLA, CONTIGUOUS = ConversionPath.PAGED, ConversionPath.MLA, ConversionPath.CONTIGUOUS
+
+REWRITES: tuple[Rewrite, ...] = (
+    Rewrite("KVR001", AbsoluteImportsCommand, ALL_PATHS),
+    Rewrite("KVR002", AttentionInitCommand, _paths(PAGED)),
+    Rewrite("KVR003", AttentionForwardCommand, _paths(PAGED)),
+    Rewrite("KVR004", MlaAttentionInitCommand, _paths(MLA)),
+    Rewrite("KVR005", MlaAttentionForwardCommand, _paths(MLA)),
+    Rewrite("KVR006", ContiguousAttentionInitCommand, _paths(CONTIGUOUS)),
+    Rewrite("KVR007", ContiguousAttentionForwardCommand, _paths(CONTIGUOUS)),
+    Rewrite("KVR008", GatedDeltaCommand, _paths(PAGED, MLA)),
+    Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS)),
+    Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
+    Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),
+    Rewrite("KVR012", LocalTextModelCommand, _paths(PAGED)),
+    Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
+)
+
+
+def rewrites_for(path: ConversionPath) -> tuple[Rewrite, ...]:
+    """The rewrites a conversion on PATH runs, in order."""
+    return tuple(rewrite for rewrite in REWRITES if path in rewrite.paths)
+
+
+def rewrite_by_code(code: str) -> Rewrite:
+    """The rewrite registered as CODE (``KeyError`` for an unknown code)."""
+    for rewrite in REWRITES:
+        if rewrite.code == code:
+            return rewrite
+    raise KeyError(code)

@@ -1,0 +1,145 @@
+"""The rewrite registry: stable codes, one order for every path, and each rewrite alone.
+
+Every registered rewrite is run by itself on whole files: a file it has nothing to do in
+(unchanged), the output of a full conversion (unchanged: converted code is a fixed point of
+every rewrite), and a before file with aliased imports, compared with its recorded after file
+(``rewrites/<code>.<path>.after.py``; regenerate with ``KVSKILL_WRITE_REWRITES=1`` after an
+intended change, and read the diff before committing it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN
+from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
+from kvskill.implementer.mla import CacheWrite, MlaSpec
+from kvskill.implementer.pipeline import convert, parse
+from kvskill.implementer.registry import (
+    REWRITES,
+    ConversionPath,
+    Rewrite,
+    rewrite_by_code,
+    rewrites_for,
+)
+from kvskill.implementer.spec import ConversionSpec, FaVersion
+from libcst.codemod import CodemodContext
+from libcst.matchers import findall
+
+HERE = Path(__file__).resolve().parent / "rewrites"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+PACKAGE = "transformers.models.mini"
+
+PAGED_SPEC = ConversionSpec(
+    fa_version=FaVersion.V1,
+    input_layout="TND",
+    uniform_attn_type="FullAttention",
+    sparse_mode={"FullAttention": {"prefill": 3, "decode": 3}},
+)
+MLA_SPEC = MlaSpec(
+    fa_version=FaVersion.V1,
+    input_layout="TND_NTD",
+    attn_type="FullAttention",
+    sparse_mode={"prefill": 3, "decode": 0},
+    cache_write=CacheWrite.SCATTER,
+    block_size=16,
+)
+SPECS = {
+    ConversionPath.PAGED: PAGED_SPEC,
+    ConversionPath.CONTIGUOUS: PAGED_SPEC,
+    ConversionPath.MLA: MLA_SPEC,
+}
+BEFORE = {
+    ConversionPath.PAGED: HERE / "before_paged.py",
+    ConversionPath.CONTIGUOUS: HERE / "before_paged.py",
+    ConversionPath.MLA: FIXTURES / "mla_toy_modeling.py",
+}
+#: a rewrite whose work needs a file of another shape than its path's before file
+BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}
+#: rewrites the before files give nothing to do; the goldens (tests/goldens) freeze what they
+#: do on real files: gated delta nets (qwen3_next, kimi_linear), the MLA files' relative
+#: imports and mask builders (deepseek_v3, deepseek_v2)
+NO_WORK_IN_FIXTURE = {("KVR008", "paged"), ("KVR008", "mla"), ("KVR001", "mla"), ("KVR011", "mla")}
+NOTHING_TO_DO = '''\
+"""A module with no model in it."""
+
+import torch as th
+from torch import nn
+
+
+def helper(x):
+    # a comment kept as written
+    return th.relu(x)  # trailing
+
+
+class Block(nn.Module):
+    def forward(self, x):
+        return helper(x)
+'''
+
+CASES = [(rewrite, path) for rewrite in REWRITES for path in sorted(rewrite.paths)]
+
+
+def _case_id(case: tuple[Rewrite, ConversionPath]) -> str:
+    return f"{case[0].code}-{case[1].value}"
+
+
+def run_alone(rewrite: Rewrite, path: ConversionPath, source: str) -> str:
+    command = rewrite.command(CodemodContext(filename="modeling_mini.py"), SPECS[path], PACKAGE)
+    return command.transform_module(parse(source)).code
+
+
+def test_codes_are_unique_stable_and_in_order():
+    codes = [rewrite.code for rewrite in REWRITES]
+    assert all(re.fullmatch(r"KVR\d{3}", code) for code in codes)
+    assert codes == sorted(set(codes)), "codes are unique and listed in running order"
+    assert all(rewrite.summary for rewrite in REWRITES), "every rewrite says what it does"
+    assert rewrite_by_code("KVR003").command.__name__ == "AttentionForwardCommand"
+    with pytest.raises(KeyError):
+        rewrite_by_code("KVR999")
+
+
+@pytest.mark.parametrize("path", list(ConversionPath))
+def test_every_path_starts_with_absolute_imports_and_ends_with_runtime_imports(path):
+    commands = [rewrite.command for rewrite in rewrites_for(path)]
+    assert commands[0] is AbsoluteImportsCommand
+    assert commands[-1] is RuntimeImportsCommand
+    # each path has its own attention __init__ and forward rewrite and a model-class rewrite
+    names = {c.__name__ for c in commands}
+    assert sum(n.endswith("AttentionInitCommand") for n in names) == 1
+    assert sum(n.endswith("AttentionForwardCommand") for n in names) == 1
+    assert sum(n.endswith("CacheInfoCommand") for n in names) == 1
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_a_file_with_nothing_to_convert_is_unchanged(case):
+    rewrite, path = case
+    assert run_alone(rewrite, path, NOTHING_TO_DO) == NOTHING_TO_DO
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_converted_code_is_a_fixed_point_of_each_rewrite(case):
+    rewrite, path = case
+    before = BEFORE[path].read_text(encoding="utf-8")
+    converted = convert(before, SPECS[path], path, package=PACKAGE, filename="modeling_mini.py")
+    assert findall(parse(converted), CACHE_ENTRIES_ASSIGN), "the full conversion declared caches"
+    assert run_alone(rewrite, path, converted) == converted
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_each_rewrite_alone_gives_its_recorded_after_file(case):
+    rewrite, path = case
+    before = BEFORE_OF_REWRITE.get(rewrite.code, BEFORE[path]).read_text(encoding="utf-8")
+    produced = run_alone(rewrite, path, before)
+    if (rewrite.code, path.value) in NO_WORK_IN_FIXTURE:
+        assert produced == before
+        return
+    assert produced != before, f"{rewrite.code} changed nothing on its before file"
+    after = HERE / f"{rewrite.code}.{path.value}.after.py"
+    if os.environ.get("KVSKILL_WRITE_REWRITES") == "1":
+        after.write_text(produced, encoding="utf-8")
+    assert after.is_file(), f"no recorded output: run with KVSKILL_WRITE_REWRITES=1 ({after.name})"
+    assert produced == after.read_text(encoding="utf-8")

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test test-slow test-all lint bench clean
 
 venv: $(STAMP)
 
@@ -23,8 +23,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The fast suite: everything but the end-to-end runs marked slow (a few minutes).
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow" --durations=15
+
+# Only the slow end-to-end runs (conversions verified per family, the goldens).
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow --durations=15
+
+# Everything, in one run.
+test-all: lint
+	$(PY) -m pytest --durations=15
 
 demo: $(STAMP)
 	DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh $(PY)

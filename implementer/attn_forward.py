@@ -76,6 +76,13 @@ class AttentionForwardCommand(AttentionForwardRewrite):
     """Replace the seam of every attention forward and add ``update_cache``."""
 
     DESCRIPTION = "Write K/V with npu_scatter_nd_update_ and attend with the fused paged attention."
+    #: the seam that replaces the cache write through the kernel call
+    SEAM_TEMPLATE = "framework_attn_seam.py.j2"
+    #: the template whose ``update_cache`` method the class receives
+    METHODS_TEMPLATE = "framework_attn_methods.py.j2"
+
+    def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
+        return fa_kwargs(self.spec, seam)
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         seam = attention_facts(original).seam
@@ -83,9 +90,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         config = self.parser_config()
         body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
         update_cache = [
-            f
-            for f in methods("framework_attn_methods.py.j2", config)
-            if f.name.value == "update_cache"
+            f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value == "update_cache"
         ]
         return with_body(updated, [*body, *update_cache])
 
@@ -93,11 +98,11 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
     ) -> cst.FunctionDef:
         new = statements(
-            "framework_attn_seam.py.j2",
+            self.SEAM_TEMPLATE,
             config,
             **seam_values(seam),
             op=FA_OPS[self.spec.fa_version],
-            kwargs=fa_kwargs(self.spec, seam),
+            kwargs=self.fa_kwargs(seam),
         )
         return splice_seam(forward, seam, new)
 

@@ -127,20 +127,19 @@ class AttentionInitCommand(AttentionInitRewrite):
     """Declare attn_type, heads per rank, window bounds, cache placeholders and entries."""
 
     DESCRIPTION = "Declare the paged cache entries in every attention __init__."
+    #: the statements appended to ``__init__``
+    INIT_TEMPLATE = "framework_attn_init.py.j2"
+    #: the template whose ``set_*`` methods (the entries' tensor setters) the class receives
+    METHODS_TEMPLATE = "framework_attn_methods.py.j2"
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = attention_facts(original)
         assert facts.config_param is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        init_stmts = statements(
-            "framework_attn_init.py.j2",
-            config,
-            **init_values(self.spec, original, facts.config_param, facts.layer_idx_param),
-        )
+        values = init_values(self.spec, original, facts.config_param, facts.layer_idx_param)
+        init_stmts = statements(self.INIT_TEMPLATE, config, **values)
         setters = [
-            f
-            for f in methods("framework_attn_methods.py.j2", config)
-            if f.name.value.startswith("set_")
+            f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value.startswith("set_")
         ]
         body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
         return with_body(updated, [*body, *setters])

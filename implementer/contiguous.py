@@ -9,19 +9,10 @@ calls the fused attention with ``input_layout="BSH"`` over the whole per-row cac
 
 from __future__ import annotations
 
-import libcst as cst
-from kvskill.implementer._command import (
-    AttentionForwardRewrite,
-    AttentionInitRewrite,
-    append_statements,
-    replace_method,
-    with_body,
-)
-from kvskill.implementer.attn_forward import seam_values, splice_seam
-from kvskill.implementer.attn_init import init_values
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import SeamFacts, attention_facts
-from kvskill.implementer.snippets import methods, statements
+from kvskill.implementer.attn_forward import AttentionForwardCommand
+from kvskill.implementer.attn_init import AttentionInitCommand
+from kvskill.implementer.fa_call import fa_keywords
+from kvskill.implementer.facts import SeamFacts
 from kvskill.implementer.spec import ConversionSpec
 
 #: the contiguous layout's sparse modes: causal prefill over the 2048 tile; decode (one query
@@ -47,51 +38,22 @@ def bsh_fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]
     return fa_keywords(spec.fa_version, kwargs)
 
 
-class ContiguousAttentionInitCommand(AttentionInitRewrite):
+class ContiguousAttentionInitCommand(AttentionInitCommand):
     """Declare attn_type, heads per rank, cache placeholders, entries and their setters."""
 
     DESCRIPTION = "Declare the runner-owned contiguous caches in every attention __init__."
-
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = attention_facts(original)
-        assert facts.config_param is not None, "the pipeline validates attention facts first"
-        config = self.parser_config()
-        values = init_values(self.spec, original, facts.config_param, facts.layer_idx_param)
-        init_stmts = statements("contiguous_init.py.j2", config, **values)
-        setters = [
-            f
-            for f in methods("contiguous_methods.py.j2", config)
-            if f.name.value.startswith("set_")
-        ]
-        body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
-        return with_body(updated, [*body, *setters])
+    INIT_TEMPLATE = "contiguous_init.py.j2"
+    METHODS_TEMPLATE = "contiguous_methods.py.j2"
 
 
-class ContiguousAttentionForwardCommand(AttentionForwardRewrite):
+class ContiguousAttentionForwardCommand(AttentionForwardCommand):
     """Replace the seam of every attention forward by the BSH write + attention; add update_cache."""
 
     DESCRIPTION = (
         "Write K/V with scatter_update_ at kv_len and attend with the fused BSH attention."
     )
+    SEAM_TEMPLATE = "contiguous_seam.py.j2"
+    METHODS_TEMPLATE = "contiguous_methods.py.j2"
 
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        seam = attention_facts(original).seam
-        assert seam is not None, "the pipeline validates attention facts first"
-        config = self.parser_config()
-        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
-        update_cache = [
-            f for f in methods("contiguous_methods.py.j2", config) if f.name.value == "update_cache"
-        ]
-        return with_body(updated, [*body, *update_cache])
-
-    def _convert_forward(
-        self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
-    ) -> cst.FunctionDef:
-        new = statements(
-            "contiguous_seam.py.j2",
-            config,
-            **seam_values(seam),
-            op=FA_OPS[self.spec.fa_version],
-            kwargs=bsh_fa_kwargs(self.spec, seam),
-        )
-        return splice_seam(forward, seam, new)
+    def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
+        return bsh_fa_kwargs(self.spec, seam)

@@ -17,32 +17,9 @@ from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import classify_call, dotted_name
 from kvskill.core.errors import UnsupportedModelError
 
-#: receiver names whose ``.update(...)`` call is a KV-cache write
-_CACHE_RECEIVERS = ("cache", "past_key_value", "past_key_values", "layer_past", "kv_cache")
-#: callee names that run the attention itself
-_ATTENTION_CALLEES = (
-    "attention_interface",
-    "scaled_dot_product_attention",
-    "eager_attention_forward",
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "_flash_attention_forward",
-    "npu_fused_infer_attention_score",
-    "npu_fused_infer_attention_score_v2",
-)
-_LINEAR_ATTENTION_CALLEES = (
-    "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule",
-    "recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-    "mamba_chunk_scan_combined",
-    "selective_scan_fn",
-    "selective_state_update",
-    "mamba_inner_fn",
-)
 _SINK_NAMES = ("sinks", "s_aux", "learnable_sink", "attention_sinks")
 _SOFTCAP_NAMES = ("softcap", "attn_logit_softcapping", "logit_softcapping")
 
@@ -166,15 +143,6 @@ class _LineLocator:
         return start
 
 
-def _dotted(node: cst.BaseExpression) -> str:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        left = _dotted(node.value)
-        return f"{left}.{node.attr.value}" if left else node.attr.value
-    return ""
-
-
 class _Collector(cst.CSTVisitor):
     """One traversal of the module; tracks the enclosing class and method."""
 
@@ -199,7 +167,7 @@ class _Collector(cst.CSTVisitor):
             return
         name = node.name.value
         line = self.locator.definition("class", name, indent="")
-        bases = [_dotted(arg.value) for arg in node.bases]
+        bases = [dotted_name(arg.value) for arg in node.bases]
         self.cls = ClassFacts(name=name, line=line, bases=[b for b in bases if b])
         self.method_line = line
         self.facts.classes[name] = self.cls
@@ -246,17 +214,17 @@ class _Collector(cst.CSTVisitor):
 
     # -- imports -----------------------------------------------------------------------
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        module = "." * len(node.relative) + (_dotted(node.module) if node.module else "")
+        module = "." * len(node.relative) + (dotted_name(node.module) if node.module else "")
         if module:
             self._import(module)
         if module and not isinstance(node.names, cst.ImportStar):
             line = self.facts.imports.get(module, 1)
             for alias in node.names:
-                self.facts.imported_names.setdefault(f"{module}.{_dotted(alias.name)}", line)
+                self.facts.imported_names.setdefault(f"{module}.{dotted_name(alias.name)}", line)
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
-            self._import(_dotted(alias.name))
+            self._import(dotted_name(alias.name))
 
     def _import(self, name: str) -> None:
         if name and name not in self.facts.imports:
@@ -272,10 +240,11 @@ class _Collector(cst.CSTVisitor):
             if keyword in _WATCHED_NAMES:
                 where = self.locator.occurrence(f"{keyword}=", self.method_line, 0)
                 self.cls.names_used.setdefault(keyword, where)
-        fact_kind = _classify(node)
+        fact_kind = classify_call(node)
         if fact_kind is None:
             return
         kind, callee, receiver = fact_kind
+        kind = kind.value
         snippet = self.module.code_for_node(node.func).strip().splitlines()[0] + "("
         nth = self.seen.get(snippet, 0)
         self.seen[snippet] = nth + 1
@@ -294,7 +263,7 @@ class _Collector(cst.CSTVisitor):
         if self.cls is None:
             return
         target = node.target
-        if isinstance(target, cst.Attribute) and _dotted(target.value) == "self":
+        if isinstance(target, cst.Attribute) and dotted_name(target.value) == "self":
             name = target.attr.value
         elif isinstance(target, cst.Name) and self.method is None:
             name = target.value  # class attribute
@@ -314,7 +283,7 @@ class _Collector(cst.CSTVisitor):
                 self.cls.sliding_kv_head_factor = (factor, line)
         for target in node.targets:
             expr = target.target
-            if isinstance(expr, cst.Attribute) and _dotted(expr.value) == "self":
+            if isinstance(expr, cst.Attribute) and dotted_name(expr.value) == "self":
                 called = _CalledNames()
                 node.value.visit(called)
                 if called.names:
@@ -333,13 +302,6 @@ class _Collector(cst.CSTVisitor):
             self.cls.names_used.setdefault(node.value, where)
 
 
-def _is_cache_receiver(receiver: str) -> bool:
-    name = receiver.lower()
-    if name in _CACHE_RECEIVERS:
-        return True
-    return ("cache" in name or "past" in name) and not name.endswith(("kwargs", "dict", "config"))
-
-
 class _CalledNames(cst.CSTVisitor):
     """Names of capitalised callees in an expression (the classes it instantiates)."""
 
@@ -348,7 +310,7 @@ class _CalledNames(cst.CSTVisitor):
         self.names: list[str] = []
 
     def visit_Call(self, node: cst.Call) -> None:
-        name = _dotted(node.func).split(".")[-1]
+        name = dotted_name(node.func).split(".")[-1]
         if name[:1].isupper() and name not in self.names:
             self.names.append(name)
 
@@ -357,27 +319,6 @@ class _CalledNames(cst.CSTVisitor):
 _CONTAINER_CLASS = re.compile(r"(Model|For[A-Z]\w*)$")
 
 _WATCHED_NAMES = frozenset(_SINK_NAMES + _SOFTCAP_NAMES + ("cache_unit", "cache_entries"))
-
-
-def _classify(call: cst.Call) -> tuple[str, str, str] | None:
-    dotted = _dotted(call.func)
-    if not dotted:
-        return None
-    parts = dotted.split(".")
-    callee = parts[-1]
-    receiver = parts[-2] if len(parts) > 1 else ""
-    if callee == "update" and _is_cache_receiver(receiver) and len(call.args) >= 3:
-        # Cache.update(key_states, value_states, layer_idx, ...): dict.update takes one arg
-        return "cache_update", callee, receiver
-    if callee in ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2"):
-        return "fa_call", callee, receiver
-    if callee in ("scatter_update_", "npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache"):
-        return "scatter_update", callee, receiver
-    if callee in _ATTENTION_CALLEES:
-        return "attention_call", callee, receiver
-    if callee in _LINEAR_ATTENTION_CALLEES:
-        return "linear_attention_call", callee, receiver
-    return None
 
 
 _SLIDING_WORDS = ("swa", "sliding")

@@ -12,7 +12,7 @@ from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer.facts import (
+from kvskill.analyzer.gather import (
     CACHE_ENTRIES_ASSIGN,
     FA_CALL,
     class_assigns,

@@ -1,11 +1,12 @@
 """Structural facts about a modeling file, gathered before any rewrite.
 
-An attention class is recognised by what its ``forward`` does, never by its name: it writes
-new keys and values into a cache (``<cache>.update(key, value, self.layer_idx, ...)``, the
-transformers-5 ``cache`` and the transformers-4 ``past_key_value`` alike) and then calls an
-attention kernel, either through an attention interface (``fn(self, q, k, v, mask, ...)``)
-or ``scaled_dot_product_attention(q, k, v, ...)``. The statements from the cache write to the
-kernel call are the *seam* the forward codemod replaces.
+Which classes are attention classes, and what a cache write or a kernel call looks like, is
+decided in ``kvskill.analyzer.gather`` (the vocabulary the analyzer and lint use too): a class
+whose ``forward`` writes new keys and values into a cache (``<cache>.update(key, value,
+self.layer_idx, ...)``) and then calls an attention kernel, through an attention interface
+(``fn(self, q, k, v, mask, ...)``) or ``scaled_dot_product_attention(q, k, v, ...)``. The
+statements from the cache write to the kernel call are the *seam* the forward codemod
+replaces; this module gathers its facts.
 """
 
 from __future__ import annotations
@@ -15,47 +16,21 @@ from enum import Enum
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import (
+    CACHE_ENTRIES_ASSIGN,
+    CACHE_UPDATE_CALL,
+    FA_CALL,
+    INTERFACE_CALL,
+    LM_HEAD_ASSIGN,
+    SDPA_CALL,
+    STATE_ENTRIES_ASSIGN,
+    class_assigns,
+    is_attention_class,
+    is_causal_lm_class,
+)
+from kvskill.analyzer.gather import method as _method
 
 _EMPTY = cst.Module(body=[])
-
-#: ``self.<anything>.update(...)`` or ``<name>.update(...)`` with key and value first
-CACHE_UPDATE_CALL = m.Call(
-    func=m.Attribute(attr=m.Name("update")), args=[m.Arg(), m.Arg(), m.Arg(), m.ZeroOrMore()]
-)
-#: ``fn(self, query, key, value, mask, ...)``: the transformers attention-interface convention
-INTERFACE_CALL = m.Call(
-    func=m.Name(),
-    args=[m.Arg(value=m.Name("self"), keyword=None), m.Arg(), m.Arg(), m.Arg(), m.ZeroOrMore()],
-)
-#: ``torch.nn.functional.scaled_dot_product_attention`` under any import spelling
-SDPA_CALL = m.Call(
-    func=m.Name("scaled_dot_product_attention")
-    | m.Attribute(attr=m.Name("scaled_dot_product_attention"))
-)
-#: ``self.cache_entries = ...``: the class already declares its paged caches
-CACHE_ENTRIES_ASSIGN = m.Assign(
-    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("cache_entries")))]
-)
-#: ``self.cache_entries = [MambaCacheEntry(...), ...]``: a converted recurrent-state layer
-STATE_ENTRIES_ASSIGN = m.Assign(
-    targets=[
-        m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("cache_entries")))
-    ],
-    value=m.List(
-        elements=[m.Element(value=m.Call(func=m.Name("MambaCacheEntry"))), m.ZeroOrMore()]
-    ),
-)
-#: a call of either fused-attention operator: the forward is already converted
-FA_CALL = m.Call(
-    func=m.Attribute(
-        attr=m.Name("npu_fused_infer_attention_score")
-        | m.Name("npu_fused_infer_attention_score_v2")
-    )
-)
-#: ``self.lm_head = ...``: the language-model head, held by the *ForCausalLM class
-LM_HEAD_ASSIGN = m.Assign(
-    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("lm_head")))]
-)
 
 
 class KernelStyle(str, Enum):
@@ -104,37 +79,6 @@ class AttentionFacts:
 
 def _params(func: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in func.params.params]
-
-
-def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    for stmt in cls.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
-            return stmt
-    return None
-
-
-def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
-    """True when ``__init__`` of ``cls`` contains an assignment matching ``matcher``."""
-    init = _method(cls, "__init__")
-    return init is not None and bool(m.findall(init, matcher))
-
-
-def is_attention_class(cls: cst.ClassDef) -> bool:
-    """A class whose forward writes a KV cache and calls an attention kernel, or one already
-    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
-    if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
-        return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
-    forward = _method(cls, "forward")
-    if forward is None:
-        return False
-    has_update = bool(m.findall(forward, CACHE_UPDATE_CALL))
-    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
-    return has_update and has_kernel
-
-
-def is_causal_lm_class(cls: cst.ClassDef) -> bool:
-    """The class holding the language-model head (the ``*ForCausalLM``)."""
-    return class_assigns(cls, LM_HEAD_ASSIGN)
 
 
 def attention_facts(cls: cst.ClassDef) -> AttentionFacts:
@@ -257,3 +201,22 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
             f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "
             "between the cache write and the attention call, which the rewrite replaces"
         )
+
+
+__all__ = [
+    "CACHE_ENTRIES_ASSIGN",
+    "CACHE_UPDATE_CALL",
+    "FA_CALL",
+    "INTERFACE_CALL",
+    "LM_HEAD_ASSIGN",
+    "SDPA_CALL",
+    "STATE_ENTRIES_ASSIGN",
+    "AttentionFacts",
+    "KernelStyle",
+    "SeamFacts",
+    "attention_facts",
+    "class_assigns",
+    "code",
+    "is_attention_class",
+    "is_causal_lm_class",
+]

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 import libcst as cst
+from kvskill.analyzer import gather
 from kvskill.analyzer.lint.context import FileContext
 
-FA_V1 = "npu_fused_infer_attention_score"
-FA_V2 = "npu_fused_infer_attention_score_v2"
+FA_V1, FA_V2 = gather.FA_OPS
+#: operator name -> FA version
 FA_OPS = {FA_V1: "v1", FA_V2: "v2"}
 
 #: default values of the keywords the rules read (npu_ops.md §1.1 / §2.1)

@@ -1,0 +1,185 @@
+"""What a modeling file is made of, by structure: the one vocabulary analyze, apply and lint share.
+
+Three readers look at modeling code: the analyzer's scan (facts with line numbers for the
+Plan), the implementer (the classes its rewrites serve) and lint (mistakes in hand-written
+code). They must agree on what a cache write, a fused-attention call or an attention class
+is, so each of those is decided here, once:
+
+* :func:`classify_call` names the kind of a call (a KV-cache update, the fused attention, a
+  cache-write operator, an attention kernel, a recurrent-state kernel);
+* the matchers (``FA_CALL``, ``CACHE_UPDATE_CALL``, ...) are built from the same names;
+* :func:`is_attention_class`, :func:`is_causal_lm_class` and :func:`is_converted_attention`
+  are the class rules.
+
+A class is recognised by what its methods do, never by its name.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import libcst as cst
+import libcst.matchers as m
+
+#: the fused-attention operators (v1 and v2) the converted code calls
+FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+#: operators that write a cache in place (Legacy BSH rows, paged slots, MLA's fused write)
+CACHE_WRITE_OPS = ("scatter_update_", "npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache")
+#: callees that run attention in the source model
+ATTENTION_KERNELS = (
+    "attention_interface",
+    "scaled_dot_product_attention",
+    "eager_attention_forward",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "_flash_attention_forward",
+)
+#: callees of recurrent-state layers (gated delta nets, Mamba mixers, causal convolutions)
+STATE_KERNELS = (
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "mamba_chunk_scan_combined",
+    "selective_scan_fn",
+    "selective_state_update",
+    "mamba_inner_fn",
+)
+#: receiver names whose ``.update(key, value, layer_idx, ...)`` is a KV-cache write
+CACHE_RECEIVERS = ("cache", "past_key_value", "past_key_values", "layer_past", "kv_cache")
+
+
+class CallKind(str, Enum):
+    """What a call does, as far as the KV cache is concerned."""
+
+    CACHE_UPDATE = "cache_update"
+    FA_CALL = "fa_call"
+    CACHE_WRITE = "scatter_update"
+    ATTENTION_CALL = "attention_call"
+    STATE_CALL = "linear_attention_call"
+
+
+def dotted_name(node: cst.BaseExpression) -> str:
+    """``a.b.c`` for a name or attribute chain; an attribute of something else (a call, a
+    subscript) keeps only its own name (``f().update`` -> ``update``); else ``""``."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted_name(node.value)
+        return f"{base}.{node.attr.value}" if base else node.attr.value
+    return ""
+
+
+def is_cache_receiver(receiver: str) -> bool:
+    """Whether ``<receiver>.update(...)`` writes a KV cache (``dict.update`` does not)."""
+    name = receiver.lower()
+    if name in CACHE_RECEIVERS:
+        return True
+    return ("cache" in name or "past" in name) and not name.endswith(("kwargs", "dict", "config"))
+
+
+def classify_call(call: cst.Call) -> tuple[CallKind, str, str] | None:
+    """(kind, callee, receiver) of a call that matters to the KV cache, else None."""
+    dotted = dotted_name(call.func)
+    if not dotted:
+        return None
+    parts = dotted.split(".")
+    callee = parts[-1]
+    receiver = parts[-2] if len(parts) > 1 else ""
+    if callee == "update" and is_cache_receiver(receiver) and len(call.args) >= 3:
+        # Cache.update(key_states, value_states, layer_idx, ...): dict.update takes one arg
+        return CallKind.CACHE_UPDATE, callee, receiver
+    if callee in FA_OPS:
+        return CallKind.FA_CALL, callee, receiver
+    if callee in CACHE_WRITE_OPS:
+        return CallKind.CACHE_WRITE, callee, receiver
+    if callee in ATTENTION_KERNELS:
+        return CallKind.ATTENTION_CALL, callee, receiver
+    if callee in STATE_KERNELS:
+        return CallKind.STATE_CALL, callee, receiver
+    return None
+
+
+def _names(*names: str) -> m.BaseMatcherNode:
+    matcher: m.BaseMatcherNode = m.Name(names[0])
+    for name in names[1:]:
+        matcher = matcher | m.Name(name)
+    return matcher
+
+
+def _self_attr_assign(attr: str) -> m.Assign:
+    return m.Assign(
+        targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))]
+    )
+
+
+#: ``<cache>.update(key, value, layer_idx, ...)`` on a cache receiver (``classify_call``'s rule)
+CACHE_UPDATE_CALL = m.Call(
+    func=m.Attribute(attr=m.Name("update")),
+    args=[m.Arg(), m.Arg(), m.Arg(), m.ZeroOrMore()],
+) & m.MatchIfTrue(
+    lambda call: (found := classify_call(call)) is not None and found[0] is CallKind.CACHE_UPDATE
+)
+#: ``fn(self, query, key, value, mask, ...)``: the transformers attention-interface convention
+INTERFACE_CALL = m.Call(
+    func=m.Name(),
+    args=[m.Arg(value=m.Name("self"), keyword=None), m.Arg(), m.Arg(), m.Arg(), m.ZeroOrMore()],
+)
+#: ``torch.nn.functional.scaled_dot_product_attention`` under any import spelling
+SDPA_CALL = m.Call(
+    func=m.Name("scaled_dot_product_attention")
+    | m.Attribute(attr=m.Name("scaled_dot_product_attention"))
+)
+#: a call of either fused-attention operator, through any module or alias attribute
+FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
+#: ``self.cache_entries = ...``: the class declares its paged caches
+CACHE_ENTRIES_ASSIGN = _self_attr_assign("cache_entries")
+#: ``self.cache_entries = [MambaCacheEntry(...), ...]``: a converted recurrent-state layer
+STATE_ENTRIES_ASSIGN = m.Assign(
+    targets=[
+        m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("cache_entries")))
+    ],
+    value=m.List(
+        elements=[m.Element(value=m.Call(func=m.Name("MambaCacheEntry"))), m.ZeroOrMore()]
+    ),
+)
+#: ``self.lm_head = ...``: the language-model head, held by the *ForCausalLM class
+LM_HEAD_ASSIGN = _self_attr_assign("lm_head")
+
+
+def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    """The method NAME defined in CLS's own body, or None."""
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            return stmt
+    return None
+
+
+def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
+    """True when ``__init__`` of ``cls`` contains an assignment matching ``matcher``."""
+    init = method(cls, "__init__")
+    return init is not None and bool(m.findall(init, matcher))
+
+
+def is_attention_class(cls: cst.ClassDef) -> bool:
+    """A class whose forward writes a KV cache and calls an attention kernel, or one already
+    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
+    if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
+    forward = method(cls, "forward")
+    if forward is None:
+        return False
+    has_update = bool(m.findall(forward, CACHE_UPDATE_CALL))
+    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
+    return has_update and has_kernel
+
+
+def is_converted_attention(cls: cst.ClassDef) -> bool:
+    """An attention class that both declares its caches and calls the fused attention."""
+    return class_assigns(cls, CACHE_ENTRIES_ASSIGN) and bool(m.findall(cls, FA_CALL))
+
+
+def is_causal_lm_class(cls: cst.ClassDef) -> bool:
+    """The class holding the language-model head (the ``*ForCausalLM``)."""
+    return class_assigns(cls, LM_HEAD_ASSIGN)

@@ -36,6 +36,12 @@ class FrameworkCommand(VisitorBasedCodemodCommand):
         #: model directory
         self.package = package
 
+    @classmethod
+    def problems(cls, module: cst.Module, spec: Any) -> list[str]:
+        """Why this rewrite cannot convert MODULE; checked for every rewrite of a path before
+        any of them runs, so a refusal names every reason and nothing is half-converted."""
+        return []
+
     def skip_function_bodies(self) -> bool:
         """Commands that rewrite whole classes do not descend into function bodies (they
         inspect them with matchers on ``original_node``); visiting every expression of a

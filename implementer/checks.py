@@ -19,15 +19,10 @@ from kvskill.implementer.facts import (
     is_causal_lm_class,
     m,
 )
-from kvskill.implementer.gated_delta import (
-    gated_delta_facts,
-    is_gated_delta_class,
-    state_layer_problems,
-)
+from kvskill.implementer.gated_delta import gated_delta_facts, is_gated_delta_class
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.spec import ConversionSpec
-from kvskill.implementer.text_model import text_model_problems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +36,10 @@ class ModuleSummary:
     state_classes: list[str] = field(default_factory=list)
 
 
-def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> ModuleSummary:
-    """Check every class the rewrite would touch.
+def summarize(
+    module: cst.Module, spec: ConversionSpec, filename: str, problems: list[str]
+) -> ModuleSummary:
+    """Check every attention class and the model class; PROBLEMS are the other rewrites' own.
 
     Raises:
         UnsupportedModelError: with every reason found, before anything is rewritten.
@@ -51,8 +48,7 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     attention = [c for c in classes if is_attention_class(c)]
     heads = [c for c in classes if is_causal_lm_class(c)]
     state = [c for c in classes if is_gated_delta_class(c)]
-    problems: list[str] = text_model_problems(module)
-    problems.extend(state_layer_problems(state, spec.has_state_layers))
+    problems = list(problems)
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "
@@ -88,16 +84,17 @@ def summarize(module: cst.Module, spec: ConversionSpec, filename: str) -> Module
     )
 
 
-def check_mla_module(module: cst.Module, spec: MlaSpec, filename: str) -> list[str]:
-    """Names of the MLA attention classes to convert.
+def check_mla_module(
+    module: cst.Module, spec: MlaSpec, filename: str, problems: list[str]
+) -> list[str]:
+    """Names of the MLA attention classes to convert; PROBLEMS are the other rewrites' own.
 
     Raises:
         UnsupportedModelError: with every reason found, before anything is rewritten.
     """
     classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
     attention = [c for c in classes.values() if is_attention_class(c)]
-    state = [c for c in classes.values() if is_gated_delta_class(c)]
-    problems: list[str] = state_layer_problems(state, spec.has_state_layers)
+    problems = list(problems)
     if not attention:
         problems.append(
             "no attention class found (a module whose forward writes the latent with "

@@ -425,6 +425,12 @@ class GatedDeltaCommand(ClassRewriteCommand):
 
     DESCRIPTION = "Keep gated delta net states in the paged runtime's Mamba group."
 
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        classes = m.findall(module, m.ClassDef())
+        state = [c for c in classes if isinstance(c, cst.ClassDef) and is_gated_delta_class(c)]
+        return state_layer_problems(state, spec.has_state_layers)
+
     def selects(self, cls: cst.ClassDef) -> bool:
         return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
 

@@ -19,8 +19,9 @@ from kvskill.implementer.registry import ConversionPath, rewrites_for
 from kvskill.implementer.spec import ConversionSpec
 from libcst.codemod import CodemodContext
 
-#: the check each path runs on the whole module first (raises UnsupportedModelError)
-_CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str], object]] = {
+#: the check of each path's attention and model classes, given the other rewrites' problems
+#: (raises UnsupportedModelError with all of them)
+_CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object]] = {
     ConversionPath.PAGED: summarize,
     ConversionPath.MLA: check_mla_module,
     ConversionPath.CONTIGUOUS: summarize,
@@ -80,8 +81,10 @@ def _convert(
     source: str, spec: Any, path: ConversionPath, package: str | None, filename: str
 ) -> str:
     module = parse(source, filename)
-    _CHECKS[path](module, spec, filename)
-    for rewrite in rewrites_for(path):
+    rewrites = rewrites_for(path)
+    problems = [p for rewrite in rewrites for p in rewrite.command.problems(module, spec)]
+    _CHECKS[path](module, spec, filename, problems)
+    for rewrite in rewrites:
         command = rewrite.command(CodemodContext(filename=filename), spec, package)
         module = command.transform_module(module)
     return module.code

@@ -64,6 +64,10 @@ class LocalTextModelCommand(FrameworkCommand):
 
     DESCRIPTION = "Build the text decoder from the converted file, not through AutoModel."
 
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        return text_model_problems(module)
+
     def visit_Module(self, node: cst.Module) -> bool:
         found = text_model_classes(node) if m.findall(node, AUTO_TEXT_MODEL) else []
         self.text_model = found[0] if len(found) == 1 else None

@@ -143,3 +143,21 @@ def test_each_rewrite_alone_gives_its_recorded_after_file(case):
         after.write_text(produced, encoding="utf-8")
     assert after.is_file(), f"no recorded output: run with KVSKILL_WRITE_REWRITES=1 ({after.name})"
     assert produced == after.read_text(encoding="utf-8")
+
+
+def test_every_rewrites_refusals_are_collected_before_any_rewrite_runs():
+    from kvskill.core.errors import UnsupportedModelError
+
+    before = (HERE / "before_paged.py").read_text(encoding="utf-8")
+    # a second text model makes KVR012's own check fail; dropping lm_head fails the model check
+    broken = before.replace("self.lm_head =", "self.head =") + (
+        "\n\nclass OtherModel(tnn.Module):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__()\n"
+        "        self.layers = tnn.ModuleList([MiniDecoderLayer(config, 0)])\n"
+    )
+    with pytest.raises(UnsupportedModelError) as refused:
+        convert(broken, PAGED_SPEC, ConversionPath.PAGED, filename="modeling_mini.py")
+    message = str(refused.value)
+    assert "AutoModel.from_config(config.text_config)" in message  # KVR012's problem
+    assert "no causal-LM class found" in message  # the path's model-class check

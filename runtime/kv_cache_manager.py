@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
-from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.cache_info import (
+    CacheEntry,
+    LayerCacheInfo,
+    ModelCacheInfo,
+    validate_cache_info,
+)
 from kvskill.runtime.layout import CacheLayout, allocate_cache_tensors, calculate_block_num
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
@@ -88,6 +93,13 @@ class KVCacheManager:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
     ) -> None:
+        """
+        Raises:
+            CacheInfoError: an entry's attn_type has no registered manager, or the
+                declarations changed into something invalid since they were built.
+            BadInputError: no entry needs blocks, or the sizing gives a group < 2 blocks.
+        """
+        validate_cache_info(cache_info, known_attn_types=ATTN_TYPE_MANAGER_MAP)
         self.cache_info = cache_info
         self.device = device
         self.use_hybrid_blocks = use_hybrid_blocks

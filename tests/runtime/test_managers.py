@@ -81,7 +81,7 @@ def test_registering_a_new_attn_type_makes_it_valid():
     sink = Sink()
     # Unknown before registration: the error names the layer, the entry and the fix.
     with pytest.raises(CacheInfoError, match="cache 'k_cache' in layer 0 has unknown attn_type"):
-        model_info([attn_layer(sink, 0, "Chunked")])
+        KVCacheManager(model_info([attn_layer(sink, 0, "Chunked")]), num_blocks=10)
     register_attn_type("Chunked", ChunkedManager, fixed_block=True)
     try:
         info = model_info([attn_layer(sink, 0, "Chunked"), attn_layer(sink, 1)], block_size=4)

@@ -10,7 +10,7 @@ from kvskill.runtime.cache_info import (
     ModelCacheInfo,
 )
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
-from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvskill.runtime.layout import bind_kv_cache, kv_lane_view, split_page, strided_view
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
@@ -39,6 +39,7 @@ __all__ = [
     "CacheInfoError",
     "FullAttentionManager",
     "ForwardMetaData",
+    "KVCacheBlocks",
     "KVCacheManager",
     "LayerCacheInfo",
     "MambaCacheEntry",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvskill.core.errors import BadInputError
@@ -23,6 +23,28 @@ from kvskill.runtime.managers import (
 
 #: what ``block_id_rows`` reads for a request without blocks (shared, never mutated)
 _NO_BLOCKS = array("i")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """What one successful ``allocate_slots`` call gave a request: its new blocks per group.
+
+    The scheduler only learns that the allocation happened and what it added; where the
+    managers keep each request's table stays theirs (vLLM's ``KVCacheBlocks`` exists for the
+    same reason). ``allocate_slots`` returns None instead when it cannot allocate now.
+
+    NOTE: no ``__len__``/``__bool__`` on purpose: an allocation that needed no new block is
+    still a success, and must not read as false the way None does.
+    """
+
+    #: group key -> ids of the blocks appended by this call, in logical order; empty for a
+    #: group whose blocks already covered the tokens (every group key is present)
+    new_block_ids: Mapping[str, tuple[int, ...]]
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Blocks taken by this call over all groups (a shared pool counts each group's)."""
+        return sum(map(len, self.new_block_ids.values()))
 
 
 @dataclass(eq=False)
@@ -211,8 +233,12 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
-    ) -> bool:
+    ) -> KVCacheBlocks | None:
         """Make every group cover ``num_tokens`` tokens of the request, or change nothing.
+
+        Stages: check every pool (``can_allocate``), then release the blocks each group no
+        longer needs, then append new blocks in every group. Checking first across all
+        groups means a request is never left half-allocated.
 
         Args:
             request_id: any hashable string id.
@@ -222,7 +248,8 @@ class KVCacheManager:
                 Windowed groups release the blocks no query from there on can see.
 
         Returns:
-            True on success; False (nothing changed) when some pool is short of blocks.
+            the blocks added per group on success; None (nothing changed) when some pool
+            is short of blocks now.
 
         Raises:
             ValueError: when ``num_computed_tokens`` exceeds ``num_tokens``.
@@ -233,15 +260,18 @@ class KVCacheManager:
                 f"num_tokens={num_tokens} (num_tokens counts computed + new tokens)"
             )
         if not self.can_allocate(request_id, num_tokens, num_computed_tokens):
-            return False
+            return None
         for mgr in self.managers.values():
             computed = (
                 mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
             )
             mgr.remove_skipped_blocks(request_id, computed)
-        for mgr in self.managers.values():
-            mgr.allocate_new_blocks(request_id, num_tokens)
-        return True
+        return KVCacheBlocks(
+            {
+                key: tuple(mgr.allocate_new_blocks(request_id, num_tokens))
+                for key, mgr in self.managers.items()
+            }
+        )
 
     def allocate_slots_batch(
         self,
@@ -252,7 +282,7 @@ class KVCacheManager:
         """``allocate_slots`` for each request in turn, stopping at the first that fails.
 
         The pools end up exactly as after calling ``allocate_slots(request_ids[i],
-        num_tokens[i], num_computed_tokens[i])`` for i = 0, 1, ... until the first False
+        num_tokens[i], num_computed_tokens[i])`` for i = 0, 1, ... until the first None
         (same blocks, same order), but only the requests that take or release blocks in
         some group do the full per-request work; the rest just record their token count.
 
@@ -278,7 +308,7 @@ class KVCacheManager:
         )
         served = len(request_ids)
         for i in changed:
-            if not self.allocate_slots(request_ids[i], num_tokens[i], num_computed_tokens[i]):
+            if self.allocate_slots(request_ids[i], num_tokens[i], num_computed_tokens[i]) is None:
                 served = i
                 break
         if served < len(request_ids):

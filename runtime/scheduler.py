@@ -159,11 +159,13 @@ class Scheduler:
         return output
 
     def _allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.kv_manager.allocate_slots(
+        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now)."""
+        blocks = self.kv_manager.allocate_slots(
             request.request_id,
             request.num_computed_tokens + num_new_tokens,
             num_computed_tokens=request.num_computed_tokens,
         )
+        return blocks is not None
 
     def _preempt(self, request: Request) -> Request:
         self.kv_manager.free(request.request_id)

@@ -1,9 +1,11 @@
 """KVCacheManager: grouping, all-or-nothing allocation, free, sizing, usage."""
 
+from dataclasses import FrozenInstanceError
+
 import pytest
 import torch
 from kvskill.core.errors import BadInputError
-from kvskill.runtime import KVCacheManager
+from kvskill.runtime import KVCacheBlocks, KVCacheManager
 from runtime_factories import Sink, attn_layer, full_and_sliding, mamba_layer, model_info
 
 
@@ -23,24 +25,45 @@ def test_allocation_is_all_or_nothing_across_groups():
     sink = Sink()
     # Full attention pool: 5 usable blocks; sliding pool: 5 usable blocks.
     mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=6)
-    assert mgr.allocate_slots("a", 16)  # 4 blocks in each group
+    assert mgr.allocate_slots("a", 16) is not None  # 4 blocks in each group
     before = (mgr.get_block_ids("a"), mgr.num_free_blocks)
     # "b" needs 2 blocks per group; each pool has 1 left: nothing may change.
     assert not mgr.can_allocate("b", 8)
-    assert not mgr.allocate_slots("b", 8)
+    assert mgr.allocate_slots("b", 8) is None
     assert (mgr.get_block_ids("a"), mgr.num_free_blocks) == before
     assert mgr.get_block_ids("b") == {"FullAttention": [], "SlidingWindow": []}
     mgr.free("a")
     assert mgr.num_free_blocks == mgr.initial_free_blocks
-    assert mgr.allocate_slots("b", 8)
+    assert mgr.allocate_slots("b", 8) is not None
+
+
+def test_allocate_slots_names_the_new_blocks_or_returns_none():
+    sink = Sink()
+    # Block size 4, 5 usable blocks per group, fresh free queues hand out 1, 2, ...
+    mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=6)
+    # 5 tokens span two blocks in each group: the result names them, group by group.
+    blocks = mgr.allocate_slots("a", 5)
+    assert blocks == KVCacheBlocks({"FullAttention": (1, 2), "SlidingWindow": (1, 2)})
+    assert blocks.num_new_blocks == 4
+    assert {key: list(ids) for key, ids in blocks.new_block_ids.items()} == mgr.get_block_ids("a")
+    with pytest.raises(FrozenInstanceError):
+        blocks.new_block_ids = {}
+    # Three more tokens fit in block 2: a success that adds nothing, and is not falsy.
+    grown = mgr.allocate_slots("a", 8, num_computed_tokens=5)
+    assert grown == KVCacheBlocks({"FullAttention": (), "SlidingWindow": ()})
+    assert grown and grown.num_new_blocks == 0
+    # "b" needs 4 blocks per group and 3 are left: None means "cannot now", nothing changed.
+    assert mgr.allocate_slots("b", 16) is None
+    assert mgr.get_block_ids("b") == {"FullAttention": [], "SlidingWindow": []}
+    assert mgr.num_free_blocks == {"FullAttention": 3, "SlidingWindow": 3}
 
 
 def test_window_release_frees_room_only_in_its_group():
     sink = Sink()
     mgr = KVCacheManager(full_and_sliding(sink, window=4), num_blocks=40)
-    assert mgr.allocate_slots("a", 16)
+    assert mgr.allocate_slots("a", 16) is not None
     for n in range(17, 33):
-        assert mgr.allocate_slots("a", n)
+        assert mgr.allocate_slots("a", n) is not None
     ids = mgr.get_block_ids("a")
     assert len(ids["FullAttention"]) == len(ids["SlidingWindow"]) == 8
     assert 0 not in ids["FullAttention"]
@@ -64,13 +87,13 @@ def test_hybrid_pool_is_shared_by_every_group():
     sink = Sink()
     info = model_info([attn_layer(sink, 0), mamba_layer(sink, 1)], block_size=4)
     mgr = KVCacheManager(info, num_blocks=8, use_hybrid_blocks=True)
-    assert mgr.allocate_slots("a", 9)  # 3 attention blocks + 1 state block
+    assert mgr.allocate_slots("a", 9) is not None  # 3 attention blocks + 1 state block
     assert mgr.num_free_blocks == {"FullAttention": 3, "Mamba": 3}
     ids = mgr.get_block_ids("a")
     assert len(set(ids["FullAttention"]) | set(ids["Mamba"])) == 4
     # 4 free blocks would be enough for one group but not for both together.
-    assert not mgr.allocate_slots("b", 12)
-    assert mgr.allocate_slots("b", 8)
+    assert mgr.allocate_slots("b", 12) is None
+    assert mgr.allocate_slots("b", 8) is not None
 
 
 def test_calculate_block_num_contiguous_with_fixed_groups():

@@ -253,7 +253,7 @@ def _write_and_attend(use_hybrid_blocks: bool):
     mgr.allocate_cache_tensors()
     lens = [7, 5]
     for i, n in enumerate(lens):
-        assert mgr.allocate_slots(f"r{i}", n)
+        assert mgr.allocate_slots(f"r{i}", n) is not None
     table = prepare_block_tables([mgr.get_block_ids(f"r{i}")["FullAttention"] for i in range(2)])
     req, pos = prepare_token_positions(torch.zeros(2, dtype=torch.int64), torch.tensor(lens))
     slots = prepare_slot_mapping(table, req, pos, 4)

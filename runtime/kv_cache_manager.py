@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,9 +19,8 @@ from kvskill.runtime.managers import (
     FIXED_BLOCK_ATTN_TYPES,
     SingleTypeKVCacheManager,
 )
-
-#: what ``block_id_rows`` reads for a request without blocks (shared, never mutated)
-_NO_BLOCKS = array("i")
+from kvskill.runtime.tables import StepTables
+from torch import Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,14 +323,72 @@ class KVCacheManager:
         """Per group, the request's block ids in logical order (0 = released / null)."""
         return {key: mgr.get_block_ids(request_id) for key, mgr in self.managers.items()}
 
-    def block_id_rows(self, group_key: str, request_ids: Sequence[str]) -> list[array]:
-        """The block ids of ``request_ids`` in one group, in order (an ``array("i")`` each).
+    def step_tables(
+        self,
+        request_ids: Sequence[str],
+        *,
+        starts: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> StepTables:
+        """Block tables of every group and slot mappings of every token group for one step.
 
-        Unlike ``get_block_ids`` these are the manager's own arrays, not copies: the step
-        builder reads them once per step and must not keep or change them.
+        Each group's manager builds its own from the blocks it holds, so the step builder
+        never sees how they are stored (host tensors; the caller moves them to the device).
+
+        Args:
+            request_ids: the step's requests, in batch order; each already allocated.
+            starts: position of each request's first new token (= its cached tokens).
+            num_new_tokens: tokens each request feeds this step (>= 1).
         """
-        blocks = self.managers[group_key].req_to_blocks
-        return [blocks.get(rid, _NO_BLOCKS) for rid in request_ids]
+        block_table: dict[str, Tensor] = {}
+        slot_mapping: dict[str, Tensor] = {}
+        for key, mgr in self.managers.items():
+            tables = mgr.step_tables(request_ids, starts=starts, num_new_tokens=num_new_tokens)
+            block_table[key] = tables.block_table
+            if tables.slot_mapping is not None:
+                slot_mapping[key] = tables.slot_mapping
+        return StepTables(block_table=block_table, slot_mapping=slot_mapping)
+
+    def tracked_request_ids(self) -> dict[str, list[str]]:
+        """Per group, the requests its manager still holds blocks for (empty when idle)."""
+        return {key: mgr.request_ids for key, mgr in self.managers.items()}
+
+    def max_tokens_per_request(
+        self, *, max_num_batched_tokens: int, enable_chunked_prefill: bool
+    ) -> int:
+        """The longest request (prompt + output) the empty pools can hold.
+
+        Growing groups need ``ceil(n / block_size)`` blocks; windowed and state groups are
+        bounded by what one step can add (a whole prompt when prefill is not chunked).
+        """
+
+        def fits(num_tokens: int) -> bool:
+            step = min(num_tokens, max_num_batched_tokens) if enable_chunked_prefill else num_tokens
+            need: dict[int, int] = {}
+            for key, mgr in self.managers.items():
+                group = self.groups[key]
+                blocks = mgr.num_blocks_for(num_tokens)
+                bound = mgr.max_blocks_per_request(
+                    block_size=group.block_size,
+                    sliding_window=group.sliding_window,
+                    max_num_batched_tokens=step,
+                )
+                if bound is not None:
+                    blocks = min(blocks, bound)
+                pool = self.pools[key]
+                need[id(pool)] = need.get(id(pool), 0) + blocks
+            return all(
+                need[id(pool)] <= pool.num_usable_blocks
+                for pool in {id(p): p for p in self.pools.values()}.values()
+            )
+
+        low, high = 0, 1
+        while fits(high) and high < 1 << 24:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
     @property
     def num_free_blocks(self) -> dict[str, int]:
@@ -349,7 +405,7 @@ class KVCacheManager:
                 "num_layers": len(g.layers),
                 "num_entries": len(g.entries),
                 "bytes_per_block": g.bytes_per_block(),
-                "num_requests": len(self.managers[key].req_to_blocks),
+                "num_requests": len(self.managers[key].request_ids),
                 "pool": self.pools[key].usage(),
             }
         report = {

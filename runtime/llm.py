@@ -17,7 +17,6 @@ from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.loader import (
     generation_eos_token_id,
     load_model,
-    max_tokens_per_request,
     prepare_kv_cache,
     resolve_dtype,
 )
@@ -127,8 +126,8 @@ class LLM:
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _resolve_max_model_len(self, requested: int | None, budget: int, chunked: bool) -> int:
-        capacity = max_tokens_per_request(
-            self.kv_manager, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        capacity = self.kv_manager.max_tokens_per_request(
+            max_num_batched_tokens=budget, enable_chunked_prefill=chunked
         )
         if requested is not None:
             if requested < 2:

@@ -27,7 +27,7 @@ from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state
 from kvskill.runtime.device import select_device
 from kvskill.runtime.kv_cache_manager import KVCacheManager, build_groups
-from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP, FIXED_BLOCK_ATTN_TYPES
+from kvskill.runtime.managers import FIXED_BLOCK_ATTN_TYPES
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -536,41 +536,3 @@ def default_kv_memory_bytes(
             wanted += fixed * group.bytes_per_block()
     free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
     return max(1, min(wanted, int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES))
-
-
-def max_tokens_per_request(
-    manager: KVCacheManager, *, max_num_batched_tokens: int, enable_chunked_prefill: bool
-) -> int:
-    """The longest request (prompt + output) one empty pool set can hold.
-
-    Growing groups need ``ceil(n / block_size)`` blocks; windowed and state groups are
-    bounded by what one step can add (a whole prompt when prefill is not chunked).
-    """
-
-    def fits(num_tokens: int) -> bool:
-        step = min(num_tokens, max_num_batched_tokens) if enable_chunked_prefill else num_tokens
-        need: dict[int, int] = {}
-        for key, mgr in manager.managers.items():
-            group = manager.groups[key]
-            blocks = mgr.num_blocks_for(num_tokens)
-            bound = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
-                block_size=group.block_size,
-                sliding_window=group.sliding_window,
-                max_num_batched_tokens=step,
-            )
-            if bound is not None:
-                blocks = min(blocks, bound)
-            pool = manager.pools[key]
-            need[id(pool)] = need.get(id(pool), 0) + blocks
-        return all(
-            need[id(pool)] <= pool.num_usable_blocks
-            for pool in {id(p): p for p in manager.pools.values()}.values()
-        )
-
-    low, high = 0, 1
-    while fits(high) and high < 1 << 24:
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low

@@ -151,3 +151,58 @@ def test_computed_beyond_total_is_rejected():
     mgr = KVCacheManager(full_and_sliding(sink), num_blocks=12)
     with pytest.raises(ValueError, match="num_computed_tokens=9 exceeds num_tokens=8"):
         mgr.allocate_slots("a", 8, num_computed_tokens=9)
+
+
+def test_step_tables_are_what_the_managers_hold():
+    sink = Sink()
+    layers = [
+        attn_layer(sink, 0),
+        attn_layer(sink, 1, "SlidingWindow", sliding_window=4),
+        mamba_layer(sink, 2),
+    ]
+    # A shuffled free queue, so nothing below can rely on consecutive ids.
+    mgr = KVCacheManager(model_info(layers, 4), num_blocks=40, free_block_order_seed=7)
+    # a: 9 tokens cached and 2 new; b: a fresh 3-token prompt; c: 6 cached, decoding 1.
+    requests = [("a", 9, 2), ("b", 0, 3), ("c", 6, 1)]
+    for rid, cached, new in requests:
+        if cached:
+            assert mgr.allocate_slots(rid, cached, num_computed_tokens=0) is not None
+        assert mgr.allocate_slots(rid, cached + new, num_computed_tokens=cached) is not None
+    ids = [rid for rid, _, _ in requests]
+    tables = mgr.step_tables(
+        ids, starts=[c for _, c, _ in requests], num_new_tokens=[n for _, _, n in requests]
+    )
+    held = {rid: mgr.get_block_ids(rid) for rid in ids}
+    assert list(tables.block_table) == ["FullAttention", "SlidingWindow", "Mamba"]
+    for key in ("FullAttention", "SlidingWindow"):
+        width = max(len(held[rid][key]) for rid in ids)
+        rows = [held[rid][key] + [0] * (width - len(held[rid][key])) for rid in ids]
+        assert tables.block_table[key].tolist() == rows
+        assert tables.block_table[key].dtype == torch.int32
+        # slot = block of the position * block size + offset, token by token
+        expected = [
+            held[rid][key][pos // 4] * 4 + pos % 4
+            for rid, cached, new in requests
+            for pos in range(cached, cached + new)
+        ]
+        assert tables.slot_mapping[key].tolist() == expected
+    # The window released a's first block (null 0) and the table shows it as null.
+    assert held["a"]["SlidingWindow"][0] == 0
+    # The state group: one block per request, no token slots.
+    assert "Mamba" not in tables.slot_mapping
+    assert tables.block_table["Mamba"].tolist() == [held[rid]["Mamba"] for rid in ids]
+    assert mgr.tracked_request_ids() == dict.fromkeys(tables.block_table, ids)
+    for rid in ids:
+        mgr.free(rid)
+    assert mgr.tracked_request_ids() == dict.fromkeys(tables.block_table, [])
+
+
+def test_max_tokens_per_request_counts_every_group_of_a_shared_pool():
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0), mamba_layer(sink, 1)], block_size=4)
+    # 7 usable pages shared: one goes to the request's state, 6 attention blocks = 24 tokens.
+    mgr = KVCacheManager(info, num_blocks=8, use_hybrid_blocks=True)
+    assert mgr.max_tokens_per_request(max_num_batched_tokens=16, enable_chunked_prefill=True) == 24
+    # Separate pools: the attention pool alone bounds it, 7 blocks = 28 tokens.
+    mgr = KVCacheManager(info, num_blocks=8)
+    assert mgr.max_tokens_per_request(max_num_batched_tokens=16, enable_chunked_prefill=True) == 28

@@ -181,14 +181,19 @@ class KVCacheManager:
             fixed_block_attn_types=FIXED_BLOCK_ATTN_TYPES,
         )
 
-    def allocate_cache_tensors(self) -> None:
-        """Create every cache tensor and hand it to its layer (``tensor_setter``/bind)."""
+    def allocate_cache_tensors(self, *, log_layout: bool = False) -> None:
+        """Create every cache tensor and hand it to its layer (``tensor_setter``/bind).
+
+        Args:
+            log_layout: log every view built (``[non-contiguous-kv-cache]`` lines).
+        """
         self.layout = allocate_cache_tensors(
             self.groups,
             self.num_blocks,
             device=self.device,
             use_hybrid_blocks=self.use_hybrid_blocks,
             page_alignment_bytes=self.page_alignment_bytes,
+            log_layout=log_layout,
         )
 
     # ---- per-request -------------------------------------------------------------------

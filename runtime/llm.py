@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,20 +87,20 @@ class LLM:
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
         self.device = param.device if param is not None else select_device(device)
-        with _layout_logging(log_layout):
-            setup = prepare_kv_cache(
-                self.model,
-                device=self.device,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_memory_bytes=kv_memory_bytes,
-                free_block_order_seed=free_block_order_seed,
-                use_hybrid_blocks=use_hybrid_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len
-                or getattr(self.text_config, "max_position_embeddings", None),
-            )
+        setup = prepare_kv_cache(
+            self.model,
+            device=self.device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            free_block_order_seed=free_block_order_seed,
+            use_hybrid_blocks=use_hybrid_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len
+            or getattr(self.text_config, "max_position_embeddings", None),
+            log_layout=log_layout,
+        )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -313,23 +312,3 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
         return [prompts]  # a single prompt given as one list of ids
     return prompts
-
-
-@contextmanager
-def _layout_logging(enabled: bool) -> Iterator[None]:
-    """Turn on the cache-layout log lines for one cache build."""
-    if not enabled:
-        yield
-        return
-    layout_logger = logging.getLogger("kvskill.runtime.layout")
-    previous_env, previous_level = os.environ.get("KVSKILL_LOG_LAYOUT"), layout_logger.level
-    os.environ["KVSKILL_LOG_LAYOUT"] = "1"
-    layout_logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        layout_logger.setLevel(previous_level)
-        if previous_env is None:
-            os.environ.pop("KVSKILL_LOG_LAYOUT", None)
-        else:
-            os.environ["KVSKILL_LOG_LAYOUT"] = previous_env

@@ -449,6 +449,7 @@ def prepare_kv_cache(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
+    log_layout: bool = False,
 ) -> KVCacheSetup:
     """Ask the model for its cache declarations, size the pools and inject the tensors.
 
@@ -458,6 +459,7 @@ def prepare_kv_cache(
         num_blocks / kv_memory_bytes: size of each pool in blocks (null block included), or
             a byte budget; with neither, see ``default_kv_memory_bytes``.
         max_model_len: longest request expected; only sizes the default budget.
+        log_layout: log every cache view built (``[non-contiguous-kv-cache]`` lines).
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -504,7 +506,7 @@ def prepare_kv_cache(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    manager.allocate_cache_tensors()
+    manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager)
 
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
-from kvskill.runtime.cache_info import (
-    CacheEntry,
-    LayerCacheInfo,
-    ModelCacheInfo,
-    validate_cache_info,
-)
+from kvskill.runtime.cache_info import ModelCacheInfo, validate_cache_info
+from kvskill.runtime.kv_cache_groups import KVCacheGroup, build_groups
 from kvskill.runtime.layout import CacheLayout, allocate_cache_tensors, calculate_block_num
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
@@ -43,54 +39,6 @@ class KVCacheBlocks:
     def num_new_blocks(self) -> int:
         """Blocks taken by this call over all groups (a shared pool counts each group's)."""
         return sum(map(len, self.new_block_ids.values()))
-
-
-@dataclass(eq=False)
-class KVCacheGroup:
-    """The entries served by one manager (same group key, block size and window)."""
-
-    key: str
-    attn_type: str
-    block_size: int
-    sliding_window: int | None
-    #: (layer info, that layer's entries of this group), in layer order
-    layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
-
-    @property
-    def entries(self) -> list[CacheEntry]:
-        return [entry for _, entries in self.layers for entry in entries]
-
-    def bytes_per_block(self) -> int:
-        """Bytes one block id costs across every layer of the group (contiguous layout)."""
-        return sum(entry.bytes_per_block(self.block_size) for entry in self.entries)
-
-    def layer_page_bytes(self) -> list[int]:
-        """Payload bytes per block of each layer (what one page must hold)."""
-        return [
-            sum(entry.bytes_per_block(self.block_size) for entry in entries)
-            for _, entries in self.layers
-        ]
-
-
-def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
-    """Group every entry that needs blocks by its group key, in first-seen order."""
-    groups: dict[str, KVCacheGroup] = {}
-    for layer in cache_info.layer_infos:
-        for entry in layer.caches:
-            if not entry.needs_block:
-                continue
-            group = groups.get(entry.group_key)
-            if group is None:
-                group = groups[entry.group_key] = KVCacheGroup(
-                    key=entry.group_key,
-                    attn_type=entry.attn_type,
-                    block_size=cache_info.group_block_size(entry),
-                    sliding_window=entry.sliding_window,
-                )
-            if not group.layers or group.layers[-1][0] is not layer:
-                group.layers.append((layer, []))
-            group.layers[-1][1].append(entry)
-    return groups
 
 
 class KVCacheManager:
@@ -124,7 +72,7 @@ class KVCacheManager:
         self.device = device
         self.use_hybrid_blocks = use_hybrid_blocks
         self.page_alignment_bytes = page_alignment_bytes
-        self.groups = build_groups(cache_info)
+        self.groups: dict[str, KVCacheGroup] = build_groups(cache_info)
         if not self.groups:
             raise BadInputError("the model declares no cache entry that needs blocks")
         if num_blocks is None and memory_budget_bytes is None:

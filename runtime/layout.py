@@ -37,6 +37,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
+from kvskill.runtime.kv_cache_groups import KVCacheGroup
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
 from torch import Tensor
 
@@ -76,7 +77,7 @@ def entry_offsets(entries: list[CacheEntry], block_size: int) -> tuple[list[int]
     return offsets, end
 
 
-def page_size_bytes(groups: Mapping, alignment: int) -> int:
+def page_size_bytes(groups: Mapping[str, KVCacheGroup], alignment: int) -> int:
     """Largest per-layer block payload over all groups, rounded up to the alignment."""
     payload = max(
         entry_offsets(entries, g.block_size)[1] for g in groups.values() for _, entries in g.layers
@@ -189,12 +190,12 @@ def _log_view(mode: str, key: str, layer_idx: int, name: str, t: Tensor, page: i
     logger.info(line)
 
 
-def _is_mamba_group(group) -> bool:
+def _is_mamba_group(group: KVCacheGroup) -> bool:
     return group.attn_type == AttnType.MAMBA.value
 
 
 def allocate_cache_tensors(
-    groups: Mapping,
+    groups: Mapping[str, KVCacheGroup],
     num_blocks: Mapping[str, int],
     *,
     device: str | torch.device = "cpu",
@@ -262,7 +263,7 @@ def allocate_cache_tensors(
 
 
 def calculate_block_num(
-    groups: Mapping,
+    groups: Mapping[str, KVCacheGroup],
     memory_budget_bytes: int,
     *,
     use_hybrid_blocks: bool = False,
@@ -305,7 +306,7 @@ def calculate_block_num(
 
 
 def calculate_fixed_block_num(
-    group,
+    group: KVCacheGroup,
     max_num_seqs: int | None,
     max_num_batched_tokens: int | None,
     fixed_block_attn_types: Collection[str],

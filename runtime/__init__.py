@@ -64,8 +64,9 @@ __all__ = [
 
 # Engine and Python API.
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepRecord  # noqa: E402
+from kvskill.runtime.kv_cache_setup import prepare_kv_cache  # noqa: E402
 from kvskill.runtime.llm import LLM  # noqa: E402
-from kvskill.runtime.loader import LoadedModel, load_model, prepare_kv_cache  # noqa: E402
+from kvskill.runtime.loader import LoadedModel, load_model  # noqa: E402
 from kvskill.runtime.request import (  # noqa: E402
     FinishReason,
     RequestOutput,

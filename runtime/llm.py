@@ -13,12 +13,8 @@ import torch
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
-from kvskill.runtime.loader import (
-    generation_eos_token_id,
-    load_model,
-    prepare_kv_cache,
-    resolve_dtype,
-)
+from kvskill.runtime.kv_cache_setup import prepare_kv_cache
+from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
 from kvskill.runtime.masks import get_init_attn_mask
 from kvskill.runtime.request import RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.scheduler import SchedulerConfig

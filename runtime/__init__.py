@@ -10,7 +10,7 @@ from kvskill.runtime.cache_info import (
     ModelCacheInfo,
 )
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
-from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvskill.runtime.layout import bind_kv_cache, kv_lane_view, split_page, strided_view
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
@@ -39,6 +39,7 @@ __all__ = [
     "CacheInfoError",
     "FullAttentionManager",
     "ForwardMetaData",
+    "KVCacheBlocks",
     "KVCacheManager",
     "LayerCacheInfo",
     "MambaCacheEntry",
@@ -63,8 +64,9 @@ __all__ = [
 
 # Engine and Python API.
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepRecord  # noqa: E402
+from kvskill.runtime.kv_cache_setup import prepare_kv_cache  # noqa: E402
 from kvskill.runtime.llm import LLM  # noqa: E402
-from kvskill.runtime.loader import LoadedModel, load_model, prepare_kv_cache  # noqa: E402
+from kvskill.runtime.loader import LoadedModel, load_model  # noqa: E402
 from kvskill.runtime.request import (  # noqa: E402
     FinishReason,
     RequestOutput,

@@ -8,7 +8,7 @@ Validation happens here, once, at the boundary; every message names the layer an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +131,8 @@ class ModelCacheInfo:
     is_mla_backend: bool = False
 
     def __post_init__(self) -> None:
+        # NOTE: the attn_type check needs the managers' registry; KVCacheManager runs it
+        # (``known_attn_types``) before it builds anything, so this module stays below it.
         validate_cache_info(self)
 
     def entries(self) -> list[tuple[int, CacheEntry]]:
@@ -150,9 +152,11 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _validate_entry(layer: LayerCacheInfo, entry: CacheEntry, known: set[str]) -> None:
+def _validate_entry(
+    layer: LayerCacheInfo, entry: CacheEntry, known: Collection[str] | None
+) -> None:
     where = f"cache {entry.cache_name!r} in layer {layer.layer_idx}"
-    if entry.attn_type not in known:
+    if known is not None and entry.attn_type not in known:
         raise CacheInfoError(
             f"{where} has unknown attn_type {entry.attn_type!r}; known types are "
             f"{sorted(known)}. Register a SingleTypeKVCacheManager subclass for it "
@@ -179,15 +183,18 @@ def _validate_entry(layer: LayerCacheInfo, entry: CacheEntry, known: set[str]) -
         )
 
 
-def validate_cache_info(info: ModelCacheInfo) -> None:
-    """Check a ModelCacheInfo once, before any manager is built.
+def validate_cache_info(
+    info: ModelCacheInfo, *, known_attn_types: Collection[str] | None = None
+) -> None:
+    """Check a ModelCacheInfo, before any manager is built.
+
+    Args:
+        known_attn_types: the attn_types some manager serves (``ATTN_TYPE_MANAGER_MAP``);
+            None skips that check, which is how ``ModelCacheInfo`` checks itself when built.
 
     Raises:
         CacheInfoError: naming the layer and entry at fault, the value and what is allowed.
     """
-    # Imported here: the registry lives with the managers, which import this module.
-    from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
-
     if not _positive_int(info.block_size):
         raise CacheInfoError(f"ModelCacheInfo.block_size is {info.block_size!r}; expected > 0")
     if info.num_layers != len(info.layer_infos):
@@ -195,7 +202,7 @@ def validate_cache_info(info: ModelCacheInfo) -> None:
             f"ModelCacheInfo.num_layers is {info.num_layers} but {len(info.layer_infos)} "
             "layer_infos were given; list one LayerCacheInfo per (sub)layer"
         )
-    known = set(ATTN_TYPE_MANAGER_MAP)
+    known = None if known_attn_types is None else set(known_attn_types)
     seen_layers: set[int] = set()
     group_window: dict[str, tuple[int | None, int, str]] = {}
     for layer in info.layer_infos:

@@ -250,12 +250,13 @@ def check_pools_released(kv_manager) -> list[str]:
     """Failures if any pool is not back to its initial free count or a request is tracked."""
     failures = []
     free, initial = kv_manager.num_free_blocks, kv_manager.initial_free_blocks
+    tracked_by_group = kv_manager.tracked_request_ids()
     for key in kv_manager.group_keys:
         if free[key] != initial[key]:
             failures.append(
                 f"group {key!r}: {free[key]} free blocks after all requests, initially {initial[key]}"
             )
-        tracked = kv_manager.managers[key].req_to_blocks
+        tracked = tracked_by_group[key]
         if tracked:
             failures.append(f"group {key!r} still tracks requests {sorted(tracked)[:5]}")
     return failures

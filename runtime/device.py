@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 from kvskill.core.errors import BadInputError
@@ -50,3 +51,19 @@ def select_device(requested: str | torch.device | None = None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BadInputError("device 'cuda' requested but CUDA is not available")
     return device
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (host RAM for the CPU), or None when unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "npu":
+            return torch.npu.mem_get_info(device)[0]
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None

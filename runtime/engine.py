@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context
+from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.sampler import Sampler, make_generator
 from kvskill.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -73,7 +74,7 @@ class LLMEngine:
     def __init__(
         self,
         model: nn.Module,
-        kv_manager,
+        kv_manager: KVCacheManager,
         *,
         config: SchedulerConfig,
         vocab_size: int,

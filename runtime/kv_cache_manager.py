@@ -2,70 +2,43 @@
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
-from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.cache_info import ModelCacheInfo, validate_cache_info
+from kvskill.runtime.kv_cache_groups import KVCacheGroup, build_groups
 from kvskill.runtime.layout import CacheLayout, allocate_cache_tensors, calculate_block_num
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
     FIXED_BLOCK_ATTN_TYPES,
     SingleTypeKVCacheManager,
 )
+from kvskill.runtime.tables import StepTables
+from torch import Tensor
 
-#: what ``block_id_rows`` reads for a request without blocks (shared, never mutated)
-_NO_BLOCKS = array("i")
 
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """What one successful ``allocate_slots`` call gave a request: its new blocks per group.
 
-@dataclass(eq=False)
-class KVCacheGroup:
-    """The entries served by one manager (same group key, block size and window)."""
+    The scheduler only learns that the allocation happened and what it added; where the
+    managers keep each request's table stays theirs (vLLM's ``KVCacheBlocks`` exists for the
+    same reason). ``allocate_slots`` returns None instead when it cannot allocate now.
 
-    key: str
-    attn_type: str
-    block_size: int
-    sliding_window: int | None
-    #: (layer info, that layer's entries of this group), in layer order
-    layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
+    NOTE: no ``__len__``/``__bool__`` on purpose: an allocation that needed no new block is
+    still a success, and must not read as false the way None does.
+    """
+
+    #: group key -> ids of the blocks appended by this call, in logical order; empty for a
+    #: group whose blocks already covered the tokens (every group key is present)
+    new_block_ids: Mapping[str, tuple[int, ...]]
 
     @property
-    def entries(self) -> list[CacheEntry]:
-        return [entry for _, entries in self.layers for entry in entries]
-
-    def bytes_per_block(self) -> int:
-        """Bytes one block id costs across every layer of the group (contiguous layout)."""
-        return sum(entry.bytes_per_block(self.block_size) for entry in self.entries)
-
-    def layer_page_bytes(self) -> list[int]:
-        """Payload bytes per block of each layer (what one page must hold)."""
-        return [
-            sum(entry.bytes_per_block(self.block_size) for entry in entries)
-            for _, entries in self.layers
-        ]
-
-
-def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
-    """Group every entry that needs blocks by its group key, in first-seen order."""
-    groups: dict[str, KVCacheGroup] = {}
-    for layer in cache_info.layer_infos:
-        for entry in layer.caches:
-            if not entry.needs_block:
-                continue
-            group = groups.get(entry.group_key)
-            if group is None:
-                group = groups[entry.group_key] = KVCacheGroup(
-                    key=entry.group_key,
-                    attn_type=entry.attn_type,
-                    block_size=cache_info.group_block_size(entry),
-                    sliding_window=entry.sliding_window,
-                )
-            if not group.layers or group.layers[-1][0] is not layer:
-                group.layers.append((layer, []))
-            group.layers[-1][1].append(entry)
-    return groups
+    def num_new_blocks(self) -> int:
+        """Blocks taken by this call over all groups (a shared pool counts each group's)."""
+        return sum(map(len, self.new_block_ids.values()))
 
 
 class KVCacheManager:
@@ -88,11 +61,18 @@ class KVCacheManager:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
     ) -> None:
+        """
+        Raises:
+            CacheInfoError: an entry's attn_type has no registered manager, or the
+                declarations changed into something invalid since they were built.
+            BadInputError: no entry needs blocks, or the sizing gives a group < 2 blocks.
+        """
+        validate_cache_info(cache_info, known_attn_types=ATTN_TYPE_MANAGER_MAP)
         self.cache_info = cache_info
         self.device = device
         self.use_hybrid_blocks = use_hybrid_blocks
         self.page_alignment_bytes = page_alignment_bytes
-        self.groups = build_groups(cache_info)
+        self.groups: dict[str, KVCacheGroup] = build_groups(cache_info)
         if not self.groups:
             raise BadInputError("the model declares no cache entry that needs blocks")
         if num_blocks is None and memory_budget_bytes is None:
@@ -149,14 +129,19 @@ class KVCacheManager:
             fixed_block_attn_types=FIXED_BLOCK_ATTN_TYPES,
         )
 
-    def allocate_cache_tensors(self) -> None:
-        """Create every cache tensor and hand it to its layer (``tensor_setter``/bind)."""
+    def allocate_cache_tensors(self, *, log_layout: bool = False) -> None:
+        """Create every cache tensor and hand it to its layer (``tensor_setter``/bind).
+
+        Args:
+            log_layout: log every view built (``[non-contiguous-kv-cache]`` lines).
+        """
         self.layout = allocate_cache_tensors(
             self.groups,
             self.num_blocks,
             device=self.device,
             use_hybrid_blocks=self.use_hybrid_blocks,
             page_alignment_bytes=self.page_alignment_bytes,
+            log_layout=log_layout,
         )
 
     # ---- per-request -------------------------------------------------------------------
@@ -199,8 +184,12 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
-    ) -> bool:
+    ) -> KVCacheBlocks | None:
         """Make every group cover ``num_tokens`` tokens of the request, or change nothing.
+
+        Stages: check every pool (``can_allocate``), then release the blocks each group no
+        longer needs, then append new blocks in every group. Checking first across all
+        groups means a request is never left half-allocated.
 
         Args:
             request_id: any hashable string id.
@@ -210,7 +199,8 @@ class KVCacheManager:
                 Windowed groups release the blocks no query from there on can see.
 
         Returns:
-            True on success; False (nothing changed) when some pool is short of blocks.
+            the blocks added per group on success; None (nothing changed) when some pool
+            is short of blocks now.
 
         Raises:
             ValueError: when ``num_computed_tokens`` exceeds ``num_tokens``.
@@ -221,15 +211,18 @@ class KVCacheManager:
                 f"num_tokens={num_tokens} (num_tokens counts computed + new tokens)"
             )
         if not self.can_allocate(request_id, num_tokens, num_computed_tokens):
-            return False
+            return None
         for mgr in self.managers.values():
             computed = (
                 mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
             )
             mgr.remove_skipped_blocks(request_id, computed)
-        for mgr in self.managers.values():
-            mgr.allocate_new_blocks(request_id, num_tokens)
-        return True
+        return KVCacheBlocks(
+            {
+                key: tuple(mgr.allocate_new_blocks(request_id, num_tokens))
+                for key, mgr in self.managers.items()
+            }
+        )
 
     def allocate_slots_batch(
         self,
@@ -240,7 +233,7 @@ class KVCacheManager:
         """``allocate_slots`` for each request in turn, stopping at the first that fails.
 
         The pools end up exactly as after calling ``allocate_slots(request_ids[i],
-        num_tokens[i], num_computed_tokens[i])`` for i = 0, 1, ... until the first False
+        num_tokens[i], num_computed_tokens[i])`` for i = 0, 1, ... until the first None
         (same blocks, same order), but only the requests that take or release blocks in
         some group do the full per-request work; the rest just record their token count.
 
@@ -266,7 +259,7 @@ class KVCacheManager:
         )
         served = len(request_ids)
         for i in changed:
-            if not self.allocate_slots(request_ids[i], num_tokens[i], num_computed_tokens[i]):
+            if self.allocate_slots(request_ids[i], num_tokens[i], num_computed_tokens[i]) is None:
                 served = i
                 break
         if served < len(request_ids):
@@ -283,14 +276,72 @@ class KVCacheManager:
         """Per group, the request's block ids in logical order (0 = released / null)."""
         return {key: mgr.get_block_ids(request_id) for key, mgr in self.managers.items()}
 
-    def block_id_rows(self, group_key: str, request_ids: Sequence[str]) -> list[array]:
-        """The block ids of ``request_ids`` in one group, in order (an ``array("i")`` each).
+    def step_tables(
+        self,
+        request_ids: Sequence[str],
+        *,
+        starts: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> StepTables:
+        """Block tables of every group and slot mappings of every token group for one step.
 
-        Unlike ``get_block_ids`` these are the manager's own arrays, not copies: the step
-        builder reads them once per step and must not keep or change them.
+        Each group's manager builds its own from the blocks it holds, so the step builder
+        never sees how they are stored (host tensors; the caller moves them to the device).
+
+        Args:
+            request_ids: the step's requests, in batch order; each already allocated.
+            starts: position of each request's first new token (= its cached tokens).
+            num_new_tokens: tokens each request feeds this step (>= 1).
         """
-        blocks = self.managers[group_key].req_to_blocks
-        return [blocks.get(rid, _NO_BLOCKS) for rid in request_ids]
+        block_table: dict[str, Tensor] = {}
+        slot_mapping: dict[str, Tensor] = {}
+        for key, mgr in self.managers.items():
+            tables = mgr.step_tables(request_ids, starts=starts, num_new_tokens=num_new_tokens)
+            block_table[key] = tables.block_table
+            if tables.slot_mapping is not None:
+                slot_mapping[key] = tables.slot_mapping
+        return StepTables(block_table=block_table, slot_mapping=slot_mapping)
+
+    def tracked_request_ids(self) -> dict[str, list[str]]:
+        """Per group, the requests its manager still holds blocks for (empty when idle)."""
+        return {key: mgr.request_ids for key, mgr in self.managers.items()}
+
+    def max_tokens_per_request(
+        self, *, max_num_batched_tokens: int, enable_chunked_prefill: bool
+    ) -> int:
+        """The longest request (prompt + output) the empty pools can hold.
+
+        Growing groups need ``ceil(n / block_size)`` blocks; windowed and state groups are
+        bounded by what one step can add (a whole prompt when prefill is not chunked).
+        """
+
+        def fits(num_tokens: int) -> bool:
+            step = min(num_tokens, max_num_batched_tokens) if enable_chunked_prefill else num_tokens
+            need: dict[int, int] = {}
+            for key, mgr in self.managers.items():
+                group = self.groups[key]
+                blocks = mgr.num_blocks_for(num_tokens)
+                bound = mgr.max_blocks_per_request(
+                    block_size=group.block_size,
+                    sliding_window=group.sliding_window,
+                    max_num_batched_tokens=step,
+                )
+                if bound is not None:
+                    blocks = min(blocks, bound)
+                pool = self.pools[key]
+                need[id(pool)] = need.get(id(pool), 0) + blocks
+            return all(
+                need[id(pool)] <= pool.num_usable_blocks
+                for pool in {id(p): p for p in self.pools.values()}.values()
+            )
+
+        low, high = 0, 1
+        while fits(high) and high < 1 << 24:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
     @property
     def num_free_blocks(self) -> dict[str, int]:
@@ -307,7 +358,7 @@ class KVCacheManager:
                 "num_layers": len(g.layers),
                 "num_entries": len(g.entries),
                 "bytes_per_block": g.bytes_per_block(),
-                "num_requests": len(self.managers[key].req_to_blocks),
+                "num_requests": len(self.managers[key].request_ids),
                 "pool": self.pools[key].usage(),
             }
         report = {

@@ -21,15 +21,15 @@ use the contiguous layout. ``cache.view(num_blocks, block_size, -1)`` for the fu
 works on both layouts. Whether the Ascend kernels accept these strided views for every path
 is not confirmed on hardware here (see the ops reference, section 8).
 
-With ``KVSKILL_LOG_LAYOUT=1`` every build logs ``[non-contiguous-kv-cache]`` lines through
-the ``kvskill.runtime.layout`` logger.
+With ``log_layout=True`` a build logs ``[non-contiguous-kv-cache]`` lines through the
+``kvskill.runtime.layout`` logger. The switch is a parameter all the way down from
+``LLM(..., log_layout=...)``; only the CLI maps ``KVSKILL_LOG_LAYOUT=1`` onto it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -37,6 +37,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
+from kvskill.runtime.kv_cache_groups import KVCacheGroup
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
 from torch import Tensor
 
@@ -47,18 +48,15 @@ LOG_PREFIX = "[non-contiguous-kv-cache]"
 KV_LAYOUTS = ("contiguous", "page_pool")
 
 
-def layout_logging_enabled() -> bool:
-    """True when ``KVSKILL_LOG_LAYOUT=1``; then make sure the lines reach someone.
+def _route_layout_log() -> None:
+    """Make sure the layout lines reach someone once a caller asked for them.
 
     The lines are INFO records; with no logging configured anywhere (a plain script or the
     CLI) they would be dropped, so a stderr handler is attached in that case only.
     """
-    if os.environ.get("KVSKILL_LOG_LAYOUT", "") != "1":
-        return False
     logger.setLevel(logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:
         logger.addHandler(logging.StreamHandler())  # stderr
-    return True
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -79,7 +77,7 @@ def entry_offsets(entries: list[CacheEntry], block_size: int) -> tuple[list[int]
     return offsets, end
 
 
-def page_size_bytes(groups: Mapping, alignment: int) -> int:
+def page_size_bytes(groups: Mapping[str, KVCacheGroup], alignment: int) -> int:
     """Largest per-layer block payload over all groups, rounded up to the alignment."""
     payload = max(
         entry_offsets(entries, g.block_size)[1] for g in groups.values() for _, entries in g.layers
@@ -192,20 +190,27 @@ def _log_view(mode: str, key: str, layer_idx: int, name: str, t: Tensor, page: i
     logger.info(line)
 
 
-def _is_mamba_group(group) -> bool:
+def _is_mamba_group(group: KVCacheGroup) -> bool:
     return group.attn_type == AttnType.MAMBA.value
 
 
 def allocate_cache_tensors(
-    groups: Mapping,
+    groups: Mapping[str, KVCacheGroup],
     num_blocks: Mapping[str, int],
     *,
     device: str | torch.device = "cpu",
     use_hybrid_blocks: bool = False,
     page_alignment_bytes: int = 128,
+    log_layout: bool = False,
 ) -> CacheLayout:
-    """Allocate every group's caches and bind them to their layers (see module docstring)."""
-    log = layout_logging_enabled()
+    """Allocate every group's caches and bind them to their layers (see module docstring).
+
+    Args:
+        log_layout: log one ``[non-contiguous-kv-cache]`` line per view built, plus a
+            summary line for a page pool.
+    """
+    if log_layout:
+        _route_layout_log()
     if not use_hybrid_blocks:
         layout = CacheLayout(mode="contiguous", total_bytes=0)
         for key, g in groups.items():
@@ -222,7 +227,7 @@ def allocate_cache_tensors(
                 )
                 for name, t in dense.items():
                     layout.total_bytes += t.numel() * t.element_size()
-                    if log:
+                    if log_layout:
                         _log_view("contiguous", key, layer.layer_idx, name, t, None)
         layout.padding_by_group = dict.fromkeys(groups, 0.0)
         return layout
@@ -243,13 +248,13 @@ def allocate_cache_tensors(
             views = bind_kv_cache(layer, raws[j], entries, g.block_size)
             layout.views[(key, layer.layer_idx)] = views
             payload += entry_offsets(entries, g.block_size)[1]
-            if log:
+            if log_layout:
                 for name, t in views.items():
                     mamba_page = page if _is_mamba_group(g) else None
                     _log_view(mode, key, layer.layer_idx, name, t, mamba_page)
         # A block id of this group takes page b in every raw view, used or not.
         layout.padding_by_group[key] = 1.0 - payload / (page * num_raw)
-    if log:
+    if log_layout:
         logger.info(
             f"{LOG_PREFIX} mode={mode} pool_bytes={pool.numel()} page_size_bytes={page} "
             f"num_blocks={nb} raw_views={num_raw} padding_fraction={layout.padding_fraction:.4f}"
@@ -258,7 +263,7 @@ def allocate_cache_tensors(
 
 
 def calculate_block_num(
-    groups: Mapping,
+    groups: Mapping[str, KVCacheGroup],
     memory_budget_bytes: int,
     *,
     use_hybrid_blocks: bool = False,
@@ -301,7 +306,7 @@ def calculate_block_num(
 
 
 def calculate_fixed_block_num(
-    group,
+    group: KVCacheGroup,
     max_num_seqs: int | None,
     max_num_batched_tokens: int | None,
     fixed_block_attn_types: Collection[str],

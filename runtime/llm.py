@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,13 +13,8 @@ import torch
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
-from kvskill.runtime.loader import (
-    generation_eos_token_id,
-    load_model,
-    max_tokens_per_request,
-    prepare_kv_cache,
-    resolve_dtype,
-)
+from kvskill.runtime.kv_cache_setup import prepare_kv_cache
+from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
 from kvskill.runtime.masks import get_init_attn_mask
 from kvskill.runtime.request import RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.scheduler import SchedulerConfig
@@ -89,20 +83,20 @@ class LLM:
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
         self.device = param.device if param is not None else select_device(device)
-        with _layout_logging(log_layout):
-            setup = prepare_kv_cache(
-                self.model,
-                device=self.device,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_memory_bytes=kv_memory_bytes,
-                free_block_order_seed=free_block_order_seed,
-                use_hybrid_blocks=use_hybrid_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len
-                or getattr(self.text_config, "max_position_embeddings", None),
-            )
+        setup = prepare_kv_cache(
+            self.model,
+            device=self.device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            free_block_order_seed=free_block_order_seed,
+            use_hybrid_blocks=use_hybrid_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len
+            or getattr(self.text_config, "max_position_embeddings", None),
+            log_layout=log_layout,
+        )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -127,8 +121,8 @@ class LLM:
 
     # ---- set-up helpers -----------------------------------------------------------------
     def _resolve_max_model_len(self, requested: int | None, budget: int, chunked: bool) -> int:
-        capacity = max_tokens_per_request(
-            self.kv_manager, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        capacity = self.kv_manager.max_tokens_per_request(
+            max_num_batched_tokens=budget, enable_chunked_prefill=chunked
         )
         if requested is not None:
             if requested < 2:
@@ -314,23 +308,3 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
         return [prompts]  # a single prompt given as one list of ids
     return prompts
-
-
-@contextmanager
-def _layout_logging(enabled: bool) -> Iterator[None]:
-    """Turn on the cache-layout log lines for one cache build."""
-    if not enabled:
-        yield
-        return
-    layout_logger = logging.getLogger("kvskill.runtime.layout")
-    previous_env, previous_level = os.environ.get("KVSKILL_LOG_LAYOUT"), layout_logger.level
-    os.environ["KVSKILL_LOG_LAYOUT"] = "1"
-    layout_logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        layout_logger.setLevel(previous_level)
-        if previous_env is None:
-            os.environ.pop("KVSKILL_LOG_LAYOUT", None)
-        else:
-            os.environ["KVSKILL_LOG_LAYOUT"] = previous_env

@@ -1,4 +1,6 @@
-"""Load a converted model directory and give it its KV caches.
+"""Load a converted model directory: its config, its modeling module and its weights.
+
+Sizing and allocating the KV cache of the loaded model is ``kv_cache_setup``'s job.
 
 A converted directory holds ``config.json``, the converted ``modeling_*.py`` (plus any
 ``configuration_*.py`` it imports relatively) and, usually, ``*.safetensors`` weights.
@@ -14,7 +16,6 @@ import importlib.machinery
 import importlib.util
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,21 +23,14 @@ from types import ModuleType
 
 import torch
 from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.runtime.cache_info import ModelCacheInfo
 from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state
-from kvskill.runtime.device import select_device
-from kvskill.runtime.kv_cache_manager import KVCacheManager, build_groups
-from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP, FIXED_BLOCK_ATTN_TYPES
+from kvskill.runtime.device import available_memory_bytes, select_device
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-#: KV budget when neither a block count nor a budget is given: a share of free memory
-DEFAULT_KV_MEMORY_FRACTION = 0.1
-DEFAULT_KV_MEMORY_CAP_BYTES = 4 << 30
 
 
 @dataclass(slots=True)
@@ -46,12 +40,6 @@ class LoadedModel:
     model_dir: Path
     module: ModuleType  #: the imported modeling module
     weights_loaded: bool  #: False when the weights are random
-
-
-@dataclass(slots=True)
-class KVCacheSetup:
-    cache_info: ModelCacheInfo
-    manager: KVCacheManager
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -269,22 +257,6 @@ def _find_causal_lm_class(module: ModuleType, config, auto_map: dict) -> type[nn
     return found[0]
 
 
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory on ``device`` (host RAM for the CPU), or None when unknown."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0]
-        if device.type == "npu":
-            return torch.npu.mem_get_info(device)[0]
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, RuntimeError, AttributeError):
-        return None
-
-
 def _config_for_class(model_cls: type[nn.Module], config):
     """The config ``model_cls`` is built from: the composite's text config when the class
     takes that one.
@@ -435,142 +407,3 @@ def _tied_parameter_names(model: nn.Module) -> set[str]:
         else:
             seen[id(param)] = name
     return tied
-
-
-def prepare_kv_cache(
-    model: nn.Module,
-    *,
-    device: torch.device,
-    block_size: int | None = None,
-    num_blocks: int | None = None,
-    kv_memory_bytes: int | None = None,
-    free_block_order_seed: int | None = None,
-    use_hybrid_blocks: bool = False,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_model_len: int | None = None,
-) -> KVCacheSetup:
-    """Ask the model for its cache declarations, size the pools and inject the tensors.
-
-    Args:
-        block_size: overrides the model's default tokens per block (entries that set their
-            own block size keep it).
-        num_blocks / kv_memory_bytes: size of each pool in blocks (null block included), or
-            a byte budget; with neither, see ``default_kv_memory_bytes``.
-        max_model_len: longest request expected; only sizes the default budget.
-
-    Raises:
-        UnsupportedModelError: the model has no ``get_cache_info``.
-        BadInputError: inconsistent cache declarations or a budget below two blocks.
-    """
-    get_cache_info = getattr(model, "get_cache_info", None)
-    if not callable(get_cache_info):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no get_cache_info(); it is not a converted model"
-        )
-    if block_size is not None:
-        if block_size < 1:
-            raise BadInputError(f"block_size must be >= 1, got {block_size}")
-        if hasattr(model, "block_size"):
-            model.block_size = block_size
-    info = get_cache_info()
-    if not isinstance(info, ModelCacheInfo):
-        raise BadInputError(
-            f"{type(model).__name__}.get_cache_info() returned {type(info).__name__}; "
-            "expected kvskill.runtime.ModelCacheInfo"
-        )
-    if block_size is not None and info.block_size != block_size:
-        info = ModelCacheInfo(
-            num_layers=info.num_layers,
-            block_size=block_size,
-            layer_infos=info.layer_infos,
-            is_mla_backend=info.is_mla_backend,
-        )
-    if num_blocks is None and kv_memory_bytes is None:
-        kv_memory_bytes = default_kv_memory_bytes(
-            info,
-            device,
-            max_num_seqs=max_num_seqs or 1,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
-    manager = KVCacheManager(
-        info,
-        num_blocks=num_blocks,
-        memory_budget_bytes=None if num_blocks is not None else kv_memory_bytes,
-        device=str(device),
-        use_hybrid_blocks=use_hybrid_blocks,
-        free_block_order_seed=free_block_order_seed,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    manager.allocate_cache_tensors()
-    return KVCacheSetup(info, manager)
-
-
-def default_kv_memory_bytes(
-    info: ModelCacheInfo,
-    device: torch.device,
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int | None,
-    max_model_len: int | None,
-) -> int:
-    """KV bytes for ``max_num_seqs`` requests of ``max_model_len`` tokens (4096 if unknown),
-    capped at a tenth of the device's free memory and at 4 GiB.
-
-    NOTE: sized by need first so a tiny model does not zero-fill gigabytes of host memory.
-    Fixed-block groups (windows, states) get what the budget rule reserves for them.
-    """
-    from kvskill.runtime.layout import calculate_fixed_block_num
-
-    wanted = 0
-    for group in build_groups(info).values():
-        fixed = calculate_fixed_block_num(
-            group, max_num_seqs, max_num_batched_tokens, FIXED_BLOCK_ATTN_TYPES
-        )
-        if fixed is None:
-            blocks = max_num_seqs * -(-(max_model_len or 4096) // group.block_size) + 1
-            wanted += blocks * group.bytes_per_block()
-        else:
-            wanted += fixed * group.bytes_per_block()
-    free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
-    return max(1, min(wanted, int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES))
-
-
-def max_tokens_per_request(
-    manager: KVCacheManager, *, max_num_batched_tokens: int, enable_chunked_prefill: bool
-) -> int:
-    """The longest request (prompt + output) one empty pool set can hold.
-
-    Growing groups need ``ceil(n / block_size)`` blocks; windowed and state groups are
-    bounded by what one step can add (a whole prompt when prefill is not chunked).
-    """
-
-    def fits(num_tokens: int) -> bool:
-        step = min(num_tokens, max_num_batched_tokens) if enable_chunked_prefill else num_tokens
-        need: dict[int, int] = {}
-        for key, mgr in manager.managers.items():
-            group = manager.groups[key]
-            blocks = mgr.num_blocks_for(num_tokens)
-            bound = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
-                block_size=group.block_size,
-                sliding_window=group.sliding_window,
-                max_num_batched_tokens=step,
-            )
-            if bound is not None:
-                blocks = min(blocks, bound)
-            pool = manager.pools[key]
-            need[id(pool)] = need.get(id(pool), 0) + blocks
-        return all(
-            need[id(pool)] <= pool.num_usable_blocks
-            for pool in {id(p): p for p in manager.pools.values()}.values()
-        )
-
-    low, high = 0, 1
-    while fits(high) and high < 1 << 24:
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low

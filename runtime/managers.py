@@ -22,6 +22,18 @@ from typing import ClassVar
 
 from kvskill.core.attn_types import AttnType
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
+from kvskill.runtime.tables import (
+    GroupStepTables,
+    int64_tensor,
+    prepare_block_tables,
+    prepare_slot_mapping,
+    prepare_token_positions,
+    slot_mapping_from_block_ids,
+)
+from torch import Tensor
+
+#: what a request without blocks reads as (shared, never mutated)
+_NO_BLOCKS = array("i")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -191,6 +203,75 @@ class SingleTypeKVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         blocks = self.req_to_blocks.get(request_id)
         return [] if blocks is None else blocks.tolist()
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests this manager holds blocks for, in the order they first got some."""
+        return list(self.req_to_blocks)
+
+    # ---- step tables -------------------------------------------------------------------
+    def step_tables(
+        self,
+        request_ids: Sequence[str],
+        *,
+        starts: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> GroupStepTables:
+        """This group's block table and slot mapping for one step's packed tokens.
+
+        Args:
+            request_ids: the step's requests, in batch order.
+            starts: position of each request's first new token (= its cached tokens).
+            num_new_tokens: tokens each request feeds this step (>= 1).
+
+        Returns:
+            the block table of every request, and the slot of every new token unless the
+            group holds per-request state (``is_token_addressed`` False).
+        """
+        # NOTE: the rows are the manager's own arrays, read once here: each becomes a
+        # memcpy into the table, with no copy of the ids kept anywhere.
+        rows = [self.req_to_blocks.get(rid, _NO_BLOCKS) for rid in request_ids]
+        table = prepare_block_tables(rows)  # int32 [B, M]
+        if not self.is_token_addressed:
+            # One block per request holds its whole recurrent state; no token slots.
+            assert all(len(r) >= 1 for r in rows), self._not_covered()
+            return GroupStepTables(block_table=table, slot_mapping=None)
+        slots = self._slot_mapping(rows, table, starts, num_new_tokens)
+        return GroupStepTables(block_table=table, slot_mapping=slots)
+
+    def _slot_mapping(
+        self,
+        rows: list[array],
+        table: Tensor,
+        starts: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> Tensor:
+        if self._standard_blocks:
+            # Logical block i holds positions [i * bs, (i + 1) * bs): a row covers the step's
+            # tokens exactly when its last new token's block exists, which reading the slot
+            # checks. NOTE: a short row must fail here; the flat table would silently hand
+            # out the next request's blocks.
+            try:
+                return slot_mapping_from_block_ids(rows, starts, num_new_tokens, self.block_size)
+            except IndexError:
+                raise AssertionError(self._not_covered()) from None
+        # A type with its own num_blocks_for: check coverage by its rule, then index the
+        # table token by token.
+        kv_lens = [s + q for s, q in zip(starts, num_new_tokens, strict=True)]
+        need = self.num_blocks_for
+        assert all(len(r) >= need(n) for r, n in zip(rows, kv_lens, strict=True)), (
+            self._not_covered()
+        )
+        request_index, positions = prepare_token_positions(
+            int64_tensor(starts), int64_tensor(num_new_tokens), sum(num_new_tokens)
+        )
+        return prepare_slot_mapping(table, request_index, positions, self.block_size)
+
+    def _not_covered(self) -> str:
+        return (
+            f"group {self.group_key!r}: a request's blocks do not cover its tokens; the KV "
+            "manager allocated too few"
+        )
 
     def num_live_blocks(self, request_id: str) -> int:
         return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b != NULL_BLOCK_ID)

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvskill.core.errors import BadInputError
+from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.request import FinishReason, Request, RequestStatus, StepOutput
 
 
@@ -63,7 +64,9 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues; asks the KV manager before admitting or growing."""
 
-    def __init__(self, kv_manager, config: SchedulerConfig, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, kv_manager: KVCacheManager, config: SchedulerConfig, eos_token_ids: frozenset[int]
+    ) -> None:
         self.kv_manager = kv_manager
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -159,11 +162,13 @@ class Scheduler:
         return output
 
     def _allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.kv_manager.allocate_slots(
+        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now)."""
+        blocks = self.kv_manager.allocate_slots(
             request.request_id,
             request.num_computed_tokens + num_new_tokens,
             num_computed_tokens=request.num_computed_tokens,
         )
+        return blocks is not None
 
     def _preempt(self, request: Request) -> Request:
         self.kv_manager.free(request.request_id)

@@ -23,15 +23,9 @@ from itertools import accumulate, chain
 
 import torch
 from kvskill.runtime.forward_context import ForwardMetaData
-from kvskill.runtime.managers import SingleTypeKVCacheManager
+from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.scheduler import SchedulerOutput
-from kvskill.runtime.tables import (
-    bool_tensor,
-    int64_tensor,
-    prepare_block_tables,
-    prepare_slot_mapping,
-    slot_mapping_from_block_ids,
-)
+from kvskill.runtime.tables import bool_tensor, int64_tensor
 from torch import Tensor
 
 
@@ -45,12 +39,16 @@ class StepInputs:
 
 def build_step_inputs(
     output: SchedulerOutput,
-    kv_manager,
+    kv_manager: KVCacheManager,
     *,
     attention_mask: Tensor | None,
     device: torch.device,
 ) -> StepInputs:
-    """Assemble the tensors the model and the attention layers read for this step."""
+    """Assemble the tensors the model and the attention layers read for this step.
+
+    The block tables and slot mappings come from ``kv_manager.step_tables``: the managers
+    build them from the blocks they hold, so this module never reads their tables.
+    """
     scheduled = output.scheduled
     requests = [s.request for s in scheduled]
     q_lens = [s.num_new_tokens for s in scheduled]
@@ -71,44 +69,10 @@ def build_step_inputs(
         positions = int64_tensor(
             array("q", chain.from_iterable(map(range, starts, kv_lens)))
         )  # [T]
-    request_index: Tensor | None = None  # only built for a group that needs the tensor path
 
-    block_table: dict[str, Tensor] = {}
-    slot_mapping: dict[str, Tensor] = {}
-    request_ids = [r.request_id for r in requests]
-    for key in kv_manager.group_keys:
-        manager = kv_manager.managers[key]
-        block_size = kv_manager.block_size_of(key)
-        rows = kv_manager.block_id_rows(key, request_ids)
-        table = prepare_block_tables(rows)  # int32 [B, M]
-        if not manager.is_token_addressed:
-            # A state group (Mamba): one block per request holds its whole recurrent state;
-            # block_table[:, 0] is that state's index, and there are no token slots.
-            assert all(len(r) >= 1 for r in rows), _not_covered(key)
-            block_table[key] = table.to(device)
-            continue
-        if type(manager).num_blocks_for is SingleTypeKVCacheManager.num_blocks_for:
-            # Logical block i holds positions [i * bs, (i + 1) * bs): a row covers the step's
-            # tokens exactly when its last new token's block exists, which reading the slot
-            # checks. NOTE: a short row must fail here; the flat table would silently hand
-            # out the next request's blocks.
-            try:
-                slots = slot_mapping_from_block_ids(rows, starts, q_lens, block_size)
-            except IndexError:
-                raise AssertionError(_not_covered(key)) from None
-        else:
-            num_blocks_for = manager.num_blocks_for
-            assert all(len(r) >= num_blocks_for(n) for r, n in zip(rows, kv_lens, strict=True)), (
-                _not_covered(key)
-            )
-            if request_index is None:
-                request_index = torch.repeat_interleave(
-                    torch.arange(len(scheduled)), int64_tensor(q_lens)
-                )
-            slots = prepare_slot_mapping(table, request_index, positions, block_size)
-        block_table[key] = table.to(device)
-        slot_mapping[key] = slots.to(device)
-
+    tables = kv_manager.step_tables(
+        [r.request_id for r in requests], starts=starts, num_new_tokens=q_lens
+    )
     metadata = ForwardMetaData(
         is_prefill=output.is_prefill,
         attention_mask=attention_mask,
@@ -117,8 +81,8 @@ def build_step_inputs(
         actual_seq_lengths_kv=kv_lens,
         actual_seq_lengths_cu_q=cu_q,
         actual_seq_lengths_cu_kv=cu_kv,
-        block_table=block_table,
-        slot_mapping=slot_mapping,
+        block_table={key: t.to(device) for key, t in tables.block_table.items()},
+        slot_mapping={key: t.to(device) for key, t in tables.slot_mapping.items()},
         prompt_tokens=[len(r.prompt_token_ids) for r in requests],
         num_tokens=num_tokens,
         # Recurrent (Mamba) layers start from a zero state unless the request already has
@@ -130,11 +94,4 @@ def build_step_inputs(
         position_ids=positions.unsqueeze(0).to(device),
         logits_indices=int64_tensor([c - 1 for c in cu_q]).to(device),
         metadata=metadata,
-    )
-
-
-def _not_covered(key: str) -> str:
-    return (
-        f"group {key!r}: a request's blocks do not cover its tokens; the KV manager "
-        "allocated too few"
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from kvskill.runtime.block_pool import NULL_BLOCK_ID
@@ -28,6 +29,30 @@ from torch import Tensor
 #: block ids are kept as C ints (``array("i")``) and read back as int32
 _C_INT_BYTES = array("i").itemsize
 assert _C_INT_BYTES == 4, "block tables read array('i') buffers as int32"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStepTables:
+    """One group's tables for one step, built by the manager that owns the block ids."""
+
+    #: int32 ``[B, M]``: row b is request b's block ids in logical order, null-padded
+    block_table: Tensor
+    #: int64 ``[T]``: the physical slot of every packed token; None for a state group
+    #: (Mamba), whose ``block_table[:, 0]`` is each request's state index instead
+    slot_mapping: Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepTables:
+    """Every group's block table and every token group's slot mapping for one step.
+
+    Keyed by group key (the ``attn_type`` or ``manager_key``), as ``ForwardMetaData`` and
+    the converted attention read them: ``block_table[key]``, ``slot_mapping[key]``.
+    """
+
+    block_table: dict[str, Tensor]
+    #: token groups only: a state group has a block table and no slots
+    slot_mapping: dict[str, Tensor]
 
 
 def prepare_block_tables(

@@ -64,11 +64,14 @@ dtype_option = click.option(
     help="Compute dtype.",
 )
 
+#: NOTE: the one place KVSKILL_LOG_LAYOUT is read; the runtime only takes ``log_layout=``.
 log_layout_option = click.option(
     "--log-layout",
     is_flag=True,
     default=False,
-    help="Log every cache view built (lines prefixed [non-contiguous-kv-cache]).",
+    envvar="KVSKILL_LOG_LAYOUT",
+    help="Log every cache view built (lines prefixed [non-contiguous-kv-cache]). "
+    "Default: on when KVSKILL_LOG_LAYOUT=1.",
 )
 
 kv_layout_option = click.option(

@@ -59,7 +59,7 @@ def test_batch_allocation_equals_one_call_per_request(
         served = batched.allocate_slots_batch(ids, totals, computed)
         expected = len(ids)
         for i, rid in enumerate(ids):
-            if not single.allocate_slots(rid, totals[i], num_computed_tokens=computed[i]):
+            if single.allocate_slots(rid, totals[i], num_computed_tokens=computed[i]) is None:
                 expected = i
                 break
         assert served == expected

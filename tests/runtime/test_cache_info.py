@@ -3,7 +3,13 @@
 import pytest
 import torch
 from kvskill.core.errors import BadInputError
-from kvskill.runtime import CacheEntry, CacheInfoError, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime import (
+    CacheEntry,
+    CacheInfoError,
+    KVCacheManager,
+    LayerCacheInfo,
+    ModelCacheInfo,
+)
 from runtime_factories import Sink, attn_layer, mamba_layer, model_info
 
 
@@ -23,7 +29,6 @@ def _entry(**overrides):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"attn_type": "Linear"}, "cache 'k_cache' in layer 3 has unknown attn_type 'Linear'"),
         ({"attn_type": "SlidingWindow"}, "layer 3 is SlidingWindow but sliding_window=None"),
         ({"tensor_setter": None}, "cache 'k_cache' in layer 3 has no tensor_setter"),
         ({"dim": 0}, "cache 'k_cache' in layer 3 has dim=0"),
@@ -36,6 +41,20 @@ def test_bad_entry_is_reported_with_layer_and_entry(overrides, message):
     layer = LayerCacheInfo(3, [_entry(**overrides)])
     with pytest.raises(CacheInfoError, match=message) as exc:
         ModelCacheInfo(num_layers=1, block_size=16, layer_infos=[layer])
+    assert isinstance(exc.value, BadInputError)
+    assert "\n" not in str(exc.value)
+
+
+def test_unknown_attn_type_is_refused_when_the_kv_manager_is_built():
+    # The declaration is well formed, so the model can build it...
+    layer = LayerCacheInfo(3, [_entry(attn_type="Linear")])
+    info = ModelCacheInfo(num_layers=1, block_size=16, layer_infos=[layer])
+    # ...but no manager serves "Linear": the KV manager refuses it before building anything.
+    with pytest.raises(
+        CacheInfoError,
+        match="cache 'k_cache' in layer 3 has unknown attn_type 'Linear'.*register_attn_type",
+    ) as exc:
+        KVCacheManager(info, num_blocks=4)
     assert isinstance(exc.value, BadInputError)
     assert "\n" not in str(exc.value)
 

@@ -1,6 +1,7 @@
 """``kvskill run`` on the toy converted model: summary table, JSON, prompt files, errors."""
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -111,3 +112,46 @@ def test_run_without_weights_needs_random_weights(capsys, tmp_path):
         "1,2", "--max-tokens", "3", "--num-blocks", "8", "--format", "json",
     )  # fmt: skip
     assert code == 0 and len(json.loads(out)["requests"][0]["token_ids"]) == 3
+
+
+def _layout_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "[non-contiguous-kv-cache]" in r.getMessage()]
+
+
+def test_llm_log_layout_parameter_switches_the_layout_lines(caplog, toy_dir):
+    with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
+        LLM(toy_dir, trust_remote_code=True, num_blocks=12, block_size=4)
+    assert _layout_lines(caplog) == []
+    with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
+        llm = LLM(toy_dir, trust_remote_code=True, num_blocks=12, block_size=4, log_layout=True)
+    lines = _layout_lines(caplog)
+    # one line per cache tensor of every layer, in the contiguous layout
+    num_tensors = sum(len(layer.caches) for layer in llm.cache_info.layer_infos)
+    assert len(lines) == num_tensors
+    assert all(" mode=contiguous " in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expect_lines"),
+    [
+        (True, None, True),  # --log-layout
+        (False, "1", True),  # KVSKILL_LOG_LAYOUT=1 is the flag's default
+        (False, "0", False),
+        (False, None, False),
+    ],
+)
+def test_run_log_layout_flag_and_its_environment_default(
+    capsys, caplog, monkeypatch, toy_dir, flag, env, expect_lines
+):
+    if env is None:
+        monkeypatch.delenv("KVSKILL_LOG_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("KVSKILL_LOG_LAYOUT", env)
+    args = ["--log-layout"] if flag else []
+    with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
+        code, _, _ = run_cli(
+            capsys, "run", str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3",
+            "--max-tokens", "2", "--num-blocks", "12", "--block-size", "4", *args,
+        )  # fmt: skip
+    assert code == 0
+    assert bool(_layout_lines(caplog)) is expect_lines

@@ -10,10 +10,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 from kvskill.core.errors import BadInputError, UnsupportedModelError  # noqa: E402
-from kvskill.runtime import LLM, FullAttentionManager, SamplingParams, load_model  # noqa: E402
+from kvskill.runtime import (  # noqa: E402
+    ATTN_TYPE_MANAGER_MAP,
+    LLM,
+    FullAttentionManager,
+    KVCacheManager,
+    SamplingParams,
+    load_model,
+)
 from kvskill.runtime.request import Request  # noqa: E402
 from kvskill.runtime.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from kvskill.runtime.step_inputs import build_step_inputs  # noqa: E402
+from runtime_factories import Sink, attn_layer, model_info  # noqa: E402
 from toy_factory import twin_of, write_toy_dir  # noqa: E402
 
 
@@ -154,36 +162,34 @@ def test_llm_accepts_a_built_module(toy_dir):
 
 
 class _SpelledOutManager(FullAttentionManager):
-    """Same coverage rule, restated: takes the step builder's path for custom managers."""
+    """Same coverage rule, restated: the step tables take their general path for it."""
+
+    attn_type = "SpelledOutFull"
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
 
-class _Manager:
-    """Block ids as the docstring example of step_inputs: block size 4, one group."""
-
-    group_keys = ["FullAttention"]
-
-    def __init__(self, blocks, manager_cls=FullAttentionManager):
-        self.blocks = blocks
-        self.managers = {
-            "FullAttention": manager_cls(None, group_key="FullAttention", block_size=4)
-        }
-
-    def get_block_ids(self, request_id):
-        return {"FullAttention": self.blocks[request_id]}
-
-    def block_id_rows(self, key, request_ids):
-        return [self.blocks[r] for r in request_ids]
-
-    def block_size_of(self, key):
-        return 4
+@pytest.fixture(params=["FullAttention", "SpelledOutFull"])
+def attn_type(request, monkeypatch):
+    """The built-in full-attention manager, and a registered one with its own block rule."""
+    monkeypatch.setitem(ATTN_TYPE_MANAGER_MAP, "SpelledOutFull", _SpelledOutManager)
+    return request.param
 
 
-@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
-def test_step_inputs_pack_requests_as_documented(manager_cls):
-    # Request a: 4 tokens cached, 3 new (positions 4..6); request b: a fresh 2-token prompt.
+def _allocated(allocations, attn_type="FullAttention") -> KVCacheManager:
+    """A KV manager (one layer, block size 4) that served ``(request_id, num_tokens)`` in
+    order. A fresh free queue hands out blocks 1, 2, 3, ..., so the ids below are exact."""
+    info = model_info([attn_layer(Sink(), 0, attn_type)], block_size=4)
+    manager = KVCacheManager(info, num_blocks=16)
+    for request_id, num_tokens in allocations:
+        assert manager.allocate_slots(request_id, num_tokens) is not None
+    return manager
+
+
+def test_step_inputs_pack_requests_as_documented(attn_type):
+    # Request a: 4 tokens cached, 3 new (positions 4..6) in blocks [1, 2]; request b: a
+    # fresh 2-token prompt in block [3].
     a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
     b = Request("b", [20, 21], SamplingParams(), 0.0)
     output = SchedulerOutput(
@@ -191,7 +197,7 @@ def test_step_inputs_pack_requests_as_documented(manager_cls):
     )
     inputs = build_step_inputs(
         output,
-        _Manager({"a": [5, 9], "b": [3]}, manager_cls),
+        _allocated([("a", 7), ("b", 2)], attn_type),
         attention_mask=None,
         device=torch.device("cpu"),
     )
@@ -203,16 +209,15 @@ def test_step_inputs_pack_requests_as_documented(manager_cls):
     assert (md.actual_seq_lengths_kv, md.actual_seq_lengths_cu_kv) == ([7, 2], [7, 9])
     assert md.kv_len.tolist() == [7, 2] and md.num_tokens == 5 and md.prompt_tokens == [7, 2]
     assert md.extra["has_initial_state"].tolist() == [True, False]
-    assert md.block_table["FullAttention"].tolist() == [[5, 9], [3, 0]]
-    assert md.block_table["FullAttention"].dtype == torch.int32
-    # slot = block * 4 + pos % 4: positions 4,5,6 in block 9; 0,1 in block 3.
-    assert md.slot_mapping["FullAttention"].tolist() == [36, 37, 38, 12, 13]
+    assert md.block_table[attn_type].tolist() == [[1, 2], [3, 0]]
+    assert md.block_table[attn_type].dtype == torch.int32
+    # slot = block * 4 + pos % 4: positions 4,5,6 in block 2; 0,1 in block 3.
+    assert md.slot_mapping[attn_type].tolist() == [8, 9, 10, 12, 13]
 
 
-@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
-def test_decode_step_inputs(manager_cls):
-    # a: prompt of 7 and one generated token, feeds position 7 (its output 40) from block 9;
-    # b: prompt of 4 and two outputs, feeds position 5 (its output 51) from block 8.
+def test_decode_step_inputs(attn_type):
+    # a: prompt of 7 and one generated token, feeds position 7 (its output 40) from block 2;
+    # b: prompt of 4 and two outputs, feeds position 5 (its output 51) from block 4.
     a = Request("a", list(range(10, 17)), SamplingParams(), 0.0, output_token_ids=[40])
     b = Request("b", [20, 21, 22, 23], SamplingParams(), 0.0, output_token_ids=[50, 51])
     output = SchedulerOutput(
@@ -220,7 +225,7 @@ def test_decode_step_inputs(manager_cls):
     )
     inputs = build_step_inputs(
         output,
-        _Manager({"a": [5, 9], "b": [3, 8]}, manager_cls),
+        _allocated([("a", 8), ("b", 6)], attn_type),
         attention_mask=None,
         device=torch.device("cpu"),
     )
@@ -230,15 +235,15 @@ def test_decode_step_inputs(manager_cls):
     assert inputs.logits_indices.tolist() == [0, 1]
     assert md.actual_seq_lengths_kv == [8, 6] and md.kv_len.tolist() == [8, 6]
     assert md.actual_seq_lengths_cu_q == [1, 2] and md.actual_seq_lengths_cu_kv == [8, 14]
-    assert md.block_table["FullAttention"].tolist() == [[5, 9], [3, 8]]
-    assert md.slot_mapping["FullAttention"].tolist() == [9 * 4 + 3, 8 * 4 + 1]
+    assert md.block_table[attn_type].tolist() == [[1, 2], [3, 4]]
+    assert md.slot_mapping[attn_type].tolist() == [2 * 4 + 3, 4 * 4 + 1]
     assert md.extra["has_initial_state"].tolist() == [True, True]
     assert not md.is_prefill and md.prompt_tokens == [7, 4] and md.num_tokens == 2
     # b's position 5 needs a second block; with one the step is refused.
     with pytest.raises(AssertionError, match="do not cover its tokens"):
         build_step_inputs(
             output,
-            _Manager({"a": [5, 9], "b": [3]}, manager_cls),
+            _allocated([("a", 8), ("b", 4)], attn_type),
             attention_mask=None,
             device=torch.device("cpu"),
         )
@@ -262,15 +267,14 @@ def test_device_selection():
             select_device("cuda")
 
 
-@pytest.mark.parametrize("manager_cls", [FullAttentionManager, _SpelledOutManager])
-def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens(manager_cls):
-    # Request a needs 2 blocks for positions 4..6 but the manager reports one.
+def test_step_inputs_refuse_blocks_that_do_not_cover_the_tokens(attn_type):
+    # Request a was allocated 4 tokens (one block) but the step feeds positions 4..6.
     a = Request("a", list(range(10, 17)), SamplingParams(), 0.0)
     output = SchedulerOutput(is_prefill=True, scheduled=[ScheduledRequest(a, 3, 4)])
-    with pytest.raises(AssertionError, match="do not cover its tokens"):
+    with pytest.raises(AssertionError, match=f"group '{attn_type}': .*do not cover its tokens"):
         build_step_inputs(
             output,
-            _Manager({"a": [5]}, manager_cls),
+            _allocated([("a", 4)], attn_type),
             attention_mask=None,
             device=torch.device("cpu"),
         )
@@ -297,8 +301,11 @@ def test_a_request_without_new_tokens_adds_none():
         is_prefill=True, scheduled=[ScheduledRequest(a, 0, 4), ScheduledRequest(b, 1, 1)]
     )
     inputs = build_step_inputs(
-        output, _Manager({"a": [5], "b": [3]}), attention_mask=None, device=torch.device("cpu")
+        output,
+        _allocated([("a", 4), ("b", 2)]),  # a in block 1, b in block 2
+        attention_mask=None,
+        device=torch.device("cpu"),
     )
     assert inputs.input_ids.tolist() == [[21]] and inputs.position_ids.tolist() == [[1]]
-    assert inputs.metadata.slot_mapping["FullAttention"].tolist() == [3 * 4 + 1]
+    assert inputs.metadata.slot_mapping["FullAttention"].tolist() == [2 * 4 + 1]
     assert inputs.metadata.actual_seq_lengths_cu_q == [0, 1]

@@ -111,9 +111,13 @@ def test_random_request_streams_keep_every_invariant(
                 mgr.get_block_ids(rid),
             )
             expected = mgr.can_allocate(rid, total, computed)
-            ok = mgr.allocate_slots(rid, total, num_computed_tokens=computed)
-            assert ok == expected
-            if ok:
+            blocks = mgr.allocate_slots(rid, total, num_computed_tokens=computed)
+            assert (blocks is not None) == expected
+            if blocks is not None:
+                # The blocks it names are the ones appended: they end the request's table.
+                held = mgr.get_block_ids(rid)
+                for key, new in blocks.new_block_ids.items():
+                    assert tuple(held[key][len(held[key]) - len(new) :]) == new
                 live[rid] = total
                 _check_step(mgr, rid, computed, total, window)
             else:
@@ -137,10 +141,10 @@ def test_random_request_streams_keep_every_invariant(
 def test_decoding_keeps_sliding_window_blocks_bounded(window, block_size, steps):
     mgr = _manager(window, block_size, num_blocks=200, hybrid=False, seed=0)
     prompt = window + 3
-    assert mgr.allocate_slots("r", prompt)
+    assert mgr.allocate_slots("r", prompt) is not None
     bound = -(-window // block_size) + 1
     for total in range(prompt + 1, prompt + 1 + steps):
-        assert mgr.allocate_slots("r", total)
+        assert mgr.allocate_slots("r", total) is not None
         ids = mgr.get_block_ids("r")["SlidingWindow"]
         assert sum(b != NULL_BLOCK_ID for b in ids) <= bound
     # Only full attention grows with the sequence.

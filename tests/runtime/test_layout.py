@@ -208,15 +208,14 @@ def test_choose_hybrid_block_size():
 
 
 @pytest.mark.parametrize(("hybrid_layers", "mode"), [(True, "hybrid"), (False, "gqa")])
-def test_layout_log_lines(monkeypatch, caplog, hybrid_layers, mode):
-    monkeypatch.setenv("KVSKILL_LOG_LAYOUT", "1")
+def test_layout_log_lines(caplog, hybrid_layers, mode):
     sink = Sink()
     layers = [attn_layer(sink, 0, dtype=torch.float16)]
     if hybrid_layers:
         layers.append(mamba_layer(sink, 1))
     mgr = KVCacheManager(model_info(layers, 4), num_blocks=3, use_hybrid_blocks=True)
     with caplog.at_level(logging.INFO, logger="kvskill.runtime.layout"):
-        mgr.allocate_cache_tensors()
+        mgr.allocate_cache_tensors(log_layout=True)
     lines = [r.getMessage() for r in caplog.records]
     assert lines and all(line.startswith(LOG_PREFIX) for line in lines)
     k_line = next(line for line in lines if "cache=k_cache" in line)
@@ -230,13 +229,25 @@ def test_layout_log_lines(monkeypatch, caplog, hybrid_layers, mode):
         assert "page_size_bytes" not in k_line
 
 
-def test_layout_logs_are_off_by_default(monkeypatch, caplog):
-    monkeypatch.delenv("KVSKILL_LOG_LAYOUT", raising=False)
+@pytest.mark.parametrize("use_hybrid_blocks", [True, False])
+def test_layout_logs_are_off_by_default(monkeypatch, caplog, use_hybrid_blocks):
+    # The runtime reads no environment: the CLI's KVSKILL_LOG_LAYOUT default does not reach it.
+    monkeypatch.setenv("KVSKILL_LOG_LAYOUT", "1")
     sink = Sink()
-    mgr = KVCacheManager(model_info([attn_layer(sink, 0)]), num_blocks=3, use_hybrid_blocks=True)
+    mgr = KVCacheManager(
+        model_info([attn_layer(sink, 0)]), num_blocks=3, use_hybrid_blocks=use_hybrid_blocks
+    )
     with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
         mgr.allocate_cache_tensors()
     assert not [r for r in caplog.records if LOG_PREFIX in r.getMessage()]
+    # The same build with the parameter on logs one line per contiguous tensor (or view).
+    with caplog.at_level(logging.DEBUG, logger="kvskill.runtime.layout"):
+        mgr.allocate_cache_tensors(log_layout=True)
+    lines = [r.getMessage() for r in caplog.records if LOG_PREFIX in r.getMessage()]
+    mode = "gqa" if use_hybrid_blocks else "contiguous"
+    assert [line.split()[1] for line in lines[:2]] == [f"mode={mode}"] * 2
+    assert any("cache=k_cache" in line for line in lines)
+    assert any("cache=v_cache" in line for line in lines)
 
 
 def _write_and_attend(use_hybrid_blocks: bool):
@@ -253,7 +264,7 @@ def _write_and_attend(use_hybrid_blocks: bool):
     mgr.allocate_cache_tensors()
     lens = [7, 5]
     for i, n in enumerate(lens):
-        assert mgr.allocate_slots(f"r{i}", n)
+        assert mgr.allocate_slots(f"r{i}", n) is not None
     table = prepare_block_tables([mgr.get_block_ids(f"r{i}")["FullAttention"] for i in range(2)])
     req, pos = prepare_token_positions(torch.zeros(2, dtype=torch.int64), torch.tensor(lens))
     slots = prepare_slot_mapping(table, req, pos, 4)
@@ -310,19 +321,21 @@ def test_layout_switch_prints_to_stderr_without_logging_setup():
         "from kvskill.runtime import KVCacheManager\n"
         "mgr = KVCacheManager(model_info([attn_layer(Sink(), 0)]), num_blocks=3,\n"
         "                     use_hybrid_blocks=True)\n"
-        "mgr.allocate_cache_tensors()\n"
+        "mgr.allocate_cache_tensors(log_layout=sys.argv[1] == 'on')\n"
     )
-    env = {**os.environ, "KVSKILL_LOG_LAYOUT": "1"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-c", script, "on"], env=os.environ, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stderr.splitlines()
     assert any(line.startswith(f"{LOG_PREFIX} mode=gqa") for line in lines)
     quiet = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**env, "KVSKILL_LOG_LAYOUT": "0"},
+        [sys.executable, "-c", script, "off"],
+        env={**os.environ, "KVSKILL_LOG_LAYOUT": "1"},  # ignored below the CLI
         capture_output=True,
         text=True,
     )
+    assert quiet.returncode == 0, quiet.stderr
     assert LOG_PREFIX not in quiet.stderr
 
 

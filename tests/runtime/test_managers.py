@@ -81,7 +81,7 @@ def test_registering_a_new_attn_type_makes_it_valid():
     sink = Sink()
     # Unknown before registration: the error names the layer, the entry and the fix.
     with pytest.raises(CacheInfoError, match="cache 'k_cache' in layer 0 has unknown attn_type"):
-        model_info([attn_layer(sink, 0, "Chunked")])
+        KVCacheManager(model_info([attn_layer(sink, 0, "Chunked")]), num_blocks=10)
     register_attn_type("Chunked", ChunkedManager, fixed_block=True)
     try:
         info = model_info([attn_layer(sink, 0, "Chunked"), attn_layer(sink, 1)], block_size=4)
@@ -90,8 +90,8 @@ def test_registering_a_new_attn_type_makes_it_valid():
         # The new type gets its own group, pool and release rule inside KVCacheManager.
         mgr = KVCacheManager(info, num_blocks=10)
         assert mgr.group_keys == ["Chunked", "FullAttention"]
-        assert mgr.allocate_slots("r", 17)
-        assert mgr.allocate_slots("r", 18)
+        assert mgr.allocate_slots("r", 17) is not None
+        assert mgr.allocate_slots("r", 18) is not None
         # 17 computed: the current chunk starts at 16, so blocks 0-3 are released.
         assert mgr.get_block_ids("r")["Chunked"][:4] == [0, 0, 0, 0]
         assert mgr.num_free_blocks == {"Chunked": 8, "FullAttention": 4}

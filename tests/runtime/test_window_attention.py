@@ -49,7 +49,7 @@ def test_decode_with_released_blocks_matches_windowed_attention(window, prompt, 
     values = torch.empty(0, HEADS, DIM)
     computed, new = 0, prompt
     for _ in range(12):
-        assert mgr.allocate_slots("r", computed + new, num_computed_tokens=computed)
+        assert mgr.allocate_slots("r", computed + new, num_computed_tokens=computed) is not None
         ids = mgr.get_block_ids("r")["SlidingWindow"]
         table = prepare_block_tables([ids])
         req, pos = prepare_token_positions(torch.tensor([computed]), torch.tensor([new]))

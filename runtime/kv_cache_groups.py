@@ -1,0 +1,59 @@
+"""Cache groups: the entries one manager serves, gathered from a model's declarations.
+
+Entries with the same group key (``manager_key`` or ``attn_type``) share a block size, a
+window, one block table and one slot mapping; ``build_groups`` collects them layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+
+
+@dataclass(eq=False)
+class KVCacheGroup:
+    """The entries served by one manager (same group key, block size and window)."""
+
+    key: str
+    attn_type: str
+    block_size: int
+    sliding_window: int | None
+    #: (layer info, that layer's entries of this group), in layer order
+    layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[CacheEntry]:
+        return [entry for _, entries in self.layers for entry in entries]
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across every layer of the group (contiguous layout)."""
+        return sum(entry.bytes_per_block(self.block_size) for entry in self.entries)
+
+    def layer_page_bytes(self) -> list[int]:
+        """Payload bytes per block of each layer (what one page must hold)."""
+        return [
+            sum(entry.bytes_per_block(self.block_size) for entry in entries)
+            for _, entries in self.layers
+        ]
+
+
+def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
+    """Group every entry that needs blocks by its group key, in first-seen order."""
+    groups: dict[str, KVCacheGroup] = {}
+    for layer in cache_info.layer_infos:
+        for entry in layer.caches:
+            if not entry.needs_block:
+                continue
+            group = groups.get(entry.group_key)
+            if group is None:
+                group = groups[entry.group_key] = KVCacheGroup(
+                    key=entry.group_key,
+                    attn_type=entry.attn_type,
+                    block_size=cache_info.group_block_size(entry),
+                    sliding_window=entry.sliding_window,
+                )
+            if not group.layers or group.layers[-1][0] is not layer:
+                group.layers.append((layer, []))
+            group.layers[-1][1].append(entry)
+    return groups

@@ -72,14 +72,18 @@ def _check_nd(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa:
         )
 
 
-def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
-    """Write ``updates[i]`` into batch ``i`` of ``data`` along ``axis`` at offset ``indices[i]``.
+def scatter_update_(input: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:  # noqa: A002
+    """Write ``updates[i]`` into batch ``i`` of ``input`` along ``axis`` at offset ``indices[i]``.
 
     1-D indices (n,): ``data[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
     2-D indices (n, 2): row i writes batch ``indices[i, 0]`` at offset ``indices[i, 1]``.
     0-D indices behave as shape (1,). Example: BNSD cache (B, N, S_max, D), ``indices = kv_len``,
-    updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``data``.
+    updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``input``.
+
+    NOTE: the schema names the first parameter ``self`` (bound as ``input``); the wheel's docs
+    still call it ``data``, which the binding does not accept as a keyword.
     """
+    data = input
     rank = data.dim()
     if not -rank < axis < rank or axis % rank == 0:
         raise OpInputError(
@@ -125,6 +129,6 @@ def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -
     return data
 
 
-def scatter_update(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
+def scatter_update(input: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:  # noqa: A002
     """Out-of-place twin of ``scatter_update_``."""
-    return scatter_update_(data.clone(), indices, updates, axis)
+    return scatter_update_(input.clone(), indices, updates, axis)

@@ -169,6 +169,12 @@ class _Snippet:  # methods for an existing class; only the body is inserted
         from a single rank.
         """
         attentions = [module for module in self.modules() if hasattr(module, "cache_entries")]
+        for module in attentions:
+            # Loaders may cast the model after __init__: the latent caches hold what the layer
+            # computes (the fused attention takes the query's dtype for key and value).
+            param = next(module.parameters(), None)
+            for entry in module.cache_entries:
+                entry.dtype = param.dtype if param is not None else entry.dtype
         layer_infos = [
             LayerCacheInfo(layer_idx=index, caches=list(module.cache_entries))
             for index, module in enumerate(attentions)

@@ -83,7 +83,7 @@ def _check_nd(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa:
 def scatter_update_(input: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:  # noqa: A002
     """Write ``updates[i]`` into batch ``i`` of ``input`` along ``axis`` at offset ``indices[i]``.
 
-    1-D indices (n,): ``data[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
+    1-D indices (n,): ``input[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
     2-D indices (n, 2): row i writes batch ``indices[i, 0]`` at offset ``indices[i, 1]``.
     Example: BNSD cache (B, N, S_max, D), ``indices = kv_len``,
     updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``input``.

@@ -58,6 +58,12 @@ def add_pitfalls(
             "MLA absorb: the FA call's num_key_value_heads=1 must equal cache_entries "
             "num_head=1, and the model class must set is_mla_backend=True"
         )
+        # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9)
+        warn(
+            "MLA absorb on the NPU: the 512-wide latent query takes 1..16 query tokens per "
+            "request; an absorbed prefill over whole prompts is refused there (run prefill "
+            "without absorption)"
+        )
         rope = int(spec.mla["qk_rope_head_dim"] or 0) if spec.mla else 0
         rank = int(spec.mla["kv_lora_rank"] or 0) if spec.mla else 0
         if rope != 64:
@@ -110,6 +116,12 @@ def add_pitfalls(
         warn(
             "YaRN mscale_all_dim: the FA scale must include mscale^2; leaving it out is "
             "silently too small"
+        )
+    if spec.dtype not in ("float16", "bfloat16"):
+        # torch_npu 2.13.0 docs: the fused attention takes float16/bfloat16 (int8 quantised)
+        warn(
+            f"model dtype {spec.dtype}: the NPU's fused attention takes float16 or bfloat16; "
+            "float32 runs on the CPU reference only"
         )
     if not spec.dtype_known:
         warn(f"config names no dtype; cache dtype {spec.dtype} assumed")

@@ -4,6 +4,10 @@
 reference module ``kvskill.runtime.ops.reference``. The environment variable ``KVSKILL_OPS``
 forces the choice: ``npu`` (fail if torch_npu is unusable) or ``reference``; unset or ``auto``
 picks the NPU when present. ``backend()`` reports which one is active and why.
+
+``npu_limits()`` / ``set_npu_limits()`` switch the strict NPU profile: the reference then also
+enforces the limits that hold only on hardware (fp16/bf16 only, paged block sizes, fixed head
+dims; see ``reference/npu_profile.py``). ``KVSKILL_NPU_LIMITS=1`` turns it on from the start.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import fla, reference
+from .reference.npu_profile import npu_limits, npu_limits_enabled, set_npu_limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,4 +61,13 @@ def backend() -> Backend:
     return _BACKEND
 
 
-__all__ = ["Backend", "backend", "fla", "reference", "torch_npu"]
+__all__ = [
+    "Backend",
+    "backend",
+    "fla",
+    "npu_limits",
+    "npu_limits_enabled",
+    "reference",
+    "set_npu_limits",
+    "torch_npu",
+]

@@ -25,10 +25,17 @@ class TestScatterNdUpdate:
         out = npu.npu_scatter_nd_update(data, torch.tensor([[1]]), torch.ones(1, 2))
         assert data.sum() == 0 and out[1].sum() == 2
 
-    def test_casts_updates_to_the_cache_dtype(self):
+    def test_rejects_updates_of_another_dtype_than_the_cache(self):
+        # The device needs input and updates of one dtype ("数据类型需要与updates一致"): an fp32
+        # key written into a bf16 cache must be cast by the model, not by the operator.
         cache = torch.zeros(4, 2, dtype=torch.bfloat16)
-        npu.npu_scatter_nd_update_(cache, torch.tensor([[2]]), torch.tensor([[1.5, 2.5]]))
-        assert cache.dtype == torch.bfloat16 and cache[2].tolist() == [1.5, 2.5]
+        with pytest.raises(OpInputError, match="updates dtype torch.float32 must equal"):
+            npu.npu_scatter_nd_update_(cache, torch.tensor([[2]]), torch.tensor([[1.5, 2.5]]))
+        assert torch.count_nonzero(cache) == 0
+        npu.npu_scatter_nd_update_(
+            cache, torch.tensor([[2]]), torch.tensor([[1.5, 2.5]]).bfloat16()
+        )
+        assert cache[2].tolist() == [1.5, 2.5]
 
     @pytest.mark.parametrize(
         "idx,upd,match",
@@ -79,6 +86,20 @@ class TestScatterUpdate:
     def test_rejects(self, axis, idx, upd, match):
         with pytest.raises(OpInputError, match=match):
             npu.scatter_update_(torch.zeros(2, 4, 2), idx, upd, axis)
+
+    @pytest.mark.parametrize(
+        "data,idx,match",
+        [
+            (torch.zeros(4), torch.tensor([0]), "2..8 dims"),
+            (torch.zeros(2, 4, 2), torch.tensor(0), "1-D or 2-D int32/int64"),
+            (torch.zeros(2, 4, 2), torch.tensor([0.0, 1.0]), "1-D or 2-D int32/int64"),
+            (torch.zeros(2, 4, 2, dtype=torch.float64), torch.tensor([0, 1]), "dtype must be"),
+        ],
+    )
+    def test_rejects_what_the_docs_exclude(self, data, idx, match):
+        upd = torch.ones(*data.shape[:1], *([1] if data.dim() > 1 else []), *data.shape[2:])
+        with pytest.raises(OpInputError, match=match):
+            npu.scatter_update_(data, idx, upd.to(data.dtype), 1 if data.dim() > 1 else -1)
 
 
 def _rms_rope_inputs(b=2, s=3, dc=32, seed=0):

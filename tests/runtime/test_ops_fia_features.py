@@ -177,11 +177,12 @@ def test_mla_nz_caches_written_then_read_by_fa(nope):
 @pytest.mark.parametrize("mode,pre,nxt", [(3, 2147483647, 2147483647), (4, 1, 0), (0, 2, 0)])
 def test_lse_and_no_lse_paths_agree_including_empty_rows(mode, pre, nxt):
     # softmax_lse_flag switches between two implementations of the same math; rows with no
-    # admitted key (q longer than kv in mode 3) are zeros.
+    # admitted key (q longer than kv in mode 3) are zeros. Packed (TND) prefill takes mode 0
+    # only without a mask, and then ignores pre/next (npu_ops.md §5).
     case = make_paged_case(
         [5, 1, 4], [3, 6, 4], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=31
     )
-    mask = CAUSAL_TILE if mode else torch.zeros(8, 8, dtype=torch.bool)
+    mask = CAUSAL_TILE if mode else None
     outs = []
     for flag in (False, True):
         out, _ = paged_fia_v1(
@@ -199,10 +200,7 @@ def test_lse_and_no_lse_paths_agree_including_empty_rows(mode, pre, nxt):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     if mode == 3:
         assert torch.count_nonzero(outs[0][:2]) == 0  # rows 0, 1 of request 0 see no key
-    if mode == 0:
-        rule = lambda i, j, s1, s2: i - pre <= j <= i + nxt  # noqa: E731
-    else:
-        rule = rule_for(mode, pre, nxt)
+    rule = rule_for(0) if mode == 0 else rule_for(mode, pre, nxt)
     start = 0
     for b, s in enumerate(case.q_lens):
         want, _ = naive_request(case.qs[b], case.ks[b], case.vs[b], 0.3, rule)

@@ -128,6 +128,11 @@ def test_dense_kv_every_layout(layout, mode):
     q_lens, kv_lens = [4, 2], [6, 5]
     n, kvn = 4, 2
     mask = CAUSAL_TILE if mode else None
+    if layout.partition("_")[0] in ("TND", "NTD") and mode == 2:
+        # packed prefill takes sparse modes 0 (no mask), 3 and 4 only (npu_ops.md §9)
+        with pytest.raises(npu.OpInputError, match="takes sparse_mode 0 without a mask or 3/4"):
+            run_dense(layout, q_lens, kv_lens, n, kvn, mode, mask=mask)
+        return
     out, lse, data = run_dense(layout, q_lens, kv_lens, n, kvn, mode, mask=mask)
     check(out, lse, data, q_lens, n, rule_for(mode))
 
@@ -142,7 +147,7 @@ def test_outputs_are_contiguous_like_the_devices_fresh_tensors(layout, q_lens, k
     out.view(-1)
 
 
-@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("layout", ["BSND", "BNSD"])
 @pytest.mark.parametrize("pre,nxt", [(1, 0), (2, 1), (INT_MAX, 0), (3, -1)])
 def test_mode0_mask_with_pre_next_is_top_left_aligned(layout, pre, nxt):
     q_lens, kv_lens = [5, 3], [7, 6]
@@ -150,6 +155,13 @@ def test_mode0_mask_with_pre_next_is_top_left_aligned(layout, pre, nxt):
     mask = torch.rand(5, 7, generator=gen) > 0.7
     out, lse, data = run_dense(layout, q_lens, kv_lens, 4, 1, 0, mask=mask, pre=pre, nxt=nxt)
     check(out, lse, data, q_lens, 4, MASK_RULES[0](mask, pre, nxt))
+
+
+def test_packed_prefill_rejects_a_mode0_mask():
+    # TND prefill takes mode 0 only without a mask (doc: TND场景下...综合限制)
+    mask = torch.zeros(5, 7, dtype=torch.bool)
+    with pytest.raises(npu.OpInputError, match="got sparse_mode=0 with atten_mask"):
+        run_dense("TND", [5, 3], [7, 6], 4, 1, 0, mask=mask, pre=1, nxt=0)
 
 
 @pytest.mark.parametrize("mask_shape", ["2d", "b3d", "b4d"])

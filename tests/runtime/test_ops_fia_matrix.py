@@ -107,6 +107,11 @@ def test_matrix(layout, form, mode, heads, shape, dtype, seed):
         kwargs["actual_seq_lengths_kv"] = cum(kv_lens) if packed else kv_lens
     else:
         kwargs.update(block_table=case.block_table, block_size=BS, actual_seq_lengths_kv=kv_lens)
+    if packed and max(q_lens) > 1 and mode in (1, 2):
+        # packed prefill takes modes 0 (no mask), 3 and 4 only (npu_ops.md §9)
+        with pytest.raises(npu.OpInputError, match="takes sparse_mode 0 without a mask or 3/4"):
+            npu.npu_fused_infer_attention_score(q, key, value, **kwargs)
+        return
     out, _ = npu.npu_fused_infer_attention_score(q, key, value, **kwargs)
     assert out.dtype == dtype
     if decode_branch or mode == 0:

@@ -216,10 +216,15 @@ def test_works_inside_and_outside_inference_mode_in_any_order():
 @pytest.mark.parametrize("mode", [2, 3])
 @pytest.mark.parametrize("lens", [[7], [5, 5]])
 def test_full_causal_prefill_of_equal_requests(mode, lens):
-    # Equal-length prompts without cache (q == kv) take the kernel's causal path.
+    # Equal-length prompts without cache (q == kv) take the kernel's causal path (mode 3);
+    # packed prefill does not take mode 2 (npu_ops.md §9).
     case = make_paged_case(
         lens, lens, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=5
     )
+    if mode == 2:
+        with pytest.raises(npu.OpInputError, match="takes sparse_mode 0 without a mask or 3/4"):
+            _call_v1(case, 4, 2, 0.3, mode)
+        return
     out, _ = _call_v1(case, 4, 2, 0.3, mode)
     want, _ = naive_batch(case, 0.3, rule_for(mode))
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)

@@ -22,8 +22,17 @@ def _format_id(fmt: object) -> int:
     return int(getattr(fmt, "value", fmt))
 
 
-def npu_format_cast(input: Tensor, acl_format: object, customize_dtype: object = None) -> Tensor:  # noqa: A002
+def npu_format_cast(
+    input: Tensor,  # noqa: A002
+    acl_format: object,
+    *,
+    customize_dtype: int | None = None,
+    input_dtype: int | None = None,
+) -> Tensor:
     """A new tensor with the same values, tagged with ``acl_format`` (e.g. 29 = FRACTAL_NZ).
+
+    ``customize_dtype`` and ``input_dtype`` are keyword-only, as in the schema; both only
+    change how the device lays out the data, so the reference ignores them.
 
     unconfirmed: what the device returns for a private format while
     ``allow_internal_format`` is False; the reference always tags.
@@ -33,7 +42,13 @@ def npu_format_cast(input: Tensor, acl_format: object, customize_dtype: object =
     return out
 
 
-def npu_format_cast_(input: Tensor, src: object, customize_dtype: object = None) -> Tensor:  # noqa: A002
+def npu_format_cast_(
+    input: Tensor,  # noqa: A002
+    src: object,
+    *,
+    customize_dtype: int | None = None,
+    input_dtype: int | None = None,
+) -> Tensor:
     """In-place twin: tags ``input`` with the format of ``src`` (an id, enum or tensor)."""
     _tag(input, _format_id(src))
     return input

@@ -27,6 +27,7 @@ from .batch_groups import Group, plan_groups
 from .fa_call import MAX_GQA_RATIO, MLA_NOPE_DIMS, MLA_ROPE_DIM, FaCall, Shapes
 from .fa_lengths import resolve_lengths
 from .fa_masks import admission as build_admission
+from .npu_limits import check_fused_attention
 
 
 def run(call: FaCall) -> tuple[Tensor, Tensor]:
@@ -52,6 +53,8 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     paged = call.block_table is not None
     shapes = resolve_lengths(call, layout, paged)
     admission = build_admission(call, shapes, paged)
+    # after the mask checks, whose messages are more specific than the operator-wide limits
+    check_fused_attention(call, layout, shapes)
     q, q_rope = _padded_query(call, layout, shapes)
     out = _decode_in_kernel(call, layout, shapes, kvn, admission, q, q_rope) if paged else None
     groups = None if out is not None else _batch_groups(call, shapes, paged, q)

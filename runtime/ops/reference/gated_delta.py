@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe, strict_keywords
+from .gated_delta_limits import check_chunk, check_recurrent
 
 #: per-request token limit of npu_recurrent_gated_delta_rule (npu_ops.md §5.5)
 MAX_TOKENS_PER_REQUEST = 8
@@ -168,6 +169,18 @@ def _recurrent(query, key, value, state, beta, scale, lens_t, idx_t, acc_t, g, g
         )
     if g is not None and gk is not None:
         raise OpInputError(f"{op}: pass `g` or `gk`, not both")
+    check_recurrent(
+        op,
+        query,
+        value,
+        key=key,
+        state=state,
+        beta=beta,
+        g=g,
+        actual_seq_lengths=lens_t,
+        ssm_state_indices=idx_t,
+        num_accepted_tokens=acc_t,
+    )
     lens = _as_list("actual_seq_lengths", lens_t) or [1] * t_total
     if sum(lens) != t_total or any(not 1 <= n <= MAX_TOKENS_PER_REQUEST for n in lens):
         raise OpInputError(
@@ -243,6 +256,16 @@ def npu_chunk_gated_delta_rule(
     nv, dv = value.size(1), value.size(2)
     if nv % nk:
         raise OpInputError(f"{op}: value heads {nv} must be a multiple of key heads {nk}")
+    check_chunk(
+        op,
+        query,
+        value,
+        key=key,
+        beta=beta,
+        initial_state=initial_state,
+        g=g,
+        actual_seq_lengths=actual_seq_lengths,
+    )
     lens = _as_list("actual_seq_lengths", actual_seq_lengths) or [t_total]
     if sum(lens) != t_total or min(lens) < 0:
         raise OpInputError(

@@ -37,8 +37,6 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
                 f"{tuple(input.shape)} (min {lo}); slice padded slot ids (-1) away first"
             )
     src = updates.reshape(flat.size(0), *input.shape[a:])
-    if src.dtype != input.dtype:
-        src = src.to(input.dtype)
     if a == 1:
         # The paged-cache write (one slot id per token): one row copy per index.
         input.index_copy_(0, flat[:, 0].long(), src)
@@ -53,6 +51,16 @@ def npu_scatter_nd_update(input: Tensor, indices: Tensor, updates: Tensor) -> Te
 
 
 def _check_nd(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa: A002
+    # doc npu_scatter_nd_update_, 参数说明 › input: "数据类型需要与updates一致，维度只能是1~8维"
+    if not 1 <= input.dim() <= 8:
+        raise OpInputError(
+            f"npu_scatter_nd_update_: input must have 1..8 dims, got {describe(input)}"
+        )
+    if updates.dtype != input.dtype:
+        raise OpInputError(
+            f"npu_scatter_nd_update_: updates dtype {updates.dtype} must equal the input's "
+            f"{input.dtype}; cast the new keys/values to the cache dtype first"
+        )
     if indices.is_floating_point() or indices.dim() < 2:
         raise OpInputError(
             f"npu_scatter_nd_update_: indices must be int32/int64 with rank >= 2, got "
@@ -72,15 +80,20 @@ def _check_nd(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa:
         )
 
 
-def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
-    """Write ``updates[i]`` into batch ``i`` of ``data`` along ``axis`` at offset ``indices[i]``.
+def scatter_update_(input: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:  # noqa: A002
+    """Write ``updates[i]`` into batch ``i`` of ``input`` along ``axis`` at offset ``indices[i]``.
 
-    1-D indices (n,): ``data[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
+    1-D indices (n,): ``input[i, ..., indices[i] + k, ...] = updates[i, ..., k, ...]``.
     2-D indices (n, 2): row i writes batch ``indices[i, 0]`` at offset ``indices[i, 1]``.
-    0-D indices behave as shape (1,). Example: BNSD cache (B, N, S_max, D), ``indices = kv_len``,
-    updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``data``.
+    Example: BNSD cache (B, N, S_max, D), ``indices = kv_len``,
+    updates (B, N, 1, D), ``axis=-2`` appends one token per request. Returns ``input``.
+
+    NOTE: the schema names the first parameter ``self`` (bound as ``input``); the wheel's docs
+    still call it ``data``, which the binding does not accept as a keyword.
     """
+    data = input
     rank = data.dim()
+    _check_update_inputs(data, indices, updates)
     if not -rank < axis < rank or axis % rank == 0:
         raise OpInputError(
             f"scatter_update_: axis must be in (-{rank}, {rank}) and not 0, got {axis}"
@@ -90,12 +103,7 @@ def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -
         raise OpInputError(
             f"scatter_update_: updates rank {updates.dim()} must equal data rank {rank}"
         )
-    if indices.is_floating_point() or indices.dim() > 2:
-        raise OpInputError(
-            f"scatter_update_: indices must be int32/int64 of rank 0, 1 or 2, got "
-            f"{describe(indices)}"
-        )
-    idx = indices.long().reshape(-1) if indices.dim() < 2 else indices.long()
+    idx = indices.long()
     n = idx.size(0)
     if idx.dim() == 2:
         batch, offset = idx[:, 0], idx[:, 1]
@@ -125,6 +133,33 @@ def scatter_update_(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -
     return data
 
 
-def scatter_update(data: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:
+#: dtypes the device documents for data/updates (Atlas A2/A3)
+SCATTER_UPDATE_DTYPES = (torch.int8, torch.float16, torch.float32, torch.bfloat16, torch.int32)
+
+
+def _check_update_inputs(data: Tensor, indices: Tensor, updates: Tensor) -> None:
+    """The documented limits of scatter_update_ (doc 参数说明 and 约束说明)."""
+    # "data只支持2-8维"; "indices ... 数据类型支持int32、int64; 目前仅支持一维跟二维"
+    if not 2 <= data.dim() <= 8:
+        raise OpInputError(f"scatter_update_: input must have 2..8 dims, got {describe(data)}")
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() not in (1, 2):
+        raise OpInputError(
+            f"scatter_update_: indices must be a 1-D or 2-D int32/int64 tensor, got "
+            f"{describe(indices)}"
+        )
+    for name, t in (("input", data), ("updates", updates)):
+        if t.dtype not in SCATTER_UPDATE_DTYPES:
+            raise OpInputError(
+                f"scatter_update_: {name} dtype must be one of "
+                f"{[str(d).removeprefix('torch.') for d in SCATTER_UPDATE_DTYPES]}, got {t.dtype}"
+            )
+        # "不支持空Tensor"
+        if t.numel() == 0:
+            raise OpInputError(f"scatter_update_: {name} must not be empty, got {describe(t)}")
+    if indices.numel() == 0:
+        raise OpInputError("scatter_update_: indices must not be empty")
+
+
+def scatter_update(input: Tensor, indices: Tensor, updates: Tensor, axis: int) -> Tensor:  # noqa: A002
     """Out-of-place twin of ``scatter_update_``."""
-    return scatter_update_(data.clone(), indices, updates, axis)
+    return scatter_update_(input.clone(), indices, updates, axis)

@@ -1,0 +1,231 @@
+"""Documented limits of torch_npu 2.13.0's fused attention that a converted model can hit.
+
+Each check cites the section of the operator's docs in the wheel (``torch_npu/_op_plugin_docs.py``,
+Chinese; the section heading is quoted) and raises ``OpInputError`` naming the limit. Checks
+marked *hardware-only* run only under the strict NPU profile (``npu_profile``), because CPU
+verification uses fp32 and tiny blocks on purpose. Where the docs and the running code of
+vllm-ascend disagree, the running code wins and references/npu_ops.md §9 records both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import OpInputError, describe
+from .attention_inputs import Layout
+from .fa_call import FaCall, Shapes
+from .npu_profile import npu_limits_enabled
+
+#: dtypes the device accepts for query/key/value (int8 quantised paths are outside the reference)
+NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEADS = 256
+MAX_HEAD_DIM = 512
+MAX_BATCH = 65536
+#: KV_N * D limit of the (blocknum, blocksize, H) cache form and of BSH/BSND queries
+MAX_HIDDEN = 65535
+#: MLA with a 512-wide latent: query tokens per request, query head counts (v2, v1)
+MLA_LATENT_DIM = 512
+MLA_MAX_QUERY_TOKENS = 16
+MLA_V2_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+MLA_V1_HEADS = (32, 64, 128)
+MLA_BLOCK_SIZES = (16, 128)
+MAX_PAGED_BLOCK = 512
+PREFILL_BLOCK_MULTIPLE = 128
+DECODE_BLOCK_MULTIPLE = 16
+V2_MAX_PACKED_BATCH = 4096
+NPU_ONLY = "NPU-only limit, enforced under the strict NPU profile"
+
+
+def check_fused_attention(call: FaCall, layout: Layout, shapes: Shapes) -> None:
+    """Every documented limit of this call; raises OpInputError at the first one broken."""
+    _check_sizes(call, layout, shapes)
+    paged = call.block_table is not None
+    if paged:
+        _check_paged_cache(call, layout)
+    if call.query_rope is not None and _query_head_dim(call, layout) == MLA_LATENT_DIM:
+        _check_mla_latent(call, shapes, paged)
+    elif layout.is_packed and _prefill(shapes):
+        _check_packed_sparse(call)
+    if layout.is_packed and call.names.op.endswith("_v2") and shapes.batch > V2_MAX_PACKED_BATCH:
+        # doc v2, 约束说明 › TND、TND_NTD、NTD_TND场景下的综合限制: "元素个数不大于4096"
+        _fail(
+            call, f"packed layouts take at most {V2_MAX_PACKED_BATCH} requests, got {shapes.batch}"
+        )
+    if npu_limits_enabled():
+        _check_hardware(call, layout, shapes, paged)
+
+
+def _check_sizes(call: FaCall, layout: Layout, shapes: Shapes) -> None:
+    # doc v1/v2, 约束说明 › 当Q_S大于1时 / 当Q_S等于1时: "B轴小于等于65536", "N轴小于等于256",
+    # "D轴小于等于512"; "input_layout为BSH或者BSND时, 要求N*D小于65535" (Q_S > 1)
+    d = _query_head_dim(call, layout)
+    if shapes.batch > MAX_BATCH:
+        _fail(call, f"batch {shapes.batch} exceeds {MAX_BATCH}")
+    if call.num_heads > MAX_HEADS:
+        _fail(call, f"{call.names.num_heads}={call.num_heads} exceeds {MAX_HEADS} query heads")
+    if d > MAX_HEAD_DIM:
+        _fail(call, f"query head dim {d} exceeds {MAX_HEAD_DIM}")
+    hidden = call.num_heads * d
+    if layout.query in ("BSH", "BSND") and _prefill(shapes) and hidden >= MAX_HIDDEN:
+        _fail(
+            call,
+            f"input_layout {call.input_layout!r} needs N*D < {MAX_HIDDEN} when Q_S > 1, got "
+            f"{call.num_heads}*{d} = {hidden}; use TND or BNSD",
+        )
+
+
+def _check_paged_cache(call: FaCall, layout: Layout) -> None:
+    key = call.key
+    # doc v1/v2, 约束说明 › page attention场景: with the (blocknum, blocksize, H) cache form
+    # "KV_N*D超过65535时, 受硬件指令约束, 会被拦截报错"
+    if key.dim() == 3 and key.size(2) > MAX_HIDDEN:
+        _fail(
+            call,
+            f"paged cache (blocknum, blocksize, H) needs KV_N*D <= {MAX_HIDDEN}, got H = "
+            f"{key.size(2)}; use the (blocknum, KV_N, blocksize, D) form or fewer KV heads",
+        )
+    # doc v1, 约束说明 › query_rope和key_rope参数约束 (and v2 › 当query的d等于512时):
+    # "当数据格式为NZ时input_layout不支持BNSD". The docs describe an fp16/bf16 NZ cache only for
+    # MLA; without rope they document it only for int8 KV (BSH/BSND/BNSD allowed), so an
+    # fp16/bf16 NZ cache without MLA stays unconstrained here (unconfirmed on device).
+    nz_mla = key.dim() == 5 and call.query_rope is not None
+    if nz_mla and layout.query.startswith("BNSD"):
+        _fail(call, f"input_layout {call.input_layout!r} does not take the NZ cache with MLA")
+    if call.block_table.dim() != 2:
+        # doc v1/v2, 约束说明 › page attention场景: "block_table必须为二维"
+        _fail(call, f"block_table must be 2-D [B, max_blocks], got {describe(call.block_table)}")
+
+
+def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
+    """Absorbed MLA: a 512-wide latent query with a 64-wide rope part."""
+    # doc v2, 约束说明 › 当query的d等于512时 (v1: › query_rope和key_rope参数约束, sparse不为4时)
+    if not paged:
+        _fail(call, "MLA with a 512-wide query needs PageAttention (block_table)")
+    kv_heads = call.num_key_value_heads or call.num_heads
+    if kv_heads != 1:
+        _fail(
+            call, f"MLA with a 512-wide query needs 1 KV head, got num_key_value_heads={kv_heads}"
+        )
+    if npu_limits_enabled():
+        # hardware-only: verify shrinks the head count and runs absorbed MLA over whole
+        # prompts with small blocks (see npu_ops.md §9)
+        heads = MLA_V2_HEADS if call.names.op.endswith("_v2") else MLA_V1_HEADS
+        if call.num_heads not in heads:
+            _fail(
+                call,
+                f"MLA with a 512-wide query takes {call.names.num_heads} in {heads}, got {call.num_heads} ({NPU_ONLY})",
+            )
+        longest = max(shapes.q_lens, default=0)
+        if longest > MLA_MAX_QUERY_TOKENS:
+            _fail(
+                call,
+                f"MLA with a 512-wide query takes 1..{MLA_MAX_QUERY_TOKENS} query tokens per "
+                f"request, got {longest}; run prefill without absorption ({NPU_ONLY})",
+            )
+        # "此时block_size支持16、128，其中数据格式为NZ时block_size不支持配置16"
+        allowed = (128,) if call.key.dim() == 5 else MLA_BLOCK_SIZES
+        if call.block_size not in allowed:
+            _fail(
+                call,
+                f"MLA with a 512-wide query takes block_size in {allowed}, got {call.block_size} ({NPU_ONLY})",
+            )
+    # "Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask"
+    if _prefill(shapes):
+        if call.sparse_mode != 3 or call.atten_mask is None:
+            _fail(
+                call,
+                f"MLA prefill (Q_S > 1) takes sparse_mode=3 with the 2048 mask, got sparse_mode={call.sparse_mode}",
+            )
+    elif call.sparse_mode != 0 or call.atten_mask is not None:
+        _fail(
+            call,
+            f"MLA decode (Q_S = 1) takes sparse_mode=0 without a mask, got sparse_mode={call.sparse_mode}",
+        )
+
+
+def _check_packed_sparse(call: FaCall) -> None:
+    # doc v1/v2, 约束说明 › TND场景下query、key、value输入的综合限制: "sparse模式仅支持sparse=0且不传
+    # mask，或sparse=3且传入mask", and "sparse_mode=4且传入mask". The decode branch (Q_S = 1
+    # everywhere) ignores sparse_mode, so this applies only when a request has Q_S > 1.
+    mode, mask = call.sparse_mode, call.atten_mask
+    if (mode == 0 and mask is None) or (mode in (3, 4) and mask is not None):
+        return
+    with_mask = "with" if mask is not None else "without"
+    _fail(
+        call,
+        f"input_layout {call.input_layout!r} with Q_S > 1 takes sparse_mode 0 without a mask or "
+        f"3/4 with one, got sparse_mode={mode} {with_mask} atten_mask",
+    )
+
+
+def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -> None:
+    """Hardware-only limits: dtypes, block sizes, alignment."""
+    # doc v1/v2, 参数说明 › query/key/value: "数据类型支持float16、bfloat16、int8" (int8 and
+    # int4 are quantised paths the reference does not model; fp32 is a CPU-only convenience)
+    for name in ("query", "key", "value", "query_rope", "key_rope"):
+        t = getattr(call, name)
+        if t is not None and t.dtype not in NPU_FLOAT_DTYPES:
+            _fail(
+                call, f"`{name}` must be float16 or bfloat16 on the NPU, got {t.dtype} ({NPU_ONLY})"
+            )
+    sink = call.learnable_sink
+    if sink is not None and sink.dtype != torch.bfloat16:
+        # doc v2, 参数说明 › learnable_sink: "数据类型支持bfloat16"
+        _fail(call, f"`learnable_sink` must be bfloat16 on the NPU, got {sink.dtype} ({NPU_ONLY})")
+    d = _query_head_dim(call, layout)
+    if _prefill(shapes) and d % 16:
+        # doc v1/v2, 约束说明 › 当Q_S大于1时: "输入类型全为float16、bfloat16时, D轴需16对齐"
+        _fail(call, f"query head dim {d} must be a multiple of 16 when Q_S > 1 ({NPU_ONLY})")
+    if paged:
+        _check_block_size(call, shapes)
+
+
+def _check_block_size(call: FaCall, shapes: Shapes) -> None:
+    bt = call.block_table
+    if bt.dtype != torch.int32:
+        # doc v1/v2, 参数说明 › block_table: "数据类型支持int32"
+        _fail(call, f"block_table must be int32 on the NPU, got {bt.dtype} ({NPU_ONLY})")
+    if call.query_rope is not None:
+        return  # the MLA cases carry their own block sizes
+    size = call.block_size
+    if _prefill(shapes):
+        # doc v1/v2, 约束说明 › 当Q_S大于1时 › page attention场景: "block_size最小为128, 最大为512,
+        # 且要求是128的倍数"
+        ok = (
+            size % PREFILL_BLOCK_MULTIPLE == 0 and PREFILL_BLOCK_MULTIPLE <= size <= MAX_PAGED_BLOCK
+        )
+        rule = f"a multiple of {PREFILL_BLOCK_MULTIPLE} in [{PREFILL_BLOCK_MULTIPLE}, {MAX_PAGED_BLOCK}] when Q_S > 1"
+    else:
+        # doc v1/v2, 约束说明 › 当Q_S等于1时 › page attention场景: "block_size需要传入非0值，且最大
+        # 不超过512, key、value输入类型为float16、bfloat16时需要16对齐"
+        ok = size > 0 and size % DECODE_BLOCK_MULTIPLE == 0 and size <= MAX_PAGED_BLOCK
+        rule = (
+            f"a non-zero multiple of {DECODE_BLOCK_MULTIPLE} up to {MAX_PAGED_BLOCK} when Q_S = 1"
+        )
+    if not ok:
+        _fail(call, f"paged block_size must be {rule}, got {size} ({NPU_ONLY})")
+
+
+def _prefill(shapes: Shapes) -> bool:
+    """True when the call takes the prompt branch (some request has Q_S > 1)."""
+    return not shapes.decode_branch and any(n > 1 for n in shapes.q_lens)
+
+
+def _query_head_dim(call: FaCall, layout: Layout) -> int:
+    if layout.query == "BSH":
+        return call.query.size(2) // max(call.num_heads, 1)
+    return call.query.size(-1)
+
+
+def _fail(call: FaCall, message: str) -> None:
+    raise OpInputError(f"{call.names.op}: {message}")
+
+
+def require_npu_dtype(
+    op: str, name: str, t: Tensor | None, allowed: tuple[torch.dtype, ...]
+) -> None:
+    """Hardware-only dtype limit of a non-attention operator (no-op without the strict profile)."""
+    if t is not None and npu_limits_enabled() and t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise OpInputError(f"{op}: `{name}` must be {names} on the NPU, got {t.dtype} ({NPU_ONLY})")

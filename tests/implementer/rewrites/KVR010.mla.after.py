@@ -157,6 +157,14 @@ class LatentToyForCausalLM(nn.Module):
         from a single rank.
         """
         attentions = [module for module in self.modules() if hasattr(module, "cache_entries")]
+        for module in attentions:
+            # Loaders may cast the model after __init__: the latent caches hold what the layer
+            # computes (the fused attention takes the query's dtype for key and value); a
+            # layer may pin a cache's dtype (a float32 recurrent state in a bfloat16 model).
+            param = next(module.parameters(), None)
+            pinned = getattr(module, "pinned_cache_dtypes", {})
+            for entry in module.cache_entries:
+                entry.dtype = pinned.get(entry.cache_name, param.dtype if param is not None else entry.dtype)
         layer_infos = [
             LayerCacheInfo(layer_idx=index, caches=list(module.cache_entries))
             for index, module in enumerate(attentions)

@@ -80,7 +80,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS)),
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
     Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),
-    Rewrite("KVR012", LocalTextModelCommand, _paths(PAGED)),
+    Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
     Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
 )
 

@@ -20,9 +20,10 @@ from enum import Enum
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.core.fa_keywords import FA_V1, FA_V2
 
 #: the fused-attention operators (v1 and v2) the converted code calls
-FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+FA_OPS = (FA_V1, FA_V2)
 #: operators that write a cache in place (Legacy BSH rows, paged slots, MLA's fused write)
 CACHE_WRITE_OPS = ("scatter_update_", "npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache")
 #: callees that run attention in the source model

@@ -7,24 +7,14 @@ different keywords (npu_ops §2.2). Rewrites list their keywords once, in v1 nam
 
 from __future__ import annotations
 
+from kvskill.core.fa_keywords import FA_V1, FA_V2, V1_TO_V2
 from kvskill.implementer.spec import FaVersion
 
-FA_OPS = {
-    FaVersion.V1: "npu_fused_infer_attention_score",
-    FaVersion.V2: "npu_fused_infer_attention_score_v2",
-}
-
-#: v1 keyword -> the v2 operator's name for the same input
-V2_KEYWORDS = {
-    "num_heads": "num_query_heads",
-    "scale": "softmax_scale",
-    "actual_seq_lengths": "actual_seq_qlen",
-    "actual_seq_lengths_kv": "actual_seq_kvlen",
-}
+FA_OPS = {FaVersion.V1: FA_V1, FaVersion.V2: FA_V2}
 
 
 def fa_keywords(version: FaVersion, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """PAIRS of (v1 keyword, expression) under VERSION's keyword names, order kept."""
     if version is FaVersion.V1:
         return list(pairs)
-    return [(V2_KEYWORDS.get(name, name), expr) for name, expr in pairs]
+    return [(V1_TO_V2.get(name, name), expr) for name, expr in pairs]

@@ -9,43 +9,7 @@ from kvskill.analyzer.lint.fa import FA_V1, FA_V2, fa_calls
 from kvskill.analyzer.lint.model import Finding
 from kvskill.analyzer.lint.rule import Rule
 from kvskill.analyzer.lint.rules._examples import example
-
-#: renamed keywords, v1 name -> v2 name (npu_ops.md §2.2)
-V1_TO_V2 = {
-    "num_heads": "num_query_heads",
-    "scale": "softmax_scale",
-    "actual_seq_lengths": "actual_seq_qlen",
-    "actual_seq_lengths_kv": "actual_seq_kvlen",
-    "softmax_lse_flag": "return_softmax_lse",
-    "key_antiquant_scale": "dequant_scale_key",
-    "key_antiquant_offset": "dequant_offset_key",
-    "value_antiquant_scale": "dequant_scale_value",
-    "value_antiquant_offset": "dequant_offset_value",
-    "key_antiquant_mode": "key_quant_mode",
-    "value_antiquant_mode": "value_quant_mode",
-    "key_rope_antiquant_scale": "dequant_scale_key_rope",
-    "quant_scale2": "quant_scale_out",
-    "quant_offset2": "quant_offset_out",
-}
-V2_TO_V1 = {v2: v1 for v1, v2 in V1_TO_V2.items()}
-V1_ONLY = frozenset(
-    {
-        "dequant_scale1",
-        "quant_scale1",
-        "dequant_scale2",
-        "antiquant_scale",
-        "antiquant_offset",
-        "antiquant_mode",
-        "query_padding_size",
-        "kv_padding_size",
-        "key_shared_prefix",
-        "value_shared_prefix",
-        "actual_shared_prefix_len",
-    }
-)
-V2_ONLY = frozenset(
-    {"learnable_sink", "dequant_scale_query", "query_quant_mode", "quant_scale_p", "out_dtype"}
-)
+from kvskill.core.fa_keywords import V1_ONLY, V1_TO_V2, V2_ONLY, V2_TO_V1
 
 
 def _wrong_keyword(version: str, keyword: str) -> tuple[str, str] | None:

@@ -8,33 +8,14 @@ value positional-or-keyword, everything else keyword-only, same defaults (note `
 
 from __future__ import annotations
 
+from kvskill.core.fa_keywords import FA_V1, FA_V2, V1_ONLY, V1_TO_V2, V2_TO_V1
 from torch import Tensor
 
 from ._checks import INT_MAX, reject_if_used, strict_keywords
 from .fa_call import FaCall, Names
 from .fused_attention import run
 
-V1_NAME = "npu_fused_infer_attention_score"
-V2_NAME = "npu_fused_infer_attention_score_v2"
-
-#: v2 keyword -> v1 keyword (npu_ops.md §2.2)
-V2_TO_V1 = {
-    "num_query_heads": "num_heads",
-    "softmax_scale": "scale",
-    "actual_seq_qlen": "actual_seq_lengths",
-    "actual_seq_kvlen": "actual_seq_lengths_kv",
-    "return_softmax_lse": "softmax_lse_flag",
-    "dequant_scale_key": "key_antiquant_scale",
-    "dequant_offset_key": "key_antiquant_offset",
-    "dequant_scale_value": "value_antiquant_scale",
-    "dequant_offset_value": "value_antiquant_offset",
-    "key_quant_mode": "key_antiquant_mode",
-    "value_quant_mode": "value_antiquant_mode",
-    "dequant_scale_key_rope": "key_rope_antiquant_scale",
-    "quant_scale_out": "quant_scale2",
-    "quant_offset_out": "quant_offset2",
-}
-V1_TO_V2 = {v1: v2 for v2, v1 in V2_TO_V1.items()}
+V1_NAME, V2_NAME = FA_V1, FA_V2
 
 _V1_HINTS = {v2: f"v1 takes `{v1}` (`{v2}` is the v2 name)" for v2, v1 in V2_TO_V1.items()}
 _V1_HINTS.update(
@@ -45,19 +26,7 @@ _V1_HINTS.update(
 )
 _V2_HINTS = {v1: f"v2 takes `{v2}` (`{v1}` is the v1 name)" for v1, v2 in V1_TO_V2.items()}
 _V2_HINTS["scale_value"] = "v2 takes `softmax_scale`"
-for _v1_only in (
-    "dequant_scale1",
-    "quant_scale1",
-    "dequant_scale2",
-    "antiquant_scale",
-    "antiquant_offset",
-    "antiquant_mode",
-    "query_padding_size",
-    "kv_padding_size",
-    "key_shared_prefix",
-    "value_shared_prefix",
-    "actual_shared_prefix_len",
-):
+for _v1_only in sorted(V1_ONLY):
     _V2_HINTS[_v1_only] = f"`{_v1_only}` exists only in {V1_NAME}"
 
 _V1_NAMES = Names(

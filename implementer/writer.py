@@ -15,10 +15,10 @@ Output directory:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -27,15 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.analyzer.plan import DeployMode, SourceKind
+from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.implementer.mla import MlaSpec, convert_mla_source
 from kvskill.implementer.pipeline import convert_source
+from kvskill.implementer.record import (
+    CONVERSION_FORMAT,
+    PLAN_FILE,
+    ConversionRecord,
+    ConvertedDir,
+    dump_json,
+    plan_file_text,
+)
 from kvskill.implementer.spec import ConversionSpec
 
-PLAN_FILE = "kvskill_plan.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
-#: bumped when the layout of kvskill_plan.json's "conversion" block changes
-CONVERSION_FORMAT = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +96,7 @@ def source_package(plan: Plan) -> str | None:
     if spec is None or spec.origin is None:
         return None
     root = Path(spec.origin).resolve().parent.parent
-    path = Path(plan.source["modeling_file"]).resolve()
+    path = Path(plan.source.modeling_file).resolve()
     try:
         parts = path.relative_to(root).with_suffix("").parts
     except ValueError:
@@ -117,12 +123,12 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
         block_size=options.block_size,
     )
     # MLA: latent caches and absorbed attention (kvskill.implementer.mla)
-    mla = plan.attention == "mla"
+    mla = plan.is_mla
     _check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(
         plan, fa_version=options.fa_version, block_size=options.block_size
     )
-    modeling_file = Path(plan.source["modeling_file"])
+    modeling_file = Path(plan.source.modeling_file)
     original = read_source(modeling_file)
     converted = (convert_mla_source if mla else convert_source)(
         original, spec, package=source_package(plan), filename=modeling_file.name
@@ -132,7 +138,7 @@ def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
 
 def _check_mla_absorb(plan: Plan, choice: str) -> None:
     """``--mla-absorb on`` needs an MLA model; ``off`` is refused for one (absorbed only)."""
-    mla = plan.attention == "mla"
+    mla = plan.is_mla
     if choice == "on" and not mla:
         raise BadInputError(
             f"--mla-absorb on: {plan.model_type} has {plan.attention} attention, not MLA; "
@@ -167,57 +173,47 @@ def config_json(plan: Plan) -> dict[str, Any]:
     return config
 
 
-def _previous_record(plan: Plan, original: str) -> dict[str, Any] | None:
-    """The record of an earlier conversion when MODEL is itself a converted directory.
+def _previous_conversion(plan: Plan) -> ConvertedDir | None:
+    """The earlier conversion when MODEL is itself a converted directory.
 
     Re-applying to converted code changes nothing, and verify must still compare against
     the code the first conversion started from, so that record (and its source) carry over.
     """
     model_dir = _model_dir(plan)
-    path = model_dir / PLAN_FILE if model_dir else None
-    if path is None or not path.is_file():
+    if model_dir is None or not (model_dir / PLAN_FILE).is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        previous = ConvertedDir.read(model_dir)
+    except KvskillError:
+        return None  # not a record apply wrote: this conversion starts its own
+    if previous.record.modeling_file != Path(plan.source.modeling_file).name:
         return None
-    conversion = data.get("conversion") if isinstance(data, dict) else None
-    if not isinstance(conversion, dict) or "original_source" not in conversion:
-        return None
-    if conversion.get("modeling_file") != Path(plan.source["modeling_file"]).name:
-        return None
-    return data
+    return previous
 
 
-def plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions) -> dict[str, Any]:
-    """kvskill_plan.json: the Plan plus the conversion record (a framework-mode record)."""
-    data = plan.to_dict()
-    previous = _previous_record(plan, original) if converted == original else None
+def plan_record(
+    plan: Plan, original: str, converted: str, options: ApplyOptions
+) -> tuple[Plan, ConversionRecord]:
+    """The Plan and conversion record kvskill_plan.json holds (a framework-mode record)."""
+    previous = _previous_conversion(plan) if converted == original else None
     if previous is not None:
-        data["source"] = previous["source"]
-        data["conversion"] = previous["conversion"]
-        return data
-    data["conversion"] = {
-        "format": CONVERSION_FORMAT,
-        "mode": "framework",
-        "fa_version": options.fa_version,
-        "modeling_file": Path(plan.source["modeling_file"]).name,
-        "package": source_package(plan),
-        "original_sha256": hashlib.sha256(original.encode("utf-8")).hexdigest(),
-        "original_source": original,
-    }
-    return data
-
-
-def dump_json(data: Any) -> str:
-    """The JSON text of a written file."""
-    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+        return dataclasses.replace(plan, source=previous.plan.source), previous.record
+    record = ConversionRecord(
+        format=CONVERSION_FORMAT,
+        mode=DeployMode.FRAMEWORK,
+        fa_version=options.fa_version,
+        modeling_file=Path(plan.source.modeling_file).name,
+        package=source_package(plan),
+        original_sha256=hashlib.sha256(original.encode("utf-8")).hexdigest(),
+        original_source=original,
+    )
+    return plan, record
 
 
 def _model_dir(plan: Plan) -> Path | None:
-    if plan.source.get("kind") == "transformers":
+    if plan.source.kind is SourceKind.TRANSFORMERS:
         return None
-    return Path(plan.source["path"]).resolve()
+    return Path(plan.source.path).resolve()
 
 
 def check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
@@ -258,11 +254,11 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     if out_dir is not None and not options.dry_run:
         _check_out_dir_usable(out_dir, options.force)
     plan, original, converted = convert_model(model, options)
-    name = Path(plan.source["modeling_file"]).name
+    name = Path(plan.source.modeling_file).name
     texts = {
         name: converted,
         "config.json": dump_json(config_json(plan)),
-        PLAN_FILE: dump_json(plan_json(plan, original, converted, options)),
+        PLAN_FILE: plan_file_text(*plan_record(plan, original, converted, options)),
     }
     output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
     if out_dir is not None and not options.dry_run:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
+from kvskill.analyzer.plan import DeployMode
 from kvskill.core.errors import BadInputError
+from kvskill.implementer.record import StandaloneRecord
 from kvskill.implementer.standalone.pipeline import convert_standalone_source
 from kvskill.implementer.standalone.runner import RenderedRunner, render_runner
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
@@ -27,7 +28,8 @@ from kvskill.implementer.writer import (
     config_json,
     dump_json,
     modeling_diff,
-    plan_json,
+    plan_file_text,
+    plan_record,
     read_source,
     source_package,
 )
@@ -71,7 +73,7 @@ def convert_standalone_model(
         fa_version=options.fa_version,
         block_size=options.block_size,
     )
-    modeling_file = Path(plan.source["modeling_file"])
+    modeling_file = Path(plan.source.modeling_file)
     original = read_source(modeling_file)
     converted = convert_standalone_source(
         original, spec, package=source_package(plan), filename=modeling_file.name
@@ -93,17 +95,17 @@ def convert_standalone_model(
     )
 
 
-def standalone_record(conversion: StandaloneConversion) -> dict[str, Any]:
+def standalone_record(conversion: StandaloneConversion) -> StandaloneRecord:
     """What ``verify``/``run`` need to drive the runner (stored in kvskill_plan.json)."""
     spec = conversion.spec
-    return {
-        "runner": conversion.runner.file_name,
-        "kv_mode": spec.kv_mode.value,
-        "mode": spec.mode_number,
-        "mla_absorb": spec.mla,
-        "input_layout": spec.input_layout,
-        "block_size": spec.block_size,
-    }
+    return StandaloneRecord(
+        runner=conversion.runner.file_name,
+        kv_mode=spec.kv_mode.value,
+        mode=spec.mode_number,
+        mla_absorb=spec.mla,
+        input_layout=str(spec.input_layout),
+        block_size=spec.block_size,
+    )
 
 
 def apply_standalone(
@@ -119,15 +121,16 @@ def apply_standalone(
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
     conversion = convert_standalone_model(model, options, standalone)
     plan = conversion.plan
-    name = Path(plan.source["modeling_file"]).name
-    plan_data = plan_json(plan, conversion.original, conversion.converted, options)
-    plan_data["conversion"]["mode"] = "standalone"
-    plan_data["conversion"][STANDALONE_KEY] = standalone_record(conversion)
+    name = Path(plan.source.modeling_file).name
+    plan, record = plan_record(plan, conversion.original, conversion.converted, options)
+    record = dataclasses.replace(
+        record, mode=DeployMode.STANDALONE, standalone=standalone_record(conversion)
+    )
     texts = {
         name: conversion.converted,
         conversion.runner.file_name: conversion.runner.text,
         "config.json": dump_json(config_json(plan)),
-        PLAN_FILE: dump_json(plan_data),
+        PLAN_FILE: plan_file_text(plan, record),
     }
     output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
     if out_dir is not None:

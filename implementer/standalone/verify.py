@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from kvskill.core.errors import BadInputError, KvskillError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
+from kvskill.implementer.record import ConvertedDir, StandaloneRecord
 from kvskill.implementer.shrink import shrink_config
-from kvskill.implementer.standalone.apply import STANDALONE_KEY
 from kvskill.implementer.verify import (
     DEFAULT_BLOCK_SIZE,
     PromptResult,
@@ -45,7 +45,6 @@ from kvskill.implementer.verify import (
     logit_scale,
     make_prompts,
     prompt_lengths_for,
-    read_conversion,
     reference_generate,
     scratch_dir,
     start_report,
@@ -61,16 +60,14 @@ def find_runner(directory: Path) -> Path | None:
     return found[0] if found else None
 
 
-def standalone_record(directory: Path, plan: dict[str, Any]) -> dict[str, Any]:
-    """The conversion's standalone record; its runner must be in ``directory``."""
-    record = plan["conversion"].get(STANDALONE_KEY)
-    if not isinstance(record, dict) or "runner" not in record:
+def standalone_record(converted: ConvertedDir) -> StandaloneRecord:
+    """The conversion's standalone record (ConvertedDir.read checked its runner exists)."""
+    record = converted.record.standalone
+    if record is None:
         raise BadInputError(
-            f"{directory} holds {RUNNER_GLOB} but its kvskill_plan.json has no standalone "
-            "record; re-run `kvskill apply --mode standalone`"
+            f"{converted.directory} holds {RUNNER_GLOB} but its kvskill_plan.json has no "
+            "standalone record; re-run `kvskill apply --mode standalone`"
         )
-    if not (directory / record["runner"]).is_file():
-        raise BadInputError(f"{directory} has no {record['runner']} (named in kvskill_plan.json)")
     return record
 
 
@@ -95,22 +92,23 @@ def verify_standalone(directory: Path, options: VerifyOptions) -> VerifyReport:
         BadInputError: not a standalone output, untrusted remote code, bad options.
     """
     directory = directory.resolve()
-    plan, config = read_conversion(directory)
-    record = standalone_record(directory, plan)
-    check_trust(plan, options.trust_remote_code, directory)
+    converted = ConvertedDir.read(directory)
+    plan, config = converted.plan, converted.config
+    record = standalone_record(converted)
+    check_trust(converted, options.trust_remote_code)
     check_verifiable(directory, plan, options)
     shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
-    if record.get("mla_absorb"):  # the MLA NZ caches need 16-token-aligned blocks
+    if record.mla_absorb:  # the MLA NZ caches need 16-token-aligned blocks
         block_size = -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE
     report = start_report(directory, plan, options, shrunk, block_size)
     report.notes.append(
-        f"standalone mode {record.get('mode')} ({record['kv_mode']}, "
-        f"{record.get('input_layout')}) driven by {record['runner']}"
+        f"standalone mode {record.mode} ({record.kv_mode}, "
+        f"{record.input_layout}) driven by {record.runner}"
     )
     with scratch_dir() as workdir:
         run_config = shrunk.config if shrunk else config
-        _verify(directory, workdir, plan, record, run_config, options, report)
+        _verify(converted, workdir, record, run_config, options, report)
     return report
 
 
@@ -134,15 +132,15 @@ class _StepRecorder:
 
 
 def _verify(
-    directory: Path,
+    converted: ConvertedDir,
     workdir: Path,
-    plan: dict[str, Any],
-    record: dict[str, Any],
+    record: StandaloneRecord,
     config: dict[str, Any],
     options: VerifyOptions,
     report: VerifyReport,
 ) -> None:
-    pair = load_model_pair(directory, workdir, plan, config, options, report)
+    plan = converted.plan
+    pair = load_model_pair(converted, workdir, config, options, report)
     if pair is None:
         return
     reference, model, converted_dir = pair.reference, pair.converted, pair.converted_dir
@@ -150,11 +148,11 @@ def _verify(
     prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
     references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
     try:
-        runner_module = import_runner(converted_dir / record["runner"])
+        runner_module = import_runner(converted_dir / record.runner)
         runner = runner_module.runner_for(
             model, prompts, options.max_new_tokens, block_size=report.block_size
         )
-        init = _init_chain(model, runner, record["kv_mode"])
+        init = _init_chain(model, runner, record.kv_mode)
         recorder = _StepRecorder()
         runner.step_hook = recorder
         first = runner.generate(prompts, options.max_new_tokens, return_logits=True)
@@ -166,7 +164,7 @@ def _verify(
     except Exception as exc:  # the converted code or the runner failed: a failed check
         report.error = f"the standalone runner failed: {type(exc).__name__}: {exc}"
         return
-    paged = record["kv_mode"] == "paged"
+    paged = record.kv_mode == "paged"
     report.chains = [
         init,
         _runtime_chain(recorder, lengths, runner.attn_types if paged else []),

@@ -159,8 +159,9 @@ def run(directory: Path, **options) -> None:
 
     A standalone output (it holds runner_<model>.py) is run by its own runner instead: one
     static batch, greedy."""
+    from kvskill.analyzer.plan import Plan
+    from kvskill.implementer.record import PLAN_FILE
     from kvskill.implementer.standalone import find_runner
-    from kvskill.implementer.writer import PLAN_FILE
     from kvskill.runtime import LLM, SamplingParams
     from kvskill.runtime.ops import backend
 
@@ -168,13 +169,10 @@ def run(directory: Path, **options) -> None:
         refuse_layout_for_standalone(options["kv_layout"], directory)
         _run_standalone(directory, options)
         return
-    plan_file = directory / PLAN_FILE
-    if options["kv_layout"] != "contiguous" and plan_file.is_file():
+    if options["kv_layout"] != "contiguous" and (directory / PLAN_FILE).is_file():
         from kvskill.implementer.verify import check_layout_fits
 
-        check_layout_fits(
-            json.loads(plan_file.read_text(encoding="utf-8")), options["kv_layout"], directory
-        )
+        check_layout_fits(Plan.from_json(directory / PLAN_FILE), options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
     llm = LLM(

@@ -319,6 +319,22 @@ class Plan:
         return [layer.attn_type for layer in self.layers]
 
 
+#: Fields a reviewer may edit in a plan file: ``apply --plan`` converts with their values and
+#: records them. Everything else is a fact of the model (or follows from facts and choices).
+CHOICE_FIELDS = ("deploy_mode", "fa_version", "block_size", "attn_tp_size")
+#: Fields recomputed from the model and the choices (the KV heads a rank holds, the cache
+#: entries and their bytes, the memory plan of ``analyze --kv-memory``); not compared.
+DERIVED_FIELDS = ("num_key_value_heads_per_rank", "cache_entries", "kv_bytes_per_token", "memory")
+#: Prose and findings: explanations of the decisions, not decisions; not compared.
+NOTE_FIELDS = ("fa_version_reason", "legacy_reason", "warnings", "evidence", "implementer_blockers")
+
+
+def fact_fields() -> tuple[str, ...]:
+    """Fields that describe the model itself: a plan whose facts differ is stale."""
+    skip = {*CHOICE_FIELDS, *DERIVED_FIELDS, *NOTE_FIELDS}
+    return tuple(f.name for f in fields(Plan) if f.name not in skip)
+
+
 def read_json_object(path_or_text: str | Path) -> dict[str, Any]:
     """The JSON object in a file, or in ``path_or_text`` itself when it is JSON text."""
     text, where = _json_text(path_or_text)

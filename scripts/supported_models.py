@@ -124,11 +124,8 @@ def run_family(family: Family, workdir: Path) -> dict[str, str]:
 def _standalone_cell(model: str, family: Family, workdir: Path) -> str:
     """Standalone mode, when this build provides it."""
     try:
-        from kvskill.implementer.standalone import (
-            StandaloneOptions,
-            apply_standalone,
-            verify_standalone,
-        )
+        from kvskill.implementer.standalone import verify_standalone
+        from kvskill.implementer.writer import apply_model
     except ImportError:
         return "not in this build"
     from kvskill.core.errors import KvskillError
@@ -137,11 +134,12 @@ def _standalone_cell(model: str, family: Family, workdir: Path) -> str:
 
     out = workdir / f"{family.name.replace(' ', '_')}-standalone"
     try:
-        apply_standalone(
+        apply_model(
             model,
             out,
-            ApplyOptions(deploy_mode="standalone", config_overrides=family.overrides),
-            StandaloneOptions(kv_mode="paged", mla_absorb="auto"),
+            ApplyOptions(
+                deploy_mode="standalone", config_overrides=family.overrides, kv_mode="paged"
+            ),
         )
         return _verify_cell(verify_standalone(out, VerifyOptions(trust_remote_code=True)))
     except KvskillError as exc:

@@ -16,16 +16,15 @@ from kvskill.analyzer import analyze_model
 from kvskill.analyzer.lint import lint_source
 from kvskill.cli import main
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.convert import source_package
 from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.standalone import (
-    StandaloneOptions,
     StandaloneSpec,
-    apply_standalone,
     convert_standalone_source,
     verify_standalone,
 )
 from kvskill.implementer.verify import VerifyOptions
-from kvskill.implementer.writer import ApplyOptions, source_package
+from kvskill.implementer.writer import ApplyOptions, apply_model
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +49,7 @@ class Outputs:
         key = (model, kv_mode)
         if key not in self.dirs:
             out = self.root / f"{model}_{kv_mode}"
-            apply_standalone(
-                model,
-                out,
-                ApplyOptions(deploy_mode="standalone"),
-                StandaloneOptions(kv_mode=kv_mode),
-            )
+            apply_model(model, out, ApplyOptions(deploy_mode="standalone", kv_mode=kv_mode))
             self.dirs[key] = out
         return self.dirs[key]
 

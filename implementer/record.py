@@ -118,6 +118,14 @@ class ConvertedDir:
     def fa_version(self) -> FaVersion:
         return self.plan.fa_version
 
+    def check_layout(self, kv_layout: str) -> None:
+        """A standalone runner allocates its own dense cache: only the default layout applies."""
+        if self.is_standalone and kv_layout != "contiguous":
+            raise BadInputError(
+                f"--kv-layout {kv_layout} applies to framework outputs; the standalone runner "
+                f"in {self.directory} allocates its own dense cache"
+            )
+
     @classmethod
     def read(cls, directory: Path) -> ConvertedDir:
         """Read and validate ``kvskill_plan.json`` and ``config.json`` of ``directory``.

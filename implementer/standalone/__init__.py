@@ -5,7 +5,6 @@ from kvskill.implementer.standalone.convert import convert_standalone
 from kvskill.implementer.standalone.pipeline import convert_standalone_source
 from kvskill.implementer.standalone.runner import render_runner
 from kvskill.implementer.standalone.spec import KvMode, MlaAbsorb, StandaloneSpec
-from kvskill.implementer.standalone.verify import find_runner, verify_standalone
 
 __all__ = [
     "KvMode",
@@ -13,7 +12,5 @@ __all__ = [
     "StandaloneSpec",
     "convert_standalone",
     "convert_standalone_source",
-    "find_runner",
     "render_runner",
-    "verify_standalone",
 ]

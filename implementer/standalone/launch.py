@@ -14,7 +14,7 @@ from typing import Any
 
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.record import ConvertedDir, StandaloneRecord
-from kvskill.implementer.standalone.verify import import_runner, standalone_record
+from kvskill.implementer.standalone.verify import import_runner
 
 
 @dataclass(kw_only=True)
@@ -45,7 +45,9 @@ class StandaloneRun:
         from kvskill.runtime.loader import load_model
 
         directory = directory.resolve()
-        record = standalone_record(ConvertedDir.read(directory))
+        record = ConvertedDir.read(directory).record.standalone
+        if record is None:
+            raise BadInputError(f"{directory} is a framework output: it has no runner to drive")
         loaded = load_model(
             directory,
             dtype=dtype,

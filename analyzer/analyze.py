@@ -26,7 +26,7 @@ from kvskill.analyzer.inputs import (
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.pitfalls import add_pitfalls
-from kvskill.analyzer.plan import Plan
+from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, Plan
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -239,14 +239,12 @@ def plan_for_source(
         attn_types=attn_types,
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
-        scale_has_mscale=any(
-            e.decision == "softmax_scale" and "mscale" in e.reason for e in book.evidence
-        ),
+        scale_has_mscale=scale.has_yarn_mscale,
     )
     style, style_source = rope_style(code, spec)
     book.cite("rope_style", f"rope style: {style}", style_source)
     mla = dict(spec.mla) if spec.mla else None
-    cache_write = _mla_cache_write(source, book) if attention == "mla" else None
+    cache_write = _mla_cache_write(source, book) if attention is AttentionKind.MLA else None
     return Plan(
         model_type=source.model_type,
         architecture=roles.causal_lm,
@@ -263,7 +261,7 @@ def plan_for_source(
         mla_absorb=absorb,
         input_layout=layout,
         sparse_mode=modes,
-        softmax_scale=scale,
+        softmax_scale=scale.value,
         num_key_value_heads_per_rank=kv_heads,
         cache_entries=entries,
         kv_bytes_per_token=kv_bytes,
@@ -283,7 +281,7 @@ def plan_for_source(
         config=dict(source.config),
         memory=memory,
         implementer_blockers=list(book.blockers),
-        is_mla_backend=attention == "mla",
+        is_mla_backend=attention is AttentionKind.MLA,
         mla_cache_write=cache_write,
     )
 
@@ -313,7 +311,9 @@ _STATE_KEYS = (
 )
 
 
-def _cite_state_entries(entries: dict[str, list[dict]], source: ModelSource, book) -> None:
+def _cite_state_entries(
+    entries: dict[str, list[CacheEntryPlan]], source: ModelSource, book
+) -> None:
     """Where the Mamba-type state sizes come from, or a blocker when they are unknown."""
     if AttnType.MAMBA.value not in entries:
         return
@@ -324,7 +324,7 @@ def _cite_state_entries(entries: dict[str, list[dict]], source: ModelSource, boo
         book.block(msg)
         return
     key = next((k for k in _STATE_KEYS if source.config.get(k) is not None), None)
-    shapes = ", ".join(f"{e['cache_name']} {e['num_head']}x{e['dim']}" for e in state)
+    shapes = ", ".join(f"{e.cache_name} {e.num_head}x{e.dim}" for e in state)
     book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
 
 

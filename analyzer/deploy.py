@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.plan import DeployMode
 from kvskill.analyzer.scan import ModuleFacts, scan_file
 
 #: what a runner imports when the bundled runtime schedules requests and owns the KV cache;
@@ -11,11 +12,11 @@ ENGINE_MODULES = ("kvskill.runtime.llm", "kvskill.runtime.engine", "kvskill.runt
 ENGINE_NAMES = ("LLM", "LLMEngine", "Scheduler", "KVCacheManager", "prepare_kv_cache")
 
 
-def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> str:
+def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> DeployMode:
     """Explicit flag > a self-managing runner_*.py (standalone) > framework."""
     if requested in ("framework", "standalone"):
         book.cite("deploy_mode", f"set explicitly to {requested}", "flag --mode")
-        return requested
+        return DeployMode(requested)
     for runner in runner_files:
         facts = scan_file(runner)
         name = facts.file_name
@@ -27,7 +28,7 @@ def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Note
                 f"{name} drives the model through the bundled runtime's engine ({what})",
                 f"{name}:{line}",
             )
-            return "framework"
+            return DeployMode.FRAMEWORK
         helpers = [m for m in facts.imports if m.startswith("kvskill.runtime")]
         how = f" (it imports only helpers from {helpers[0]})" if helpers else ""
         book.cite(
@@ -35,9 +36,9 @@ def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Note
             f"{name} manages its own inference loop and KV tensors{how}",
             name,
         )
-        return "standalone"
+        return DeployMode.STANDALONE
     book.cite("deploy_mode", "no runner_*.py next to the model; framework is the default", "rule")
-    return "framework"
+    return DeployMode.FRAMEWORK
 
 
 def _engine_import(facts: ModuleFacts) -> tuple[str, int] | None:

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from kvskill.analyzer.config import ModelSpec, text_config
+from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import dtype_bytes as element_bytes
 from kvskill.core.cache_bytes import entry_bytes
@@ -21,20 +22,20 @@ HBM_UTILISATION = 0.9
 
 
 def bytes_per_token_by_type(
-    cache_entries: dict[str, list[dict]], layer_counts: dict[str, int], dtype_bytes: int
+    cache_entries: dict[str, list[CacheEntryPlan]], layer_counts: dict[str, int], dtype_bytes: int
 ) -> dict[str, int]:
     """KV bytes one token adds, summed over all layers of each per-token attn_type."""
     result: dict[str, int] = {}
     for attn_type, entries in cache_entries.items():
         if attn_type == AttnType.MAMBA.value:
             continue
-        per_layer = sum(entry_bytes(int(e["dim"]), e["num_head"], dtype_bytes) for e in entries)
+        per_layer = sum(entry_bytes(int(e.dim), e.num_head, dtype_bytes) for e in entries)
         result[attn_type] = per_layer * layer_counts.get(attn_type, 0)
     return result
 
 
 def state_bytes_per_request(
-    cache_entries: dict[str, list[dict]], layer_counts: dict[str, int], dtype_bytes: int
+    cache_entries: dict[str, list[CacheEntryPlan]], layer_counts: dict[str, int], dtype_bytes: int
 ) -> int:
     """Bytes of conv + recurrent state one request holds across all Mamba-type layers.
 
@@ -44,8 +45,8 @@ def state_bytes_per_request(
     entries = cache_entries.get(AttnType.MAMBA.value, [])
     per_layer = 0
     for entry in entries:
-        size = element_bytes(entry.get("dtype"), default=dtype_bytes)
-        per_layer += entry_bytes(entry["dim"], entry["num_head"], size)
+        size = element_bytes(entry.dtype, default=dtype_bytes)
+        per_layer += entry_bytes(entry.dim, entry.num_head, size)
     return per_layer * layer_counts.get(AttnType.MAMBA.value, 0)
 
 
@@ -81,7 +82,7 @@ def plan_memory(
     *,
     spec: ModelSpec,
     config: dict[str, Any],
-    cache_entries: dict[str, list[dict]],
+    cache_entries: dict[str, list[CacheEntryPlan]],
     layer_counts: dict[str, int],
     block_size: int,
     kv_memory_bytes: int | None,

@@ -2,14 +2,86 @@
 
 The Plan is a frozen value passed from the analyzer to the implementer and written to
 ``kvskill_plan.json``. ``to_dict()`` emits the stable JSON contract of the design (keys are
-added freely, never renamed); ``from_dict()`` reads it back.
+added freely, never renamed); ``from_dict()`` / ``from_json()`` read it back, validating every
+closed set. Closed sets are ``str``-valued enums whose values are the JSON strings, so a Plan
+compares, hashes and formats like the strings it was read from.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
+
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import BadInputError
+
+
+class PlanEnum(str, Enum):
+    """A closed set of the Plan. NOTE: ``str()`` and f-strings give the value (the JSON
+    string), as ``enum.StrEnum`` does on 3.11, so messages and evidence read unchanged."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class AttentionKind(PlanEnum):
+    MHA = "mha"
+    GQA = "gqa"
+    MQA = "mqa"
+    MLA = "mla"
+
+
+class KvMode(PlanEnum):
+    """Paged (the default) or Legacy (contiguous caches) when Paged is impossible."""
+
+    PAGED = "paged"
+    LEGACY = "legacy"
+
+
+class InputLayout(PlanEnum):
+    """The fused-attention ``input_layout`` the converted attention uses."""
+
+    TND = "TND"
+    TND_NTD = "TND_NTD"
+    BSH = "BSH"
+
+
+class FaVersion(PlanEnum):
+    """The fused-attention operator: v1 ``npu_fused_infer_attention_score`` or its ``_v2``."""
+
+    V1 = "v1"
+    V2 = "v2"
+
+
+class DeployMode(PlanEnum):
+    """Who owns the KV cache: the bundled runtime (framework) or a generated runner."""
+
+    FRAMEWORK = "framework"
+    STANDALONE = "standalone"
+
+
+class SourceKind(PlanEnum):
+    TRANSFORMERS = "transformers"
+    DIRECTORY = "directory"
+    REMOTE_CODE = "remote_code"
+
+
+class RopeStyle(PlanEnum):
+    HALF = "half"
+    INTERLEAVED = "interleaved"
+    NONE = "none"
+
+
+class MlaCacheWrite(PlanEnum):
+    """How an MLA latent reaches the caches."""
+
+    #: npu_kv_rmsnorm_rope_cache on the raw down-projection, cache_mode="PA_NZ"
+    FUSED = "fused"
+    #: npu_scatter_nd_update_ of the source's normalised latent and rotated key, NZ rows
+    SCATTER = "scatter"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,12 +101,14 @@ class LayerPlan:
     """One decoder layer's cache kind."""
 
     index: int
-    #: "attention" | "mla" | "linear_attention" | "mamba"
+    #: "attention" | "mla" | "linear_attention" | "mamba" | ... (the config's layer kind)
     kind: str
-    #: AttnType value
-    attn_type: str
+    attn_type: AttnType
     #: window in tokens (keys a query may see, including itself), or None
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attn_type", AttnType(self.attn_type))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +116,7 @@ class CacheEntryPlan:
     """One cache tensor a layer of this kind declares (per layer)."""
 
     cache_name: str
+    #: elements per head; a state entry has a shape, e.g. [conv_kernel - 1, conv_dim]
     dim: int | list[int]
     num_head: int
     dtype: str
@@ -49,31 +124,98 @@ class CacheEntryPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SparseModes:
+    """The FA ``sparse_mode`` of one attn_type in prefill and in decode."""
+
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowTokens:
+    """The FA ``pre_tokens`` / ``next_tokens`` of a sliding-window attn_type."""
+
+    pre_tokens: int
+    next_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlaDims:
+    """The latent dimensions of an MLA model."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSource:
+    """Where the model came from."""
+
+    kind: SourceKind
+    #: the model directory (None for a transformers model type)
+    path: str | None
+    modeling_file: str | None
+    config_file: str | None
+    #: a composite model whose language model this Plan converts (``text_config``)
+    language_model_of: str | None = None
+    #: the ``*ForConditionalGeneration`` class converted whole (its own text decoder)
+    vision_language_head: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", SourceKind(self.kind))
+
+    def to_dict(self) -> dict[str, Any]:
+        # NOTE: the two optional keys are absent, not null, when unset (the JSON of before).
+        data = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        for key in ("language_model_of", "vision_language_head"):
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+#: how each structured field is rebuilt from plain data (JSON) on construction
+_FIELD_TYPES: dict[str, Any] = {
+    "source": PlanSource,
+    "deploy_mode": DeployMode,
+    "kv_mode": KvMode,
+    "attention": AttentionKind,
+    "fa_version": FaVersion,
+    "input_layout": InputLayout,
+    "rope_style": RopeStyle,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Every decision of the analyzer. Field names are the JSON contract."""
+    """Every decision of the analyzer. Field names are the JSON contract.
+
+    Plain data (strings, dicts) given for a structured field is turned into its enum or
+    record on construction, so ``dataclasses.replace(plan, kv_mode="legacy")`` stays typed.
+    """
 
     model_type: str
     architecture: str
-    #: where the model came from: {"kind": "transformers"|"directory"|"remote_code",
-    #: "path": ..., "modeling_file": ..., "config_file": ...}
-    source: dict[str, Any]
-    deploy_mode: str  # "framework" | "standalone"
-    kv_mode: str  # "paged" | "legacy"
+    source: PlanSource
+    deploy_mode: DeployMode
+    kv_mode: KvMode
     legacy_reason: str | None
-    attention: str  # "mha" | "gqa" | "mqa" | "mla"
+    attention: AttentionKind
     layers: list[LayerPlan]
-    attn_types: list[str]
+    attn_types: list[AttnType]
     mixed_attn_types: bool
-    fa_version: str  # "v1" | "v2"
+    fa_version: FaVersion
     fa_version_reason: str
     mla_absorb: bool
-    input_layout: str  # "TND" | "TND_NTD" | "BSH"
-    #: {attn_type: {"prefill": int, "decode": int}}
-    sparse_mode: dict[str, dict[str, int]]
+    input_layout: InputLayout
+    #: {attn_type: SparseModes}
+    sparse_mode: dict[str, SparseModes]
     softmax_scale: float
     num_key_value_heads_per_rank: int
-    #: {attn_type: [CacheEntryPlan as dict]}
-    cache_entries: dict[str, list[dict[str, Any]]]
+    #: {attn_type: [CacheEntryPlan]}
+    cache_entries: dict[str, list[CacheEntryPlan]]
     kv_bytes_per_token: int
     warnings: list[str]
     evidence: list[Evidence]
@@ -85,49 +227,157 @@ class Plan:
     head_dim: int = 0
     attn_tp_size: int = 1
     block_size: int = 128
-    #: {attn_type: {"pre_tokens": int, "next_tokens": int}} for the FA call
-    window_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: {attn_type: WindowTokens} for the FA call
+    window_tokens: dict[str, WindowTokens] = field(default_factory=dict)
     has_sinks: bool = False
-    #: "half" (rotate-half) | "interleaved" | "none"
-    rope_style: str = "half"
-    #: MLA dimensions when attention == "mla": kv_lora_rank, q_lora_rank,
-    #: qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-    mla: dict[str, int | None] | None = None
+    rope_style: RopeStyle = RopeStyle.HALF
+    #: MLA dimensions when attention is MLA
+    mla: MlaDims | None = None
     #: facts from the code scan: attention class names, decoder/model/CausalLM classes, ...
+    #: (an open set of scan results, kept as plain data)
     code: dict[str, Any] = field(default_factory=dict)
-    #: the normalised config values used for the decisions
+    #: the normalised config values used for the decisions (the model's own config)
     config: dict[str, Any] = field(default_factory=dict)
-    #: memory plan: {"block_size", "kv_memory_bytes", "num_blocks", "max_tokens"} or empty
+    #: memory plan: {"block_size", "kv_memory_bytes", "num_blocks", "max_tokens", ...}
     memory: dict[str, Any] = field(default_factory=dict)
     #: reasons the implementer cannot convert this model yet (not a refusal of analysis)
     implementer_blockers: list[str] = field(default_factory=list)
     #: MLA models: the model class sets ModelCacheInfo(is_mla_backend=True)
     is_mla_backend: bool = False
-    #: MLA models: how the latent reaches the caches, "fused" (npu_kv_rmsnorm_rope_cache,
-    #: PA_NZ) or "scatter" (npu_scatter_nd_update_); the evidence "mla_cache_write" says why
-    mla_cache_write: str | None = None
+    #: MLA models: how the latent reaches the caches; the evidence "mla_cache_write" says why
+    mla_cache_write: MlaCacheWrite | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                put(name, kind(**value))
+            elif not isinstance(value, kind):
+                put(name, kind(value))
+        put("layers", [_record(LayerPlan, layer) for layer in self.layers])
+        put("attn_types", [AttnType(t) for t in self.attn_types])
+        put("evidence", [_record(Evidence, item) for item in self.evidence])
+        put("sparse_mode", {str(k): _record(SparseModes, v) for k, v in self.sparse_mode.items()})
+        put(
+            "window_tokens",
+            {str(k): _record(WindowTokens, v) for k, v in self.window_tokens.items()},
+        )
+        put(
+            "cache_entries",
+            {
+                str(k): [_record(CacheEntryPlan, e) for e in entries]
+                for k, entries in self.cache_entries.items()
+            },
+        )
+        if self.mla is not None:
+            put("mla", _record(MlaDims, self.mla))
+        if self.mla_cache_write is not None:
+            put("mla_cache_write", MlaCacheWrite(self.mla_cache_write))
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention is AttentionKind.MLA
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract as plain data (lists, dicts, str, int, float, bool, None)."""
-        return _plain(asdict(self))
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Rebuild a Plan written by ``to_dict`` (unknown keys are ignored)."""
+        """Rebuild a Plan written by ``to_dict`` (unknown keys, e.g. ``conversion``, are
+        ignored).
+
+        Raises:
+            BadInputError: a key is missing, or a value is not one the Plan allows.
+        """
+        if not isinstance(data, dict):
+            raise BadInputError(f"a plan is a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        values["layers"] = [LayerPlan(**layer) for layer in data.get("layers", [])]
-        values["evidence"] = [Evidence(**item) for item in data.get("evidence", [])]
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise BadInputError(f"invalid plan: {_field_error(exc, values)}") from exc
+        except TypeError as exc:
+            raise BadInputError(f"invalid plan: {exc}") from exc
 
-    def layer_attn_types(self) -> list[str]:
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Plan:
+        """Read a Plan from a file (``kvskill analyze --format json`` or a converted
+        directory's ``kvskill_plan.json``) or from JSON text.
+
+        Raises:
+            BadInputError: unreadable file, malformed JSON, or an invalid plan.
+        """
+        return cls.from_dict(read_json_object(path_or_text))
+
+    def layer_attn_types(self) -> list[AttnType]:
         """attn_type of every layer, in layer order."""
         return [layer.attn_type for layer in self.layers]
+
+
+#: Fields a reviewer may edit in a plan file: ``apply --plan`` converts with their values and
+#: records them. Everything else is a fact of the model (or follows from facts and choices).
+CHOICE_FIELDS = ("deploy_mode", "fa_version", "block_size", "attn_tp_size")
+#: Fields recomputed from the model and the choices (the KV heads a rank holds, the cache
+#: entries and their bytes, the memory plan of ``analyze --kv-memory``); not compared.
+DERIVED_FIELDS = ("num_key_value_heads_per_rank", "cache_entries", "kv_bytes_per_token", "memory")
+#: Prose and findings: explanations of the decisions, not decisions; not compared.
+NOTE_FIELDS = ("fa_version_reason", "legacy_reason", "warnings", "evidence", "implementer_blockers")
+
+
+def fact_fields() -> tuple[str, ...]:
+    """Fields that describe the model itself: a plan whose facts differ is stale."""
+    skip = {*CHOICE_FIELDS, *DERIVED_FIELDS, *NOTE_FIELDS}
+    return tuple(f.name for f in fields(Plan) if f.name not in skip)
+
+
+def read_json_object(path_or_text: str | Path) -> dict[str, Any]:
+    """The JSON object in a file, or in ``path_or_text`` itself when it is JSON text."""
+    text, where = _json_text(path_or_text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInputError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadInputError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _json_text(path_or_text: str | Path) -> tuple[str, str]:
+    if isinstance(path_or_text, str) and path_or_text.lstrip().startswith("{"):
+        return path_or_text, "the plan text"
+    path = Path(path_or_text)
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from exc
+
+
+def _record(cls: type, value: Any) -> Any:
+    return value if isinstance(value, cls) else cls(**value)
+
+
+def _field_error(exc: ValueError, values: dict[str, Any]) -> str:
+    """Name the field and the values allowed for an enum value the Plan does not know."""
+    for name, kind in {**_FIELD_TYPES, "mla_cache_write": MlaCacheWrite}.items():
+        value = values.get(name)
+        if isinstance(value, str) and value not in {m.value for m in kind}:
+            allowed = ", ".join(m.value for m in kind)
+            return f"{name} is {value!r}; allowed: {allowed}"
+    return str(exc)
 
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.value
+    if is_dataclass(value) and not isinstance(value, type):
+        if hasattr(value, "to_dict"):
+            return value.to_dict()
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, dict):
         return {str(_plain(k)): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -50,9 +50,7 @@ def _layers_line(plan: Plan) -> str:
 def _entries_line(plan: Plan) -> list[str]:
     lines = []
     for attn_type, entries in plan.cache_entries.items():
-        desc = ", ".join(
-            f"{e['cache_name']} {e['num_head']}x{e['dim']} {e['dtype']}" for e in entries
-        )
+        desc = ", ".join(f"{e.cache_name} {e.num_head}x{e.dim} {e.dtype}" for e in entries)
         lines.append(f"{attn_type}: {desc or '(state sizes unknown)'}")
     return lines
 
@@ -64,10 +62,10 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         f"{plan.num_key_value_heads_per_rank} per rank at attn_tp_size={plan.attn_tp_size}"
     )
     modes = "; ".join(
-        f"{t} prefill {m['prefill']} / decode {m['decode']}" for t, m in plan.sparse_mode.items()
+        f"{t} prefill {m.prefill} / decode {m.decode}" for t, m in plan.sparse_mode.items()
     )
     windows = "; ".join(
-        f"{t} pre_tokens {w['pre_tokens']} next_tokens {w['next_tokens']}"
+        f"{t} pre_tokens {w.pre_tokens} next_tokens {w.next_tokens}"
         for t, w in plan.window_tokens.items()
     )
     kv_mode = plan.kv_mode + (f" (blocker: {plan.legacy_reason})" if plan.legacy_reason else "")
@@ -101,8 +99,8 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
 
 def to_table(plan: Plan) -> str:
     source = plan.source
-    title = f"{plan.model_type} ({plan.architecture}) from {source['kind']}: " + os.path.basename(
-        source.get("modeling_file") or "-"
+    title = f"{plan.model_type} ({plan.architecture}) from {source.kind}: " + os.path.basename(
+        source.modeling_file or "-"
     )
     rows = summary_rows(plan)
     width = max(len(label) for label, _ in rows)
@@ -120,9 +118,7 @@ def to_table(plan: Plan) -> str:
 def to_markdown(plan: Plan) -> str:
     """A self-contained ``## KVCache selection`` section for a progress file."""
     lines = [PROGRESS_HEADING, ""]
-    lines.append(
-        f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source['kind']}"
-    )
+    lines.append(f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source.kind}")
     lines.append("")
     lines.append("| decision | value |")
     lines.append("|---|---|")

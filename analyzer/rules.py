@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
-from kvskill.analyzer.plan import LayerPlan
+from kvskill.analyzer.plan import (
+    AttentionKind,
+    CacheEntryPlan,
+    FaVersion,
+    InputLayout,
+    KvMode,
+    LayerPlan,
+    SparseModes,
+    WindowTokens,
+)
 from kvskill.analyzer.roles import CodeRoles
 from kvskill.analyzer.scan import ModuleFacts
 from kvskill.core.attn_types import AttnType
@@ -92,7 +101,7 @@ def _cite_layers(spec: ModelSpec, layers: list[LayerPlan], book: Notebook) -> No
 # -- attention form, Paged vs Legacy --------------------------------------------------------
 
 
-def decide_attention(spec: ModelSpec, book: Notebook) -> str:
+def decide_attention(spec: ModelSpec, book: Notebook) -> AttentionKind:
     if spec.mla:
         book.cite(
             "attention",
@@ -100,9 +109,9 @@ def decide_attention(spec: ModelSpec, book: Notebook) -> str:
             f"{spec.mla['qk_rope_head_dim']} dims",
             book.cfg(spec.sources.get("mla")),
         )
-        return "mla"
+        return AttentionKind.MLA
     heads, kv = spec.num_heads, spec.num_kv_heads
-    form = "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+    form = AttentionKind.MHA if kv == heads else AttentionKind.MQA if kv == 1 else AttentionKind.GQA
     book.cite(
         "attention",
         f"{heads} query heads and {kv} KV heads -> {form.upper()}",
@@ -111,7 +120,7 @@ def decide_attention(spec: ModelSpec, book: Notebook) -> str:
     return form
 
 
-def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[str, str | None]:
+def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[KvMode, str | None]:
     """Paged unless an operator cannot express the model's attention (then the blocker)."""
     blocker: str | None = None
     source = ""
@@ -130,7 +139,7 @@ def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[str
         source = book.cfg(spec.sources.get("attention_chunk_size") or "layer_types")
     if blocker:
         book.cite("kv_mode", f"Legacy: Paged + FA is impossible because of {blocker}", source)
-        return "legacy", blocker
+        return KvMode.LEGACY, blocker
     if spec.attn_logit_softcapping is not None:
         book.cite(
             "kv_mode",
@@ -143,7 +152,7 @@ def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[str
         "no chunked attention)",
         "rule: Paged unless an operator cannot express the attention",
     )
-    return "paged", None
+    return KvMode.PAGED, None
 
 
 def _softcap_line(code: CodeView) -> int | None:
@@ -173,7 +182,7 @@ def sinks_line(code: CodeView) -> int | None:
     return None
 
 
-def decide_fa_version(code: CodeView, book: Notebook) -> tuple[str, str]:
+def decide_fa_version(code: CodeView, book: Notebook) -> tuple[FaVersion, str]:
     line = sinks_line(code)
     if line is not None:
         reason = (
@@ -181,18 +190,20 @@ def decide_fa_version(code: CodeView, book: Notebook) -> tuple[str, str]:
             "takes learnable_sink"
         )
         book.cite("fa_version", reason, code.where(line))
-        return "v2", reason
+        return FaVersion.V2, reason
     reason = "no learnable sinks or other v2-only feature, so FA v1 (the default for GQA/MoE)"
     book.cite("fa_version", reason, code.facts.file_name)
-    return "v1", reason
+    return FaVersion.V1, reason
 
 
-def decide_layout(kv_mode: str, attention: str, book: Notebook) -> tuple[str, bool]:
+def decide_layout(
+    kv_mode: KvMode, attention: AttentionKind, book: Notebook
+) -> tuple[InputLayout, bool]:
     """(input_layout, mla_absorb)."""
-    if kv_mode == "legacy":
+    if kv_mode is KvMode.LEGACY:
         book.cite("input_layout", "Legacy keeps contiguous caches with SDPA in BSH", "rule")
-        return "BSH", False
-    if attention == "mla":
+        return InputLayout.BSH, False
+    if attention is AttentionKind.MLA:
         book.cite(
             "mla_absorb",
             "MLA: absorb kv_b_proj so attention runs on the latent cache (key = value = "
@@ -200,25 +211,25 @@ def decide_layout(kv_mode: str, attention: str, book: Notebook) -> tuple[str, bo
             "rule: MLA -> absorb",
         )
         book.cite("input_layout", "MLA absorb uses TND_NTD", "rule")
-        return "TND_NTD", True
+        return InputLayout.TND_NTD, True
     book.cite("input_layout", "packed variable-length tokens: TND", "rule")
-    return "TND", False
+    return InputLayout.TND, False
 
 
 def decide_sparse_modes(
     kv_mode: str, attention: str, attn_types: list[str], window: int | None, book: Notebook
-) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+) -> tuple[dict[str, SparseModes], dict[str, WindowTokens]]:
     """sparse_mode per attn_type and pre/next tokens for windows."""
-    if kv_mode == "legacy":
+    if kv_mode is KvMode.LEGACY:
         return {}, {}
-    modes: dict[str, dict[str, int]] = {}
-    windows: dict[str, dict[str, int]] = {}
+    modes: dict[str, SparseModes] = {}
+    windows: dict[str, WindowTokens] = {}
     for attn_type in attn_types:
         if attn_type == AttnType.MAMBA.value:
             continue
         if attn_type == AttnType.SLIDING_WINDOW.value and window:
-            modes[attn_type] = {"prefill": 4, "decode": 4}
-            windows[attn_type] = {"pre_tokens": window - 1, "next_tokens": 0}
+            modes[attn_type] = SparseModes(prefill=4, decode=4)
+            windows[attn_type] = WindowTokens(pre_tokens=window - 1, next_tokens=0)
             book.cite(
                 f"sparse_mode.{attn_type}",
                 f"band mask (4) in prefill and decode; the model's window W={window} includes "
@@ -226,8 +237,8 @@ def decide_sparse_modes(
                 f"keys with the diagonal, so pre_tokens={window - 1}, next_tokens=0",
                 f"{hf_window_rule_source()}; npu_ops.md §1.5",
             )
-        elif attention == "mla":
-            modes[attn_type] = {"prefill": 3, "decode": 0}
+        elif attention is AttentionKind.MLA:
+            modes[attn_type] = SparseModes(prefill=3, decode=0)
             book.cite(
                 f"sparse_mode.{attn_type}",
                 "MLA absorb: causal (3) with the 2048x2048 mask in prefill; dense (0) without a "
@@ -235,7 +246,7 @@ def decide_sparse_modes(
                 "rule: MLA absorb prefill 3 / decode 0",
             )
         else:
-            modes[attn_type] = {"prefill": 3, "decode": 3}
+            modes[attn_type] = SparseModes(prefill=3, decode=3)
             book.cite(
                 f"sparse_mode.{attn_type}",
                 "causal (3) with the 2048x2048 bool mask, the same in prefill and decode",
@@ -301,14 +312,14 @@ def cache_entries(
     kv_heads_per_rank: int,
     attn_tp_size: int,
     sliding_kv_heads_per_rank: int | None = None,
-) -> dict[str, list[dict]]:
+) -> dict[str, list[CacheEntryPlan]]:
     """The caches one layer of each attn_type declares.
 
     ``sliding_kv_heads_per_rank``: the sliding layers' own KV heads when the code gives them
     more than the config's count (see ``sliding_kv_heads``).
     """
     dtype = spec.dtype
-    entries: dict[str, list[dict]] = {}
+    entries: dict[str, list[CacheEntryPlan]] = {}
     for attn_type in attn_types:
         if attn_type == AttnType.MAMBA.value:
             entries[attn_type] = _state_entries(spec, attn_tp_size)
@@ -330,17 +341,13 @@ def cache_entries(
     return entries
 
 
-def _entry(name: str, dim, num_head: int, dtype: str, window: int | None = None) -> dict:
-    return {
-        "cache_name": name,
-        "dim": dim,
-        "num_head": num_head,
-        "dtype": dtype,
-        "sliding_window": window,
-    }
+def _entry(name: str, dim, num_head: int, dtype: str, window: int | None = None) -> CacheEntryPlan:
+    return CacheEntryPlan(
+        cache_name=name, dim=dim, num_head=num_head, dtype=dtype, sliding_window=window
+    )
 
 
-def _state_entries(spec: ModelSpec, attn_tp_size: int) -> list[dict]:
+def _state_entries(spec: ModelSpec, attn_tp_size: int) -> list[CacheEntryPlan]:
     state = spec.state
     if not state:
         return []

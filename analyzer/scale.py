@@ -8,6 +8,7 @@ the config sets one; for MLA the head dim is ``qk_nope_head_dim + qk_rope_head_d
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.evidence import Notebook
@@ -28,7 +29,16 @@ def scaling_line_of(cls) -> int | None:
     return cls.self_attrs.get("scaling") or cls.self_attrs.get("softmax_scale")
 
 
-def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
+@dataclass(frozen=True, kw_only=True)
+class ScaleDecision:
+    """The softmax scale and whether it carries the YaRN ``mscale^2`` factor."""
+
+    value: float
+    #: the scale includes mscale^2 from ``rope_parameters.mscale_all_dim``
+    has_yarn_mscale: bool = False
+
+
+def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> ScaleDecision:
     cls = code.attention_class()
     scaling_line = scaling_line_of(cls)
     where = code.where(scaling_line)
@@ -56,12 +66,12 @@ def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> float:
             f"{mscale:.6f} (YaRN mscale_all_dim) -> {scale:.8f}",
             f"{where}; {book.cfg(spec.sources.get('rope_parameters'))}",
         )
-        return scale
+        return ScaleDecision(value=scale, has_yarn_mscale=True)
     cfg_multiplier = _explicit_scale(spec, book)
     if cfg_multiplier is not None:
-        return cfg_multiplier
+        return ScaleDecision(value=cfg_multiplier)
     book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
-    return scale
+    return ScaleDecision(value=scale)
 
 
 def _explicit_scale(spec: ModelSpec, book: Notebook) -> float | None:

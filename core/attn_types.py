@@ -6,7 +6,14 @@ from enum import Enum
 
 
 class AttnType(str, Enum):
-    """Cache groups a layer can belong to. The values are the runtime's group names."""
+    """Cache groups a layer can belong to. The values are the runtime's group names.
+
+    NOTE: ``str()`` and f-strings give the value, so a member reads as the string it stands
+    for in messages, evidence and emitted code.
+    """
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     FULL_ATTENTION = "FullAttention"
     SLIDING_WINDOW = "SlidingWindow"

@@ -16,7 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kvskill.analyzer.plan import Plan, SourceKind
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.record import ConversionRecord
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,11 @@ REFERENCE_ATTENTION = "eager"
 
 
 def build_reference(
-    plan: dict[str, Any], config: dict[str, Any], workdir: Path, converted_dir: Path
+    plan: Plan,
+    record: ConversionRecord,
+    config: dict[str, Any],
+    workdir: Path,
+    converted_dir: Path,
 ) -> tuple[nn.Module, str | None]:
     """(reference model with random weights, a note for the report or None).
 
@@ -34,38 +40,37 @@ def build_reference(
     """
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    conversion = plan["conversion"]
     # A model directory without modeling code of its own runs the installed transformers'
     # class, like a model type given by name.
-    if plan["source"].get("kind") == "transformers" or conversion.get("package"):
-        return _transformers_reference(plan, workdir, conversion)
-    return _directory_reference(plan, workdir, conversion, converted_dir), None
+    if plan.source.kind is SourceKind.TRANSFORMERS or record.package:
+        return _transformers_reference(plan, workdir, record)
+    return _directory_reference(plan, workdir, record, converted_dir), None
 
 
-def _auto_class(plan: dict[str, Any]):
+def _auto_class(plan: Plan):
     """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model
     converted as a whole (its text model type has no causal-LM class: qwen2_5_vl)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if plan["source"].get("vision_language_head"):
+    if plan.source.vision_language_head:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
 
 def _transformers_reference(
-    plan: dict[str, Any], workdir: Path, conversion: dict[str, Any]
+    plan: Plan, workdir: Path, record: ConversionRecord
 ) -> tuple[nn.Module, str | None]:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(workdir))
     config._attn_implementation = REFERENCE_ATTENTION
     auto_cls = _auto_class(plan)
-    _check_fits(auto_cls, config, plan.get("model_type"))
+    _check_fits(auto_cls, config, plan.model_type)
     model = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
     note = None
     installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
     digest = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else ""
-    if digest != conversion.get("original_sha256"):
+    if digest != record.original_sha256:
         note = (
             f"the installed {installed.name} differs from the file converted by apply; the "
             "reference uses the installed one"
@@ -100,14 +105,14 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
 
 
 def _directory_reference(
-    plan: dict[str, Any], workdir: Path, conversion: dict[str, Any], converted_dir: Path
+    plan: Plan, workdir: Path, record: ConversionRecord, converted_dir: Path
 ) -> nn.Module:
     from kvskill.runtime.loader import import_model_package
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    name = conversion["modeling_file"]
-    (workdir / name).write_text(conversion["original_source"], encoding="utf-8")
+    name = record.modeling_file
+    (workdir / name).write_text(record.original_source, encoding="utf-8")
     for path in converted_dir.glob("*.py"):
         if path.name != name:
             shutil.copy2(path, workdir / path.name)
@@ -139,10 +144,10 @@ def _directory_reference(
         )
     config = config_cls.from_pretrained(str(workdir))
     config._attn_implementation = REFERENCE_ATTENTION
-    cls = getattr(module, plan["architecture"], None)
+    cls = getattr(module, plan.architecture, None)
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise BadInputError(
-            f"the original {name} has no class {plan['architecture']}; cannot rebuild the reference"
+            f"the original {name} has no class {plan.architecture}; cannot rebuild the reference"
         )
     return cls(config)
 

@@ -8,11 +8,10 @@ the framework rewrite cannot express yet, before a single file is touched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.plan import Plan
+from kvskill.analyzer.plan import AttentionKind, FaVersion, InputLayout, KvMode, Plan
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import UnsupportedModelError
 
@@ -20,13 +19,6 @@ from kvskill.core.errors import UnsupportedModelError
 STATE_ATTN_TYPES = frozenset({AttnType.MAMBA.value})
 #: the key value ``pre_tokens``/``next_tokens`` default to in both FA versions ("unbounded")
 FA_UNBOUNDED_TOKENS = 2147483647
-
-
-class FaVersion(str, Enum):
-    """The fused-attention operator the converted attention calls."""
-
-    V1 = "v1"
-    V2 = "v2"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +86,9 @@ class ConversionSpec:
             input_layout=plan.input_layout,
             uniform_attn_type=uniform,
             layer_type_to_attn_type=mapping,
-            sparse_mode={k: dict(v) for k, v in plan.sparse_mode.items()},
+            sparse_mode={
+                k: {"prefill": v.prefill, "decode": v.decode} for k, v in plan.sparse_mode.items()
+            },
             windows=_window_rules(plan),
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
@@ -106,14 +100,14 @@ class ConversionSpec:
 def _check_supported(plan: Plan) -> None:
     name = plan.model_type
     reasons: list[str] = list(plan.implementer_blockers)
-    if plan.kv_mode != "paged":
+    if plan.kv_mode is not KvMode.PAGED:
         reasons.append(
-            f"kv_mode is {plan.kv_mode!r} ({plan.legacy_reason}); only paged is rewritten"
+            f"kv_mode is {plan.kv_mode.value!r} ({plan.legacy_reason}); only paged is rewritten"
         )
-    if plan.attention == "mla" or plan.mla_absorb:
+    if plan.attention is AttentionKind.MLA or plan.mla_absorb:
         reasons.append("MLA attention (latent nope/rope caches) is not rewritten yet")
-    if plan.input_layout != "TND":
-        reasons.append(f"input_layout {plan.input_layout!r}; the framework rewrite emits TND")
+    if plan.input_layout is not InputLayout.TND:
+        reasons.append(f"input_layout {plan.input_layout.value!r}; the framework rewrite emits TND")
     unknown = sorted(
         {t for t in plan.layer_attn_types()}
         - {AttnType.FULL_ATTENTION.value, AttnType.SLIDING_WINDOW.value, *STATE_ATTN_TYPES}
@@ -178,8 +172,8 @@ def _window_rules(plan: Plan) -> dict[str, WindowRule]:
                 "windows are not rewritten yet"
             )
         rule = WindowRule(
-            pre_offset=int(tokens["pre_tokens"]) - layer.sliding_window,
-            next_tokens=int(tokens["next_tokens"]),
+            pre_offset=tokens.pre_tokens - layer.sliding_window,
+            next_tokens=tokens.next_tokens,
         )
         if rules.setdefault(layer.attn_type, rule) != rule:
             raise UnsupportedModelError(

@@ -9,8 +9,9 @@ Stages (design §6):
      identical weights;
   4. pick variable-length prompts: some longer than several blocks and than the window;
   5. reference: ``generate`` greedy, one request at a time, raw logits of every step;
-     runtime: the engine with small blocks, a shuffled free list and chunked prefill,
-     inside the three-chain checks (init, runtime, release);
+     converted: its driver (the engine with small blocks, a shuffled free list and chunked
+     prefill, or a standalone output's runner) inside the three-chain checks (init, runtime,
+     release);
   6. compare tokens (identical) and per-step logits (within ``atol`` plus ``LOGIT_RTOL`` of the
      largest reference logit).
 """
@@ -30,11 +31,14 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
+from kvskill.analyzer.plan import Plan, SourceKind
+from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
+from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
-from kvskill.implementer.writer import PLAN_FILE
+from kvskill.implementer.verify_driver import VerifyDriver
 from kvskill.runtime.layout import KV_LAYOUTS
 from torch import nn
 
@@ -53,8 +57,6 @@ DEFAULT_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 LOGIT_ULPS = 16
 LOGIT_RTOL = LOGIT_ULPS * torch.finfo(torch.float32).eps
 DEFAULT_BLOCK_SIZE = 4
-#: small enough that long prompts are prefilled in several chunks
-MAX_BATCHED_TOKENS = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,52 +199,31 @@ class VerifyReport:
         }
 
 
-def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(kvskill_plan.json, config.json) of a converted directory."""
-    data = []
-    for name in (PLAN_FILE, "config.json"):
-        path = directory / name
-        if not path.is_file():
-            hint = "; convert the model with `kvskill apply` first" if name == PLAN_FILE else ""
-            raise BadInputError(f"{directory} has no {name}{hint}")
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BadInputError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(value, dict):
-            raise BadInputError(f"{path} must hold a JSON object")
-        data.append(value)
-    plan, config = data
-    if "conversion" not in plan or "original_source" not in plan["conversion"]:
-        raise BadInputError(
-            f"{directory / PLAN_FILE} has no conversion record; re-run `kvskill apply`"
-        )
-    return plan, config
-
-
-def check_trust(plan: dict[str, Any], trust_remote_code: bool, directory: Path) -> None:
+def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
     """Code that does not come from the installed transformers runs only when trusted."""
-    kind = plan.get("source", {}).get("kind")
+    source = converted.plan.source
     if (
-        kind != "transformers"
+        source.kind is not SourceKind.TRANSFORMERS
         and not trust_remote_code
-        and not _runs_transformers_code(plan, directory)
+        and not _runs_transformers_code(converted)
     ):
         raise BadInputError(
-            f"{directory} was converted from model code outside the installed transformers "
-            f"({kind}: {plan['source'].get('path')}); verify runs that code, pass "
+            f"{converted.directory} was converted from model code outside the installed "
+            f"transformers ({source.kind}: {source.path}); verify runs that code, pass "
             "--trust-remote-code to allow it"
         )
 
 
-def _runs_transformers_code(plan: dict[str, Any], directory: Path) -> bool:
+def _runs_transformers_code(converted: ConvertedDir) -> bool:
     """True when the conversion came from the installed transformers' modeling file (a model
     directory with config and weights only) and the output holds no other code of its own."""
-    conversion = plan.get("conversion", {})
-    if not conversion.get("package"):
+    record = converted.record
+    if not record.package:
         return False
-    modeling = conversion.get("modeling_file")
-    return all(p.name == modeling or p.name.startswith("runner_") for p in directory.glob("*.py"))
+    return all(
+        p.name == record.modeling_file or p.name.startswith("runner_")
+        for p in converted.directory.glob("*.py")
+    )
 
 
 def choose_prompt_lengths(
@@ -310,25 +291,6 @@ def reference_generate(
     return tokens, logits
 
 
-@dataclass(slots=True)
-class _LogitRecorder:
-    """Step hook keeping each request's logits per generated token (first batch only)."""
-
-    #: (prompt index, output position) -> logits [vocab]
-    logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    batch: str | None = None
-
-    def __call__(self, record) -> None:
-        for row, (rid, done, token) in enumerate(
-            zip(record.request_ids, record.num_output_tokens, record.sampled, strict=True)
-        ):
-            batch, index = rid.split("-")
-            self.batch = self.batch or batch
-            if token is None or batch != self.batch:
-                continue
-            self.logits.setdefault((int(index), done), record.logits[row].detach().float().cpu())
-
-
 @contextmanager
 def scratch_dir() -> Iterator[Path]:
     """A scratch directory for the reference and the staged code, removed afterwards."""
@@ -349,12 +311,13 @@ def stage_converted(directory: Path, workdir: Path, config: dict[str, Any]) -> P
     return target
 
 
-def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptions) -> None:
+def check_verifiable(converted: ConvertedDir, options: VerifyOptions) -> None:
     """Refuse a tensor-parallel conversion (one process runs it), an unknown dtype or layout,
-    and MLA on the page pool."""
-    if int(plan.get("attn_tp_size", 1)) != 1:
+    MLA on the page pool, and any layout but the default for a standalone runner."""
+    directory, plan = converted.directory, converted.plan
+    if plan.attn_tp_size != 1:
         raise BadInputError(
-            f"{directory} was converted for attn_tp_size={plan['attn_tp_size']}; a single "
+            f"{directory} was converted for attn_tp_size={plan.attn_tp_size}; a single "
             "process cannot run a tensor-parallel split, convert with --attn-tp-size 1 to verify"
         )
     if options.dtype not in DEFAULT_ATOL:
@@ -362,11 +325,12 @@ def check_verifiable(directory: Path, plan: dict[str, Any], options: VerifyOptio
     if options.kv_layout not in KV_LAYOUTS:
         raise BadInputError(f"kv layout {options.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
     check_layout_fits(plan, options.kv_layout, directory)
+    converted.check_layout(options.kv_layout)
 
 
-def check_layout_fits(plan: dict[str, Any], kv_layout: str, directory: Path) -> None:
+def check_layout_fits(plan: Plan, kv_layout: str, directory: Path) -> None:
     """Refuse the page pool for an MLA conversion (UnsupportedModelError, exit 3)."""
-    if kv_layout == "page_pool" and plan.get("attention") == "mla":
+    if kv_layout == "page_pool" and plan.is_mla:
         # npu_kv_rmsnorm_rope_cache writes the latent caches in NZ blocks, which need one
         # dense tensor; a page view's block stride is the page.
         raise UnsupportedModelError(
@@ -377,14 +341,14 @@ def check_layout_fits(plan: dict[str, Any], kv_layout: str, directory: Path) -> 
 
 def start_report(
     directory: Path,
-    plan: dict[str, Any],
+    plan: Plan,
     options: VerifyOptions,
     shrunk: ShrinkResult | None,
     block_size: int,
 ) -> VerifyReport:
     """An empty report of what is about to be compared, and with which tolerance."""
     return VerifyReport(
-        model_type=str(plan.get("model_type")),
+        model_type=plan.model_type,
         directory=str(directory),
         shrunk=options.shrink,
         config_changes={k: list(v) for k, v in (shrunk.changes if shrunk else {}).items()},
@@ -407,9 +371,8 @@ class ModelPair:
 
 
 def load_model_pair(
-    directory: Path,
+    converted: ConvertedDir,
     workdir: Path,
-    plan: dict[str, Any],
     config: dict[str, Any],
     options: VerifyOptions,
     report: VerifyReport,
@@ -421,15 +384,18 @@ def load_model_pair(
     from kvskill.runtime.loader import load_model, resolve_dtype
 
     dtype = resolve_dtype(options.dtype)
+    directory, plan = converted.directory, converted.plan
     converted_dir = stage_converted(directory, workdir, config) if options.shrink else directory
     try:
-        reference, note = build_reference(plan, config, workdir / "reference", directory)
+        reference, note = build_reference(
+            plan, converted.record, config, workdir / "reference", directory
+        )
     except KvskillError:
         raise
     except Exception as exc:  # the original model's own code refused the config
         which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
         raise BadInputError(
-            f"the original {plan.get('model_type')} model cannot be built from {which}: "
+            f"the original {plan.model_type} model cannot be built from {which}: "
             f"{type(exc).__name__}: {_one_line(exc)}"
         ) from exc
     if note:
@@ -445,19 +411,19 @@ def load_model_pair(
         random_weights=True,
         trust_remote_code=options.trust_remote_code,
     )
-    converted = loaded.model
-    result = converted.load_state_dict(reference.state_dict(), strict=False)
+    model = loaded.model
+    result = model.load_state_dict(reference.state_dict(), strict=False)
     if result.missing_keys or result.unexpected_keys:
         report.error = (
             f"the converted model's parameters differ from the original's: missing "
             f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
         return None
-    return ModelPair(reference=reference, converted=converted, converted_dir=converted_dir)
+    return ModelPair(reference=reference, converted=model, converted_dir=converted_dir)
 
 
 def prompt_lengths_for(
-    plan: dict[str, Any], config: dict[str, Any], options: VerifyOptions, block_size: int
+    plan: Plan, config: dict[str, Any], options: VerifyOptions, block_size: int
 ) -> list[int]:
     """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
     text = text_config(config)[0]  # a vision-language model's decoder keeps these
@@ -469,96 +435,120 @@ def prompt_lengths_for(
 def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     """Run the original and the converted model on the same prompts and compare.
 
+    One verify for both deploy modes: a framework output runs in the bundled runtime's
+    engine, a standalone output in its own runner (the driver, see ``verify_driver.py``);
+    prompts, comparison, report and exit code are the same.
+
     Raises:
         BadInputError: not a converted directory, untrusted remote code, bad options.
     """
     directory = directory.resolve()
-    plan, config = read_conversion(directory)
-    check_trust(plan, options.trust_remote_code, directory)
-    check_verifiable(directory, plan, options)
+    converted = ConvertedDir.read(directory)
+    plan, config = converted.plan, converted.config
+    check_trust(converted, options.trust_remote_code)
+    check_verifiable(converted, options)
     shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     run_config = shrunk.config if shrunk else config
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
-    if plan.get("attention") == "mla":  # the MLA NZ caches need 16-token-aligned blocks
+    if plan.is_mla:  # the MLA NZ caches need 16-token-aligned blocks
         block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
     report = start_report(directory, plan, options, shrunk, block_size)
     with scratch_dir() as workdir:
-        _verify(directory, workdir, plan, run_config, options, report)
+        _verify(converted, workdir, run_config, options, report)
     return report
 
 
+def driver_for(
+    converted: ConvertedDir, converted_dir: Path, options: VerifyOptions
+) -> VerifyDriver:
+    """The runner of a standalone output, else the bundled engine."""
+    standalone = converted.record.standalone
+    if standalone is not None:
+        from kvskill.implementer.standalone.verify import RunnerDriver
+
+        return RunnerDriver(converted_dir=converted_dir, record=standalone)
+    from kvskill.implementer.verify_engine import EngineDriver
+
+    return EngineDriver(seed=options.seed, use_hybrid_blocks=options.kv_layout == "page_pool")
+
+
 def _verify(
-    directory: Path,
+    converted_dir: ConvertedDir,
     workdir: Path,
-    plan: dict[str, Any],
     config: dict[str, Any],
     options: VerifyOptions,
     report: VerifyReport,
 ) -> None:
-    from kvskill.runtime import LLM, SamplingParams
-    from kvskill.runtime.chains import run_three_chains
-
-    pair = load_model_pair(directory, workdir, plan, config, options, report)
+    plan = converted_dir.plan
+    pair = load_model_pair(converted_dir, workdir, config, options, report)
     if pair is None:
         return
-    reference, converted = pair.reference, pair.converted
-    block_size = report.block_size
-    lengths = prompt_lengths_for(plan, config, options, block_size)
+    driver = driver_for(converted_dir, pair.converted_dir, options)
+    lengths = prompt_lengths_for(plan, config, options, report.block_size)
     vocab = int(text_config(config)[0]["vocab_size"])
     prompts = make_prompts(lengths, vocab, options.seed)
     try:
-        references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
+        references = [
+            reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
+        ]
     except Exception as exc:  # the original model's own code fails on this config
         which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
         raise BadInputError(
-            f"the original {plan.get('model_type')} model fails to generate with {which}: "
+            f"the original {plan.model_type} model fails to generate with {which}: "
             f"{type(exc).__name__}: {_one_line(exc)}"
         ) from exc
-    total_blocks = sum(math.ceil((n + options.max_new_tokens) / block_size) for n in lengths)
-    recorder = _LogitRecorder()
     try:
-        llm = LLM(
-            converted,
-            block_size=block_size,
-            num_blocks=total_blocks + 8,
-            free_block_order_seed=options.seed + 7,
-            max_num_batched_tokens=MAX_BATCHED_TOKENS,
-            max_model_len=max(lengths) + options.max_new_tokens,
-            seed=options.seed,
-            use_hybrid_blocks=options.kv_layout == "page_pool",
+        run = driver.run(
+            pair.converted,
+            prompts,
+            max_new_tokens=options.max_new_tokens,
+            block_size=report.block_size,
         )
-        params = SamplingParams(max_tokens=options.max_new_tokens, temperature=0.0, ignore_eos=True)
-        with llm.step_hook(recorder), torch.no_grad():
-            chains = run_three_chains(llm, prompts, params)
     except KvskillError as exc:
         report.error = f"the runtime refused the converted model: {exc}"
         return
     except Exception as exc:  # the converted code failed while running: a failed check
-        report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
+        report.error = f"{driver.failure}: {type(exc).__name__}: {exc}"
         return
-    report.chains = [c.to_dict() for c in chains.results]
-    for index, (prompt, (tokens, ref_logits), output) in enumerate(
-        zip(prompts, references, chains.outputs, strict=True)
-    ):
-        report.prompts.append(
-            _compare(index, prompt, tokens, ref_logits, output, recorder, report.atol)
+    report.notes += run.notes
+    report.chains = [c.to_dict() for c in run.chains]
+    for index, (prompt, (tokens, ref_logits)) in enumerate(zip(prompts, references, strict=True)):
+        result = compare_prompt(
+            index,
+            prompt,
+            tokens,
+            ref_logits,
+            run.token_ids[index],
+            run.logits[index],
+            report.atol,
         )
-        if report.prompts[-1].near_tie:
+        report.prompts.append(result)
+        if result.near_tie:
             report.notes.append(
-                f"prompt {index}: near tie at step {report.prompts[-1].first_mismatch} (the "
+                f"prompt {index}: near tie at step {result.first_mismatch} (the "
                 f"reference scores both tokens within atol {report.atol:g}); compared up to it"
             )
 
 
-def is_windowed(plan: dict[str, Any]) -> bool:
+def is_windowed(plan: Plan) -> bool:
     """Whether any layer of the plan attends over a sliding window."""
-    return any(layer.get("attn_type") == "SlidingWindow" for layer in plan.get("layers", []))
+    return AttnType.SLIDING_WINDOW in plan.layer_attn_types()
 
 
-def _compare(
-    index, prompt, tokens, ref_logits, output, recorder: _LogitRecorder, atol: float
+def compare_prompt(
+    index: int,
+    prompt: list[int],
+    tokens: list[int],
+    ref_logits: torch.Tensor,
+    runtime_tokens: list[int],
+    runtime_logits: list[torch.Tensor],
+    atol: float,
 ) -> PromptResult:
-    runtime_tokens = list(output.token_ids)
+    """One prompt's reference against what the driver generated.
+
+    Tokens must be identical, or differ first where the reference scored both tokens within
+    ``atol`` (a near tie); logits are compared up to and including the first differing step.
+    """
     mismatch = next(
         (i for i, (a, b) in enumerate(zip(tokens, runtime_tokens, strict=False)) if a != b),
         None if len(tokens) == len(runtime_tokens) else min(len(tokens), len(runtime_tokens)),
@@ -568,11 +558,10 @@ def _compare(
     steps = min(steps, len(ref_logits))
     diff = 0.0
     for step in range(steps):
-        got = recorder.logits.get((index, step))
-        if got is None:
+        if step >= len(runtime_logits):  # the driver recorded no logits for this step
             diff = math.inf
             break
-        diff = max(diff, (got - ref_logits[step]).abs().max().item())
+        diff = max(diff, (runtime_logits[step] - ref_logits[step]).abs().max().item())
     near_tie = False
     if mismatch is not None and mismatch < min(len(ref_logits), len(runtime_tokens)):
         scores = ref_logits[mismatch]

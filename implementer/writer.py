@@ -1,4 +1,4 @@
-"""``apply`` in framework mode: analyze, convert, and write the output directory atomically.
+"""``apply``: plan, convert (either deploy mode), and write the output directory atomically.
 
 The codemods are pure ``str -> str``; this module owns all I/O. Everything is staged in a
 temporary sibling of ``--out`` and moved into place in one rename, so a failure (or an
@@ -11,47 +11,44 @@ Output directory:
                          the reference model exactly
     *.py                 other Python files of a model directory (configuration_*.py, ...)
     *.safetensors[.index.json]   weights of a model directory, linked (or copied)
+    runner_<model>.py    standalone mode only: the runner that owns the KV cache
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
-import importlib.util
-import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.implementer.mla import MlaSpec
-from kvskill.implementer.pipeline import convert_mla_source, convert_source
-from kvskill.implementer.spec import ConversionSpec
+from kvskill.analyzer.plan import DeployMode, SourceKind
+from kvskill.core.errors import BadInputError, KvskillError
+from kvskill.implementer.convert import (
+    ApplyOptions,
+    Conversion,
+    convert_framework,
+    source_package,
+)
+from kvskill.implementer.record import (
+    CONVERSION_FORMAT,
+    PLAN_FILE,
+    ConversionRecord,
+    ConvertedDir,
+    dump_json,
+    plan_file_text,
+)
+from kvskill.implementer.reviewed_plan import plan_from_review
+from kvskill.implementer.standalone.convert import convert_standalone
 
-PLAN_FILE = "kvskill_plan.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
-#: bumped when the layout of kvskill_plan.json's "conversion" block changes
-CONVERSION_FORMAT = 1
 
-
-@dataclass(frozen=True, kw_only=True)
-class ApplyOptions:
-    """What ``kvskill apply`` was asked to do."""
-
-    deploy_mode: str = "framework"
-    fa_version: str = "auto"
-    attn_tp_size: int = 1
-    block_size: int | None = None
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    dry_run: bool = False
-    force: bool = False
-    copy_weights: bool = False
-    #: "auto" | "on" | "off"; MLA is converted absorbed only, so "off" is refused for it
-    mla_absorb: str = "auto"
+__all__ = ["PLAN_FILE", "ApplyOptions", "ApplyResult", "apply_model", "convert_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,70 +77,29 @@ class ApplyResult:
         }
 
 
-def source_package(plan: Plan) -> str | None:
-    """Dotted package of a modeling file inside the installed transformers, else None.
+def convert_model(model: str, options: ApplyOptions) -> Conversion:
+    """Plan MODEL and convert it for the Plan's deploy mode.
 
-    A model directory without its own modeling code (config and weights only) is converted
-    from the installed transformers' file too, so its relative imports become absolute.
+    The Plan is a fresh analysis, or with ``options.plan_file`` the reviewed plan (checked
+    against a fresh analysis, see ``reviewed_plan.py``).
     """
-    spec = importlib.util.find_spec("transformers")
-    if spec is None or spec.origin is None:
-        return None
-    root = Path(spec.origin).resolve().parent.parent
-    path = Path(plan.source["modeling_file"]).resolve()
-    try:
-        parts = path.relative_to(root).with_suffix("").parts
-    except ValueError:
-        return None
-    return ".".join(parts[:-1])
-
-
-def read_source(path: Path) -> str:
-    """The text of a modeling file; an unreadable file is bad input."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"cannot read {path}: {exc}") from exc
-
-
-def convert_model(model: str, options: ApplyOptions) -> tuple[Plan, str, str]:
-    """Analyze MODEL and convert its modeling file: (plan, original source, converted)."""
-    assert options.deploy_mode == "framework", "standalone conversions go through apply_standalone"
-    plan = analyze_model(
-        model,
-        deploy_mode="framework",
-        config_overrides=options.config_overrides or None,
-        attn_tp_size=options.attn_tp_size,
-        block_size=options.block_size,
-    )
-    # MLA: latent caches and absorbed attention (kvskill.implementer.mla)
-    mla = plan.attention == "mla"
-    _check_mla_absorb(plan, options.mla_absorb)
-    spec = (MlaSpec if mla else ConversionSpec).from_plan(
-        plan, fa_version=options.fa_version, block_size=options.block_size
-    )
-    modeling_file = Path(plan.source["modeling_file"])
-    original = read_source(modeling_file)
-    converted = (convert_mla_source if mla else convert_source)(
-        original, spec, package=source_package(plan), filename=modeling_file.name
-    )
-    return plan, original, converted
-
-
-def _check_mla_absorb(plan: Plan, choice: str) -> None:
-    """``--mla-absorb on`` needs an MLA model; ``off`` is refused for one (absorbed only)."""
-    mla = plan.attention == "mla"
-    if choice == "on" and not mla:
-        raise BadInputError(
-            f"--mla-absorb on: {plan.model_type} has {plan.attention} attention, not MLA; "
-            "use --mla-absorb auto or off"
+    reviewed = None
+    if options.plan_file is not None:
+        planned = plan_from_review(model, options)
+        plan, options, reviewed = planned.plan, planned.options, planned.reviewed
+    else:
+        plan = analyze_model(
+            model,
+            deploy_mode=options.deploy_mode,
+            config_overrides=options.config_overrides or None,
+            attn_tp_size=options.attn_tp_size,
+            block_size=options.block_size,
         )
-    if choice == "off" and mla:
-        raise UnsupportedModelError(
-            f"{plan.model_type}: cannot convert: --mla-absorb off: the MLA conversion caches "
-            "only the latent (nope + rope caches) and attends absorbed; un-absorbed MLA is not "
-            "generated, use --mla-absorb auto or on"
-        )
+    if plan.deploy_mode is DeployMode.STANDALONE:
+        conversion = convert_standalone(plan, options)
+    else:
+        conversion = convert_framework(plan, options)
+    return dataclasses.replace(conversion, reviewed=reviewed)
 
 
 def modeling_diff(name: str, original: str, converted: str) -> str:
@@ -167,57 +123,48 @@ def config_json(plan: Plan) -> dict[str, Any]:
     return config
 
 
-def _previous_record(plan: Plan, original: str) -> dict[str, Any] | None:
-    """The record of an earlier conversion when MODEL is itself a converted directory.
+def _previous_conversion(plan: Plan) -> ConvertedDir | None:
+    """The earlier conversion when MODEL is itself a converted directory.
 
     Re-applying to converted code changes nothing, and verify must still compare against
     the code the first conversion started from, so that record (and its source) carry over.
     """
     model_dir = _model_dir(plan)
-    path = model_dir / PLAN_FILE if model_dir else None
-    if path is None or not path.is_file():
+    if model_dir is None or not (model_dir / PLAN_FILE).is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        previous = ConvertedDir.read(model_dir)
+    except KvskillError:
+        return None  # not a record apply wrote: this conversion starts its own
+    if previous.record.modeling_file != Path(plan.source.modeling_file).name:
         return None
-    conversion = data.get("conversion") if isinstance(data, dict) else None
-    if not isinstance(conversion, dict) or "original_source" not in conversion:
-        return None
-    if conversion.get("modeling_file") != Path(plan.source["modeling_file"]).name:
-        return None
-    return data
+    return previous
 
 
-def plan_json(plan: Plan, original: str, converted: str, options: ApplyOptions) -> dict[str, Any]:
-    """kvskill_plan.json: the Plan plus the conversion record (a framework-mode record)."""
-    data = plan.to_dict()
-    previous = _previous_record(plan, original) if converted == original else None
+def plan_record(conversion: Conversion, options: ApplyOptions) -> tuple[Plan, ConversionRecord]:
+    """The Plan and conversion record kvskill_plan.json holds."""
+    plan, original = conversion.plan, conversion.original
+    previous = _previous_conversion(plan) if conversion.converted == original else None
     if previous is not None:
-        data["source"] = previous["source"]
-        data["conversion"] = previous["conversion"]
-        return data
-    data["conversion"] = {
-        "format": CONVERSION_FORMAT,
-        "mode": "framework",
-        "fa_version": options.fa_version,
-        "modeling_file": Path(plan.source["modeling_file"]).name,
-        "package": source_package(plan),
-        "original_sha256": hashlib.sha256(original.encode("utf-8")).hexdigest(),
-        "original_source": original,
-    }
-    return data
-
-
-def dump_json(data: Any) -> str:
-    """The JSON text of a written file."""
-    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+        return dataclasses.replace(plan, source=previous.plan.source), previous.record
+    record = ConversionRecord(
+        format=CONVERSION_FORMAT,
+        mode=plan.deploy_mode,
+        fa_version=options.fa_version,
+        modeling_file=conversion.modeling_file,
+        package=source_package(plan),
+        original_sha256=hashlib.sha256(original.encode("utf-8")).hexdigest(),
+        original_source=original,
+        standalone=conversion.standalone,
+        reviewed_plan=conversion.reviewed,
+    )
+    return plan, record
 
 
 def _model_dir(plan: Plan) -> Path | None:
-    if plan.source.get("kind") == "transformers":
+    if plan.source.kind is SourceKind.TRANSFORMERS:
         return None
-    return Path(plan.source["path"]).resolve()
+    return Path(plan.source.path).resolve()
 
 
 def check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
@@ -248,6 +195,9 @@ def _check_not_inside_model(out_dir: Path, plan: Plan) -> None:
 def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> ApplyResult:
     """Convert MODEL and write it to ``out_dir`` (or only diff it with ``dry_run``).
 
+    One writer for both deploy modes: a standalone conversion adds its runner to the same
+    output set.
+
     Raises:
         BadInputError: bad MODEL, unreadable files, or an existing non-empty ``out_dir``
             without ``force``.
@@ -257,12 +207,14 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
     if out_dir is not None and not options.dry_run:
         _check_out_dir_usable(out_dir, options.force)
-    plan, original, converted = convert_model(model, options)
-    name = Path(plan.source["modeling_file"]).name
+    conversion = convert_model(model, options)
+    plan, record = plan_record(conversion, options)
+    name = conversion.modeling_file
     texts = {
-        name: converted,
+        name: conversion.converted,
+        **conversion.added,
         "config.json": dump_json(config_json(plan)),
-        PLAN_FILE: dump_json(plan_json(plan, original, converted, options)),
+        PLAN_FILE: plan_file_text(plan, record),
     }
     output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
     if out_dir is not None and not options.dry_run:
@@ -275,8 +227,8 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
         out_dir=out_dir,
         modeling_file=name,
         files=output.report(),
-        diff=modeling_diff(name, original, converted),
-        changed=converted != original,
+        diff=modeling_diff(name, conversion.original, conversion.converted),
+        changed=conversion.converted != conversion.original,
     )
 
 

@@ -43,7 +43,8 @@ class ChainResult:
         }
 
 
-def _result(name: str, summary: str, failures: list[str]) -> ChainResult:
+def chain_result(name: str, summary: str, failures: list[str]) -> ChainResult:
+    """A chain's result listing at most MAX_LISTED failures (and how many more)."""
     listed = failures[:MAX_LISTED]
     if len(failures) > MAX_LISTED:
         listed.append(f"... and {len(failures) - MAX_LISTED} more")
@@ -75,7 +76,7 @@ def check_init_chain(model: nn.Module, cache_info, kv_manager) -> ChainResult:
                     f"{entry.dtype}"
                 )
     failures += _placeholders_left(model)
-    return _result(
+    return chain_result(
         "init", f"{num_entries} cache entries checked for shape, dtype and injection", failures
     )
 
@@ -190,7 +191,7 @@ class RuntimeChainRecorder:
         )
         if not self.steps:
             failures.append("no step was recorded")
-        return _result("runtime", summary, failures)
+        return chain_result("runtime", summary, failures)
 
 
 def _check_tables(
@@ -281,7 +282,7 @@ def check_release_chain(
                 f"{a.token_ids[:8]}..."
             )
     failures += [f"after rerun: {f}" for f in check_pools_released(llm.kv_manager)]
-    return _result(
+    return chain_result(
         "release",
         f"pools back to initial free counts; rerun of {len(prompts)} prompt(s) on reused blocks",
         failures,

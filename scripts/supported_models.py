@@ -122,28 +122,21 @@ def run_family(family: Family, workdir: Path) -> dict[str, str]:
 
 
 def _standalone_cell(model: str, family: Family, workdir: Path) -> str:
-    """Standalone mode, when this build provides it."""
-    try:
-        from kvskill.implementer.standalone import (
-            StandaloneOptions,
-            apply_standalone,
-            verify_standalone,
-        )
-    except ImportError:
-        return "not in this build"
+    """Standalone mode: apply, then the same verify as framework mode."""
     from kvskill.core.errors import KvskillError
-    from kvskill.implementer.verify import VerifyOptions
-    from kvskill.implementer.writer import ApplyOptions
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
 
     out = workdir / f"{family.name.replace(' ', '_')}-standalone"
     try:
-        apply_standalone(
+        apply_model(
             model,
             out,
-            ApplyOptions(deploy_mode="standalone", config_overrides=family.overrides),
-            StandaloneOptions(kv_mode="paged", mla_absorb="auto"),
+            ApplyOptions(
+                deploy_mode="standalone", config_overrides=family.overrides, kv_mode="paged"
+            ),
         )
-        return _verify_cell(verify_standalone(out, VerifyOptions(trust_remote_code=True)))
+        return _verify_cell(verify_directory(out, VerifyOptions(trust_remote_code=True)))
     except KvskillError as exc:
         return f"unsupported: {exc}"
 

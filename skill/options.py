@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from kvskill.core.errors import BadInputError
 from kvskill.runtime.layout import KV_LAYOUTS
 
 OUTPUT_FORMATS_SIMPLE = ("table", "json")
@@ -82,15 +81,6 @@ kv_layout_option = click.option(
     help="Cache layout the runtime gives the converted model: one dense tensor per cache, or "
     "one page pool cut into strided views (framework outputs only).",
 )
-
-
-def refuse_layout_for_standalone(kv_layout: str, directory: Path) -> None:
-    """A standalone runner allocates its own dense cache: only the default layout applies."""
-    if kv_layout != "contiguous":
-        raise BadInputError(
-            f"--kv-layout {kv_layout} applies to framework outputs; the standalone runner in "
-            f"{directory} allocates its own dense cache"
-        )
 
 
 existing_dir = click.Path(exists=True, file_okay=False, dir_okay=True, path_type=Path)

@@ -9,12 +9,17 @@ the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
-from kvskill.analyzer.plan import Plan
+from kvskill.analyzer.plan import (
+    AttentionKind,
+    FaVersion,
+    InputLayout,
+    KvMode,
+    MlaCacheWrite,
+    Plan,
+)
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.spec import FaVersion
 
 MLA_ROPE_DIM = 64
 MLA_QUERY_DIMS = (512, 128)
@@ -24,13 +29,8 @@ MLA_BLOCK_SIZE = 16
 MLA_SPARSE_MODE = {"prefill": 3, "decode": 0}
 
 
-class CacheWrite(str, Enum):
-    """How the latent reaches the caches (the Plan's ``mla_cache_write``)."""
-
-    #: npu_kv_rmsnorm_rope_cache on the raw down-projection, cache_mode="PA_NZ"
-    FUSED = "fused"
-    #: npu_scatter_nd_update_ of the source's normalised latent and rotated key, NZ rows
-    SCATTER = "scatter"
+#: how the latent reaches the caches: the Plan's ``mla_cache_write`` (one enum for both)
+CacheWrite = MlaCacheWrite
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,7 @@ class MlaSpec:
             fa_version=FaVersion(plan.fa_version if fa_version == "auto" else fa_version),
             input_layout=plan.input_layout,
             attn_type=AttnType.FULL_ATTENTION.value,
-            sparse_mode={"prefill": int(modes["prefill"]), "decode": int(modes["decode"])},
+            sparse_mode={"prefill": modes.prefill, "decode": modes.decode},
             cache_write=CacheWrite(plan.mla_cache_write or CacheWrite.SCATTER.value),
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
@@ -73,15 +73,15 @@ class MlaSpec:
 
 def _check_supported(plan: Plan) -> None:
     reasons: list[str] = list(plan.implementer_blockers)
-    if plan.attention != "mla" or not plan.mla_absorb or not plan.mla:
+    if plan.attention is not AttentionKind.MLA or not plan.mla_absorb or not plan.mla:
         reasons.append(
-            f"attention is {plan.attention!r} with mla_absorb={plan.mla_absorb}; the MLA "
+            f"attention is {plan.attention.value!r} with mla_absorb={plan.mla_absorb}; the MLA "
             "rewrite needs an absorbed MLA Plan"
         )
-    if plan.kv_mode != "paged":
-        reasons.append(f"kv_mode is {plan.kv_mode!r}; only paged is rewritten")
-    if plan.input_layout != "TND_NTD":
-        reasons.append(f"input_layout {plan.input_layout!r}; absorbed MLA uses TND_NTD")
+    if plan.kv_mode is not KvMode.PAGED:
+        reasons.append(f"kv_mode is {plan.kv_mode.value!r}; only paged is rewritten")
+    if plan.input_layout is not InputLayout.TND_NTD:
+        reasons.append(f"input_layout {plan.input_layout.value!r}; absorbed MLA uses TND_NTD")
     kinds = set(plan.layer_attn_types())
     if AttnType.FULL_ATTENTION.value not in kinds or kinds - {
         AttnType.FULL_ATTENTION.value,
@@ -96,15 +96,16 @@ def _check_supported(plan: Plan) -> None:
             f"attn_tp_size {plan.attn_tp_size} with recurrent-state (Mamba) layers; their "
             "states are not split over ranks yet"
         )
-    modes = plan.sparse_mode.get(AttnType.FULL_ATTENTION.value, {})
-    if dict(modes) != MLA_SPARSE_MODE:
+    modes = plan.sparse_mode.get(AttnType.FULL_ATTENTION.value)
+    found = {"prefill": modes.prefill, "decode": modes.decode} if modes else {}
+    if found != MLA_SPARSE_MODE:
         reasons.append(
-            f"sparse_mode {dict(modes)}; absorbed MLA needs prefill 3 (causal, 2048 mask) and "
+            f"sparse_mode {found}; absorbed MLA needs prefill 3 (causal, 2048 mask) and "
             "decode 0 (no mask)"
         )
     if plan.mla:
-        rope = plan.mla.get("qk_rope_head_dim")
-        rank = plan.mla.get("kv_lora_rank")
+        rope = plan.mla.qk_rope_head_dim
+        rank = plan.mla.kv_lora_rank
         if rope != MLA_ROPE_DIM:
             reasons.append(f"qk_rope_head_dim is {rope}; the fused MLA attention needs 64")
         if rank not in MLA_QUERY_DIMS:

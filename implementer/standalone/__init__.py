@@ -1,25 +1,15 @@
 """Standalone deployment: the converted modeling file plus a generated runner that owns the
 KV caches, the block table, the slot mapping and kv_len (modes 1 contiguous, 2 paged, 3 MLA)."""
 
-from kvskill.implementer.standalone.apply import (
-    StandaloneOptions,
-    apply_standalone,
-    convert_standalone_model,
-    convert_standalone_source,
-)
+from kvskill.implementer.standalone.convert import convert_standalone, convert_standalone_source
 from kvskill.implementer.standalone.runner import render_runner
 from kvskill.implementer.standalone.spec import KvMode, MlaAbsorb, StandaloneSpec
-from kvskill.implementer.standalone.verify import find_runner, verify_standalone
 
 __all__ = [
     "KvMode",
     "MlaAbsorb",
-    "StandaloneOptions",
     "StandaloneSpec",
-    "apply_standalone",
-    "convert_standalone_model",
+    "convert_standalone",
     "convert_standalone_source",
-    "find_runner",
     "render_runner",
-    "verify_standalone",
 ]

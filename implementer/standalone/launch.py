@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.standalone.verify import import_runner, standalone_record
-from kvskill.implementer.verify import read_conversion
+from kvskill.implementer.record import ConvertedDir, StandaloneRecord
+from kvskill.implementer.standalone.verify import import_runner
 
 
 @dataclass(kw_only=True)
@@ -22,7 +22,7 @@ class StandaloneRun:
     """A converted model loaded next to the runner module of its directory."""
 
     directory: Path
-    record: dict[str, Any]
+    record: StandaloneRecord
     loaded: Any  #: kvskill.runtime.loader.LoadedModel
     runner_module: Any
 
@@ -45,8 +45,9 @@ class StandaloneRun:
         from kvskill.runtime.loader import load_model
 
         directory = directory.resolve()
-        plan, _ = read_conversion(directory)
-        record = standalone_record(directory, plan)
+        record = ConvertedDir.read(directory).record.standalone
+        if record is None:
+            raise BadInputError(f"{directory} is a framework output: it has no runner to drive")
         loaded = load_model(
             directory,
             dtype=dtype,
@@ -55,7 +56,7 @@ class StandaloneRun:
             random_weights=random_weights,
             trust_remote_code=trust_remote_code,
         )
-        module = import_runner(directory / record["runner"])
+        module = import_runner(directory / record.runner)
         return cls(directory=directory, record=record, loaded=loaded, runner_module=module)
 
     @property
@@ -100,9 +101,9 @@ class StandaloneRun:
         generated = sum(len(t) for t in output.token_ids)
         return {
             "model_dir": str(self.directory),
-            "runner": self.record["runner"],
-            "mode": self.record.get("mode"),
-            "kv_mode": self.record["kv_mode"],
+            "runner": self.record.runner,
+            "mode": self.record.mode,
+            "kv_mode": self.record.kv_mode,
             "device": str(runner.device),
             "batch_size": runner.batch_size,
             "max_seq_len": runner.max_seq_len,

@@ -1,11 +1,8 @@
-"""``kvskill verify`` for standalone outputs: drive the generated runner instead of the engine.
+"""The verify driver for standalone outputs: the generated ``runner_<model>.py``.
 
-Same criterion as framework verify (design §6): the reference is transformers ``generate``
-(greedy, one prompt at a time) on the original code; the converted model gets identical
-weights and runs the same variable-length prompts through ``runner_<model>.py`` as one static
-batch. Tokens must be identical and every step's logits within ``atol`` (plus ``LOGIT_RTOL`` of
-the largest reference logit, see ``verify.py``). The chains that apply to a runner-owned
-cache:
+Same criterion as framework outputs (design §6; ``verify.py`` compares): the converted model
+gets the reference's weights and runs the same variable-length prompts through the runner as
+one static batch. The chains that apply to a runner-owned cache:
 
 1. init: every cache entry is bound to the tensor the runner allocated, with the mode's shape
    ([batch, max_seq_len, heads * dim] contiguous, [total_blocks, block_size, heads, dim] paged)
@@ -21,7 +18,6 @@ cache:
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,49 +25,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from kvskill.core.errors import BadInputError, KvskillError
-from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
-from kvskill.implementer.shrink import shrink_config
-from kvskill.implementer.standalone.apply import STANDALONE_KEY
-from kvskill.implementer.verify import (
-    DEFAULT_BLOCK_SIZE,
-    PromptResult,
-    VerifyOptions,
-    VerifyReport,
-    check_trust,
-    check_verifiable,
-    is_windowed,
-    load_model_pair,
-    logit_scale,
-    make_prompts,
-    prompt_lengths_for,
-    read_conversion,
-    reference_generate,
-    scratch_dir,
-    start_report,
-)
+from kvskill.implementer.record import StandaloneRecord
+from kvskill.implementer.verify_driver import DriverRun
+from kvskill.runtime.chains import ChainResult, chain_result
 from torch import nn
-
-RUNNER_GLOB = "runner_*.py"
-
-
-def find_runner(directory: Path) -> Path | None:
-    """The ``runner_*.py`` of a standalone output directory, or None (framework output)."""
-    found = sorted(directory.glob(RUNNER_GLOB))
-    return found[0] if found else None
-
-
-def standalone_record(directory: Path, plan: dict[str, Any]) -> dict[str, Any]:
-    """The conversion's standalone record; its runner must be in ``directory``."""
-    record = plan["conversion"].get(STANDALONE_KEY)
-    if not isinstance(record, dict) or "runner" not in record:
-        raise BadInputError(
-            f"{directory} holds {RUNNER_GLOB} but its kvskill_plan.json has no standalone "
-            "record; re-run `kvskill apply --mode standalone`"
-        )
-    if not (directory / record["runner"]).is_file():
-        raise BadInputError(f"{directory} has no {record['runner']} (named in kvskill_plan.json)")
-    return record
 
 
 def import_runner(path: Path) -> ModuleType:
@@ -86,32 +43,6 @@ def import_runner(path: Path) -> ModuleType:
     finally:
         sys.modules.pop(name, None)
     return module
-
-
-def verify_standalone(directory: Path, options: VerifyOptions) -> VerifyReport:
-    """Run the original model and the standalone runner on the same prompts and compare.
-
-    Raises:
-        BadInputError: not a standalone output, untrusted remote code, bad options.
-    """
-    directory = directory.resolve()
-    plan, config = read_conversion(directory)
-    record = standalone_record(directory, plan)
-    check_trust(plan, options.trust_remote_code, directory)
-    check_verifiable(directory, plan, options)
-    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
-    block_size = options.block_size or DEFAULT_BLOCK_SIZE
-    if record.get("mla_absorb"):  # the MLA NZ caches need 16-token-aligned blocks
-        block_size = -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE
-    report = start_report(directory, plan, options, shrunk, block_size)
-    report.notes.append(
-        f"standalone mode {record.get('mode')} ({record['kv_mode']}, "
-        f"{record.get('input_layout')}) driven by {record['runner']}"
-    )
-    with scratch_dir() as workdir:
-        run_config = shrunk.config if shrunk else config
-        _verify(directory, workdir, plan, record, run_config, options, report)
-    return report
 
 
 @dataclass(slots=True)
@@ -133,58 +64,47 @@ class _StepRecorder:
         )
 
 
-def _verify(
-    directory: Path,
-    workdir: Path,
-    plan: dict[str, Any],
-    record: dict[str, Any],
-    config: dict[str, Any],
-    options: VerifyOptions,
-    report: VerifyReport,
-) -> None:
-    pair = load_model_pair(directory, workdir, plan, config, options, report)
-    if pair is None:
-        return
-    reference, model, converted_dir = pair.reference, pair.converted, pair.converted_dir
-    lengths = prompt_lengths_for(plan, config, options, report.block_size)
-    prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
-    references = [reference_generate(reference, p, options.max_new_tokens) for p in prompts]
-    try:
-        runner_module = import_runner(converted_dir / record["runner"])
-        runner = runner_module.runner_for(
-            model, prompts, options.max_new_tokens, block_size=report.block_size
-        )
-        init = _init_chain(model, runner, record["kv_mode"])
+@dataclass(frozen=True, kw_only=True)
+class RunnerDriver:
+    """Drives a standalone conversion with the runner of its (staged) directory."""
+
+    #: where the converted code (and so the runner) was loaded from
+    converted_dir: Path
+    record: StandaloneRecord
+    failure: str = "the standalone runner failed"
+
+    @property
+    def note(self) -> str:
+        r = self.record
+        return f"standalone mode {r.mode} ({r.kv_mode}, {r.input_layout}) driven by {r.runner}"
+
+    def run(
+        self, model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, block_size: int
+    ) -> DriverRun:
+        module = import_runner(self.converted_dir / self.record.runner)
+        runner = module.runner_for(model, prompts, max_new_tokens, block_size=block_size)
+        init = _init_chain(model, runner, self.record.kv_mode)
         recorder = _StepRecorder()
         runner.step_hook = recorder
-        first = runner.generate(prompts, options.max_new_tokens, return_logits=True)
+        first = runner.generate(prompts, max_new_tokens, return_logits=True)
         runner.step_hook = None
-        again = runner.generate(prompts[::-1], options.max_new_tokens)
-    except KvskillError as exc:
-        report.error = f"the runtime refused the converted model: {exc}"
-        return
-    except Exception as exc:  # the converted code or the runner failed: a failed check
-        report.error = f"the standalone runner failed: {type(exc).__name__}: {exc}"
-        return
-    paged = record["kv_mode"] == "paged"
-    report.chains = [
-        init,
-        _runtime_chain(recorder, lengths, runner.attn_types if paged else []),
-        _release_chain(first.token_ids, again.token_ids[::-1]),
-    ]
-    for index, (prompt, (tokens, ref_logits)) in enumerate(zip(prompts, references, strict=True)):
-        got = [step[index] for step in first.logits]
-        report.prompts.append(
-            _compare(index, prompt, tokens, ref_logits, first.token_ids[index], got)
+        again = runner.generate(prompts[::-1], max_new_tokens)
+        paged = self.record.kv_mode == "paged"
+        lengths = [len(p) for p in prompts]
+        return DriverRun(
+            token_ids=[list(t) for t in first.token_ids],
+            # first.logits: one [batch, vocab] tensor per step -> per prompt, per step
+            logits=[[step[i] for step in first.logits] for i in range(len(prompts))],
+            chains=[
+                init,
+                _runtime_chain(recorder, lengths, runner.attn_types if paged else []),
+                _release_chain(first.token_ids, again.token_ids[::-1]),
+            ],
+            notes=[self.note],
         )
 
 
-def _chain(name: str, summary: str, failures: list[str]) -> dict[str, Any]:
-    shown = failures[:8] + ([f"... and {len(failures) - 8} more"] if len(failures) > 8 else [])
-    return {"name": name, "passed": not failures, "summary": summary, "failures": shown}
-
-
-def _init_chain(model: nn.Module, runner, kv_mode: str) -> dict[str, Any]:
+def _init_chain(model: nn.Module, runner, kv_mode: str) -> ChainResult:
     """Every entry holds the runner's own tensor, of the mode's shape and the entry's dtype."""
     failures: list[str] = []
     layers = [m for m in model.modules() if hasattr(m, "cache_entries")]
@@ -211,14 +131,14 @@ def _init_chain(model: nn.Module, runner, kv_mode: str) -> dict[str, Any]:
                 failures.append(
                     f"{where}: {tuple(bound.shape)} {bound.dtype}, declared {shape} {entry.dtype}"
                 )
-    return _chain(
+    return chain_result(
         "init", f"{count} cache entries bound to runner-owned {kv_mode} tensors", failures
     )
 
 
 def _runtime_chain(
     recorder: _StepRecorder, lengths: list[int], attn_types: list[str]
-) -> dict[str, Any]:
+) -> ChainResult:
     """kv_len / actual_seq_lengths_kv follow prompt + generated, untouched by the layers."""
     failures: list[str] = []
     for index, step in enumerate(recorder.steps):
@@ -251,39 +171,18 @@ def _runtime_chain(
             f"{len(recorder.steps)} steps recorded; expected a prefill and decode steps"
         )
     summary = f"{len(recorder.steps)} steps: kv_len and actual_seq_lengths_kv = prompt + generated"
-    return _chain("runtime", summary + (", tables per attn_type" if attn_types else ""), failures)
+    return chain_result(
+        "runtime", summary + (", tables per attn_type" if attn_types else ""), failures
+    )
 
 
-def _release_chain(first: list[list[int]], again: list[list[int]]) -> dict[str, Any]:
+def _release_chain(first: list[list[int]], again: list[list[int]]) -> ChainResult:
     """Reusing the dirty caches (rows swapped) gives the same tokens."""
     failures = [
         f"prompt {i}: {a} on reused caches, {b} on fresh ones"
         for i, (a, b) in enumerate(zip(again, first, strict=True))
         if a != b
     ]
-    return _chain(
+    return chain_result(
         "release", "rerun on the runner's dirty caches, rows reversed: same tokens", failures
-    )
-
-
-def _compare(index, prompt, tokens, ref_logits, runner_tokens, runner_logits) -> PromptResult:
-    mismatch = next(
-        (i for i, (a, b) in enumerate(zip(tokens, runner_tokens, strict=False)) if a != b),
-        None if len(tokens) == len(runner_tokens) else min(len(tokens), len(runner_tokens)),
-    )
-    steps = min(len(tokens) if mismatch is None else mismatch + 1, len(ref_logits))
-    diff = 0.0
-    for step in range(steps):
-        if step >= len(runner_logits):
-            diff = math.inf
-            break
-        diff = max(diff, (runner_logits[step] - ref_logits[step]).abs().max().item())
-    return PromptResult(
-        index=index,
-        prompt_len=len(prompt),
-        reference_tokens=tokens,
-        runtime_tokens=list(runner_tokens),
-        max_logit_diff=diff,
-        first_mismatch=mismatch,
-        logit_scale=logit_scale(ref_logits, steps),
     )

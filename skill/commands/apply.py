@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.options import (
@@ -20,6 +21,13 @@ Examples:
   kvskill apply qwen3 --mode framework --out converted/
   kvskill apply ./my-model --mode framework --out converted/ --dry-run
   kvskill apply qwen3 --mode standalone --kv-mode paged --out runner/
+  kvskill analyze qwen3 --format json > plan.json   # review, edit fa_version ...
+  kvskill apply qwen3 --plan plan.json --out converted/
+
+\b
+--plan converts what the reviewed plan says. Its choices (deploy_mode, fa_version,
+block_size, attn_tp_size) may be edited by hand; every other field is a fact of the model,
+and a plan whose facts no longer match MODEL is refused (exit 2) naming them.
 
 \b
 Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
@@ -68,6 +76,14 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 @attn_tp_size_option
 @block_size_option
 @config_overrides_option
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Convert what this reviewed plan (kvskill analyze --format json) says; it decides "
+    "--mode, --fa-version, --block-size and --attn-tp-size.",
+)
 @click.option("--dry-run", is_flag=True, help="Print a unified diff; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output directory.")
 @click.option(
@@ -81,6 +97,8 @@ def apply(model: str, **options) -> None:
     The input files are never modified; the result goes to --out. Model code is parsed with
     libcst, never executed.
     """
+    if options["plan_file"] is not None:
+        _refuse_mode_with_plan()
     apply_options = ApplyOptions(
         deploy_mode=options["deploy_mode"],
         fa_version=options["fa_version"],
@@ -91,14 +109,10 @@ def apply(model: str, **options) -> None:
         force=options["force"],
         copy_weights=options["copy_weights"],
         mla_absorb=options["mla_absorb"],
+        kv_mode=options["kv_mode"],
+        plan_file=options["plan_file"],
     )
-    if options["deploy_mode"] == "standalone":
-        from kvskill.implementer.standalone import StandaloneOptions, apply_standalone
-
-        standalone = StandaloneOptions(kv_mode=options["kv_mode"], mla_absorb=options["mla_absorb"])
-        result = apply_standalone(model, options["out_dir"], apply_options, standalone)
-    else:
-        result = apply_model(model, options["out_dir"], apply_options)
+    result = apply_model(model, options["out_dir"], apply_options)
     if options["output_format"] == "json":
         data = result.to_dict()
         data["dry_run"] = options["dry_run"]
@@ -119,3 +133,12 @@ def apply(model: str, **options) -> None:
         + ", ".join(f"{name} ({how})" for name, how in result.files.items()),
         err=True,
     )
+
+
+def _refuse_mode_with_plan() -> None:
+    """``--mode`` given with ``--plan``: the plan's deploy_mode decides (edit it there)."""
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("deploy_mode") is click.core.ParameterSource.COMMANDLINE:
+        raise BadInputError(
+            "--mode with --plan: the plan's deploy_mode decides it, edit deploy_mode there instead"
+        )

@@ -18,7 +18,6 @@ from kvskill.options import (
     format_option,
     kv_layout_option,
     log_layout_option,
-    refuse_layout_for_standalone,
     seed_option,
     trust_remote_code_option,
 )
@@ -159,22 +158,20 @@ def run(directory: Path, **options) -> None:
 
     A standalone output (it holds runner_<model>.py) is run by its own runner instead: one
     static batch, greedy."""
-    from kvskill.implementer.standalone import find_runner
-    from kvskill.implementer.writer import PLAN_FILE
+    from kvskill.implementer.record import PLAN_FILE, ConvertedDir
     from kvskill.runtime import LLM, SamplingParams
     from kvskill.runtime.ops import backend
 
-    if find_runner(directory) is not None:
-        refuse_layout_for_standalone(options["kv_layout"], directory)
-        _run_standalone(directory, options)
-        return
-    plan_file = directory / PLAN_FILE
-    if options["kv_layout"] != "contiguous" and plan_file.is_file():
+    # a directory apply wrote says who runs it; one without a record is framework code
+    if (directory / PLAN_FILE).is_file():
         from kvskill.implementer.verify import check_layout_fits
 
-        check_layout_fits(
-            json.loads(plan_file.read_text(encoding="utf-8")), options["kv_layout"], directory
-        )
+        converted = ConvertedDir.read(directory)
+        converted.check_layout(options["kv_layout"])
+        if converted.is_standalone:
+            _run_standalone(directory, options)
+            return
+        check_layout_fits(converted.plan, options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
     llm = LLM(

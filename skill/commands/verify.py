@@ -15,7 +15,6 @@ from kvskill.options import (
     existing_dir,
     format_option,
     kv_layout_option,
-    refuse_layout_for_standalone,
     seed_option,
     trust_remote_code_option,
 )
@@ -69,14 +68,8 @@ def verify(directory: Path, output_format: str, **options) -> int:
         trust_remote_code=options["trust_remote_code"],
         kv_layout=options["kv_layout"],
     )
-    from kvskill.implementer.standalone import find_runner, verify_standalone
-
-    # a standalone output carries its runner_<model>.py: verify drives it instead of the engine
-    if find_runner(directory) is not None:
-        refuse_layout_for_standalone(verify_options.kv_layout, directory)
-        report = verify_standalone(directory, verify_options)
-    else:
-        report = verify_directory(directory, verify_options)
+    # one verify: a standalone output's record names its runner, which drives the model
+    report = verify_directory(directory, verify_options)
     if output_format == "json":
         click.echo(json.dumps(report.to_dict()))
     else:

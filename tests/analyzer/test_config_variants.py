@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.analyzer.plan import WindowTokens
 from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
 
@@ -29,7 +30,7 @@ def test_qwen2_sliding_window_on_slides_the_layers_from_max_window_layers():
     # transformers' Qwen2Config: layer i slides when i >= max_window_layers
     assert plan.layer_attn_types() == [FULL, FULL, SLIDING, SLIDING]
     assert [layer.sliding_window for layer in plan.layers] == [None, None, 64, 64]
-    assert plan.window_tokens == {SLIDING: {"pre_tokens": 63, "next_tokens": 0}}
+    assert plan.window_tokens == {SLIDING: WindowTokens(pre_tokens=63, next_tokens=0)}
     assert plan.mixed_attn_types
     layer_sources = [e.source for e in plan.evidence if e.decision == "layers"]
     assert any("layer_types" in s for s in layer_sources)
@@ -43,7 +44,7 @@ def test_kv_heads_per_rank_follow_attn_tp_size(model_type, kv_heads, tp):
     assert plan.num_key_value_heads_per_rank == expected
     assert plan.attn_tp_size == tp
     for entries in plan.cache_entries.values():
-        assert {entry["num_head"] for entry in entries} == {expected}
+        assert {entry.num_head for entry in entries} == {expected}
     per_layer = 2 * expected * plan.head_dim * 2
     assert plan.kv_bytes_per_token == per_layer * len(plan.layers)
     replicated = [w for w in plan.warnings if "replicated" in w]

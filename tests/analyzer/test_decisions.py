@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.analyzer.plan import CacheEntryPlan, SparseModes, WindowTokens
 
 FULL, SLIDING, MAMBA = "FullAttention", "SlidingWindow", "Mamba"
 
@@ -24,14 +25,14 @@ def test_llama_is_plain_mha_full_attention():
     assert len(plan.layers) == 32 and all(layer.sliding_window is None for layer in plan.layers)
     assert plan.fa_version == "v1" and "sink" in plan.fa_version_reason
     assert plan.input_layout == "TND" and plan.mla_absorb is False
-    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    assert plan.sparse_mode == {FULL: SparseModes(prefill=3, decode=3)}
     assert plan.window_tokens == {}
     assert plan.softmax_scale == pytest.approx(128**-0.5)
     assert plan.cache_entries[FULL] == [
-        {"cache_name": "k_cache", "dim": 128, "num_head": 32, "dtype": "bfloat16",
-         "sliding_window": None},
-        {"cache_name": "v_cache", "dim": 128, "num_head": 32, "dtype": "bfloat16",
-         "sliding_window": None},
+        CacheEntryPlan(cache_name="k_cache", dim=128, num_head=32, dtype="bfloat16",
+         sliding_window=None),
+        CacheEntryPlan(cache_name="v_cache", dim=128, num_head=32, dtype="bfloat16",
+         sliding_window=None),
     ]  # fmt: skip
     # K and V, 32 heads x 128 dims x 2 bytes, 32 layers
     assert plan.kv_bytes_per_token == 2 * 32 * 128 * 2 * 32
@@ -53,7 +54,7 @@ def test_standard_families_are_full_attention(model_type, heads, kv_heads, head_
     assert plan.attn_types == [FULL]
     assert (plan.num_attention_heads, plan.num_key_value_heads) == (heads, kv_heads)
     assert plan.head_dim == head_dim and len(plan.layers) == layers
-    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    assert plan.sparse_mode == {FULL: SparseModes(prefill=3, decode=3)}
     assert plan.fa_version == "v1" and plan.input_layout == "TND"
     assert plan.softmax_scale == pytest.approx(head_dim**-0.5)
     assert plan.kv_bytes_per_token == 2 * kv_heads * head_dim * 2 * layers
@@ -68,15 +69,15 @@ def test_code_facts_point_at_the_seam_lines():
     assert code["causal_lm_class"] == "Qwen3ForCausalLM"
     assert plan.architecture == "Qwen3ForCausalLM"
     assert code["cache_api"] == "transformers5"
-    lines = Path(plan.source["modeling_file"]).read_text(encoding="utf-8").splitlines()
+    lines = Path(plan.source.modeling_file).read_text(encoding="utf-8").splitlines()
     assert "cache.update(" in lines[code["cache_update_line"] - 1]
     assert "attention_interface(" in lines[code["attention_interface_line"] - 1]
     assert lines[code["causal_lm_line"] - 1].startswith("class Qwen3ForCausalLM")
     attn = code["attention"]["Qwen3Attention"]
     assert "self.scaling" in lines[attn["scaling_line"] - 1]
     assert lines[attn["forward_line"] - 1].strip().startswith("def forward")
-    assert plan.source["kind"] == "transformers"
-    assert plan.source["modeling_file"].endswith("models/qwen3/modeling_qwen3.py")
+    assert plan.source.kind == "transformers"
+    assert plan.source.modeling_file.endswith("models/qwen3/modeling_qwen3.py")
     assert plan.config["model_type"] == "qwen3" and plan.config["num_hidden_layers"] == 32
     assert f"modeling_qwen3.py:{attn['scaling_line']}" in sources_of(plan, "softmax_scale")
 
@@ -85,10 +86,10 @@ def test_mistral_window_applies_to_every_layer():
     plan = analyze_model("mistral")
     assert plan.attn_types == [SLIDING]
     assert {layer.sliding_window for layer in plan.layers} == {4096}
-    assert plan.sparse_mode == {SLIDING: {"prefill": 4, "decode": 4}}
+    assert plan.sparse_mode == {SLIDING: SparseModes(prefill=4, decode=4)}
     # the window W=4096 includes the current token; pre_tokens=P admits P+1 keys
-    assert plan.window_tokens == {SLIDING: {"pre_tokens": 4095, "next_tokens": 0}}
-    assert plan.cache_entries[SLIDING][0]["sliding_window"] == 4096
+    assert plan.window_tokens == {SLIDING: WindowTokens(pre_tokens=4095, next_tokens=0)}
+    assert plan.cache_entries[SLIDING][0].sliding_window == 4096
     assert any("masking_utils.py:" in s for s in sources_of(plan, "sparse_mode.SlidingWindow"))
 
 
@@ -103,10 +104,10 @@ def test_gpt_oss_mixes_sliding_and_full_and_needs_fa_v2_for_sinks():
     fa_sources = sources_of(plan, "fa_version")
     assert fa_sources and fa_sources[0].startswith("modeling_gpt_oss.py:")
     assert plan.sparse_mode == {
-        FULL: {"prefill": 3, "decode": 3},
-        SLIDING: {"prefill": 4, "decode": 4},
+        FULL: SparseModes(prefill=3, decode=3),
+        SLIDING: SparseModes(prefill=4, decode=4),
     }
-    assert plan.window_tokens == {SLIDING: {"pre_tokens": 127, "next_tokens": 0}}
+    assert plan.window_tokens == {SLIDING: WindowTokens(pre_tokens=127, next_tokens=0)}
     assert plan.num_key_value_heads_per_rank == 8
     assert plan.softmax_scale == pytest.approx(0.125)
     assert plan.kv_bytes_per_token == 2 * 8 * 64 * 2 * 36
@@ -121,16 +122,16 @@ def test_deepseek_v3_is_mla_absorb():
     plan = analyze_model("deepseek_v3", attn_tp_size=8)
     assert plan.attention == "mla" and plan.mla_absorb and plan.is_mla_backend
     assert plan.input_layout == "TND_NTD"
-    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 0}}
+    assert plan.sparse_mode == {FULL: SparseModes(prefill=3, decode=0)}
     # latent KV is a single head on every rank, whatever the attention TP size
     assert plan.num_key_value_heads_per_rank == 1
     assert plan.cache_entries[FULL] == [
-        {"cache_name": "nope_cache", "dim": 512, "num_head": 1, "dtype": "bfloat16",
-         "sliding_window": None},
-        {"cache_name": "rope_cache", "dim": 64, "num_head": 1, "dtype": "bfloat16",
-         "sliding_window": None},
+        CacheEntryPlan(cache_name="nope_cache", dim=512, num_head=1, dtype="bfloat16",
+         sliding_window=None),
+        CacheEntryPlan(cache_name="rope_cache", dim=64, num_head=1, dtype="bfloat16",
+         sliding_window=None),
     ]  # fmt: skip
-    assert plan.mla["qk_rope_head_dim"] == 64
+    assert plan.mla.qk_rope_head_dim == 64
     assert plan.kv_bytes_per_token == (512 + 64) * 2 * 61
     # no YaRN in the default config: scale over qk_nope + qk_rope = 192 dims
     assert plan.softmax_scale == pytest.approx(192**-0.5)
@@ -195,8 +196,8 @@ def test_mla_scale_matches_the_installed_attention_module(model_type):
 def test_deepseek_v2_is_mla_too():
     plan = analyze_model("deepseek_v2")
     assert plan.attention == "mla" and plan.input_layout == "TND_NTD"
-    assert plan.sparse_mode[FULL] == {"prefill": 3, "decode": 0}
-    assert plan.cache_entries[FULL][0]["dim"] == 512
+    assert plan.sparse_mode[FULL] == SparseModes(prefill=3, decode=0)
+    assert plan.cache_entries[FULL][0].dim == 512
 
 
 def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
@@ -207,15 +208,15 @@ def test_qwen3_next_linear_attention_layers_become_mamba_state_entries():
     assert kinds.count(FULL) == 12 and kinds.count(MAMBA) == 36
     assert plan.attn_types == [FULL, MAMBA] and plan.mixed_attn_types
     assert {layer.kind for layer in plan.layers if layer.attn_type == MAMBA} == {"linear_attention"}
-    assert plan.sparse_mode == {FULL: {"prefill": 3, "decode": 3}}
+    assert plan.sparse_mode == {FULL: SparseModes(prefill=3, decode=3)}
     conv, ssm = plan.cache_entries[MAMBA]
     # conv over q, k (16 heads x 128 each) and v (32 heads x 128), kernel 4 keeps 3 columns
-    assert conv["cache_name"] == "conv_state" and conv["dim"] == [3, 2 * 16 * 128 + 32 * 128]
-    assert ssm["cache_name"] == "ssm_state" and ssm["num_head"] == 32
-    assert ssm["dim"] == [128, 128]
+    assert conv.cache_name == "conv_state" and conv.dim == [3, 2 * 16 * 128 + 32 * 128]
+    assert ssm.cache_name == "ssm_state" and ssm.num_head == 32
+    assert ssm.dim == [128, 128]
     # transformers keeps the recurrent state in float32 in a bfloat16 model; the conv state
     # in the model's dtype. Per layer: 3 x 8192 bf16 + 32 x 128 x 128 fp32, 36 layers.
-    assert (conv["dtype"], ssm["dtype"]) == ("bfloat16", "float32")
+    assert (conv.dtype, ssm.dtype) == ("bfloat16", "float32")
     assert plan.memory["state_bytes_per_request"] == 36 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
     assert plan.code["linear_attention_classes"] == ["Qwen3NextGatedDeltaNet"]
     # only the 12 full-attention layers grow with tokens (2 KV heads x 256 dims)
@@ -229,8 +230,8 @@ def test_kimi_linear_delta_layers_get_states_from_the_linear_head_keys():
     assert plan.attention == "mla" and MAMBA in plan.attn_types
     conv, ssm = plan.cache_entries[MAMBA]
     # q, k and v convolved together: 3 x 32 heads x 128; kernel 4 keeps 3 columns
-    assert conv["dim"] == [3, 3 * 32 * 128] and conv["dtype"] == "bfloat16"
-    assert (ssm["num_head"], ssm["dim"], ssm["dtype"]) == (32, [128, 128], "float32")
+    assert conv.dim == [3, 3 * 32 * 128] and conv.dtype == "bfloat16"
+    assert (ssm.num_head, ssm.dim, ssm.dtype) == (32, [128, 128], "float32")
     assert plan.implementer_blockers == []
 
 
@@ -238,8 +239,8 @@ def test_mimo_sliding_layers_double_their_kv_heads_in_the_entries_and_memory():
     # MiMo-V2-Flash's attention __init__: num_key_value_heads = config... * 2 if is_swa
     plan = analyze_model("mimo_v2_flash")
     full, sliding = plan.cache_entries[FULL], plan.cache_entries[SLIDING]
-    assert [e["num_head"] for e in full] == [4, 4]
-    assert [e["num_head"] for e in sliding] == [8, 8]
+    assert [e.num_head for e in full] == [4, 4]
+    assert [e.num_head for e in sliding] == [8, 8]
     per_layer = (192 + 128) * 2  # k + v dims x bf16 bytes
     layers = plan.layer_attn_types().count(SLIDING)
     assert plan.memory["bytes_per_token"][SLIDING] == 8 * per_layer * layers
@@ -247,7 +248,7 @@ def test_mimo_sliding_layers_double_their_kv_heads_in_the_entries_and_memory():
     assert cited.startswith("modeling_mimo_v2_flash.py:")
     # per rank under tensor parallelism, like every other head count
     plan_tp = analyze_model("mimo_v2_flash", attn_tp_size=4)
-    assert [e["num_head"] for e in plan_tp.cache_entries[SLIDING]] == [2, 2]
+    assert [e.num_head for e in plan_tp.cache_entries[SLIDING]] == [2, 2]
 
 
 def test_gemma2_soft_capping_keeps_legacy_with_the_blocker():
@@ -263,7 +264,7 @@ def test_gemma2_without_soft_capping_is_paged():
     plan = analyze_model("gemma2", config_overrides={"attn_logit_softcapping": None})
     assert plan.kv_mode == "paged" and plan.legacy_reason is None
     assert plan.attn_types == [FULL, SLIDING]
-    assert plan.window_tokens == {SLIDING: {"pre_tokens": 4095, "next_tokens": 0}}
+    assert plan.window_tokens == {SLIDING: WindowTokens(pre_tokens=4095, next_tokens=0)}
     # gemma2 scales by query_pre_attn_scalar (256), not head_dim
     assert plan.softmax_scale == pytest.approx(256**-0.5)
     assert any("head_dim 256" in w for w in plan.warnings)
@@ -284,8 +285,8 @@ def test_composite_model_is_planned_from_its_text_config_language_model():
     # fuyu builds its language model (persimmon) through AutoModel from text_config
     plan = analyze_model("fuyu")
     assert plan.model_type == "persimmon"
-    assert plan.source["language_model_of"] == "fuyu"
-    assert plan.source["modeling_file"].endswith("modeling_persimmon.py")
+    assert plan.source.language_model_of == "fuyu"
+    assert plan.source.modeling_file.endswith("modeling_persimmon.py")
     assert plan.code["causal_lm_class"] == "PersimmonForCausalLM"
     assert any(e.decision == "source" and "text_config" in e.reason for e in plan.evidence)
 
@@ -308,7 +309,7 @@ def test_parallel_state_mixers_are_a_blocker_not_a_refusal():
 def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():
     # gpt-sw3 has no modeling file of its own; its causal LM class lives in gpt2
     plan = analyze_model("gpt-sw3")
-    assert plan.source["modeling_file"].endswith("models/gpt2/modeling_gpt2.py")
+    assert plan.source.modeling_file.endswith("models/gpt2/modeling_gpt2.py")
     assert plan.architecture == "GPT2LMHeadModel"
 
 

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 from tests.analyzer.fixtures import REMOTE_MODELING, write_checkpoint, write_remote_model
@@ -24,14 +25,14 @@ def test_checkpoint_directory_uses_the_installed_modeling_code(tmp_path):
          "dtype": "float32"},
     )  # fmt: skip
     plan = analyze_model(str(model))
-    assert plan.source["kind"] == "directory"
-    assert plan.source["config_file"] == str(model / "config.json")
-    assert plan.source["modeling_file"].endswith("modeling_qwen3.py")
+    assert plan.source.kind == "directory"
+    assert plan.source.config_file == str(model / "config.json")
+    assert plan.source.modeling_file.endswith("modeling_qwen3.py")
     assert plan.attention == "gqa" and len(plan.layers) == 3
-    assert plan.cache_entries[FULL][0] == {
-        "cache_name": "k_cache", "dim": 16, "num_head": 2, "dtype": "float32",
-        "sliding_window": None,
-    }  # fmt: skip
+    assert plan.cache_entries[FULL][0] == CacheEntryPlan(
+        cache_name="k_cache", dim=16, num_head=2, dtype="float32",
+        sliding_window=None,
+    )  # fmt: skip
     assert plan.kv_bytes_per_token == 2 * 2 * 16 * 4 * 3
     attention_sources = [e.source for e in plan.evidence if e.decision == "attention"]
     assert attention_sources == ["config.json:num_key_value_heads"]
@@ -45,8 +46,8 @@ def test_transformers4_remote_code_is_read_without_running_it(tmp_path):
     assert not (model / "SIDE_EFFECT").exists()
     assert not (model / "SIDE_EFFECT_CONFIG").exists()
     assert not any("modeling_tiny" in name for name in set(sys.modules) - modules_before)
-    assert plan.source["kind"] == "remote_code"
-    assert plan.source["modeling_file"] == str(model / "modeling_tiny.py")
+    assert plan.source.kind == "remote_code"
+    assert plan.source.modeling_file == str(model / "modeling_tiny.py")
     code = plan.code
     assert code["cache_api"] == "transformers4"
     assert code["attention_classes"] == ["TinyAttention"]
@@ -56,7 +57,7 @@ def test_transformers4_remote_code_is_read_without_running_it(tmp_path):
     assert "past_key_value.update(" in lines[code["cache_update_line"] - 1]
     assert "scaled_dot_product_attention(" in lines[code["attention_interface_line"] - 1]
     assert plan.attention == "gqa" and plan.num_key_value_heads_per_rank == 2
-    assert plan.cache_entries[FULL][0]["dtype"] == "float16"
+    assert plan.cache_entries[FULL][0].dtype == "float16"
     assert plan.kv_bytes_per_token == 2 * 2 * 16 * 2 * 2
     assert any("past_key_value.update" in e.reason for e in plan.evidence)
 

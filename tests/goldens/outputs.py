@@ -60,44 +60,44 @@ def model_argument(model_type: str, scratch: Path) -> str:
     return str(write_remote_model(scratch / REMOTE))
 
 
+def _convert(model: str, **options):
+    from kvskill.implementer.writer import ApplyOptions, convert_model
+
+    return convert_model(model, ApplyOptions(**options))
+
+
+def _diff(conversion) -> str:
+    from kvskill.implementer.writer import modeling_diff
+
+    return modeling_diff(conversion.modeling_file, conversion.original, conversion.converted)
+
+
+def _refusal(exc: KvskillError) -> tuple[str, str]:
+    return "refused", f"exit {int(exc.exit_code)}: {exc.message}"
+
+
 def framework_output(model: str) -> tuple[str, str]:
     """("diff", text) of the framework conversion, or ("refused", message)."""
-    from kvskill.implementer.writer import ApplyOptions, convert_model, modeling_diff
-
     try:
-        plan, original, converted = convert_model(model, ApplyOptions())
+        return "diff", _diff(_convert(model))
     except KvskillError as exc:
-        return "refused", f"exit {int(exc.exit_code)}: {exc.message}"
-    name = Path(plan.source["modeling_file"]).name
-    return "diff", modeling_diff(name, original, converted)
+        return _refusal(exc)
 
 
 def standalone_outputs(model: str) -> dict[str, tuple[str, str]]:
     """The contiguous conversion's diff and the paged runner, or the refusal of each."""
-    from kvskill.implementer.standalone.apply import StandaloneOptions, convert_standalone_model
-    from kvskill.implementer.writer import ApplyOptions, modeling_diff
-
     outputs: dict[str, tuple[str, str]] = {}
     try:
-        contiguous = convert_standalone_model(
-            model,
-            ApplyOptions(deploy_mode="standalone"),
-            StandaloneOptions(kv_mode="contiguous"),
-        )
-        name = Path(contiguous.plan.source["modeling_file"]).name
-        outputs["contiguous"] = (
-            "diff",
-            modeling_diff(name, contiguous.original, contiguous.converted),
-        )
+        contiguous = _convert(model, deploy_mode="standalone", kv_mode="contiguous")
+        outputs["contiguous"] = ("diff", _diff(contiguous))
     except KvskillError as exc:
-        outputs["contiguous"] = ("refused", f"exit {int(exc.exit_code)}: {exc.message}")
+        outputs["contiguous"] = _refusal(exc)
     try:
-        paged = convert_standalone_model(
-            model, ApplyOptions(deploy_mode="standalone"), StandaloneOptions()
-        )
-        outputs["runner"] = ("py", paged.runner.text)
+        paged = _convert(model, deploy_mode="standalone")
+        (runner,) = [text for name, text in paged.added.items() if name.startswith("runner_")]
+        outputs["runner"] = ("py", runner)
     except KvskillError as exc:
-        outputs["runner"] = ("refused", f"exit {int(exc.exit_code)}: {exc.message}")
+        outputs["runner"] = _refusal(exc)
     return outputs
 
 

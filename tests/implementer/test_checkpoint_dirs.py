@@ -145,7 +145,7 @@ def test_vision_language_checkpoint_converts_its_language_model(mistral3_checkpo
 def test_vision_language_model_by_name_delegates_to_its_text_model():
     plan = analyze_model("llava")
     assert plan.model_type == "llama"
-    assert plan.source["language_model_of"] == "llava"
+    assert plan.source.language_model_of == "llava"
 
 
 def test_config_overrides_of_a_vision_language_model_reach_its_language_model():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
@@ -150,20 +151,20 @@ def test_latent_cache_memory_matches_plan(tmp_path):
     plan = analyze_model("deepseek_v3", config_overrides=overrides)
     assert plan.kv_bytes_per_token == (128 + 64) * 4 * 2
     assert plan.cache_entries["FullAttention"] == [
-        {
-            "cache_name": "nope_cache",
-            "dim": 128,
-            "num_head": 1,
-            "dtype": "float32",
-            "sliding_window": None,
-        },
-        {
-            "cache_name": "rope_cache",
-            "dim": 64,
-            "num_head": 1,
-            "dtype": "float32",
-            "sliding_window": None,
-        },
+        CacheEntryPlan(
+            cache_name="nope_cache",
+            dim=128,
+            num_head=1,
+            dtype="float32",
+            sliding_window=None,
+        ),
+        CacheEntryPlan(
+            cache_name="rope_cache",
+            dim=64,
+            num_head=1,
+            dtype="float32",
+            sliding_window=None,
+        ),
     ]
     _, _, model, _ = build_pair("deepseek_v3", overrides, tmp_path)
     info = model.get_cache_info()

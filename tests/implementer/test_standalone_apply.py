@@ -16,16 +16,11 @@ from kvskill.analyzer import analyze_model
 from kvskill.analyzer.lint import lint_source
 from kvskill.cli import main
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.convert import source_package
 from kvskill.implementer.shrink import shrink_config
-from kvskill.implementer.standalone import (
-    StandaloneOptions,
-    StandaloneSpec,
-    apply_standalone,
-    convert_standalone_source,
-    verify_standalone,
-)
-from kvskill.implementer.verify import VerifyOptions
-from kvskill.implementer.writer import ApplyOptions, source_package
+from kvskill.implementer.standalone import StandaloneSpec, convert_standalone_source
+from kvskill.implementer.verify import VerifyOptions, verify_directory
+from kvskill.implementer.writer import ApplyOptions, apply_model
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +45,7 @@ class Outputs:
         key = (model, kv_mode)
         if key not in self.dirs:
             out = self.root / f"{model}_{kv_mode}"
-            apply_standalone(
-                model,
-                out,
-                ApplyOptions(deploy_mode="standalone"),
-                StandaloneOptions(kv_mode=kv_mode),
-            )
+            apply_model(model, out, ApplyOptions(deploy_mode="standalone", kv_mode=kv_mode))
             self.dirs[key] = out
         return self.dirs[key]
 
@@ -139,7 +129,7 @@ def test_paged_modes_verify_token_exact(outputs, model, mode):
     assert "md.block_table[self.attn_type]" in code and "md.slot_mapping[self.attn_type]" in code
     if mode == 3:
         assert "self.nope_cache" in code and "self.rope_cache" in code
-    report = verify_standalone(directory, VerifyOptions())
+    report = verify_directory(directory, VerifyOptions())
     assert report.passed, report.failures()
     assert report.tokens_identical and report.max_logit_diff <= report.atol
 
@@ -191,7 +181,7 @@ def test_attention_advancing_kv_len_fails_verify_contiguous(outputs, tmp_path):
         "        md.kv_len += 1\n",
     )
     assert "KV008" in {f.rule for f in lint_source(modeling.read_text(encoding="utf-8"))}
-    report = verify_standalone(directory, VerifyOptions())
+    report = verify_directory(directory, VerifyOptions())
     assert not report.passed
     assert not report.tokens_identical  # later layers wrote at shifted positions
     runtime = next(c for c in report.chains if c["name"] == "runtime")
@@ -207,7 +197,7 @@ def test_attention_advancing_kv_len_fails_verify_paged(outputs, tmp_path):
         "self.update_cache(md.slot_mapping[self.attn_type], key_tnd, value_tnd)\n",
         "        md.kv_len += 1\n",
     )
-    report = verify_standalone(directory, VerifyOptions())
+    report = verify_directory(directory, VerifyOptions())
     assert not report.passed
     assert report.tokens_identical
     assert any("a layer advanced kv_len" in f for f in report.failures())
@@ -221,7 +211,7 @@ def test_runner_advancing_kv_len_twice_fails_verify(outputs, tmp_path):
     assert anchor in text
     runner.write_text(text.replace(anchor, "self.kv_len += 2  # one too many"), encoding="utf-8")
     # Three tokens: the second decode step is already one position off, still inside the rows.
-    report = verify_standalone(directory, VerifyOptions(max_new_tokens=3))
+    report = verify_directory(directory, VerifyOptions(max_new_tokens=3))
     assert not report.passed and report.max_logit_diff > report.atol
     failures = report.failures()
     assert any("the runner's kv_len went wrong" in f for f in failures)

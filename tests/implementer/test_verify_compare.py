@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-from kvskill.implementer.verify import _compare, _LogitRecorder, choose_prompt_lengths
+from kvskill.implementer.verify import choose_prompt_lengths, compare_prompt
 
 
 def _case(ref_tokens, run_tokens, ref_logits, run_logits, atol):
-    recorder = _LogitRecorder()
-    for step, logits in enumerate(run_logits):
-        recorder.logits[(0, step)] = logits
-    output = SimpleNamespace(token_ids=run_tokens)
-    return _compare(0, [1, 2], ref_tokens, torch.stack(ref_logits), output, recorder, atol)
+    return compare_prompt(
+        0, [1, 2], ref_tokens, torch.stack(ref_logits), run_tokens, run_logits, atol
+    )
 
 
 def test_identical_tokens_report_the_largest_logit_difference():

@@ -13,7 +13,6 @@ from pathlib import Path
 import fake_torch_npu
 import pytest
 import torch
-from kvskill.implementer.standalone.apply import StandaloneOptions, apply_standalone
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM, SamplingParams
@@ -104,10 +103,7 @@ def fake_npu(monkeypatch):
 def _convert(tmp_path: Path, family: str, overrides: dict, mode: str) -> Path:
     out = tmp_path / f"{family}-{mode}"
     options = ApplyOptions(deploy_mode=mode, config_overrides=overrides)
-    if mode == "standalone":
-        apply_standalone(family, out, options, StandaloneOptions())
-    else:
-        apply_model(family, out, options)
+    apply_model(family, out, options)
     return out
 
 

@@ -13,7 +13,7 @@ MODELS = ["qwen3", "gpt_oss", "deepseek_v3"]
 
 @pytest.fixture(scope="module")
 def converted() -> dict[str, str]:
-    return {model: convert_model(model, ApplyOptions())[2] for model in MODELS}
+    return {model: convert_model(model, ApplyOptions()).converted for model in MODELS}
 
 
 @pytest.mark.slow

@@ -236,17 +236,15 @@ def converted_source(args: tuple[str, ...]) -> str:
 
     ctx = cli_main.commands["apply"].make_context("apply", [*args, "--dry-run"])
     params = ctx.params
-    options = ApplyOptions(deploy_mode=params["deploy_mode"], fa_version=params["fa_version"])
-    if params["deploy_mode"] == "standalone":
-        from kvskill.implementer.standalone.apply import (
-            StandaloneOptions,
-            convert_standalone_model,
-        )
-
-        standalone = StandaloneOptions(kv_mode=params["kv_mode"], mla_absorb=params["mla_absorb"])
-        conversion = convert_standalone_model(params["model"], options, standalone)
-        return conversion.converted + "\n" + conversion.runner.text  # model and runner
-    return convert_model(params["model"], options)[2]
+    options = ApplyOptions(
+        deploy_mode=params["deploy_mode"],
+        fa_version=params["fa_version"],
+        kv_mode=params["kv_mode"],
+        mla_absorb=params["mla_absorb"],
+    )
+    conversion = convert_model(params["model"], options)
+    # the modeling file, and in standalone mode the runner
+    return "\n".join([conversion.converted, *conversion.added.values()])
 
 
 def test_fa_examples_cover_every_emitted_path():

@@ -1,0 +1,120 @@
+"""What ``apply`` was asked, and the framework conversion of a planned model (``str -> str``).
+
+``convert_framework`` takes a Plan, reads the modeling file it names and returns the
+converted text; it writes nothing. The standalone conversion (``standalone/convert.py``)
+returns the same :class:`Conversion`, with its runner among the files it adds, so one writer
+(``writer.py``) writes both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvskill.analyzer import Plan
+from kvskill.analyzer.plan import AttentionKind
+from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.mla import MlaSpec
+from kvskill.implementer.pipeline import convert_mla_source, convert_source
+from kvskill.implementer.record import ReviewedPlan, StandaloneRecord
+from kvskill.implementer.spec import ConversionSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyOptions:
+    """What ``kvskill apply`` was asked to do."""
+
+    deploy_mode: str = "framework"
+    fa_version: str = "auto"
+    attn_tp_size: int = 1
+    block_size: int | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
+    force: bool = False
+    copy_weights: bool = False
+    #: "auto" | "on" | "off"; MLA is converted absorbed only, so "off" is refused for it
+    mla_absorb: str = "auto"
+    #: standalone mode only: "contiguous" (mode 1) or "paged" (mode 2, or 3 for MLA)
+    kv_mode: str = "paged"
+    #: ``--plan``: convert what this reviewed plan file says (``reviewed_plan.py``); its
+    #: choices then replace deploy_mode, fa_version, attn_tp_size and block_size above
+    plan_file: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversion:
+    """One converted model, not yet written."""
+
+    #: the Plan of what the written code does
+    plan: Plan
+    original: str
+    converted: str
+    #: files the deploy mode adds beside the modeling file: name -> text (the runner)
+    added: dict[str, str] = field(default_factory=dict)
+    #: the standalone record of kvskill_plan.json (None in framework mode)
+    standalone: StandaloneRecord | None = None
+    #: ``apply --plan``: the reviewed plan file and its choices
+    reviewed: ReviewedPlan | None = None
+
+    @property
+    def modeling_file(self) -> str:
+        return Path(self.plan.source.modeling_file).name
+
+
+def source_package(plan: Plan) -> str | None:
+    """Dotted package of a modeling file inside the installed transformers, else None.
+
+    A model directory without its own modeling code (config and weights only) is converted
+    from the installed transformers' file too, so its relative imports become absolute.
+    """
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).resolve().parent.parent
+    path = Path(plan.source.modeling_file).resolve()
+    try:
+        parts = path.relative_to(root).with_suffix("").parts
+    except ValueError:
+        return None
+    return ".".join(parts[:-1])
+
+
+def read_source(path: Path) -> str:
+    """The text of a modeling file; an unreadable file is bad input."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"cannot read {path}: {exc}") from exc
+
+
+def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
+    """Convert the modeling file of a framework-mode Plan (MLA: latent caches, absorbed)."""
+    mla = plan.is_mla
+    check_mla_absorb(plan, options.mla_absorb)
+    spec = (MlaSpec if mla else ConversionSpec).from_plan(
+        plan, fa_version=options.fa_version, block_size=options.block_size
+    )
+    modeling_file = Path(plan.source.modeling_file)
+    original = read_source(modeling_file)
+    converted = (convert_mla_source if mla else convert_source)(
+        original, spec, package=source_package(plan), filename=modeling_file.name
+    )
+    return Conversion(plan=plan, original=original, converted=converted)
+
+
+def check_mla_absorb(plan: Plan, choice: str) -> None:
+    """``--mla-absorb on`` needs an MLA model; ``off`` is refused for one (absorbed only)."""
+    mla = plan.attention is AttentionKind.MLA
+    if choice == "on" and not mla:
+        raise BadInputError(
+            f"--mla-absorb on: {plan.model_type} has {plan.attention} attention, not MLA; "
+            "use --mla-absorb auto or off"
+        )
+    if choice == "off" and mla:
+        raise UnsupportedModelError(
+            f"{plan.model_type}: cannot convert: --mla-absorb off: the MLA conversion caches "
+            "only the latent (nope + rope caches) and attends absorbed; un-absorbed MLA is not "
+            "generated, use --mla-absorb auto or on"
+        )

@@ -1,0 +1,75 @@
+"""The standalone conversion: the modeling file rewritten for a runner-owned cache, plus the
+runner ``runner_<model>.py`` rendered for it (``str -> str``; ``writer.py`` writes both).
+
+The conversion record names the runner and the KV mode, so ``verify`` and ``run`` drive the
+runner instead of the bundled engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kvskill.analyzer import Plan
+from kvskill.analyzer.plan import KvMode as PlanKvMode
+from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, source_package
+from kvskill.implementer.pipeline import convert
+from kvskill.implementer.record import StandaloneRecord
+from kvskill.implementer.standalone.runner import render_runner
+from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
+
+
+def convert_standalone_source(
+    source: str,
+    spec: StandaloneSpec,
+    *,
+    package: str | None = None,
+    filename: str = "<modeling file>",
+) -> str:
+    """The standalone conversion of one modeling file (``str -> str``, no I/O).
+
+    Modes 2 and 3 emit exactly the framework rewrite's modeling code (the layer reads
+    ``slot_mapping``/``block_table`` from the forward metadata whoever builds it, so the
+    generated runner plays the framework's part); mode 1 takes the contiguous path.
+    """
+    return convert(source, spec.base, spec.conversion_path, package=package, filename=filename)
+
+
+def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
+    """Convert a standalone-mode Plan's modeling file and render its runner."""
+    spec = StandaloneSpec.from_plan(
+        plan,
+        kv_mode=options.kv_mode,
+        mla_absorb=options.mla_absorb,
+        fa_version=options.fa_version,
+        block_size=options.block_size,
+    )
+    modeling_file = Path(plan.source.modeling_file)
+    original = read_source(modeling_file)
+    converted = convert_standalone_source(
+        original, spec, package=source_package(plan), filename=modeling_file.name
+    )
+    if spec.kv_mode is KvMode.CONTIGUOUS:
+        # what the written code does: the Legacy layout, chosen by the user
+        plan = dataclasses.replace(
+            plan,
+            kv_mode=PlanKvMode.LEGACY,
+            legacy_reason="requested with --kv-mode contiguous (standalone mode 1)",
+            input_layout=spec.input_layout,
+        )
+    runner = render_runner(plan, spec)
+    record = StandaloneRecord(
+        runner=runner.file_name,
+        kv_mode=spec.kv_mode.value,
+        mode=spec.mode_number,
+        mla_absorb=spec.mla,
+        input_layout=str(spec.input_layout),
+        block_size=spec.block_size,
+    )
+    return Conversion(
+        plan=plan,
+        original=original,
+        converted=converted,
+        added={runner.file_name: runner.text},
+        standalone=record,
+    )

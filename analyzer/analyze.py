@@ -300,7 +300,9 @@ def _mla_cache_write(source: ModelSource, book) -> str:
 def _mla_write_cached(modeling_file: str, config_json: str):
     # NOTE: keyed on the file and the whole config, so a repeated analysis of the same model
     # does not parse the file again with position metadata.
-    text = Path(modeling_file).read_text(encoding="utf-8") if modeling_file else ""
+    from kvskill.core.inputs import read_source
+
+    text = read_source(Path(modeling_file)) if modeling_file else ""
     return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
 
 

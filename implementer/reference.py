@@ -152,14 +152,25 @@ def load_original_weights(model: nn.Module, directory: Path) -> bool:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return False
+    from kvskill.core.safetensors_check import check_safetensors
     from kvskill.runtime.checkpoint_names import transformers_renamed_state
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
     for path in files:
-        state.update(load_file(str(path)))
+        check_safetensors(path)
+        try:
+            state.update(load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise BadInputError(f"cannot read weights {path}: {exc}") from exc
     state = transformers_renamed_state(model, state, set(model.state_dict())) or state
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even when not strict
+        first = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), "")
+        raise BadInputError(
+            f"weights in {directory} do not match the original model: {first or exc}"
+        ) from exc
     if result.unexpected_keys:
         raise BadInputError(
             f"weights in {directory} do not match the original model: unexpected "

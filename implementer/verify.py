@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from kvskill.analyzer.config import text_config
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
+from kvskill.core.inputs import read_json_object
+from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
@@ -205,15 +207,9 @@ def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if not path.is_file():
             hint = "; convert the model with `kvskill apply` first" if name == PLAN_FILE else ""
             raise BadInputError(f"{directory} has no {name}{hint}")
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BadInputError(f"cannot read {path}: {exc}") from exc
-        if not isinstance(value, dict):
-            raise BadInputError(f"{path} must hold a JSON object")
-        data.append(value)
+        data.append(read_json_object(path, what=name, root=directory))
     plan, config = data
-    if "conversion" not in plan or "original_source" not in plan["conversion"]:
+    if not isinstance(plan.get("conversion"), dict) or "original_source" not in plan["conversion"]:
         raise BadInputError(
             f"{directory / PLAN_FILE} has no conversion record; re-run `kvskill apply`"
         )
@@ -221,28 +217,22 @@ def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def check_trust(plan: dict[str, Any], trust_remote_code: bool, directory: Path) -> None:
-    """Code that does not come from the installed transformers runs only when trusted."""
-    kind = plan.get("source", {}).get("kind")
-    if (
-        kind != "transformers"
-        and not trust_remote_code
-        and not _runs_transformers_code(plan, directory)
-    ):
+    """Code kvskill did not write runs only when trusted (``kvskill.core.trust``).
+
+    Besides the directory's own files, verify runs the original model: transformers' class
+    when the conversion came from transformers' code (``conversion.package``), else the
+    source recorded in the plan, which is the model's own code and needs the flag.
+    """
+    if trust_remote_code:
+        return
+    require_trust(directory, False, action="verify")
+    if not plan.get("conversion", {}).get("package"):
+        kind = plan.get("source", {}).get("kind")
         raise BadInputError(
             f"{directory} was converted from model code outside the installed transformers "
-            f"({kind}: {plan['source'].get('path')}); verify runs that code, pass "
+            f"({kind}: {plan.get('source', {}).get('path')}); verify runs that code, pass "
             "--trust-remote-code to allow it"
         )
-
-
-def _runs_transformers_code(plan: dict[str, Any], directory: Path) -> bool:
-    """True when the conversion came from the installed transformers' modeling file (a model
-    directory with config and weights only) and the output holds no other code of its own."""
-    conversion = plan.get("conversion", {})
-    if not conversion.get("package"):
-        return False
-    modeling = conversion.get("modeling_file")
-    return all(p.name == modeling or p.name.startswith("runner_") for p in directory.glob("*.py"))
 
 
 def choose_prompt_lengths(
@@ -420,6 +410,7 @@ def load_model_pair(
     """
     from kvskill.runtime.loader import load_model, resolve_dtype
 
+    check_trust(plan, options.trust_remote_code, directory)
     dtype = resolve_dtype(options.dtype)
     converted_dir = stage_converted(directory, workdir, config) if options.shrink else directory
     try:
@@ -443,7 +434,7 @@ def load_model_pair(
         device="cpu",
         seed=options.seed,
         random_weights=True,
-        trust_remote_code=options.trust_remote_code,
+        trust_remote_code=True,  # checked on DIRECTORY above; the staged copy has no plan
     )
     converted = loaded.model
     result = converted.load_state_dict(reference.state_dict(), strict=False)

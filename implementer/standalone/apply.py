@@ -24,11 +24,13 @@ from kvskill.implementer.writer import (
     ApplyResult,
     OutputFiles,
     check_out_dir,
+    check_out_vs_model,
     config_json,
     dump_json,
     modeling_diff,
     plan_json,
     read_source,
+    sign_conversion,
     source_package,
 )
 
@@ -117,12 +119,19 @@ def apply_standalone(
     """
     if out_dir is None and not options.dry_run:
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
+    if out_dir is not None and not options.dry_run:
+        check_out_vs_model(out_dir, model)
     conversion = convert_standalone_model(model, options, standalone)
     plan = conversion.plan
     name = Path(plan.source["modeling_file"]).name
     plan_data = plan_json(plan, conversion.original, conversion.converted, options)
     plan_data["conversion"]["mode"] = "standalone"
     plan_data["conversion"][STANDALONE_KEY] = standalone_record(conversion)
+    sign_conversion(
+        plan_data,
+        plan,
+        {name: conversion.converted, conversion.runner.file_name: conversion.runner.text},
+    )
     texts = {
         name: conversion.converted,
         conversion.runner.file_name: conversion.runner.text,

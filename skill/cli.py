@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import traceback
 
@@ -16,6 +17,9 @@ import click
 from kvskill import __version__
 from kvskill.commands import COMMANDS
 from kvskill.core.errors import ExitCode, KvskillError
+
+#: Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
 
 EPILOG = """\b
 Examples:
@@ -26,7 +30,8 @@ Examples:
 
 \b
 Exit codes: 0 success, 1 check failed, 2 bad input or usage,
-3 unsupported model, other: a bug in kvskill.
+3 unsupported model, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM),
+other: a bug in kvskill.
 """
 
 
@@ -68,6 +73,12 @@ def _report(code: str, message: str, exit_code: int, as_json: bool) -> None:
     sys.exit(exit_code)
 
 
+def _interrupted(as_json: bool) -> None:
+    """Ctrl-C: one line, exit 130; a second Ctrl-C while reporting is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _report("interrupted", "interrupted", EXIT_INTERRUPTED, as_json)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI and translate every failure into the documented exit codes."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -81,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         if verbose:
             traceback.print_exc()
         _report(exc.code, str(exc), int(exc.exit_code), as_json)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        # click turns a Ctrl-C inside a command into Abort: still an interrupt (exit 130)
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            _interrupted(as_json)
         _report("aborted", "aborted", int(ExitCode.BAD_INPUT), as_json)
     except click.ClickException as exc:
         if not as_json:
@@ -89,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(int(ExitCode.BAD_INPUT))
         _report("usage", exc.format_message(), int(ExitCode.BAD_INPUT), as_json)
     except KeyboardInterrupt:
-        _report("interrupted", "interrupted", 130, as_json)
+        _interrupted(as_json)
     except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v
         if verbose:
             traceback.print_exc()

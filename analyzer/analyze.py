@@ -44,6 +44,7 @@ from kvskill.analyzer.rules import (
 from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
 from kvskill.core.attn_types import AttnType
+from kvskill.core.config_checks import check_tp_split
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 DEFAULT_BLOCK_SIZE = 128
@@ -163,6 +164,7 @@ def plan_for_source(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
     spec = normalise(source.config, uses_sliding_window=reads_window, derived=source.derived)
+    check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     book = Notebook(source=source)
     if source.delegated_from:
         book.cite(

@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import path_error, read_json_object, resolve_inside
 
@@ -197,6 +198,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     else:
         # Remote code: its configuration class is the directory's own code, never run.
         config = _merge(raw, overrides)
+        check_config_values(config, where=str(config_file))
     return ModelSource(
         kind=kind,
         path=str(path),
@@ -261,6 +263,8 @@ def build_config(
     from transformers import CONFIG_MAPPING
 
     merged = _merge(base, overrides)
+    # before the config class sees them: it may derive per-layer lists from the layer count
+    check_config_values(merged, where=f"config for '{model_type}'")
     merged.pop("model_type", None)
     try:
         config_class = CONFIG_MAPPING[model_type]

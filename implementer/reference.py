@@ -80,8 +80,17 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
     the kernel's out-of-memory kill with no message.
     """
     import torch
+    from kvskill.core.config_checks import estimate_num_params
     from kvskill.runtime.loader import available_memory_bytes
 
+    free = available_memory_bytes(torch.device("cpu"))
+    estimate = estimate_num_params(config.to_dict())
+    if free is not None and estimate is not None and 2 * 4 * estimate > 4 * free:
+        raise BadInputError(
+            f"verify would build the original and the converted {model_type} with about "
+            f"{estimate / 1e6:,.0f}M parameters each (estimated from the config) but "
+            f"{free / 2**30:.1f} GiB is free; verify with the default shrink, or a smaller config"
+        )
     try:
         with torch.device("meta"):
             shell = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
@@ -89,7 +98,6 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
         return
     params = sum(p.numel() for p in shell.parameters())
     need = 2 * 4 * params
-    free = available_memory_bytes(torch.device("cpu"))
     if free is not None and need > free:
         raise BadInputError(
             f"verify would build the original and the converted {model_type} with "

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
+from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.core.inputs import read_json_object
 from kvskill.core.trust import require_trust
@@ -209,6 +210,7 @@ def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             raise BadInputError(f"{directory} has no {name}{hint}")
         data.append(read_json_object(path, what=name, root=directory))
     plan, config = data
+    check_config_values(config, where=str(directory / "config.json"))
     if not isinstance(plan.get("conversion"), dict) or "original_source" not in plan["conversion"]:
         raise BadInputError(
             f"{directory / PLAN_FILE} has no conversion record; re-run `kvskill apply`"

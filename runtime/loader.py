@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from kvskill.core.config_checks import check_config_values, estimate_num_params, format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import read_json_object, resolve_inside
 from kvskill.core.trust import no_bytecode_writes, require_trust
@@ -94,6 +95,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     device = select_device(device)
     raw_config = _read_config(model_dir)
+    check_config_values(raw_config, where=str(model_dir / "config.json"))
     require_trust(model_dir, trust_remote_code)
     package = import_model_package(model_dir)
     auto_map = raw_config.get("auto_map") or {}
@@ -312,7 +314,19 @@ def _build(model_cls: type[nn.Module], config, model_dir: Path | None) -> nn.Mod
 
 
 def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.device) -> None:
-    # Build on the meta device first: counting parameters costs no memory.
+    free = available_memory_bytes(device)
+    # Arithmetic first: a config orders of magnitude too large is refused before even the
+    # meta build (whose module objects alone can exhaust host memory).
+    to_dict = getattr(config, "to_dict", None)
+    estimate = estimate_num_params(to_dict()) if callable(to_dict) else None
+    # NOTE: 4x margin over the fp32 bytes, as the estimate is rough; the meta build is exact
+    if free is not None and estimate is not None and estimate * 4 > 4 * free:
+        raise BadInputError(
+            f"the model needs about {format_bytes(estimate * 4)} for its parameters (estimated "
+            f"from its config) but only {format_bytes(free)} is free on {device}; shrink the "
+            "config (fewer layers, smaller hidden size) or use a larger device"
+        )
+    # Build on the meta device: counting parameters costs no memory.
     with torch.device("meta"):
         shell = _build(model_cls, config, None)
     num_bytes = (
@@ -324,7 +338,6 @@ def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.d
         if device.type == "cpu"
         else num_bytes
     )
-    free = available_memory_bytes(device)
     if free is not None and peak > free:
         raise BadInputError(
             f"the model needs about {peak / 2**30:.2f} GiB for its parameters but only "

@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> None:
             _interrupted(as_json)
         _report("aborted", "aborted", int(ExitCode.BAD_INPUT), as_json)
     except click.ClickException as exc:
-        if not as_json:
-            exc.show()
-            sys.exit(int(ExitCode.BAD_INPUT))
-        _report("usage", exc.format_message(), int(ExitCode.BAD_INPUT), as_json)
+        message = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        if ctx is not None:
+            message += f" (see '{ctx.command_path} --help')"
+        _report("usage", message, int(ExitCode.BAD_INPUT), as_json)
     except KeyboardInterrupt:
         _interrupted(as_json)
     except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.options import (
@@ -54,9 +55,8 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 @click.option(
     "--kv-mode",
     type=click.Choice(["contiguous", "paged"]),
-    default="paged",
-    show_default=True,
-    help="Standalone mode only: contiguous BSH caches or paged caches.",
+    default=None,
+    help="Standalone mode only: contiguous BSH caches or paged caches (default: paged).",
 )
 @click.option(
     "--mla-absorb",
@@ -81,6 +81,11 @@ def apply(model: str, **options) -> None:
     The input files are never modified; the result goes to --out. Model code is parsed with
     libcst, never executed.
     """
+    if options["kv_mode"] is not None and options["deploy_mode"] != "standalone":
+        raise BadInputError(
+            f"--kv-mode {options['kv_mode']} applies to --mode standalone only; in framework mode "
+            "the bundled runtime's cache is always paged"
+        )
     apply_options = ApplyOptions(
         deploy_mode=options["deploy_mode"],
         fa_version=options["fa_version"],
@@ -95,7 +100,9 @@ def apply(model: str, **options) -> None:
     if options["deploy_mode"] == "standalone":
         from kvskill.implementer.standalone import StandaloneOptions, apply_standalone
 
-        standalone = StandaloneOptions(kv_mode=options["kv_mode"], mla_absorb=options["mla_absorb"])
+        standalone = StandaloneOptions(
+            kv_mode=options["kv_mode"] or "paged", mla_absorb=options["mla_absorb"]
+        )
         result = apply_standalone(model, options["out_dir"], apply_options, standalone)
     else:
         result = apply_model(model, options["out_dir"], apply_options)

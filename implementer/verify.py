@@ -33,6 +33,7 @@ from kvskill.analyzer.config import text_config
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.core.inputs import read_json_object
+from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.reference import build_reference, load_original_weights
@@ -211,6 +212,10 @@ def read_conversion(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         data.append(read_json_object(path, what=name, root=directory))
     plan, config = data
     check_config_values(config, where=str(directory / "config.json"))
+    # NOTE: the default (shrunk) verify never loads the weights; a checkpoint cut short must
+    # still not pass, so every file's header is checked against its size.
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors(weights)
     if not isinstance(plan.get("conversion"), dict) or "original_source" not in plan["conversion"]:
         raise BadInputError(
             f"{directory / PLAN_FILE} has no conversion record; re-run `kvskill apply`"

@@ -35,6 +35,19 @@ other: a bug in kvskill.
 """
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is now, so a handler set up by one in-process run
+    (tests capture stderr per run) never writes to a stream that was closed since."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 @click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="kvskill")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv for debug).")
@@ -48,9 +61,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 for _command in COMMANDS:

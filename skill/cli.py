@@ -89,7 +89,10 @@ def _report(code: str, message: str, exit_code: int, as_json: bool) -> None:
 def _interrupted(as_json: bool) -> None:
     """Ctrl-C: one line, exit 130; a second Ctrl-C while reporting is ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _report("interrupted", "interrupted", EXIT_INTERRUPTED, as_json)
+    if as_json:
+        _report("interrupted", "interrupted", EXIT_INTERRUPTED, as_json)
+    click.echo("kvskill: interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def main(argv: list[str] | None = None) -> None:

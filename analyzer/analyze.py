@@ -44,6 +44,7 @@ from kvskill.analyzer.rules import (
 from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
 from kvskill.core.attn_types import AttnType
+from kvskill.core.config_checks import check_tp_split
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 DEFAULT_BLOCK_SIZE = 128
@@ -163,6 +164,7 @@ def plan_for_source(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
     spec = normalise(source.config, uses_sliding_window=reads_window, derived=source.derived)
+    check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     book = Notebook(source=source)
     if source.delegated_from:
         book.cite(
@@ -298,7 +300,9 @@ def _mla_cache_write(source: ModelSource, book) -> str:
 def _mla_write_cached(modeling_file: str, config_json: str):
     # NOTE: keyed on the file and the whole config, so a repeated analysis of the same model
     # does not parse the file again with position metadata.
-    text = Path(modeling_file).read_text(encoding="utf-8") if modeling_file else ""
+    from kvskill.core.inputs import read_source
+
+    text = read_source(Path(modeling_file)) if modeling_file else ""
     return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
 
 

@@ -7,14 +7,15 @@ their defaults and derived keys such as ``layer_types``).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.core.inputs import path_error, read_json_object, resolve_inside
 
 #: keys whose change must re-derive ``layer_types`` in the config class
 _PATTERN_KEYS = frozenset(
@@ -138,7 +139,14 @@ def _class_index() -> dict[str, Path]:
 def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) -> ModelSource:
     """Resolve MODEL to a ModelSource. Raises BadInputError for unusable input."""
     overrides = dict(config_overrides or {})
+    if not model or "\0" in model:
+        raise BadInputError(f"MODEL {model!r} is not a usable path or model type")
     path = Path(model).expanduser()
+    problem = path_error(path)
+    if problem:
+        raise BadInputError(f"MODEL {model}: {problem}")
+    if path.is_symlink() and not path.exists():
+        raise BadInputError(f"MODEL {model} is a broken symlink (or a symlink loop)")
     if path.is_dir():
         return _resolve_directory(path.resolve(), overrides)
     if path.exists():
@@ -166,7 +174,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise BadInputError(f"model directory {path} has no config.json")
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file, what="config", root=model_root(path))
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise BadInputError(f"{config_file} has no 'model_type' string")
@@ -190,6 +198,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     else:
         # Remote code: its configuration class is the directory's own code, never run.
         config = _merge(raw, overrides)
+        check_config_values(config, where=str(config_file))
     return ModelSource(
         kind=kind,
         path=str(path),
@@ -204,18 +213,6 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
-    except OSError as exc:
-        raise BadInputError(f"cannot read {path}: {exc.strerror}") from exc
-    if not isinstance(data, dict):
-        raise BadInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _local_modeling_file(path: Path, raw: dict[str, Any]) -> Path | None:
     """The directory's own modeling file: the one auto_map names, else modeling_*.py."""
     auto_map = raw.get("auto_map") or {}
@@ -224,11 +221,31 @@ def _local_modeling_file(path: Path, raw: dict[str, Any]) -> Path | None:
         ref = ref[0] if ref else None
     if isinstance(ref, str) and "." in ref:
         module = ref.split("--")[-1].rsplit(".", 1)[0]
-        candidate = path / f"{module.replace('.', '/')}.py"
-        if candidate.is_file():
+        parts = module.split(".")
+        if not all(part.isidentifier() for part in parts):
+            raise BadInputError(
+                f"{path / 'config.json'}: auto_map.AutoModelForCausalLM {ref!r} does not name a "
+                "module of the directory (dotted identifiers only)"
+            )
+        candidate = path.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        if candidate.is_file() or candidate.is_symlink():
+            resolve_inside(candidate, what="modeling file", root=model_root(path))
             return candidate
     found = sorted(path.glob("modeling_*.py"))
-    return found[0] if found else None
+    if not found:
+        return None
+    resolve_inside(found[0], what="modeling file", root=model_root(path))
+    return found[0]
+
+
+def model_root(path: Path) -> Path:
+    """The folder MODEL's files must stay inside: MODEL itself, or for a snapshot of the
+    Hugging Face cache (``models--org--name/snapshots/<rev>``, whose files are symlinks into
+    ``../../blobs``) that model's cache folder."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent
+    return path
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +263,8 @@ def build_config(
     from transformers import CONFIG_MAPPING
 
     merged = _merge(base, overrides)
+    # before the config class sees them: it may derive per-layer lists from the layer count
+    check_config_values(merged, where=f"config for '{model_type}'")
     merged.pop("model_type", None)
     try:
         config_class = CONFIG_MAPPING[model_type]

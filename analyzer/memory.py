@@ -147,21 +147,8 @@ def _budget(
 
 
 def parse_memory(text: str | None) -> int | None:
-    """'8GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    from kvskill.core.errors import BadInputError
+    """'8GiB', '512M', '1.5GB', '1000000' -> bytes (``kvskill.core.sizes``: one parser for
+    every verb; K/M/G/T and KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal)."""
+    from kvskill.core.sizes import parse_size
 
-    if text is None:
-        return None
-    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-    units.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 1 << 10})
-    units.update({"m": 1 << 20, "g": 1 << 30})
-    raw = text.strip().lower()
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number) :].strip()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value < 0:
-        raise BadInputError(f"memory size '{text}' is not understood; use e.g. 8GiB or 512MiB")
-    return int(value * units[unit])
+    return parse_size(text, option="--kv-memory")

@@ -9,7 +9,6 @@ compares, hashes and formats like the strings it was read from.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
+from kvskill.core.inputs import loads_json, read_text
 
 
 class PlanEnum(str, Enum):
@@ -338,10 +338,8 @@ def fact_fields() -> tuple[str, ...]:
 def read_json_object(path_or_text: str | Path) -> dict[str, Any]:
     """The JSON object in a file, or in ``path_or_text`` itself when it is JSON text."""
     text, where = _json_text(path_or_text)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInputError(f"{where} is not valid JSON: {exc}") from exc
+    # the checked reader of every input: a depth limit before parsing, one-line errors
+    data = loads_json(text, what="plan", path=where)
     if not isinstance(data, dict):
         raise BadInputError(f"{where} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -351,10 +349,7 @@ def _json_text(path_or_text: str | Path) -> tuple[str, str]:
     if isinstance(path_or_text, str) and path_or_text.lstrip().startswith("{"):
         return path_or_text, "the plan text"
     path = Path(path_or_text)
-    try:
-        return path.read_text(encoding="utf-8"), str(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"cannot read {path}: {exc}") from exc
+    return read_text(path, what="plan"), str(path)
 
 
 def _record(cls: type, value: Any) -> Any:

@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
@@ -87,9 +88,9 @@ class ModuleFacts:
 
 @lru_cache(maxsize=512)
 def _scan_cached(path: str, mtime_ns: int, size: int) -> ModuleFacts:
-    with open(path, encoding="utf-8") as handle:
-        source = handle.read()
-    return scan_source(source, path=path)
+    from kvskill.core.inputs import read_source
+
+    return scan_source(read_source(Path(path)), path=path)
 
 
 def scan_file(path: str) -> ModuleFacts:
@@ -100,6 +101,10 @@ def scan_file(path: str) -> ModuleFacts:
 
 def scan_source(source: str, *, path: str = "<memory>") -> ModuleFacts:
     """Parse ``source`` with libcst and collect the facts. Unparsable code is refused."""
+    from kvskill.core.inputs import check_source_depth
+
+    # libcst's native parser would overflow the C stack on deep nesting (a segfault)
+    check_source_depth(source, path=os.path.basename(path))
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as exc:

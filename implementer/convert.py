@@ -16,6 +16,7 @@ from typing import Any
 from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import AttentionKind
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.core.inputs import read_source as checked_read_source
 from kvskill.implementer.mla import MlaSpec
 from kvskill.implementer.pipeline import convert_mla_source, convert_source
 from kvskill.implementer.record import ReviewedPlan, StandaloneRecord
@@ -82,11 +83,8 @@ def source_package(plan: Plan) -> str | None:
 
 
 def read_source(path: Path) -> str:
-    """The text of a modeling file; an unreadable file is bad input."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"cannot read {path}: {exc}") from exc
+    """The text of a modeling file, through the checked reader (size, encoding, nesting)."""
+    return checked_read_source(path)
 
 
 def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:

@@ -63,6 +63,9 @@ class ConversionRecord:
     original_source: str
     standalone: StandaloneRecord | None = None
     reviewed_plan: ReviewedPlan | None = None
+    #: the Python files kvskill wrote and their signature (``kvskill.core.trust``), so they
+    #: run without ``--trust-remote-code``; None when unsigned
+    written_code: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", DeployMode(self.mode))
@@ -76,7 +79,7 @@ class ConversionRecord:
         data: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in ("standalone", "reviewed_plan"):
+            if value is None and f.name in ("standalone", "reviewed_plan", "written_code"):
                 continue  # absent, not null: the JSON of a framework record is unchanged
             if f.name in ("standalone", "reviewed_plan"):
                 value = {g.name: getattr(value, g.name) for g in fields(value)}

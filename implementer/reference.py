@@ -85,8 +85,17 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
     the kernel's out-of-memory kill with no message.
     """
     import torch
+    from kvskill.core.config_checks import estimate_num_params
     from kvskill.runtime.loader import available_memory_bytes
 
+    free = available_memory_bytes(torch.device("cpu"))
+    estimate = estimate_num_params(config.to_dict())
+    if free is not None and estimate is not None and 2 * 4 * estimate > 4 * free:
+        raise BadInputError(
+            f"verify would build the original and the converted {model_type} with about "
+            f"{estimate / 1e6:,.0f}M parameters each (estimated from the config) but "
+            f"{free / 2**30:.1f} GiB is free; verify with the default shrink, or a smaller config"
+        )
     try:
         with torch.device("meta"):
             shell = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
@@ -94,7 +103,6 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
         return
     params = sum(p.numel() for p in shell.parameters())
     need = 2 * 4 * params
-    free = available_memory_bytes(torch.device("cpu"))
     if free is not None and need > free:
         raise BadInputError(
             f"verify would build the original and the converted {model_type} with "
@@ -157,14 +165,25 @@ def load_original_weights(model: nn.Module, directory: Path) -> bool:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return False
+    from kvskill.core.safetensors_check import check_safetensors
     from kvskill.runtime.checkpoint_names import transformers_renamed_state
     from safetensors.torch import load_file
 
     state: dict[str, Any] = {}
     for path in files:
-        state.update(load_file(str(path)))
+        check_safetensors(path)
+        try:
+            state.update(load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise BadInputError(f"cannot read weights {path}: {exc}") from exc
     state = transformers_renamed_state(model, state, set(model.state_dict())) or state
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even when not strict
+        first = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), "")
+        raise BadInputError(
+            f"weights in {directory} do not match the original model: {first or exc}"
+        ) from exc
     if result.unexpected_keys:
         raise BadInputError(
             f"weights in {directory} do not match the original model: unexpected "

@@ -31,9 +31,12 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.plan import Plan, SourceKind
+from kvskill.analyzer.plan import Plan
 from kvskill.core.attn_types import AttnType
+from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
+from kvskill.core.safetensors_check import check_safetensors
+from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference, load_original_weights
@@ -200,13 +203,17 @@ class VerifyReport:
 
 
 def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
-    """Code that does not come from the installed transformers runs only when trusted."""
-    source = converted.plan.source
-    if (
-        source.kind is not SourceKind.TRANSFORMERS
-        and not trust_remote_code
-        and not _runs_transformers_code(converted)
-    ):
+    """Code kvskill did not write runs only when trusted (``kvskill.core.trust``).
+
+    Besides the directory's own files, verify runs the original model: transformers' class
+    when the conversion came from transformers' code (``conversion.package``), else the
+    source recorded in the plan, which is the model's own code and needs the flag.
+    """
+    if trust_remote_code:
+        return
+    require_trust(converted.directory, False, action="verify")
+    if not converted.record.package:
+        source = converted.plan.source
         raise BadInputError(
             f"{converted.directory} was converted from model code outside the installed "
             f"transformers ({source.kind}: {source.path}); verify runs that code, pass "
@@ -214,16 +221,13 @@ def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
         )
 
 
-def _runs_transformers_code(converted: ConvertedDir) -> bool:
-    """True when the conversion came from the installed transformers' modeling file (a model
-    directory with config and weights only) and the output holds no other code of its own."""
-    record = converted.record
-    if not record.package:
-        return False
-    return all(
-        p.name == record.modeling_file or p.name.startswith("runner_")
-        for p in converted.directory.glob("*.py")
-    )
+def check_inputs(converted: ConvertedDir) -> None:
+    """The config's values and every weight file's header, before anything is built."""
+    check_config_values(converted.config, where=str(converted.directory / "config.json"))
+    # NOTE: the default (shrunk) verify never loads the weights; a checkpoint cut short must
+    # still not pass, so every file's header is checked against its size.
+    for weights in sorted(converted.directory.glob("*.safetensors")):
+        check_safetensors(weights)
 
 
 def choose_prompt_lengths(
@@ -409,7 +413,7 @@ def load_model_pair(
         device="cpu",
         seed=options.seed,
         random_weights=True,
-        trust_remote_code=options.trust_remote_code,
+        trust_remote_code=True,  # checked on DIRECTORY above; the staged copy has no plan
     )
     model = loaded.model
     result = model.load_state_dict(reference.state_dict(), strict=False)
@@ -446,6 +450,7 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     converted = ConvertedDir.read(directory)
     plan, config = converted.plan, converted.config
     check_trust(converted, options.trust_remote_code)
+    check_inputs(converted)
     check_verifiable(converted, options)
     shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
     run_config = shrunk.config if shrunk else config

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ from typing import Any
 from kvskill.analyzer import Plan, analyze_model
 from kvskill.analyzer.plan import DeployMode, SourceKind
 from kvskill.core.errors import BadInputError, KvskillError
+from kvskill.core.inputs import path_error, resolve_inside
+from kvskill.core.trust import sign_written_code
 from kvskill.implementer.convert import (
     ApplyOptions,
     Conversion,
@@ -45,6 +48,8 @@ from kvskill.implementer.record import (
 )
 from kvskill.implementer.reviewed_plan import plan_from_review
 from kvskill.implementer.standalone.convert import convert_standalone
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 
@@ -161,6 +166,22 @@ def plan_record(conversion: Conversion, options: ApplyOptions) -> tuple[Plan, Co
     return plan, record
 
 
+def _python_files(files: dict[str, str]) -> dict[str, str]:
+    return {name: text for name, text in files.items() if name.endswith(".py")}
+
+
+def sign_conversion(
+    record: ConversionRecord, plan: Plan, files: dict[str, str]
+) -> ConversionRecord:
+    """Record the Python files kvskill writes, so ``run``/``verify`` may import them without
+    ``--trust-remote-code`` (``kvskill.core.trust``): only when they derive from the
+    installed transformers' own modeling file, never from a model directory's code."""
+    if source_package(plan) is None:
+        return record
+    written = sign_written_code(files)
+    return record if written is None else dataclasses.replace(record, written_code=written)
+
+
 def _model_dir(plan: Plan) -> Path | None:
     if plan.source.kind is SourceKind.TRANSFORMERS:
         return None
@@ -173,9 +194,44 @@ def check_out_dir(out_dir: Path, plan: Plan, force: bool) -> None:
     _check_not_inside_model(out_dir, plan)
 
 
+def check_out_vs_model(out_dir: Path, model: str) -> None:
+    """Refuse an ``--out`` that is MODEL, lies inside it or contains it (before any work).
+
+    NOTE: with ``--force`` the output replaces ``--out`` whole; a parent of MODEL would take
+    the model (and everything beside it) with it.
+    """
+    source = Path(model).expanduser()
+    if not source.is_dir():
+        return  # a model type of the installed transformers
+    source, out = _resolved(source, "MODEL"), _resolved(out_dir, "--out")
+    if out == source or source in out.parents:
+        raise BadInputError(
+            f"--out {out_dir} is the model directory (or inside it); apply never writes into "
+            "its input, choose another directory"
+        )
+    if out in source.parents:
+        raise BadInputError(
+            f"--out {out_dir} contains the model directory {source}; apply replaces --out as a "
+            "whole, choose a directory outside it"
+        )
+
+
+def _resolved(path: Path, what: str) -> Path:
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as exc:
+        raise BadInputError(f"{what} {path} cannot be used: {exc}") from None
+
+
 def _check_out_dir_usable(out_dir: Path, force: bool) -> None:
     """Refuse a file, or a non-empty directory without --force (before any work)."""
-    out = out_dir.resolve()
+    out = _resolved(out_dir, "--out")
+    problem = path_error(out)
+    if problem:
+        raise BadInputError(f"--out {out_dir} cannot be used: {problem}")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise BadInputError(f"--out {out_dir}: {parent} is a file, not a folder")
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out {out_dir} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -183,13 +239,9 @@ def _check_out_dir_usable(out_dir: Path, force: bool) -> None:
 
 
 def _check_not_inside_model(out_dir: Path, plan: Plan) -> None:
-    out = out_dir.resolve()
     source = _model_dir(plan)
-    if source is not None and (out == source or source in out.parents):
-        raise BadInputError(
-            f"--out {out_dir} is the model directory (or inside it); apply never writes into "
-            "its input, choose another directory"
-        )
+    if source is not None:
+        check_out_vs_model(out_dir, str(source))
 
 
 def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> ApplyResult:
@@ -207,9 +259,13 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
     if out_dir is not None and not options.dry_run:
         _check_out_dir_usable(out_dir, options.force)
+        check_out_vs_model(out_dir, model)
     conversion = convert_model(model, options)
     plan, record = plan_record(conversion, options)
     name = conversion.modeling_file
+    record = sign_conversion(
+        record, plan, {name: conversion.converted, **_python_files(conversion.added)}
+    )
     texts = {
         name: conversion.converted,
         **conversion.added,
@@ -271,23 +327,34 @@ def _extra_files(model_dir: Path | None, modeling_name: str) -> dict[str, Path]:
     if model_dir is None:
         return {}
     return {
-        p.name: p
+        p.name: _inside_model(p, model_dir)
         for p in sorted(model_dir.glob("*.py"))
         if p.name != modeling_name and not p.name.startswith("runner_")
     }
 
 
+def _inside_model(path: Path, model_dir: Path) -> Path:
+    """``path`` after checking that it (through its symlinks) stays inside MODEL: apply never
+    copies or links a file from elsewhere."""
+    from kvskill.analyzer.inputs import model_root
+
+    resolve_inside(path, what="file", root=model_root(model_dir))
+    return path
+
+
 def _generation_config(model_dir: Path | None) -> dict[str, Path]:
     """The checkpoint's ``generation_config.json`` (its end tokens), kept unchanged."""
     path = model_dir / "generation_config.json" if model_dir is not None else None
-    return {path.name: path} if path is not None and path.is_file() else {}
+    if path is None or not path.is_file():
+        return {}
+    return {path.name: _inside_model(path, model_dir)}
 
 
 def _weight_files(model_dir: Path | None) -> list[Path]:
     if model_dir is None:
         return []
     found = {p for pattern in WEIGHT_PATTERNS for p in model_dir.glob(pattern)}
-    return sorted(found)
+    return [_inside_model(p, model_dir) for p in sorted(found)]
 
 
 def _write_atomically(
@@ -298,9 +365,13 @@ def _write_atomically(
     copy_weights: bool,
 ) -> None:
     out = out_dir.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvskill-", dir=out.parent))
-    os.chmod(stage, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_stages(out)
+        stage = Path(tempfile.mkdtemp(prefix=_stage_prefix(out), dir=out.parent))
+        os.chmod(stage, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
+    except OSError as exc:
+        raise BadInputError(f"cannot write --out {out_dir}: {exc.strerror or exc}") from None
     try:
         for name, text in texts.items():
             (stage / name).write_text(text, encoding="utf-8")
@@ -313,9 +384,46 @@ def _write_atomically(
             else:
                 os.symlink(path.resolve(), target)
         _swap_in(stage, out)
+    except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise BadInputError(f"cannot write --out {out_dir}: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _stage_prefix(out: Path, kind: str = "stage") -> str:
+    """``.<out>.kvskill-<kind>-<pid>-``: hidden, and names the process that owns it."""
+    return f".{out.name}.kvskill-{kind}-{os.getpid()}-"
+
+
+def clean_stale_stages(out: Path) -> list[Path]:
+    """Remove the stage directories a killed ``apply`` left beside ``out`` (their process is
+    gone); put back a previous output that a kill left moved aside. Returns what was removed.
+    """
+    removed = []
+    for path in sorted(out.parent.glob(f".{out.name}.kvskill-*-*-*")):
+        kind, _, rest = path.name[len(f".{out.name}.kvskill-") :].partition("-")
+        pid = rest.partition("-")[0]
+        if kind not in ("stage", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == "old" and not out.exists():
+            os.rename(path, out)  # killed between the two renames of _swap_in
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        logger.warning("removed %s, left by an interrupted kvskill apply", path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _swap_in(stage: Path, out: Path) -> None:
@@ -323,7 +431,7 @@ def _swap_in(stage: Path, out: Path) -> None:
     if not out.exists():
         os.rename(stage, out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvskill-old-", dir=out.parent))
+    old = Path(tempfile.mkdtemp(prefix=_stage_prefix(out, "old"), dir=out.parent))
     os.rmdir(old)
     os.rename(out, old)
     try:

@@ -40,16 +40,25 @@ def select_device(requested: str | torch.device | None = None) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("cpu")
-    try:
-        device = torch.device(requested)
-    except (RuntimeError, TypeError) as exc:
+    text = str(requested).strip()
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()):
         raise BadInputError(
-            f"device {requested!r} is not a device name; use auto, cpu, cuda[:N] or npu[:N]"
-        ) from exc
-    if device.type == "npu" and not npu_available():
-        raise BadInputError("device 'npu' requested but torch_npu or an Ascend device is missing")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("device 'cuda' requested but CUDA is not available")
+            f"device {text!r} is not a device name; use auto, cpu, cuda[:N] or npu[:N] "
+            f"(available here: {', '.join(available_devices())})"
+        )
+    if kind == "npu":
+        missing = npu_missing()
+        if missing:
+            raise BadInputError(f"device {text!r} requested but {missing}; use --device cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(
+            f"device {text!r} requested but CUDA is not available in this torch; use --device cpu"
+        )
+    device = torch.device(text)
+    count = _device_count(kind)
+    if device.index is not None and count is not None and device.index >= count:
+        raise BadInputError(f"device {text!r} requested but only {count} {kind} device(s) exist")
     return device
 
 
@@ -67,3 +76,36 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, RuntimeError, AttributeError):
         return None
+
+
+def npu_missing() -> str | None:
+    """What stops the NPU from being used here, or None when it can be."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return (
+            "torch_npu is not installed (pip install 'kvskill[npu]' on an Ascend machine with CANN)"
+        )
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception as exc:
+        return f"torch_npu failed to import ({type(exc).__name__}: {exc})"
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available() or npu.device_count() == 0:
+        return "torch_npu sees no Ascend device"
+    return None
+
+
+def available_devices() -> list[str]:
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found.append("cuda")
+    if npu_available():
+        found.append("npu")
+    return found
+
+
+def _device_count(kind: str) -> int | None:
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    if kind == "npu":
+        return torch.npu.device_count()  # type: ignore[attr-defined]
+    return None

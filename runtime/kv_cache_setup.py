@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
 from kvskill.runtime.device import available_memory_bytes
@@ -88,6 +89,7 @@ def prepare_kv_cache(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
+    _check_kv_fits(info, device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes)
     manager = KVCacheManager(
         info,
         num_blocks=num_blocks,
@@ -100,6 +102,35 @@ def prepare_kv_cache(
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager)
+
+
+def _check_kv_fits(
+    info: ModelCacheInfo,
+    device: torch.device,
+    *,
+    num_blocks: int | None,
+    kv_memory_bytes: int | None,
+) -> None:
+    """Refuse a KV cache larger than the device's free memory before any pool is built."""
+    if num_blocks is not None:
+        if num_blocks < 2:
+            raise BadInputError(
+                f"num_blocks must be >= 2 (one is the null block), got {num_blocks}"
+            )
+        need = num_blocks * sum(g.bytes_per_block() for g in build_groups(info).values())
+        what = f"{num_blocks} blocks"
+    elif kv_memory_bytes is not None:
+        if kv_memory_bytes < 1:
+            raise BadInputError(f"the KV memory budget must be positive, got {kv_memory_bytes}")
+        need, what = kv_memory_bytes, "the KV memory budget"
+    else:
+        return
+    free = available_memory_bytes(device)
+    if free is not None and need > free:
+        raise BadInputError(
+            f"{what} would take {format_bytes(need)} but only {format_bytes(free)} is free on "
+            f"{device}; give fewer blocks or a smaller --kv-memory"
+        )
 
 
 def default_kv_memory_bytes(

@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -22,7 +21,10 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from kvskill.core.config_checks import check_config_values, estimate_num_params, format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.core.inputs import read_json_object, resolve_inside
+from kvskill.core.trust import no_bytecode_writes, require_trust
 from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state
 from kvskill.runtime.device import available_memory_bytes, select_device
@@ -67,20 +69,28 @@ def load_model(
     Args:
         random_weights: allow a directory without ``*.safetensors`` (weights drawn with
             ``seed``); refused unless the parameters fit in the device's free memory.
-        trust_remote_code: required when ``config.json`` maps its config class to code in
-            the directory (``auto_map``).
+        trust_remote_code: required unless every Python file in ``model_dir`` is one
+            ``kvskill apply`` wrote from the installed transformers' own code (see
+            ``kvskill.core.trust``); checked before anything in the directory is imported.
 
     Raises:
         BadInputError: missing/malformed files, weights missing or mismatched, no memory.
         UnsupportedModelError: no causal-LM class, or no ``get_cache_info`` (not converted).
     """
-    model_dir = Path(model_dir).resolve()
+    model_dir = resolve_inside(Path(model_dir), what="model directory")
+    if not model_dir.is_dir():
+        raise BadInputError(f"{model_dir} is not a directory")
     torch_dtype = resolve_dtype(dtype)
     device = select_device(device)
     raw_config = _read_config(model_dir)
+    check_config_values(raw_config, where=str(model_dir / "config.json"))
+    require_trust(model_dir, trust_remote_code)
     package = import_model_package(model_dir)
     auto_map = raw_config.get("auto_map") or {}
-    module = _import_modeling_module(model_dir, package, auto_map)
+    if not isinstance(auto_map, dict):
+        raise BadInputError(f"{model_dir / 'config.json'}: auto_map must be a JSON object")
+    with no_bytecode_writes():
+        module = _import_modeling_module(model_dir, package, auto_map)
     config = _build_config(model_dir, raw_config, package, module, trust_remote_code)
     model_cls = _find_causal_lm_class(module, config, auto_map)
     if not callable(getattr(model_cls, "get_cache_info", None)):
@@ -112,13 +122,7 @@ def _read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise BadInputError(f"{model_dir} has no config.json; is it a converted model directory?")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BadInputError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, what="config", root=model_dir)
 
 
 def generation_eos_token_id(model_dir: Path | None) -> int | list[int] | None:
@@ -130,11 +134,8 @@ def generation_eos_token_id(model_dir: Path | None) -> int | list[int] | None:
     path = model_dir / "generation_config.json" if model_dir is not None else None
     if path is None or not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"cannot read {path}: {exc}") from exc
-    value = data.get("eos_token_id") if isinstance(data, dict) else None
+    data = read_json_object(path, what="generation config", root=model_dir)
+    value = data.get("eos_token_id")
     if value is None:
         return None
     ids = [value] if isinstance(value, int) else value
@@ -285,7 +286,19 @@ def _build(model_cls: type[nn.Module], config, model_dir: Path | None) -> nn.Mod
 
 
 def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.device) -> None:
-    # Build on the meta device first: counting parameters costs no memory.
+    free = available_memory_bytes(device)
+    # Arithmetic first: a config orders of magnitude too large is refused before even the
+    # meta build (whose module objects alone can exhaust host memory).
+    to_dict = getattr(config, "to_dict", None)
+    estimate = estimate_num_params(to_dict()) if callable(to_dict) else None
+    # NOTE: 4x margin over the fp32 bytes, as the estimate is rough; the meta build is exact
+    if free is not None and estimate is not None and estimate * 4 > 4 * free:
+        raise BadInputError(
+            f"the model needs about {format_bytes(estimate * 4)} for its parameters (estimated "
+            f"from its config) but only {format_bytes(free)} is free on {device}; shrink the "
+            "config (fewer layers, smaller hidden size) or use a larger device"
+        )
+    # Build on the meta device: counting parameters costs no memory.
     with torch.device("meta"):
         shell = _build(model_cls, config, None)
     num_bytes = (
@@ -297,7 +310,6 @@ def _check_fits_in_memory(model_cls, config, dtype: torch.dtype, device: torch.d
         if device.type == "cpu"
         else num_bytes
     )
-    free = available_memory_bytes(device)
     if free is not None and peak > free:
         raise BadInputError(
             f"the model needs about {peak / 2**30:.2f} GiB for its parameters but only "
@@ -354,10 +366,12 @@ def _load_with_transformers_conversions(
 
 
 def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
+    from kvskill.core.safetensors_check import check_safetensors
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for path in files:
+        check_safetensors(path)
         try:
             state.update(load_file(str(path)))
         except Exception as exc:

@@ -1,6 +1,6 @@
 """Entry point for ``python -m kvskill``."""
 
-from kvskill.cli import main
+from kvskill.entry import main
 
 if __name__ == "__main__":
     main()

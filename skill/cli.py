@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import traceback
 
@@ -16,6 +17,9 @@ import click
 from kvskill import __version__
 from kvskill.commands import COMMANDS
 from kvskill.core.errors import ExitCode, KvskillError
+
+#: Ctrl-C (128 + SIGINT), as shells report it
+EXIT_INTERRUPTED = 130
 
 EPILOG = """\b
 Examples:
@@ -26,8 +30,22 @@ Examples:
 
 \b
 Exit codes: 0 success, 1 check failed, 2 bad input or usage,
-3 unsupported model, other: a bug in kvskill.
+3 unsupported model, 130 interrupted (Ctrl-C), 143 terminated (SIGTERM),
+other: a bug in kvskill.
 """
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is now, so a handler set up by one in-process run
+    (tests capture stderr per run) never writes to a stream that was closed since."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 @click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,9 +61,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.ensure_object(dict)
     ctx.obj["verbose"] = verbose
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 for _command in COMMANDS:
@@ -68,6 +86,15 @@ def _report(code: str, message: str, exit_code: int, as_json: bool) -> None:
     sys.exit(exit_code)
 
 
+def _interrupted(as_json: bool) -> None:
+    """Ctrl-C: one line, exit 130; a second Ctrl-C while reporting is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if as_json:
+        _report("interrupted", "interrupted", EXIT_INTERRUPTED, as_json)
+    click.echo("kvskill: interrupted", err=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI and translate every failure into the documented exit codes."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -81,15 +108,19 @@ def main(argv: list[str] | None = None) -> None:
         if verbose:
             traceback.print_exc()
         _report(exc.code, str(exc), int(exc.exit_code), as_json)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        # click turns a Ctrl-C inside a command into Abort: still an interrupt (exit 130)
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            _interrupted(as_json)
         _report("aborted", "aborted", int(ExitCode.BAD_INPUT), as_json)
     except click.ClickException as exc:
-        if not as_json:
-            exc.show()
-            sys.exit(int(ExitCode.BAD_INPUT))
-        _report("usage", exc.format_message(), int(ExitCode.BAD_INPUT), as_json)
+        message = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        if ctx is not None:
+            message += f" (see '{ctx.command_path} --help')"
+        _report("usage", message, int(ExitCode.BAD_INPUT), as_json)
     except KeyboardInterrupt:
-        _report("interrupted", "interrupted", 130, as_json)
+        _interrupted(as_json)
     except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v
         if verbose:
             traceback.print_exc()

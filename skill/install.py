@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.resources.abc import Traversable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kvskill import __version__, resources
 from kvskill.core.errors import BadInputError
+from kvskill.core.inputs import is_inside, read_json
 
 MANIFEST = ".kvskill-manifest.json"
 
@@ -112,12 +113,38 @@ def _sha256(data: bytes) -> str:
 
 
 def _read_manifest(directory: Path) -> dict[str, str]:
+    """The manifest's name -> sha256, keeping only names that are plain relative paths of a
+    file inside ``directory``: the manifest lives in a folder others can write, so a name
+    such as ``../victim.txt`` or ``/etc/passwd`` is never acted on."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return {}
     try:
-        data = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        data = read_json(path, what="skill manifest", root=directory)
         files = data.get("files", {})
-    except (OSError, ValueError, AttributeError):
-        return {}  # no manifest (or a broken one): every differing file counts as edited
-    return {k: v for k, v in files.items() if isinstance(k, str) and isinstance(v, str)}
+        items = files.items()
+    except (BadInputError, AttributeError):
+        return {}  # a broken manifest: every differing file counts as edited
+    return {
+        k: v
+        for k, v in items
+        if isinstance(k, str) and isinstance(v, str) and _safe_name(directory, k)
+    }
+
+
+def _safe_name(directory: Path, name: str) -> bool:
+    """True for a normalised relative path (no ``..``, not absolute, no backslash) whose
+    real location is inside ``directory``."""
+    pure = PurePosixPath(name)
+    if (
+        not name
+        or "\\" in name
+        or "\0" in name
+        or pure.is_absolute()
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        return False
+    return is_inside((directory / name).parent, directory)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -139,12 +166,18 @@ def _plan(
     actions: list[tuple[Action, str]] = []
     for name, data in files:
         path = directory / name
-        if not path.exists():
+        if not is_inside(path.parent, directory):
+            raise BadInputError(
+                f"{path.parent} leads outside {directory} (a symlink?); kvskill writes the skill "
+                "only inside its own folder"
+            )
+        if not path.exists() and not path.is_symlink():
             actions.append((Action.CREATED, name))
             continue
         if path.is_dir():
             raise BadInputError(f"{path} is a folder; expected the skill file {name}")
-        current = _sha256(path.read_bytes())
+        # a symlink is never kvskill's (it writes files): it counts as edited
+        current = None if path.is_symlink() else _sha256(path.read_bytes())
         if current == _sha256(data):
             actions.append((Action.UNCHANGED, name))
         elif manifest.get(name) == current:
@@ -159,10 +192,12 @@ def _plan(
     shipped = {name for name, _ in files}
     for name, recorded in sorted(manifest.items()):
         path = directory / name
-        if name in shipped or not path.is_file():
+        if name in shipped or path.is_symlink() or not path.is_file():
             continue
+        # NOTE: only a file kvskill can prove it wrote (its hash is the recorded one) is
+        # removed, --force or not; anything else stays.
         pristine = _sha256(path.read_bytes()) == recorded
-        actions.append((Action.REMOVED if pristine or force else Action.KEPT, name))
+        actions.append((Action.REMOVED if pristine else Action.KEPT, name))
     return actions
 
 
@@ -178,7 +213,8 @@ def install_skill(
     Args:
         target: the skills folder; default ``default_target(agent)``.
         agent: picks the default folder when ``target`` is None.
-        force: overwrite (or remove) copies that were edited by hand.
+        force: overwrite copies that were edited by hand (files no longer shipped are
+            removed only when unedited, force or not).
         files: (relative path, source) pairs; default: what this kvskill ships.
 
     Raises:

@@ -29,9 +29,13 @@ attn_tp_size_option = click.option(
     help="Attention tensor-parallel size; KV heads per rank = max(num_kv_heads // size, 1).",
 )
 
+#: tokens per block at most: the NPU operators take blocks of up to 512 tokens; far beyond
+#: that a block is a typo (and would be allocated per request)
+MAX_BLOCK_SIZE = 1 << 14
+
 block_size_option = click.option(
     "--block-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_BLOCK_SIZE),
     default=None,
     help="Tokens per KV block (default: 128 for apply/analyze, small for verify).",
 )

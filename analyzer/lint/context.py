@@ -196,7 +196,9 @@ class FileContext:
     @classmethod
     def from_path(cls, path: Path) -> FileContext:
         """Read a file (and a ``config.json`` beside it) into a context."""
-        source = path.read_text(encoding="utf-8")
+        from kvskill.core.inputs import read_source
+
+        source = read_source(path, what="file")
         return cls(source, str(path), sibling_config(path))
 
     # text and position ---------------------------------------------------------------
@@ -334,11 +336,14 @@ class FileContext:
 
 def sibling_config(path: Path) -> dict | None:
     """The ``config.json`` in the file's folder, when there is a readable one."""
-    import json
+    from kvskill.core.errors import BadInputError
+    from kvskill.core.inputs import read_json
 
     candidate = path.parent / "config.json"
+    if not candidate.is_file():
+        return None
     try:
-        data = json.loads(candidate.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(candidate, what="config", root=path.parent)
+    except BadInputError:
         return None
     return data if isinstance(data, dict) else None

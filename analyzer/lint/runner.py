@@ -12,6 +12,7 @@ from kvskill.analyzer.lint.model import FileError, Finding, LintReport
 from kvskill.analyzer.lint.rule import Rule
 from kvskill.analyzer.lint.rules import RULES
 from kvskill.core.errors import BadInputError
+from kvskill.core.inputs import read_source
 
 _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
 
@@ -87,12 +88,9 @@ def lint_paths(paths: Iterable[Path], *, disable: Iterable[str] = ()) -> LintRep
     for path in python_files(paths):
         report.files += 1
         try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            report.errors.append(
-                FileError(path=str(path), line=0, message=f"cannot read: {reason}")
-            )
+            source = read_source(path, what="file")
+        except BadInputError as exc:
+            report.errors.append(FileError(path=str(path), line=0, message=f"cannot read: {exc}"))
             continue
         try:
             ctx = FileContext(source, str(path), sibling_config(path))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
+from kvskill.core.errors import BadInputError
 from kvskill.options import (
     attn_tp_size_option,
     block_size_option,
@@ -38,9 +40,18 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
 @config_overrides_option
 @attn_tp_size_option
 @block_size_option
-@click.option("--hbm-gb", type=float, default=None, help="Device memory in GiB for the plan.")
 @click.option(
-    "--kv-memory", type=str, default=None, help="Memory for the KV cache, e.g. '8GiB', '512MiB'."
+    "--hbm-gb",
+    type=click.FloatRange(min=0, min_open=True, max=1 << 20),
+    default=None,
+    help="Device memory in GiB for the plan.",
+)
+@click.option(
+    "--kv-memory",
+    type=str,
+    default=None,
+    help="Memory for the KV cache, e.g. '8GiB', '512M' (K/M/G and KiB/MiB/GiB are powers of "
+    "1024, KB/MB/GB powers of 1000).",
 )
 @click.option(
     "--write-progress",
@@ -69,6 +80,8 @@ def analyze(
     from kvskill.analyzer.report import render, update_progress
     from kvskill.core.overrides import parse_overrides
 
+    if hbm_gb is not None and not math.isfinite(hbm_gb):
+        raise BadInputError(f"--hbm-gb {hbm_gb} is not a finite number of GiB")
     plan = analyze_model(
         model,
         deploy_mode=deploy_mode,

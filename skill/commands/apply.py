@@ -62,9 +62,8 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 @click.option(
     "--kv-mode",
     type=click.Choice(["contiguous", "paged"]),
-    default="paged",
-    show_default=True,
-    help="Standalone mode only: contiguous BSH caches or paged caches.",
+    default=None,
+    help="Standalone mode only: contiguous BSH caches or paged caches (default: paged).",
 )
 @click.option(
     "--mla-absorb",
@@ -99,6 +98,11 @@ def apply(model: str, **options) -> None:
     """
     if options["plan_file"] is not None:
         _refuse_mode_with_plan()
+    elif options["kv_mode"] is not None and options["deploy_mode"] != "standalone":
+        raise BadInputError(
+            f"--kv-mode {options['kv_mode']} applies to --mode standalone only; in framework mode "
+            "the bundled runtime's cache is always paged"
+        )
     apply_options = ApplyOptions(
         deploy_mode=options["deploy_mode"],
         fa_version=options["fa_version"],
@@ -109,7 +113,7 @@ def apply(model: str, **options) -> None:
         force=options["force"],
         copy_weights=options["copy_weights"],
         mla_absorb=options["mla_absorb"],
-        kv_mode=options["kv_mode"],
+        kv_mode=options["kv_mode"] or "paged",
         plan_file=options["plan_file"],
     )
     result = apply_model(model, options["out_dir"], apply_options)

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sys
 import time
 from pathlib import Path
 
 import click
 from kvskill.core.errors import BadInputError
+from kvskill.core.inputs import (
+    MAX_JSON_BYTES,
+    MAX_TEXT_BYTES,
+    loads_json,
+    read_text,
+)
+from kvskill.core.sizes import parse_size as core_parse_size
 from kvskill.options import (
     block_size_option,
     dtype_option,
@@ -37,40 +43,37 @@ lists) / .jsonl file (one id list per line).
 Exit codes: 0 success, 2 bad input, 3 unsupported model.
 """
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
 
 def parse_size(text: str) -> int:
-    """'256MiB' -> 268435456; 'MB'/'GB' are powers of 10, 'MiB'/'GiB' powers of 2."""
-    match = _SIZE.match(text)
-    if not match:
-        raise BadInputError(f"--kv-memory {text!r} is not a size; write e.g. 256MiB, 1GiB, 500MB")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    prefix = unit[:1] if unit[:1] in "kmgt" else ""
-    scale = 1024 ** ("kmgt".index(prefix) + 1) if prefix and "i" in unit else _UNITS[prefix]
-    return int(number * scale)
+    """``--kv-memory``: the size parser every verb uses (``kvskill.core.sizes``)."""
+    size = core_parse_size(text, option="--kv-memory")
+    assert size is not None
+    return size
 
 
 def parse_prompt_ids(value: str) -> list[list[int]]:
     """Prompts from a comma list (';' between prompts) or a .json / .jsonl file of id lists."""
     path = Path(value)
     if path.suffix in (".json", ".jsonl"):
-        if not path.is_file():
-            raise BadInputError(f"--prompt-ids file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
-        try:
-            if path.suffix == ".jsonl":
-                prompts = [json.loads(line) for line in text.splitlines() if line.strip()]
-            else:
-                prompts = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadInputError(f"--prompt-ids file {path} is not valid JSON: {exc}") from exc
+        text = read_text(path, what="--prompt-ids file", max_bytes=MAX_JSON_BYTES)
+        if path.suffix == ".jsonl":
+            prompts = [
+                loads_json(line, what="--prompt-ids file", path=f"{path}:{number}")
+                for number, line in enumerate(text.splitlines(), 1)
+                if line.strip()
+            ]
+        else:
+            prompts = loads_json(text, what="--prompt-ids file", path=path)
         if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
             prompts = [prompts]  # a single id list
-        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
-            raise BadInputError(f"--prompt-ids file {path} must hold lists of token ids")
+        if not isinstance(prompts, list) or not all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompts
+        ):
+            raise BadInputError(f"--prompt-ids file {path} must hold lists of integer token ids")
         return prompts
+    if len(value) > MAX_TEXT_BYTES:
+        raise BadInputError("--prompt-ids is too long; put the prompts in a .json/.jsonl file")
     try:
         return [[int(t) for t in part.split(",") if t.strip()] for part in value.split(";")]
     except ValueError as exc:
@@ -133,7 +136,12 @@ class _Progress:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @block_size_option
 @click.option("--num-blocks", type=click.IntRange(min=2), default=None, help="KV blocks.")
-@click.option("--kv-memory", default=None, help="KV memory budget, e.g. '256MiB'.")
+@click.option(
+    "--kv-memory",
+    default=None,
+    help="KV memory budget, e.g. '512M' or '2GiB' (K/M/G and KiB/MiB/GiB are powers of 1024, "
+    "KB/MB/GB powers of 1000).",
+)
 @click.option(
     "--max-model-len", type=click.IntRange(min=2), default=None, help="Tokens per request at most."
 )
@@ -171,6 +179,12 @@ def run(directory: Path, **options) -> None:
         if converted.is_standalone:
             _run_standalone(directory, options)
             return
+        tp_size = converted.plan.attn_tp_size
+        if tp_size != 1:
+            raise BadInputError(
+                f"{directory} was converted for attn_tp_size={tp_size!r}; the bundled runtime "
+                "runs one process, convert with --attn-tp-size 1 to run it"
+            )
         check_layout_fits(converted.plan, options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
-from kvskill.core.errors import ExitCode
+from kvskill.core.errors import BadInputError, ExitCode
 from kvskill.implementer.report import format_table
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
@@ -43,7 +44,7 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option(
     "--atol",
-    type=float,
+    type=click.FloatRange(min=0, max=1e6),
     default=None,
     help="Absolute logit tolerance (default 1e-4 in float32), plus 16 float32 ulps of the "
     "largest reference logit.",
@@ -57,6 +58,8 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 def verify(directory: Path, output_format: str, **options) -> int:
     """Run the original and the converted model in DIRECTORY on the same prompts and
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
+    if options["atol"] is not None and math.isnan(options["atol"]):
+        raise BadInputError("--atol nan is not a tolerance; give a number >= 0")
     verify_options = VerifyOptions(
         shrink=options["shrink"],
         num_prompts=options["num_prompts"],

@@ -57,7 +57,7 @@ def test_exit_codes(capsys):
     code, _, err = run_cli(capsys, "analyze", "bart")
     assert code == 3 and "encoder-decoder" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "analyze", "qwen3", "--kv-memory", "lots")
-    assert code == 2 and "memory size" in err
+    assert code == 2 and "is not a size" in err
 
 
 def test_memory_options_reach_the_plan(capsys):

@@ -68,7 +68,7 @@ def test_overrides_parse_json_values_and_lists():
 
 
 def test_invalid_overrides_are_bad_input():
-    with pytest.raises(BadInputError, match="not valid"):
+    with pytest.raises(BadInputError, match="num_hidden_layers must be an integer"):
         analyze_model("qwen3", config_overrides={"num_hidden_layers": "four"})
     with pytest.raises(BadInputError, match="not a multiple of num_key_value_heads 3"):
         analyze_model("qwen3", config_overrides={"num_key_value_heads": 3})

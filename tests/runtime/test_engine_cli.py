@@ -76,7 +76,7 @@ def test_parse_size():
     assert parse_size("256MiB") == 256 * 2**20
     assert parse_size("1.5 GB") == 1_500_000_000
     assert parse_size("4096") == 4096
-    assert parse_size("2k") == 2000
+    assert parse_size("2k") == 2048  # a bare letter is binary (kvskill.core.sizes)
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,7 @@ def test_loader_errors(tmp_path, toy_dir):
         load_model(failing, random_weights=True, trust_remote_code=True)
     broken = write_toy_dir(tmp_path / "broken", weights=False)
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(BadInputError, match="cannot read"):
+    with pytest.raises(BadInputError, match="config.json is not valid JSON"):
         load_model(broken)
 
 

@@ -1,0 +1,51 @@
+"""The ``kvskill`` executable: interrupts handled from the first instruction on.
+
+Importing the CLI pulls in click, libcst and more, which takes a moment; a Ctrl-C then (or at
+any later point) must still end as one line and exit 130, so this module imports nothing
+heavy before it can catch the interrupt. SIGTERM is turned into the same clean exit (143),
+so ``finally`` blocks (stage-directory cleanup) run.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+INTERRUPTED = 130
+TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; unwinds like KeyboardInterrupt so cleanup code runs."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def interrupted(code: int = INTERRUPTED) -> None:
+    """Report an interrupt on one line and exit, ignoring a second Ctrl-C meanwhile."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stderr.write(
+            "kvskill: interrupted\n" if code == INTERRUPTED else "kvskill: terminated\n"
+        )
+        sys.stderr.flush()
+    finally:
+        raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        from kvskill.cli import main as cli_main
+
+        cli_main(argv)
+    except KeyboardInterrupt:
+        interrupted(INTERRUPTED)
+    except Terminated:
+        interrupted(TERMINATED)
+
+
+if __name__ == "__main__":
+    main()

@@ -95,6 +95,14 @@ def _interrupted(as_json: bool) -> None:
     sys.exit(EXIT_INTERRUPTED)
 
 
+def is_operator_rejection(exc: BaseException) -> bool:
+    """An ``OpInputError``: a call the real operator would refuse (a failed check of the
+    conversion, e.g. under the strict NPU profile), not a bug of kvskill. Looked up only when
+    the operators were imported, so the CLI's start stays free of torch."""
+    checks = sys.modules.get("kvskill.runtime.ops.reference._checks")
+    return checks is not None and isinstance(exc, checks.OpInputError)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI and translate every failure into the documented exit codes."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -124,6 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v
         if verbose:
             traceback.print_exc()
+        if is_operator_rejection(exc):
+            _report(
+                "operator_rejected",
+                f"an operator rejected a call of the converted model: {exc}",
+                int(ExitCode.CHECK_FAILED),
+                as_json,
+            )
         _report(
             "internal",
             f"internal error ({type(exc).__name__}: {exc}); rerun with -v for the traceback "

@@ -91,8 +91,12 @@ def test_a_value_outside_a_closed_set_is_bad_input_naming_the_field(edit, messag
 
 
 def test_unreadable_or_malformed_plans_are_one_line_bad_input(tmp_path):
-    with pytest.raises(BadInputError, match="cannot read"):
+    with pytest.raises(BadInputError, match="does not exist"):
         Plan.from_json(tmp_path / "missing.json")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(BadInputError, match="nests deeper than"):
+        Plan.from_json(deep)
     broken = tmp_path / "broken.json"
     broken.write_text("{not json", encoding="utf-8")
     with pytest.raises(BadInputError, match="is not valid JSON"):

@@ -153,7 +153,8 @@ def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp
     anchor = "config.sliding_window - 1"
     assert text.count(anchor) == 1
     path.write_text(text.replace(anchor, "config.sliding_window"))
-    mutated = verify_directory(out, VerifyOptions())
+    # the edited file is no longer the one kvskill wrote and signed: it runs only when trusted
+    mutated = verify_directory(out, VerifyOptions(trust_remote_code=True))
     assert not mutated.passed
     assert not mutated.tokens_identical or not mutated.logits_within
 

@@ -3,6 +3,7 @@ that verify must catch and the latent cache's memory accounting."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 #: prefill chunks
 VERIFY = VerifyOptions(num_prompts=2, max_new_tokens=4)
 #: mutations only need to show a difference: one short prompt (prefill + decode)
-VERIFY_MUTANT = VerifyOptions(num_prompts=1, max_new_tokens=3)
+# mutants are files kvskill did not write (nor sign): they run only when trusted
+VERIFY_MUTANT = VerifyOptions(num_prompts=1, max_new_tokens=3, trust_remote_code=True)
 #: transformers' default deepseek_v2 config leaves num_experts_per_tok unset (its router
 #: cannot run); DeepSeek-V2 checkpoints set it
 V2_MOE = {"num_experts_per_tok": 2}
@@ -140,7 +142,7 @@ def test_decode_with_sparse_mode_3_still_verifies(tmp_path, applied_v3_yarn):
         "            sparse_mode=3 if md.is_prefill else 0,",
         "atten_mask=md.attention_mask,\n            sparse_mode=3,",
     )
-    report = verify_directory(out, VERIFY)
+    report = verify_directory(out, dataclasses.replace(VERIFY, trust_remote_code=True))
     assert report.passed, report.failures
 
 

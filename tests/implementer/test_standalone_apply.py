@@ -181,7 +181,7 @@ def test_attention_advancing_kv_len_fails_verify_contiguous(outputs, tmp_path):
         "        md.kv_len += 1\n",
     )
     assert "KV008" in {f.rule for f in lint_source(modeling.read_text(encoding="utf-8"))}
-    report = verify_directory(directory, VerifyOptions())
+    report = verify_directory(directory, VerifyOptions(trust_remote_code=True))
     assert not report.passed
     assert not report.tokens_identical  # later layers wrote at shifted positions
     runtime = next(c for c in report.chains if c["name"] == "runtime")
@@ -197,7 +197,7 @@ def test_attention_advancing_kv_len_fails_verify_paged(outputs, tmp_path):
         "self.update_cache(md.slot_mapping[self.attn_type], key_tnd, value_tnd)\n",
         "        md.kv_len += 1\n",
     )
-    report = verify_directory(directory, VerifyOptions())
+    report = verify_directory(directory, VerifyOptions(trust_remote_code=True))
     assert not report.passed
     assert report.tokens_identical
     assert any("a layer advanced kv_len" in f for f in report.failures())
@@ -211,7 +211,7 @@ def test_runner_advancing_kv_len_twice_fails_verify(outputs, tmp_path):
     assert anchor in text
     runner.write_text(text.replace(anchor, "self.kv_len += 2  # one too many"), encoding="utf-8")
     # Three tokens: the second decode step is already one position off, still inside the rows.
-    report = verify_directory(directory, VerifyOptions(max_new_tokens=3))
+    report = verify_directory(directory, VerifyOptions(max_new_tokens=3, trust_remote_code=True))
     assert not report.passed and report.max_logit_diff > report.atol
     failures = report.failures()
     assert any("the runner's kv_len went wrong" in f for f in failures)

@@ -8,8 +8,7 @@ is, so each of those is decided here, once:
 * :func:`classify_call` names the kind of a call (a KV-cache update, the fused attention, a
   cache-write operator, an attention kernel, a recurrent-state kernel);
 * the matchers (``FA_CALL``, ``CACHE_UPDATE_CALL``, ...) are built from the same names;
-* :func:`is_attention_class`, :func:`is_causal_lm_class` and :func:`is_converted_attention`
-  are the class rules.
+* :func:`is_attention_class` and :func:`is_causal_lm_class` are the class rules.
 
 A class is recognised by what its methods do, never by its name.
 """
@@ -174,11 +173,6 @@ def is_attention_class(cls: cst.ClassDef) -> bool:
     has_update = bool(m.findall(forward, CACHE_UPDATE_CALL))
     has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
     return has_update and has_kernel
-
-
-def is_converted_attention(cls: cst.ClassDef) -> bool:
-    """An attention class that both declares its caches and calls the fused attention."""
-    return class_assigns(cls, CACHE_ENTRIES_ASSIGN) and bool(m.findall(cls, FA_CALL))
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:

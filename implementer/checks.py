@@ -6,8 +6,6 @@ rewrite cannot handle fails with every reason at once and never yields a half-co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import libcst as cst
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
@@ -19,26 +17,14 @@ from kvskill.implementer.facts import (
     is_causal_lm_class,
     m,
 )
-from kvskill.implementer.gated_delta import gated_delta_facts, is_gated_delta_class
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.spec import ConversionSpec
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModuleSummary:
-    """What the rewrite found in a module."""
-
-    attention_classes: list[str]
-    causal_lm_classes: list[str]
-    already_converted: bool
-    #: gated delta net classes (recurrent-state layers of the Mamba group)
-    state_classes: list[str] = field(default_factory=list)
-
-
-def summarize(
+def check_attention_module(
     module: cst.Module, spec: ConversionSpec, filename: str, problems: list[str]
-) -> ModuleSummary:
+) -> None:
     """Check every attention class and the model class; PROBLEMS are the other rewrites' own.
 
     Raises:
@@ -47,7 +33,6 @@ def summarize(
     classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
     attention = [c for c in classes if is_attention_class(c)]
     heads = [c for c in classes if is_causal_lm_class(c)]
-    state = [c for c in classes if is_gated_delta_class(c)]
     problems = list(problems)
     if not attention:
         problems.append(
@@ -74,14 +59,6 @@ def summarize(
             )
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
-    converted = all(attention_facts(c).converted and m.findall(c, FA_CALL) for c in attention)
-    converted = converted and all(gated_delta_facts(c).converted for c in state)
-    return ModuleSummary(
-        attention_classes=[c.name.value for c in attention],
-        causal_lm_classes=[c.name.value for c in heads],
-        already_converted=converted,
-        state_classes=[c.name.value for c in state],
-    )
 
 
 def check_mla_module(

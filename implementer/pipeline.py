@@ -13,7 +13,7 @@ from typing import Any
 
 import libcst as cst
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.checks import check_mla_module, summarize
+from kvskill.implementer.checks import check_attention_module, check_mla_module
 from kvskill.implementer.mla.spec import MlaSpec
 from kvskill.implementer.registry import ConversionPath, rewrites_for
 from kvskill.implementer.spec import ConversionSpec
@@ -22,9 +22,9 @@ from libcst.codemod import CodemodContext
 #: the check of each path's attention and model classes, given the other rewrites' problems
 #: (raises UnsupportedModelError with all of them)
 _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object]] = {
-    ConversionPath.PAGED: summarize,
+    ConversionPath.PAGED: check_attention_module,
     ConversionPath.MLA: check_mla_module,
-    ConversionPath.CONTIGUOUS: summarize,
+    ConversionPath.CONTIGUOUS: check_attention_module,
 }
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 from kvskill.analyzer.plan import Plan
+from kvskill.core.errors import BadInputError
+from kvskill.core.inputs import read_text
 
 PROGRESS_HEADING = "## KVCache selection"
 
@@ -115,10 +117,16 @@ def to_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _model_line(plan: Plan) -> str:
+    """The line that identifies which model a progress section is about."""
+    where = f" `{plan.source.path}`" if plan.source.path else ""
+    return f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source.kind}{where}"
+
+
 def to_markdown(plan: Plan) -> str:
-    """A self-contained ``## KVCache selection`` section for a progress file."""
-    lines = [PROGRESS_HEADING, ""]
-    lines.append(f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source.kind}")
+    """A self-contained ``## KVCache selection: <model>`` section for a progress file."""
+    lines = [f"{PROGRESS_HEADING}: {plan.model_type}", ""]
+    lines.append(_model_line(plan))
     lines.append("")
     lines.append("| decision | value |")
     lines.append("|---|---|")
@@ -133,19 +141,32 @@ def to_markdown(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: one section: its heading (plain, as older versions wrote it, or naming the model) through
+#: the next heading of level 1 or 2
 _SECTION = re.compile(
-    rf"^{re.escape(PROGRESS_HEADING)}[ \t]*\n.*?(?=^#{{1,2}} |\Z)", re.MULTILINE | re.DOTALL
+    rf"^{re.escape(PROGRESS_HEADING)}(?::[^\n]*)?[ \t]*\n.*?(?=^#{{1,2}} |\Z)",
+    re.MULTILINE | re.DOTALL,
 )
 
 
 def update_progress(path: Path, plan: Plan) -> bool:
-    """Add or replace the KVCache selection section; the rest of the file is untouched.
+    """Add or replace this model's KVCache selection section; the rest of the file, the
+    sections of other models included, is untouched.
 
+    A section belongs to the model its ``Model:`` line names (type, architecture, source and
+    directory), so a progress file shared by several models keeps one section per model.
     Returns True when the file changed. Running twice with the same plan changes nothing.
+
+    Raises:
+        BadInputError: the file cannot be read as UTF-8 text, or is too large.
     """
     section = to_markdown(plan)
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    match = _SECTION.search(old)
+    old = read_text(path, what="progress file") if path.exists() else ""
+    model_line = _model_line(plan)
+    match = next(
+        (s for s in _SECTION.finditer(old) if f"\n{model_line}\n" in s.group(0)),
+        None,
+    )
     if match:
         tail = old[match.end() :]
         new = old[: match.start()] + section + ("\n" + tail if tail else "")
@@ -159,8 +180,15 @@ def update_progress(path: Path, plan: Plan) -> bool:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write TEXT to PATH through a temporary file and a rename: a reader never sees half a
+    file. A folder the OS will not create or write is bad input, on one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise BadInputError(
+            f"{path}: cannot write the progress file here ({exc.strerror or exc})"
+        ) from exc
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from kvskill.core.errors import BadInputError
 from kvskill.core.inputs import read_source
 
 _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
+#: files and folders a folder walk visits before it stops: a model folder holds a few dozen;
+#: a walk of a home directory or a filesystem root is a mistake, not a lint run
+MAX_WALK_ENTRIES = 20_000
 
 
 def select_rules(disable: Iterable[str] = ()) -> list[Rule]:
@@ -54,29 +58,35 @@ def _run(ctx: FileContext, rules: Sequence[Rule]) -> list[Finding]:
     return sorted(findings, key=lambda f: (f.line, f.column, f.rule))
 
 
-def python_files(paths: Iterable[Path]) -> list[Path]:
+def python_files(paths: Iterable[Path], *, max_entries: int = MAX_WALK_ENTRIES) -> list[Path]:
     """The files to lint: every path given, and every ``*.py`` under a folder given
-    (hidden folders and caches skipped), in a stable order without duplicates.
+    (hidden folders and caches skipped, symlinked folders not followed), in a stable order
+    without duplicates.
 
     Raises:
-        BadInputError: a folder with no Python file in it.
+        BadInputError: a folder with no Python file in it, or a walk past ``max_entries``
+            files and folders (lint a smaller folder, e.g. the model's own).
     """
     out: list[Path] = []
+    seen = 0
     for path in paths:
-        if path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*.py")
-                if not any(
-                    part.startswith(".") or part in _SKIP_DIRS
-                    for part in p.relative_to(path).parts[:-1]
-                )
-            )
-            if not found:
-                raise BadInputError(f"{path}: no Python files in this folder")
-            out.extend(found)
-        else:
+        if not path.is_dir():
             out.append(path)
+            continue
+        found: list[Path] = []
+        for folder, dirs, files in os.walk(path):
+            seen += len(dirs) + len(files)
+            if seen > max_entries:
+                raise BadInputError(
+                    f"{path}: more than {max_entries} files and folders to walk; lint the "
+                    "model's own folder or files"
+                )
+            # pruned in place, so os.walk never descends into them
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+            found.extend(Path(folder) / f for f in files if f.endswith(".py"))
+        if not found:
+            raise BadInputError(f"{path}: no Python files in this folder")
+        out.extend(sorted(found))
     return list(dict.fromkeys(out))
 
 

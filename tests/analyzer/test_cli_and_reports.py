@@ -92,15 +92,47 @@ def test_progress_section_is_added_once_and_replaced_in_place(tmp_path, capsys):
     assert progress.read_text("utf-8") == first
 
 
-def test_progress_section_replaces_an_older_plan_and_keeps_the_rest(tmp_path):
+def test_progress_keeps_one_section_per_model(tmp_path):
     progress = tmp_path / "progress.md"
     progress.write_text("# Notes\n\n## Next steps\n\n- verify\n", "utf-8")
     update_progress(progress, analyze_model("qwen3"))
     assert update_progress(progress, analyze_model("gpt_oss")) is True
     text = progress.read_text("utf-8")
-    assert text.count(PROGRESS_HEADING) == 1 and "`gpt_oss`" in text and "`qwen3`" not in text
+    # a second model adds its own section: the first model's is kept whole
+    assert text.count(PROGRESS_HEADING) == 2
+    assert f"{PROGRESS_HEADING}: qwen3\n" in text and f"{PROGRESS_HEADING}: gpt_oss\n" in text
     assert text.startswith("# Notes\n\n## Next steps\n\n- verify\n")
     assert update_progress(progress, analyze_model("gpt_oss")) is False
+    assert update_progress(progress, analyze_model("qwen3")) is False
+
+
+def test_progress_replaces_only_the_same_models_section(tmp_path):
+    progress = tmp_path / "progress.md"
+    update_progress(progress, analyze_model("qwen3"))
+    update_progress(progress, analyze_model("gpt_oss"))
+    before = progress.read_text("utf-8")
+    qwen3_section = before[: before.index(f"{PROGRESS_HEADING}: gpt_oss")]
+    # a changed plan for gpt_oss (heads split over two ranks) replaces its section in place
+    assert update_progress(progress, analyze_model("gpt_oss", attn_tp_size=2)) is True
+    after = progress.read_text("utf-8")
+    assert after.startswith(qwen3_section) and after.count(PROGRESS_HEADING) == 2
+    assert after != before
+
+
+def test_progress_file_that_is_not_utf8_is_bad_input(tmp_path, capsys):
+    progress = tmp_path / "progress.md"
+    progress.write_bytes(b"# notes \xff\xfe\n")
+    code, _, err = run_cli(capsys, "analyze", "qwen3", "--write-progress", str(progress))
+    assert code == 2 and "progress file" in err and len(err.strip().splitlines()) == 1
+    assert progress.read_bytes() == b"# notes \xff\xfe\n"
+
+
+def test_progress_file_below_a_file_is_bad_input(tmp_path, capsys):
+    (tmp_path / "notes").write_text("a file, not a folder\n", "utf-8")
+    progress = tmp_path / "notes" / "progress.md"
+    code, _, err = run_cli(capsys, "analyze", "qwen3", "--write-progress", str(progress))
+    assert code == 2 and "cannot write the progress file" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_markdown_section_lists_decisions_evidence_and_warnings():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvskill.analyzer.lint import RULES
+from kvskill.analyzer.lint import RULES, python_files
 from kvskill.cli import main
+from kvskill.core.errors import BadInputError
 
 CLEAN = """\
 from kvskill.runtime.ops import torch_npu
@@ -121,6 +122,25 @@ def test_folder_without_python_files_is_bad_input(capsys, tmp_path):
     code, _, err = run_cli(capsys, "lint", str(tmp_path))
     assert code == 2
     assert "no Python files" in err
+
+
+def test_folder_walk_stops_past_its_limit(tmp_path):
+    for index in range(30):
+        (tmp_path / f"d{index}").mkdir()
+        (tmp_path / f"d{index}" / "m.py").write_text("x = 1\n")
+    assert len(python_files([tmp_path], max_entries=100)) == 30
+    with pytest.raises(BadInputError, match="more than 40 files and folders"):
+        python_files([tmp_path], max_entries=40)
+
+
+def test_folder_walk_skips_hidden_and_cache_folders_and_symlinked_folders(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "modeling_x.py").write_text("x = 1\n")
+    for skipped in (".git", "__pycache__", "node_modules"):
+        (tmp_path / skipped).mkdir()
+        (tmp_path / skipped / "y.py").write_text("y = 1\n")
+    (tmp_path / "loop").symlink_to(tmp_path, target_is_directory=True)
+    assert python_files([tmp_path]) == [tmp_path / "model" / "modeling_x.py"]
 
 
 def test_missing_path_is_a_usage_error(capsys, tmp_path):

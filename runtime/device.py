@@ -78,6 +78,25 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+def total_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (host RAM for the CPU), or None when unknown.
+
+    Unlike free memory it is the same on every run, so budgets derived from it repeat.
+    """
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "npu":
+            return torch.npu.mem_get_info(device)[1]
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
 def npu_missing() -> str | None:
     """What stops the NPU from being used here, or None when it can be."""
     if importlib.util.find_spec("torch_npu") is None:

@@ -1,8 +1,10 @@
 """Give a loaded model its KV cache: the budget, the block count per group, the tensors.
 
 ``prepare_kv_cache`` asks the model for its cache declarations (``get_cache_info()``),
-sizes the pools from a block count or a byte budget (by default a share of free memory, see
-``default_kv_memory_bytes``) and has ``KVCacheManager`` allocate and inject the tensors.
+sizes the pools from a block count or a byte budget (by default what the expected requests
+need, capped by a share of the device's total memory, see ``default_kv_budget``) and has
+``KVCacheManager`` allocate and inject the tensors. The rule that sized the pools is kept as
+a ``KVBudget`` so ``run`` can say which budget it used and why.
 """
 
 from __future__ import annotations
@@ -13,21 +15,40 @@ import torch
 from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
-from kvskill.runtime.device import available_memory_bytes
+from kvskill.runtime.device import available_memory_bytes, total_memory_bytes
 from kvskill.runtime.kv_cache_groups import build_groups
 from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.managers import FIXED_BLOCK_ATTN_TYPES
 from torch import nn
 
-#: KV budget when neither a block count nor a budget is given: a share of free memory
+#: KV budget when neither a block count nor a budget is given: what the expected requests
+#: need, capped at a share of the device's TOTAL memory (free memory changes from run to run,
+#: so a budget derived from it would not repeat) and at an absolute cap
 DEFAULT_KV_MEMORY_FRACTION = 0.1
 DEFAULT_KV_MEMORY_CAP_BYTES = 4 << 30
+#: tokens per request assumed by the default budget when no max_model_len is given
+DEFAULT_BUDGET_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """Which rule sized the KV pools, with its numbers (``run`` prints it)."""
+
+    #: "num_blocks" (blocks per cache group, given), "kv_memory" (bytes, given) or "default"
+    rule: str
+    #: blocks per cache group when given, else None
+    num_blocks: int | None
+    #: the byte budget split across the groups, else None
+    kv_memory_bytes: int | None
+    #: one line: where the numbers came from
+    reason: str
 
 
 @dataclass(slots=True)
 class KVCacheSetup:
     cache_info: ModelCacheInfo
     manager: KVCacheManager
+    budget: KVBudget
 
 
 def prepare_kv_cache(
@@ -49,8 +70,9 @@ def prepare_kv_cache(
     Args:
         block_size: overrides the model's default tokens per block (entries that set their
             own block size keep it).
-        num_blocks / kv_memory_bytes: size of each pool in blocks (null block included), or
-            a byte budget; with neither, see ``default_kv_memory_bytes``.
+        num_blocks / kv_memory_bytes: size of EACH cache group's pool in blocks (null block
+            included), or one byte budget shared by the groups; with neither, see
+            ``default_kv_budget``.
         max_model_len: longest request expected; only sizes the default budget.
         log_layout: log every cache view built (``[non-contiguous-kv-cache]`` lines).
 
@@ -81,14 +103,29 @@ def prepare_kv_cache(
             layer_infos=info.layer_infos,
             is_mla_backend=info.is_mla_backend,
         )
-    if num_blocks is None and kv_memory_bytes is None:
-        kv_memory_bytes = default_kv_memory_bytes(
+    if num_blocks is not None:
+        budget = KVBudget(
+            rule="num_blocks",
+            num_blocks=num_blocks,
+            kv_memory_bytes=None,
+            reason=f"{num_blocks} blocks per cache group, as given",
+        )
+    elif kv_memory_bytes is not None:
+        budget = KVBudget(
+            rule="kv_memory",
+            num_blocks=None,
+            kv_memory_bytes=kv_memory_bytes,
+            reason=f"{format_bytes(kv_memory_bytes)} as given",
+        )
+    else:
+        budget = default_kv_budget(
             info,
             device,
             max_num_seqs=max_num_seqs or 1,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
+        kv_memory_bytes = budget.kv_memory_bytes
     _check_kv_fits(info, device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes)
     manager = KVCacheManager(
         info,
@@ -101,7 +138,7 @@ def prepare_kv_cache(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
-    return KVCacheSetup(info, manager)
+    return KVCacheSetup(info, manager, budget)
 
 
 def _check_kv_fits(
@@ -133,31 +170,49 @@ def _check_kv_fits(
         )
 
 
-def default_kv_memory_bytes(
+def default_kv_budget(
     info: ModelCacheInfo,
     device: torch.device,
     *,
     max_num_seqs: int,
     max_num_batched_tokens: int | None,
     max_model_len: int | None,
-) -> int:
-    """KV bytes for ``max_num_seqs`` requests of ``max_model_len`` tokens (4096 if unknown),
-    capped at a tenth of the device's free memory and at 4 GiB.
+) -> KVBudget:
+    """The byte budget when none is given: ``max_num_seqs`` requests of ``max_model_len``
+    tokens (4096 if unknown), capped at a tenth of the device's total memory and at 4 GiB.
+
+    A function of explicit settings and the machine only, so identical runs get identical
+    pools. Fixed-block groups (windows, states) get what the budget rule reserves for them.
 
     NOTE: sized by need first so a tiny model does not zero-fill gigabytes of host memory.
-    Fixed-block groups (windows, states) get what the budget rule reserves for them.
     """
     from kvskill.runtime.layout import calculate_fixed_block_num
 
+    model_len = max_model_len or DEFAULT_BUDGET_MODEL_LEN
     wanted = 0
     for group in build_groups(info).values():
         fixed = calculate_fixed_block_num(
             group, max_num_seqs, max_num_batched_tokens, FIXED_BLOCK_ATTN_TYPES
         )
         if fixed is None:
-            blocks = max_num_seqs * -(-(max_model_len or 4096) // group.block_size) + 1
+            blocks = max_num_seqs * -(-model_len // group.block_size) + 1
             wanted += blocks * group.bytes_per_block()
         else:
             wanted += fixed * group.bytes_per_block()
-    free = available_memory_bytes(device) or DEFAULT_KV_MEMORY_CAP_BYTES
-    return max(1, min(wanted, int(free * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_MEMORY_CAP_BYTES))
+    total = total_memory_bytes(device)
+    caps = [(DEFAULT_KV_MEMORY_CAP_BYTES, f"the {format_bytes(DEFAULT_KV_MEMORY_CAP_BYTES)} cap")]
+    if total is not None:
+        share = int(total * DEFAULT_KV_MEMORY_FRACTION)
+        caps.append((share, f"{DEFAULT_KV_MEMORY_FRACTION:.0%} of {format_bytes(total)} total"))
+    cap, cap_reason = min(caps)
+    need = f"{max_num_seqs} requests x {model_len} tokens"
+    if wanted <= cap:
+        reason = f"default: {need} need {format_bytes(wanted)} (under {cap_reason})"
+    else:
+        reason = f"default: {need} need {format_bytes(wanted)}, capped at {cap_reason}"
+    return KVBudget(
+        rule="default",
+        num_blocks=None,
+        kv_memory_bytes=max(1, min(wanted, cap)),
+        reason=reason,
+    )

@@ -98,6 +98,8 @@ class LLM:
             log_layout=log_layout,
         )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
+        #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
+        self.kv_budget = setup.budget
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,

@@ -135,12 +135,19 @@ class _Progress:
 )
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @block_size_option
-@click.option("--num-blocks", type=click.IntRange(min=2), default=None, help="KV blocks.")
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=2),
+    default=None,
+    help="KV blocks of EACH cache group (null block included); instead of --kv-memory.",
+)
 @click.option(
     "--kv-memory",
     default=None,
-    help="KV memory budget, e.g. '512M' or '2GiB' (K/M/G and KiB/MiB/GiB are powers of 1024, "
-    "KB/MB/GB powers of 1000).",
+    help="KV memory budget shared by the cache groups, e.g. '512M' or '2GiB' (K/M/G and "
+    "KiB/MiB/GiB are powers of 1024, KB/MB/GB powers of 1000). Default: what --max-num-seqs "
+    "requests of --max-model-len tokens need, capped at 10% of the device's total memory and "
+    "at 4 GiB (the same on every run).",
 )
 @click.option(
     "--max-model-len", type=click.IntRange(min=2), default=None, help="Tokens per request at most."
@@ -320,6 +327,12 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
             "preemptions": stats.num_preemptions,
             "finish_reasons": reasons,
         },
+        "kv_budget": {
+            "rule": llm.kv_budget.rule,
+            "num_blocks_per_group": llm.kv_budget.num_blocks,
+            "kv_memory_bytes": llm.kv_budget.kv_memory_bytes,
+            "reason": llm.kv_budget.reason,
+        },
         "kv_cache": kv,
         "requests": [o.to_dict() for o in outputs],
     }
@@ -347,6 +360,7 @@ def _render_table(report: dict) -> str:
         ("preemptions", str(s["preemptions"])),
         ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
     ]
+    rows.append(("KV budget", report["kv_budget"]["reason"]))
     for key, kv in report["kv_cache"].items():
         rows.append(
             (

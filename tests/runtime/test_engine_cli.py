@@ -155,3 +155,45 @@ def test_run_log_layout_flag_and_its_environment_default(
         )  # fmt: skip
     assert code == 0
     assert bool(_layout_lines(caplog)) is expect_lines
+
+
+def test_default_budget_repeats_and_says_why(capsys, toy_dir, monkeypatch):
+    """Two identical runs get the same pools: the default budget does not follow free memory."""
+    from kvskill.runtime import kv_cache_setup
+
+    budgets = []
+    for free in (3 << 30, 17 << 30):
+        monkeypatch.setattr(kv_cache_setup, "available_memory_bytes", lambda _d, f=free: f)
+        code, out, _ = run_cli(
+            capsys, "run", str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3",
+            "--max-tokens", "2", "--max-num-seqs", "4", "--max-model-len", "64",
+            "--format", "json",
+        )  # fmt: skip
+        assert code == 0
+        report = json.loads(out)
+        budgets.append((report["kv_budget"], report["kv_cache"]["FullAttention"]["blocks_total"]))
+    assert budgets[0] == budgets[1]
+    budget = budgets[0][0]
+    assert budget["rule"] == "default" and budget["num_blocks_per_group"] is None
+    assert budget["reason"].startswith("default: 4 requests x 64 tokens need ")
+
+
+def test_default_budget_is_capped_by_total_memory(monkeypatch, toy_dir):
+    from kvskill.runtime import kv_cache_setup
+
+    monkeypatch.setattr(kv_cache_setup, "total_memory_bytes", lambda _d: 2 << 30)
+    llm = LLM(toy_dir, trust_remote_code=True, max_num_seqs=64, max_model_len=16384)
+    assert llm.kv_budget.kv_memory_bytes == (2 << 30) // 10
+    assert "capped at 10% of 2.00 GiB total" in llm.kv_budget.reason
+
+
+def test_given_block_count_is_per_cache_group(capsys, toy_dir):
+    code, out, _ = run_cli(
+        capsys, "run", str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3",
+        "--max-tokens", "2", "--num-blocks", "9", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    assert report["kv_budget"]["reason"] == "9 blocks per cache group, as given"
+    # the null block is one of the nine, in every group
+    assert {kv["blocks_total"] for kv in report["kv_cache"].values()} == {8}

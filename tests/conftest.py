@@ -12,3 +12,23 @@ if "KVSKILL_STATE_DIR" not in os.environ:
     import tempfile
 
     os.environ["KVSKILL_STATE_DIR"] = tempfile.mkdtemp(prefix="kvskill-test-state-")
+
+
+def _checked_to_dict():
+    """Every Plan the suite turns into JSON (printed, written to kvskill_plan.json, compared)
+    must match the published schema (references/plan_schema.md)."""
+    from kvskill.analyzer.plan import Plan
+    from kvskill.analyzer.plan_schema import schema_errors
+
+    plain_to_dict = Plan.to_dict
+
+    def to_dict(self):
+        data = plain_to_dict(self)
+        errors = schema_errors(data)
+        assert not errors, f"a Plan of {self.model_type} does not match its schema: {errors}"
+        return data
+
+    Plan.to_dict = to_dict
+
+
+_checked_to_dict()

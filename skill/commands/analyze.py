@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -20,6 +21,7 @@ Examples:
   kvskill analyze ./my-model --format json
   kvskill analyze deepseek_v3 --config-overrides num_hidden_layers=4 --attn-tp-size 8
   kvskill analyze gpt_oss --format md --write-progress progress.md
+  kvskill analyze --schema > plan.schema.json
 
 \b
 Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
@@ -27,7 +29,7 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
 
 
 @click.command(epilog=EPILOG)
-@click.argument("model")
+@click.argument("model", required=False)
 @format_option(("table", "json", "yaml", "md"))
 @click.option(
     "--mode",
@@ -57,10 +59,18 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
     "--write-progress",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Add or update a 'KVCache selection' section in this Markdown progress file.",
+    help="Add or update this model's 'KVCache selection' section in this Markdown progress "
+    "file (other models' sections are kept).",
+)
+@click.option(
+    "--schema",
+    is_flag=True,
+    default=False,
+    help="Print the JSON Schema of the Plan (the JSON this command and kvskill_plan.json hold) "
+    "and exit; MODEL is not needed.",
 )
 def analyze(
-    model: str,
+    model: str | None,
     output_format: str,
     deploy_mode: str,
     config_overrides: str | None,
@@ -69,6 +79,7 @@ def analyze(
     hbm_gb: float | None,
     kv_memory: str | None,
     write_progress: Path | None,
+    schema: bool,
 ) -> None:
     """Read MODEL's config and modeling code and decide its KV-cache design.
 
@@ -80,6 +91,13 @@ def analyze(
     from kvskill.analyzer.report import render, update_progress
     from kvskill.core.overrides import parse_overrides
 
+    if schema:
+        from kvskill.analyzer.plan_schema import plan_schema
+
+        click.echo(json.dumps(plan_schema(), indent=2))
+        return
+    if model is None:
+        raise click.UsageError("missing argument MODEL (a model directory or a model type)")
     if hbm_gb is not None and not math.isfinite(hbm_gb):
         raise BadInputError(f"--hbm-gb {hbm_gb} is not a finite number of GiB")
     plan = analyze_model(

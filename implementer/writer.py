@@ -382,7 +382,9 @@ def _write_atomically(
             if copy_weights:
                 shutil.copy2(path, target)
             else:
-                os.symlink(path.resolve(), target)
+                # relative to the output folder (the stage is its sibling, so the link still
+                # resolves after the rename): MODEL and --out can move together
+                os.symlink(os.path.relpath(path.resolve(), out), target)
         _swap_in(stage, out)
     except OSError as exc:
         shutil.rmtree(stage, ignore_errors=True)

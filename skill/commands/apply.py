@@ -86,8 +86,15 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 @click.option("--dry-run", is_flag=True, help="Print a unified diff; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite a non-empty output directory.")
 @click.option(
-    "--copy-weights", is_flag=True, help="Copy weight files into DIR instead of linking them."
+    "--weights",
+    "weights_mode",
+    type=click.Choice(["link", "copy"]),
+    default="link",
+    show_default=True,
+    help="How MODEL's weight files reach DIR: relative symlinks (DIR and MODEL can move "
+    "together) or copies (DIR stands alone).",
 )
+@click.option("--copy-weights", is_flag=True, help="The same as --weights copy.")
 @format_option()
 def apply(model: str, **options) -> None:
     """Rewrite MODEL so it declares cache_entries, implements get_cache_info and calls
@@ -111,7 +118,7 @@ def apply(model: str, **options) -> None:
         config_overrides=parse_overrides(options["config_overrides"]),
         dry_run=options["dry_run"],
         force=options["force"],
-        copy_weights=options["copy_weights"],
+        copy_weights=options["copy_weights"] or options["weights_mode"] == "copy",
         mla_absorb=options["mla_absorb"],
         kv_mode=options["kv_mode"] or "paged",
         plan_file=options["plan_file"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -156,12 +157,25 @@ def test_weights_of_a_model_directory_are_linked(tmp_path, capsys):
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "apply", str(model), "--out", str(out))
     assert code == 0, err
-    assert (out / "model.safetensors").is_symlink()
-    shutil.rmtree(out)
-    code, _, _ = run_cli(capsys, "apply", str(model), "--out", str(out), "--copy-weights")
-    assert code == 0
-    assert not (out / "model.safetensors").is_symlink()
-    assert (out / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    link = out / "model.safetensors"
+    assert link.is_symlink() and os.readlink(link) == "../weighted/model.safetensors"
+    # relative links: the model and its conversion can move together
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.move(str(model), moved / "weighted")
+    shutil.move(str(out), moved / "out")
+    assert (moved / "out" / "model.safetensors").read_bytes() == (
+        moved / "weighted" / "model.safetensors"
+    ).read_bytes()
+    model = moved / "weighted"
+    for flags in (["--weights", "copy"], ["--copy-weights"]):
+        shutil.rmtree(out, ignore_errors=True)
+        code, _, _ = run_cli(capsys, "apply", str(model), "--out", str(out), *flags)
+        assert code == 0
+        assert not (out / "model.safetensors").is_symlink()
+        assert (out / "model.safetensors").read_bytes() == (
+            model / "model.safetensors"
+        ).read_bytes()
 
 
 def test_reapplied_output_still_verifies_against_the_first_source(converted, tmp_path, capsys):

@@ -480,3 +480,18 @@ def test_the_library_is_built_once_into_the_cache(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     _status_in_subprocess({"KVSKILL_KERNEL_CACHE": str(tmp_path)})
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_kernel_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    from kvskill.runtime.ops.cpu_kernels import build
+
+    for name in ("KVSKILL_KERNEL_CACHE", "KVSKILL_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert build._cache_dir() == tmp_path / "home" / ".cache" / "kvskill" / "cpu_kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build._cache_dir() == tmp_path / "xdg" / "kvskill" / "cpu_kernels"
+    monkeypatch.setenv("KVSKILL_CACHE_DIR", str(tmp_path / "kv"))
+    assert build._cache_dir() == tmp_path / "kv" / "cpu_kernels"
+    monkeypatch.setenv("KVSKILL_KERNEL_CACHE", str(tmp_path / "exact"))
+    assert build._cache_dir() == tmp_path / "exact"

@@ -1,7 +1,7 @@
 """Compile the C kernels once per machine and load them with ctypes.
 
-The shared library lands in ``$KVSKILL_KERNEL_CACHE`` (default
-``$XDG_CACHE_HOME/kvskill/cpu_kernels`` or ``~/.cache/kvskill/cpu_kernels``), in a folder named
+The shared library lands in ``$KVSKILL_KERNEL_CACHE`` (default ``$KVSKILL_CACHE_DIR/cpu_kernels``,
+else ``$XDG_CACHE_HOME/kvskill/cpu_kernels`` or ``~/.cache/kvskill/cpu_kernels``), in a folder named
 by a hash of the source, the compiler flags and the CPU model: ``-march=native`` code must not
 be loaded on another CPU. It is compiled to a temporary name and renamed into place, so
 processes that start together never load a half-written file.
@@ -150,6 +150,9 @@ def _cache_dir() -> Path:
     explicit = os.environ.get("KVSKILL_KERNEL_CACHE")
     if explicit:
         return Path(explicit)
+    kvskill_cache = os.environ.get("KVSKILL_CACHE_DIR")
+    if kvskill_cache:
+        return Path(kvskill_cache) / "cpu_kernels"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvskill" / "cpu_kernels"
 

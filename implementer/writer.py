@@ -53,7 +53,15 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 
-__all__ = ["PLAN_FILE", "ApplyOptions", "ApplyResult", "apply_model", "convert_model"]
+__all__ = [
+    "PLAN_FILE",
+    "ApplyOptions",
+    "ApplyResult",
+    "apply_model",
+    "check_out_before_work",
+    "convert_model",
+    "write_conversion",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,9 +266,22 @@ def apply_model(model: str, out_dir: Path | None, options: ApplyOptions) -> Appl
     if out_dir is None and not options.dry_run:
         raise BadInputError("--out DIR is required (or pass --dry-run to see the diff)")
     if out_dir is not None and not options.dry_run:
-        _check_out_dir_usable(out_dir, options.force)
-        check_out_vs_model(out_dir, model)
-    conversion = convert_model(model, options)
+        check_out_before_work(out_dir, model, options.force)
+    return write_conversion(convert_model(model, options), out_dir, options)
+
+
+def check_out_before_work(out_dir: Path, model: str, force: bool) -> None:
+    """Refuse an unusable ``--out`` (a file, non-empty without ``force``, MODEL itself,
+    inside or around it) before anything is analysed or converted."""
+    _check_out_dir_usable(out_dir, force)
+    check_out_vs_model(out_dir, model)
+
+
+def write_conversion(
+    conversion: Conversion, out_dir: Path | None, options: ApplyOptions
+) -> ApplyResult:
+    """Write CONVERSION to ``out_dir`` (nothing with ``dry_run``): the modeling file, the
+    files its deploy mode adds, config.json, kvskill_plan.json and the model's own files."""
     plan, record = plan_record(conversion, options)
     name = conversion.modeling_file
     record = sign_conversion(

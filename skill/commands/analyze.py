@@ -63,6 +63,16 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
     "file (other models' sections are kept).",
 )
 @click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write a workspace for converting MODEL by hand: the Plan (kvskill_plan.json), "
+    "config.json and the unconverted modeling file to edit; kvskill verify DIR "
+    "--trust-remote-code then checks the edited model against the original.",
+)
+@click.option("--force", is_flag=True, help="With --out: replace a non-empty directory.")
+@click.option(
     "--schema",
     is_flag=True,
     default=False,
@@ -79,6 +89,8 @@ def analyze(
     hbm_gb: float | None,
     kv_memory: str | None,
     write_progress: Path | None,
+    out_dir: Path | None,
+    force: bool,
     schema: bool,
 ) -> None:
     """Read MODEL's config and modeling code and decide its KV-cache design.
@@ -100,6 +112,10 @@ def analyze(
         raise click.UsageError("missing argument MODEL (a model directory or a model type)")
     if hbm_gb is not None and not math.isfinite(hbm_gb):
         raise BadInputError(f"--hbm-gb {hbm_gb} is not a finite number of GiB")
+    if out_dir is not None:
+        from kvskill.implementer.writer import check_out_before_work
+
+        check_out_before_work(out_dir, model, force)
     plan = analyze_model(
         model,
         deploy_mode=deploy_mode,
@@ -110,7 +126,21 @@ def analyze(
         hbm_gb=hbm_gb,
     )
     click.echo(render(plan, output_format))
+    if out_dir is not None:
+        _write_workspace(plan, out_dir, force)
     if write_progress is not None:
         changed = update_progress(write_progress, plan)
         state = "updated" if changed else "already up to date"
         click.echo(f"{write_progress}: KVCache selection {state}", err=True)
+
+
+def _write_workspace(plan, out_dir: Path, force: bool) -> None:
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.workspace import write_workspace
+
+    result = write_workspace(plan, out_dir, ApplyOptions(force=force))
+    click.echo(
+        f"{out_dir}: hand-conversion workspace written; edit {result.modeling_file}, then run "
+        f"kvskill verify {out_dir} --trust-remote-code",
+        err=True,
+    )

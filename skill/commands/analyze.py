@@ -125,6 +125,9 @@ def analyze(
         kv_memory_bytes=parse_memory(kv_memory),
         hbm_gb=hbm_gb,
     )
+    from kvskill.implementer.preflight import with_apply_blockers
+
+    plan = with_apply_blockers(plan)
     click.echo(render(plan, output_format))
     if out_dir is not None:
         _write_workspace(plan, out_dir, force)

@@ -140,3 +140,17 @@ def test_markdown_section_lists_decisions_evidence_and_warnings():
     assert text.startswith(PROGRESS_HEADING)
     assert "| KV mode | paged |" in text and "TND_NTD" in text
     assert "Evidence:" in text and "Watch for:" in text
+
+
+@pytest.mark.parametrize("model", ["mamba2", "gemma2"])
+def test_the_plan_names_what_apply_refuses(capsys, model):
+    code, out, _ = run_cli(capsys, "analyze", model, "--format", "json")
+    assert code == 0
+    blockers = json.loads(out)["implementer_blockers"]
+    assert len(blockers) == 1 and blockers[0].startswith("apply refuses: ")
+    assert "cannot convert" in blockers[0]
+
+
+def test_a_plan_apply_converts_lists_no_blockers(capsys):
+    code, out, _ = run_cli(capsys, "analyze", "qwen3", "--format", "json")
+    assert code == 0 and json.loads(out)["implementer_blockers"] == []

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
+from kvskill.analyzer.config_keys import attribute_map_for, cite_vendor_keys
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inputs import (
@@ -163,9 +164,19 @@ def plan_for_source(
         raise UnsupportedModelError(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
-    spec = normalise(source.config, uses_sliding_window=reads_window, derived=source.derived)
+    remote = source.kind == "remote_code"
+    attribute_map = attribute_map_for(
+        source.model_type, source.config, Path(source.path) if remote else None, remote=remote
+    )
+    spec = normalise(
+        source.config,
+        uses_sliding_window=reads_window,
+        derived=source.derived,
+        attribute_map=attribute_map,
+    )
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     book = Notebook(source=source)
+    cite_vendor_keys(spec, attribute_map, book)
     if source.delegated_from:
         book.cite(
             "source",

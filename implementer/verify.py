@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.plan import Plan
+from kvskill.analyzer.config_keys import attribute_map_for, lookup
+from kvskill.analyzer.plan import Plan, SourceKind
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
@@ -426,13 +427,26 @@ def load_model_pair(
     return ModelPair(reference=reference, converted=model, converted_dir=converted_dir)
 
 
+def config_names(converted: ConvertedDir) -> dict[str, str]:
+    """The attribute_map of the config class that builds the model (the directory's own,
+    read without running it, for remote code), so vendor key names are found."""
+    plan = converted.plan
+    remote = plan.source.kind is not SourceKind.TRANSFORMERS and not converted.record.package
+    return attribute_map_for(plan.model_type, converted.config, converted.directory, remote=remote)
+
+
 def prompt_lengths_for(
-    plan: Plan, config: dict[str, Any], options: VerifyOptions, block_size: int
+    plan: Plan,
+    config: dict[str, Any],
+    options: VerifyOptions,
+    block_size: int,
+    names: dict[str, str] | None = None,
 ) -> list[int]:
     """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
     text = text_config(config)[0]  # a vision-language model's decoder keeps these
     window = text.get("sliding_window") if is_windowed(plan) else None
-    limit = int(text.get("max_position_embeddings") or 4096) - options.max_new_tokens
+    positions = lookup(text, "max_positions", names)[0]  # seq_length (ChatGLM), n_positions
+    limit = int(positions or 4096) - options.max_new_tokens
     return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
 
 
@@ -452,7 +466,12 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
     check_verifiable(converted, options)
-    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
+    names = config_names(converted)
+    shrunk = (
+        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names)
+        if options.shrink
+        else None
+    )
     run_config = shrunk.config if shrunk else config
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if plan.is_mla:  # the MLA NZ caches need 16-token-aligned blocks
@@ -489,8 +508,9 @@ def _verify(
     if pair is None:
         return
     driver = driver_for(converted_dir, pair.converted_dir, options)
-    lengths = prompt_lengths_for(plan, config, options, report.block_size)
-    vocab = int(text_config(config)[0]["vocab_size"])
+    names = config_names(converted_dir)
+    lengths = prompt_lengths_for(plan, config, options, report.block_size, names)
+    vocab = int(lookup(text_config(config)[0], "vocab_size", names)[0])
     prompts = make_prompts(lengths, vocab, options.seed)
     try:
         references = [

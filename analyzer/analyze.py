@@ -254,8 +254,15 @@ def plan_for_source(
         attn_tp_size=attn_tp_size,
         scale_has_mscale=scale.has_yarn_mscale,
     )
-    style, style_source = rope_style(code, spec)
-    book.cite("rope_style", f"rope style: {style}", style_source)
+    rope = rope_style(code, spec, source.config)
+    book.cite("rope_style", f"rope style: {rope.style}", rope.source)
+    if rope.rotary_dim is not None:
+        book.cite(
+            "rope_style",
+            f"partial rotary: {rope.rotary_dim} of {spec.head_dim} channels per head are "
+            "rotated, the rest pass through unrotated",
+            rope.rotary_source or "",
+        )
     mla = dict(spec.mla) if spec.mla else None
     cache_write = _mla_cache_write(source, book) if attention is AttentionKind.MLA else None
     return Plan(
@@ -288,7 +295,8 @@ def plan_for_source(
         block_size=block_size,
         window_tokens=windows,
         has_sinks=sinks_line(code) is not None,
-        rope_style=style,
+        rope_style=rope.style,
+        rotary_dim=rope.rotary_dim,
         mla=mla,
         code=facts_dict,
         config=dict(source.config),

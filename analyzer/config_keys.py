@@ -159,7 +159,9 @@ def source_attribute_map(directory: Path, config: dict[str, Any]) -> dict[str, s
     for path in sorted(Path(directory).glob("configuration_*.py")):
         maps = _file_attribute_maps(str(path), path.stat().st_mtime_ns)
         for name, (model_type, mapping) in maps.items():
-            if name == class_name or (class_name is None and model_type == config.get("model_type")):
+            if name == class_name or (
+                class_name is None and model_type == config.get("model_type")
+            ):
                 return dict(mapping)
     return {}
 

@@ -231,6 +231,9 @@ class Plan:
     window_tokens: dict[str, WindowTokens] = field(default_factory=dict)
     has_sinks: bool = False
     rope_style: RopeStyle = RopeStyle.HALF
+    #: channels per head the rotary embedding turns when fewer than head_dim (partial rotary:
+    #: GPT-NeoX's rotary_pct, ChatGLM's half head); None when the whole head is rotated
+    rotary_dim: int | None = None
     #: MLA dimensions when attention is MLA
     mla: MlaDims | None = None
     #: facts from the code scan: attention class names, decoder/model/CausalLM classes, ...

@@ -31,6 +31,7 @@ from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, Plan
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
+    alibi_builder,
     cache_entries,
     decide_attention,
     decide_fa_version,
@@ -205,7 +206,8 @@ def plan_for_source(
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
     attention = decide_attention(spec, book)
-    kv_mode, legacy_reason = decide_kv_mode(spec, code, book)
+    alibi = alibi_builder(spec, code, book)
+    kv_mode, legacy_reason = decide_kv_mode(spec, code, book, alibi)
     fa_version, fa_reason = decide_fa_version(code, book)
     layout, absorb = decide_layout(kv_mode, attention, book)
     modes, windows = decide_sparse_modes(kv_mode, attention, attn_types, spec.sliding_window, book)
@@ -297,6 +299,7 @@ def plan_for_source(
         has_sinks=sinks_line(code) is not None,
         rope_style=rope.style,
         rotary_dim=rope.rotary_dim,
+        position_bias="alibi" if alibi else None,
         mla=mla,
         code=facts_dict,
         config=dict(source.config),

@@ -110,7 +110,7 @@ _ROTATION_NAME = re.compile(r"rot|rope", re.IGNORECASE)
 
 
 def rope_style(code: CodeView, spec: ModelSpec, config: dict[str, Any]) -> RopeDecision:
-    """"interleaved" | "half" | "none", where that was read, and partial rotation."""
+    """ "interleaved" | "half" | "none", where that was read, and partial rotation."""
     style, source = _pairing(code, spec, text_config(config)[0])
     if style == "none" or spec.mla:
         return RopeDecision(style=style, source=source)  # MLA's rope key is its own width

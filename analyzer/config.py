@@ -71,6 +71,8 @@ class ModelSpec:
     intermediate_size: int = 0
     #: positions the model is built for (``max_position_embeddings`` / ``seq_length`` / ...)
     max_positions: int | None = None
+    #: the config's ALiBi switch (Falcon's ``alibi``, MPT's ``attn_config.alibi``); None if unset
+    alibi: bool | None = None
     #: field -> the config key it was read from (a vendor's name where the config uses one)
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -206,8 +208,16 @@ def normalise(
         vocab_size=vocab if _is_int(vocab) else 0,
         intermediate_size=intermediate if _is_int(intermediate) else 0,
         max_positions=max_positions if _is_int(max_positions) else None,
+        alibi=_alibi_switch(cfg),
         sources=sources,
     )
+
+
+def _alibi_switch(cfg: dict[str, Any]) -> bool | None:
+    for holder in (cfg, cfg.get("attn_config")):
+        if isinstance(holder, dict) and isinstance(holder.get("alibi"), bool):
+            return holder["alibi"]
+    return None
 
 
 def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int | None] | None:

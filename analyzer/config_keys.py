@@ -215,9 +215,9 @@ def _class_assign(stmt: cst.CSTNode) -> tuple[str, cst.BaseExpression] | None:
         target = small.targets[0].target
         if isinstance(target, cst.Name):
             return target.value, small.value
-    if isinstance(small, cst.AnnAssign) and small.value is not None:
-        if isinstance(small.target, cst.Name):
-            return small.target.value, small.value
+    annotated = isinstance(small, cst.AnnAssign) and small.value is not None
+    if annotated and isinstance(small.target, cst.Name):
+        return small.target.value, small.value
     return None
 
 

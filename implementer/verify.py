@@ -39,6 +39,7 @@ from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelErr
 from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
+from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
@@ -398,10 +399,8 @@ def load_model_pair(
     except KvskillError:
         raise
     except Exception as exc:  # the original model's own code refused the config
-        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
-        raise BadInputError(
-            f"the original {plan.model_type} model cannot be built from {which}: "
-            f"{type(exc).__name__}: {_one_line(exc)}"
+        raise original_failure(
+            converted, exc, stage="build", shrunk=options.shrink, workdir=workdir
         ) from exc
     if note:
         report.notes.append(note)
@@ -517,10 +516,8 @@ def _verify(
             reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
         ]
     except Exception as exc:  # the original model's own code fails on this config
-        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
-        raise BadInputError(
-            f"the original {plan.model_type} model fails to generate with {which}: "
-            f"{type(exc).__name__}: {_one_line(exc)}"
+        raise original_failure(
+            converted_dir, exc, stage="generate", shrunk=options.shrink, workdir=workdir
         ) from exc
     try:
         run = driver.run(
@@ -617,11 +614,3 @@ __all__ = [
     "choose_prompt_lengths",
     "verify_directory",
 ]
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """The exception's message on one line (config validators raise several lines)."""
-    text = " ".join(str(exc).split())
-    if not text:
-        return repr(exc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

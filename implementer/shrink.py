@@ -314,6 +314,6 @@ def _shrink_decoder(
     if is_mla_config(config):
         # Latent attention: rope 64 and the latent (query D) at 512/128, the fused MLA
         # operator's limits (mla/shrink.py).
-        new.update(shrink_mla(config, new))
+        new.update(shrink_mla(config, new, names))
     changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
     return ShrinkResult(config=new, changes=changes)

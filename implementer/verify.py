@@ -509,7 +509,7 @@ def _verify(
     driver = driver_for(converted_dir, pair.converted_dir, options)
     names = config_names(converted_dir)
     lengths = prompt_lengths_for(plan, config, options, report.block_size, names)
-    vocab = int(lookup(text_config(config)[0], "vocab_size", names)[0])
+    vocab = vocabulary_size(config, names, pair.reference)
     prompts = make_prompts(lengths, vocab, options.seed)
     try:
         references = [
@@ -550,6 +550,21 @@ def _verify(
                 f"prompt {index}: near tie at step {result.first_mismatch} (the "
                 f"reference scores both tokens within atol {report.atol:g}); compared up to it"
             )
+
+
+def vocabulary_size(config: dict[str, Any], names: dict[str, str], reference: nn.Module) -> int:
+    """The prompts' token range: the config's vocabulary (``vocab_size``, ChatGLM's
+    ``padded_vocab_size``, ...), else the width of the original's output head."""
+    vocab = lookup(text_config(config)[0], "vocab_size", names)[0]
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    head = (
+        reference.get_output_embeddings() if hasattr(reference, "get_output_embeddings") else None
+    )
+    width = getattr(head, "out_features", None)
+    if not isinstance(width, int):
+        raise BadInputError("cannot tell the vocabulary size: the config names none")
+    return width
 
 
 def is_windowed(plan: Plan) -> bool:

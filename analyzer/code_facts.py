@@ -131,7 +131,9 @@ def _pairing(code: CodeView, spec: ModelSpec, cfg: dict[str, Any]) -> tuple[str,
             return "interleaved", f"{facts.where(functions[name])} ({name}: {shape})"
     if "rotate_half" in seen or (not seen and "rotate_half" in functions):
         return "half", facts.where(functions["rotate_half"])
-    for name in seen or rotations:
+    if seen:  # the innermost rotation helper is where the channels turn
+        return "half", facts.where(functions[list(seen)[-1]])
+    for name in rotations:
         return "half", facts.where(functions[name])
     if not spec.rope_parameters:
         return "none", "config has no rope parameters"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
-from kvskill.analyzer.config import ModelSpec, normalise, text_config
+from kvskill.analyzer.config import ModelSpec, normalise
 from kvskill.analyzer.config_keys import attribute_map_for, cite_vendor_keys
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
@@ -201,7 +201,7 @@ def plan_for_source(
         )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
-    _window_only_in_cache(spec, source.config, book)
+    _window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
@@ -393,7 +393,7 @@ def _no_causal_lm_reason(source: ModelSource) -> str:
     )
 
 
-def _window_only_in_cache(spec: ModelSpec, config: dict[str, Any], book: Notebook) -> None:
+def _window_only_in_cache(spec: ModelSpec, book: Notebook) -> None:
     """A ``sliding_window`` the attention never reads, which transformers' cache still applies.
 
     With no ``layer_types``, transformers' ``DynamicCache(config=...)`` makes every layer a
@@ -408,7 +408,7 @@ def _window_only_in_cache(spec: ModelSpec, config: dict[str, Any], book: Noteboo
     if spec.sliding_window is None or not from_window_alone or "sliding" in spec.layer_kinds:
         return  # no window, a layer pattern, or code that reads the window (mistral)
     window, key = spec.sliding_window, spec.sources.get("sliding_window")
-    max_positions = text_config(config)[0].get("max_position_embeddings")
+    max_positions = spec.max_positions  # max_position_embeddings, seq_length, n_positions
     if isinstance(max_positions, int) and window >= max_positions:
         book.cite(
             "layers",

@@ -115,7 +115,7 @@ def _passes_tail(node: cst.CSTNode) -> bool:
 
 def half_width_rotary(source: str) -> bool:
     """The module builds its rotary tables for half of a head: ``<X>Rotary<Y>(<dim> // 2, ...)``
-    with a width named ``*dim*`` or ``*channels*`` (ChatGLM: ``RotaryEmbedding(rotary_dim //
+    with a per-head width named ``*dim*``, ``*channels*`` or ``*head*`` (ChatGLM: ``RotaryEmbedding(rotary_dim //
     2)`` over ``kv_channels``), so only the first half of each head is rotated."""
     try:
         module = cst.parse_module(source)
@@ -130,7 +130,7 @@ def half_width_rotary(source: str) -> bool:
         if not m.matches(first, m.BinaryOperation(operator=m.FloorDivide(), right=m.Integer("2"))):
             continue
         width = _callee_name(cst.ensure_type(first, cst.BinaryOperation).left).lower()
-        if "dim" in width or "channels" in width:
+        if any(word in width for word in ("dim", "channels", "head")):
             return True
     return False
 

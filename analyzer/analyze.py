@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
-from kvskill.analyzer.config import ModelSpec, normalise, text_config
+from kvskill.analyzer.config import ModelSpec, normalise
+from kvskill.analyzer.config_keys import attribute_map_for, cite_vendor_keys
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inputs import (
@@ -30,6 +31,7 @@ from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, Plan
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
+    alibi_builder,
     cache_entries,
     decide_attention,
     decide_fa_version,
@@ -163,9 +165,19 @@ def plan_for_source(
         raise UnsupportedModelError(
             f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
-    spec = normalise(source.config, uses_sliding_window=reads_window, derived=source.derived)
+    remote = source.kind == "remote_code"
+    attribute_map = attribute_map_for(
+        source.model_type, source.config, Path(source.path) if remote else None, remote=remote
+    )
+    spec = normalise(
+        source.config,
+        uses_sliding_window=reads_window,
+        derived=source.derived,
+        attribute_map=attribute_map,
+    )
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     book = Notebook(source=source)
+    cite_vendor_keys(spec, attribute_map, book)
     if source.delegated_from:
         book.cite(
             "source",
@@ -189,12 +201,13 @@ def plan_for_source(
         )
     mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
     layers = decide_layers(spec, book)
-    _window_only_in_cache(spec, source.config, book)
+    _window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
     attention = decide_attention(spec, book)
-    kv_mode, legacy_reason = decide_kv_mode(spec, code, book)
+    alibi = alibi_builder(spec, code, book)
+    kv_mode, legacy_reason = decide_kv_mode(spec, code, book, alibi)
     fa_version, fa_reason = decide_fa_version(code, book)
     layout, absorb = decide_layout(kv_mode, attention, book)
     modes, windows = decide_sparse_modes(kv_mode, attention, attn_types, spec.sliding_window, book)
@@ -243,8 +256,15 @@ def plan_for_source(
         attn_tp_size=attn_tp_size,
         scale_has_mscale=scale.has_yarn_mscale,
     )
-    style, style_source = rope_style(code, spec)
-    book.cite("rope_style", f"rope style: {style}", style_source)
+    rope = rope_style(code, spec, source.config)
+    book.cite("rope_style", f"rope style: {rope.style}", rope.source)
+    if rope.rotary_dim is not None:
+        book.cite(
+            "rope_style",
+            f"partial rotary: {rope.rotary_dim} of {spec.head_dim} channels per head are "
+            "rotated, the rest pass through unrotated",
+            rope.rotary_source or "",
+        )
     mla = dict(spec.mla) if spec.mla else None
     cache_write = _mla_cache_write(source, book) if attention is AttentionKind.MLA else None
     return Plan(
@@ -277,7 +297,9 @@ def plan_for_source(
         block_size=block_size,
         window_tokens=windows,
         has_sinks=sinks_line(code) is not None,
-        rope_style=style,
+        rope_style=rope.style,
+        rotary_dim=rope.rotary_dim,
+        position_bias="alibi" if alibi else None,
         mla=mla,
         code=facts_dict,
         config=dict(source.config),
@@ -371,7 +393,7 @@ def _no_causal_lm_reason(source: ModelSource) -> str:
     )
 
 
-def _window_only_in_cache(spec: ModelSpec, config: dict[str, Any], book: Notebook) -> None:
+def _window_only_in_cache(spec: ModelSpec, book: Notebook) -> None:
     """A ``sliding_window`` the attention never reads, which transformers' cache still applies.
 
     With no ``layer_types``, transformers' ``DynamicCache(config=...)`` makes every layer a
@@ -386,7 +408,7 @@ def _window_only_in_cache(spec: ModelSpec, config: dict[str, Any], book: Noteboo
     if spec.sliding_window is None or not from_window_alone or "sliding" in spec.layer_kinds:
         return  # no window, a layer pattern, or code that reads the window (mistral)
     window, key = spec.sliding_window, spec.sources.get("sliding_window")
-    max_positions = text_config(config)[0].get("max_position_embeddings")
+    max_positions = spec.max_positions  # max_position_embeddings, seq_length, n_positions
     if isinstance(max_positions, int) and window >= max_positions:
         book.cite(
             "layers",

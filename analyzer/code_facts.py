@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
+from dataclasses import dataclass
 from typing import Any
 
-from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.inputs import ModelSource
+from kvskill.analyzer.rotary import (
+    INTERLEAVED_SHAPES,
+    RotationFacts,
+    function_facts,
+    half_width_rotary,
+)
 from kvskill.analyzer.rules import CodeView
 from kvskill.analyzer.scale import scaling_line_of
 from kvskill.analyzer.scan import ClassFacts
@@ -86,23 +95,127 @@ def _converted(facts, result: dict[str, Any]) -> None:
     result["legacy_framework_source"] = legacy
 
 
-def rope_style(code: CodeView, spec: ModelSpec) -> tuple[str, str]:
-    """ "interleaved" | "half" | "none", and where that was read."""
-    functions = code.facts.functions
+@dataclass(frozen=True, kw_only=True)
+class RopeDecision:
+    """The rotary pairing, and how many channels of a head it turns when not all."""
+
+    style: str
+    source: str
+    #: rotated channels per head when fewer than head_dim (partial rotary), else None
+    rotary_dim: int | None = None
+    rotary_source: str | None = None
+
+
+_ROTATION_NAME = re.compile(r"rot|rope", re.IGNORECASE)
+
+
+def rope_style(code: CodeView, spec: ModelSpec, config: dict[str, Any]) -> RopeDecision:
+    """ "interleaved" | "half" | "none", where that was read, and partial rotation."""
+    style, source = _pairing(code, spec, text_config(config)[0])
+    if style == "none" or spec.mla:
+        return RopeDecision(style=style, source=source)  # MLA's rope key is its own width
+    width, where = _partial_width(code, spec, text_config(config))
+    return RopeDecision(style=style, source=source, rotary_dim=width, rotary_source=where)
+
+
+def _pairing(code: CodeView, spec: ModelSpec, cfg: dict[str, Any]) -> tuple[str, str]:
+    facts = code.facts
+    functions = facts.functions
     if spec.rope_interleave:
         return "interleaved", "config rope_interleave=true"
-    rotations = {n: line for n, line in functions.items() if "rotary" in n or "rope" in n}
-    for name, line in rotations.items():
-        if "view_as_complex" in _function_text(code.facts.path, line):
-            # (x[2i], x[2i+1]) taken as one complex number: rotation of adjacent pairs.
-            return "interleaved", f"{code.facts.where(line)} ({name}: view_as_complex pairs)"
-    if "rotate_half" in functions:
-        return "half", code.facts.where(functions["rotate_half"])
-    for line in rotations.values():
-        return "half", code.facts.where(line)
+    rotations = _rotation_functions(code, skip_interleave_variant="rope_interleave" in cfg)
+    seen = _closure(facts, rotations)
+    for name, found in seen.items():
+        if found.interleaved:
+            shape = INTERLEAVED_SHAPES[found.interleaved]
+            return "interleaved", f"{facts.where(functions[name])} ({name}: {shape})"
+    if "rotate_half" in seen or (not seen and "rotate_half" in functions):
+        return "half", facts.where(functions["rotate_half"])
+    if seen:  # the innermost rotation helper is where the channels turn
+        return "half", facts.where(functions[list(seen)[-1]])
+    for name in rotations:
+        return "half", facts.where(functions[name])
     if not spec.rope_parameters:
         return "none", "config has no rope parameters"
     return "half", "config rope_parameters (rotation helper not found in the file)"
+
+
+def _rotation_functions(code: CodeView, *, skip_interleave_variant: bool) -> list[str]:
+    """Module functions named like a rotation that the attention classes call; every such
+    function of the file when they call none (the rotation may sit in a rotary module)."""
+    functions = code.facts.functions
+    named = [n for n in functions if _ROTATION_NAME.search(n)]
+    if skip_interleave_variant:
+        # the config's rope_interleave=false picks the other branch of the attention
+        named = [n for n in named if "interleave" not in n]
+    called: set[str] = set()
+    for name in code.roles.attention:
+        cls = code.facts.classes.get(name)
+        if cls is not None:
+            called |= cls.function_calls
+    roots = [n for n in named if n in called]
+    return roots or named
+
+
+def _closure(facts, roots: list[str]) -> dict[str, RotationFacts]:
+    """The facts of ``roots`` and of the module functions they call, transitively."""
+    seen: dict[str, RotationFacts] = {}
+    pending = list(roots)
+    while pending and len(seen) < 32:
+        name = pending.pop(0)
+        if name in seen or name not in facts.functions:
+            continue
+        found = function_facts(textwrap.dedent(_function_text(facts.path, facts.functions[name])))
+        if found is None:
+            continue
+        seen[name] = found
+        pending += sorted(found.callees & set(facts.functions))
+    return seen
+
+
+#: config keys giving the rotated share of a head: a fraction, or channels (GPT-J)
+_FRACTION_KEYS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+
+
+def _partial_width(
+    code: CodeView, spec: ModelSpec, text: tuple[dict[str, Any], str]
+) -> tuple[int | None, str | None]:
+    """Rotated channels per head when fewer than ``head_dim``, and where that was read."""
+    cfg, prefix = text
+    head_dim = spec.head_dim
+    for where, fraction in _fractions(cfg, spec):
+        if isinstance(fraction, (int, float)) and 0 < fraction < 1:
+            return int(head_dim * fraction), f"config {prefix}{where}={fraction:g}"
+    channels = cfg.get("rotary_dim")
+    if isinstance(channels, int) and 0 < channels < head_dim:
+        return channels, f"config {prefix}rotary_dim={channels}"
+    if head_dim and _builds_half_width_tables(code):
+        return head_dim // 2, (
+            f"{code.facts.file_name}: rotary tables built for half a head (<dim> // 2) and the "
+            "rotation passes the rest of the head through"
+        )
+    return None, None
+
+
+def _fractions(cfg: dict[str, Any], spec: ModelSpec) -> list[tuple[str, Any]]:
+    found = [(f"rope_parameters.{k}", spec.rope_parameters.get(k)) for k in _FRACTION_KEYS]
+    return [(k, v) for k, v in found if v is not None] + [
+        (k, cfg.get(k)) for k in _FRACTION_KEYS if cfg.get(k) is not None
+    ]
+
+
+def _builds_half_width_tables(code: CodeView) -> bool:
+    """ChatGLM's shape: ``RotaryEmbedding(rotary_dim // 2)`` and a rotation that slices the
+    rotated part off the head (``x[..., :rot_dim]`` / ``x[..., rot_dim:]``)."""
+    facts = code.facts
+    seen = _closure(facts, _rotation_functions(code, skip_interleave_variant=False))
+    if not any(found.passes_tail for found in seen.values()):
+        return False
+    try:
+        with open(facts.path, encoding="utf-8") as handle:
+            return half_width_rotary(handle.read())
+    except OSError:
+        return False
 
 
 def _function_text(path: str, line: int) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvskill.analyzer.config_keys import kv_heads as kv_head_count
+from kvskill.analyzer.config_keys import lookup
 from kvskill.core.cache_bytes import dtype_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
@@ -63,11 +65,24 @@ class ModelSpec:
     #: linear-attention / SSM dimensions for state entries ({} when there are none)
     state: dict[str, int] = field(default_factory=dict)
     is_encoder_decoder: bool = False
+    #: vocabulary (``vocab_size`` / ChatGLM's ``padded_vocab_size``), 0 when the config has none
+    vocab_size: int = 0
+    #: dense MLP width (``intermediate_size`` / ``ffn_hidden_size`` / ``n_inner``), 0 if unset
+    intermediate_size: int = 0
+    #: positions the model is built for (``max_position_embeddings`` / ``seq_length`` / ...)
+    max_positions: int | None = None
+    #: the config's ALiBi switch (Falcon's ``alibi``, MPT's ``attn_config.alibi``); None if unset
+    alibi: bool | None = None
+    #: field -> the config key it was read from (a vendor's name where the config uses one)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype, default=2)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:
@@ -91,9 +106,12 @@ def normalise(
     *,
     uses_sliding_window: bool = True,
     derived: dict[str, Any] | None = None,
+    attribute_map: dict[str, str] | None = None,
 ) -> ModelSpec:
     """Build the ModelSpec. ``uses_sliding_window`` says whether the code reads a window;
-    ``derived`` holds values the config class computes outside ``to_dict`` (layer_types).
+    ``derived`` holds values the config class computes outside ``to_dict`` (layer_types);
+    ``attribute_map`` is the config class's own (standard name -> the key it stores), so a
+    vendor's key names are read (``config_keys``).
 
     Raises UnsupportedModelError when the config has no decoder layer count or heads.
     """
@@ -106,9 +124,15 @@ def normalise(
             sources[name] = prefix + key
         return value
 
-    num_layers = get("num_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
-    hidden = get("hidden_size", "hidden_size", "n_embd", "d_model", "dim")
-    heads = get("num_heads", "num_attention_heads", "n_head", "num_heads", "n_heads")
+    def named(name: str) -> Any:
+        value, key = lookup(cfg, name, attribute_map)
+        if key is not None:
+            sources[name] = prefix + key
+        return value
+
+    num_layers = named("num_layers")
+    hidden = named("hidden_size")
+    heads = named("num_heads")
     if num_layers is None:
         for key in ("layer_types", "layers_block_type"):
             if isinstance(cfg.get(key), list) and cfg[key]:
@@ -122,26 +146,24 @@ def normalise(
         )
     hidden = int(hidden or 0)
     heads = int(heads or 0)
-    kv_heads = get(
-        "num_kv_heads", "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"
-    )
-    if kv_heads is None:
-        multi_query = cfg.get("multi_query")
-        kv_heads = 1 if multi_query else heads
-        if multi_query:
-            sources["num_kv_heads"] = prefix + "multi_query"
+    kv_heads, kv_key = kv_head_count(cfg, heads, attribute_map)
+    if kv_key:
+        sources["num_kv_heads"] = prefix + kv_key
     kv_heads = int(kv_heads or heads)
     if heads and kv_heads and heads % kv_heads:
         raise BadInputError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
             f"({sources.get('num_kv_heads', 'num_key_value_heads')})"
         )
-    head_dim = get("head_dim", "head_dim", "attention_head_size", "kv_channels")
+    head_dim = named("head_dim")
     if not head_dim:
         head_dim = hidden // heads if heads else 0
         sources.setdefault("head_dim", f"{prefix}hidden_size / num_attention_heads")
     v_head_dim = get("v_head_dim", "v_head_dim") or head_dim
     mla = _mla(cfg, sources, prefix)
+    vocab = named("vocab_size")
+    intermediate = named("intermediate_size")
+    max_positions = named("max_positions")
     sliding_window = get("sliding_window", "sliding_window", "window_size")
     if not isinstance(sliding_window, int) or sliding_window <= 0:
         sliding_window = None
@@ -183,8 +205,19 @@ def normalise(
         attn_logit_softcapping=float(softcap) if softcap else None,
         state=_state_dims(cfg, hidden),
         is_encoder_decoder=bool(config.get("is_encoder_decoder")),
+        vocab_size=vocab if _is_int(vocab) else 0,
+        intermediate_size=intermediate if _is_int(intermediate) else 0,
+        max_positions=max_positions if _is_int(max_positions) else None,
+        alibi=_alibi_switch(cfg),
         sources=sources,
     )
+
+
+def _alibi_switch(cfg: dict[str, Any]) -> bool | None:
+    for holder in (cfg, cfg.get("attn_config")):
+        if isinstance(holder, dict) and isinstance(holder.get("alibi"), bool):
+            return holder["alibi"]
+    return None
 
 
 def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int | None] | None:

@@ -54,7 +54,7 @@ def estimate_weight_bytes(config: dict[str, Any], spec: ModelSpec) -> int:
     """A rough parameter count x dtype size (embeddings, attention, MLP or experts)."""
     cfg, _ = text_config(config)
     hidden = spec.hidden_size
-    vocab = int(cfg.get("vocab_size") or 0)
+    vocab = spec.vocab_size  # vocab_size, or a vendor's name for it (padded_vocab_size)
     embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     if spec.mla:
         m = spec.mla
@@ -71,10 +71,10 @@ def estimate_weight_bytes(config: dict[str, Any], spec: ModelSpec) -> int:
         attn = 2 * hidden * q + hidden * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
     experts = spec.num_experts
     if experts:
-        inner = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+        inner = int(cfg.get("moe_intermediate_size") or spec.intermediate_size or 0)
         mlp = experts * 3 * hidden * inner
     else:
-        mlp = 3 * hidden * int(cfg.get("intermediate_size") or 4 * hidden)
+        mlp = 3 * hidden * (spec.intermediate_size or 4 * hidden)
     return (embed + spec.num_layers * (attn + mlp)) * spec.dtype_bytes
 
 

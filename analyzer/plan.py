@@ -75,6 +75,13 @@ class RopeStyle(PlanEnum):
     NONE = "none"
 
 
+class PositionBias(PlanEnum):
+    """A bias added to the attention scores by position (instead of, or beside, rotary)."""
+
+    #: ALiBi: a per-head slope times the key's distance (bloom, mpt, Baichuan-13B)
+    ALIBI = "alibi"
+
+
 class MlaCacheWrite(PlanEnum):
     """How an MLA latent reaches the caches."""
 
@@ -231,6 +238,11 @@ class Plan:
     window_tokens: dict[str, WindowTokens] = field(default_factory=dict)
     has_sinks: bool = False
     rope_style: RopeStyle = RopeStyle.HALF
+    #: channels per head the rotary embedding turns when fewer than head_dim (partial rotary:
+    #: GPT-NeoX's rotary_pct, ChatGLM's half head); None when the whole head is rotated
+    rotary_dim: int | None = None
+    #: a positional bias of the attention scores ("alibi"), None when there is none
+    position_bias: PositionBias | None = None
     #: MLA dimensions when attention is MLA
     mla: MlaDims | None = None
     #: facts from the code scan: attention class names, decoder/model/CausalLM classes, ...
@@ -276,6 +288,8 @@ class Plan:
             put("mla", _record(MlaDims, self.mla))
         if self.mla_cache_write is not None:
             put("mla_cache_write", MlaCacheWrite(self.mla_cache_write))
+        if self.position_bias is not None:
+            put("position_bias", PositionBias(self.position_bias))
 
     @property
     def is_mla(self) -> bool:
@@ -358,7 +372,8 @@ def _record(cls: type, value: Any) -> Any:
 
 def _field_error(exc: ValueError, values: dict[str, Any]) -> str:
     """Name the field and the values allowed for an enum value the Plan does not know."""
-    for name, kind in {**_FIELD_TYPES, "mla_cache_write": MlaCacheWrite}.items():
+    optional = {"mla_cache_write": MlaCacheWrite, "position_bias": PositionBias}
+    for name, kind in {**_FIELD_TYPES, **optional}.items():
         value = values.get(name)
         if isinstance(value, str) and value not in {m.value for m in kind}:
             allowed = ", ".join(m.value for m in kind)

@@ -120,8 +120,13 @@ def decide_attention(spec: ModelSpec, book: Notebook) -> AttentionKind:
     return form
 
 
-def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[KvMode, str | None]:
-    """Paged unless an operator cannot express the model's attention (then the blocker)."""
+def decide_kv_mode(
+    spec: ModelSpec, code: CodeView, book: Notebook, alibi: tuple[str, str] | None = None
+) -> tuple[KvMode, str | None]:
+    """Paged unless an operator cannot express the model's attention (then the blocker).
+
+    ``alibi``: (name, where) of the model's ALiBi bias builder (``alibi_builder``).
+    """
     blocker: str | None = None
     source = ""
     softcap_line = _softcap_line(code)
@@ -137,6 +142,14 @@ def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[KvM
             "sees only its own chunk, which no causal or band sparse_mode expresses"
         )
         source = book.cfg(spec.sources.get("attention_chunk_size") or "layer_types")
+    elif alibi is not None:
+        name, source = alibi
+        blocker = (
+            f"ALiBi position bias ({name}): the fused attention takes a position bias only as "
+            "pse_shift, which references/npu_ops.md does not document on the paged TND path, "
+            "and neither FA version takes ALiBi slopes (no pse_type in the torch_npu 2.13.0 "
+            "schema)"
+        )
     if blocker:
         book.cite("kv_mode", f"Legacy: Paged + FA is impossible because of {blocker}", source)
         return KvMode.LEGACY, blocker
@@ -149,10 +162,44 @@ def decide_kv_mode(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[KvM
     book.cite(
         "kv_mode",
         "Paged: every layer's attention maps onto the fused operator (no soft-capping, "
-        "no chunked attention)",
+        "no chunked attention, no ALiBi)",
         "rule: Paged unless an operator cannot express the attention",
     )
     return KvMode.PAGED, None
+
+
+def alibi_builder(spec: ModelSpec, code: CodeView, book: Notebook) -> tuple[str, str] | None:
+    """(name, where) of the function that builds an ALiBi bias the model adds, else None.
+
+    Bloom's ``build_alibi_tensor``, MPT's ``build_mpt_alibi_tensor``, Baichuan-13B's
+    ``_gen_alibi_mask`` (module functions or methods). A file that reads ``config.alibi``
+    (Falcon) adds it only when the config says so; one that builds it unconditionally (MPT
+    ignores ``attn_config.alibi``) always does.
+    """
+    facts = code.facts
+    found = [(name, line) for name, line in facts.functions.items() if "alibi" in name.lower()]
+    for cls in facts.classes.values():
+        found += [
+            (f"{cls.name}.{m}", line) for m, line in cls.methods.items() if "alibi" in m.lower()
+        ]
+    if not found:
+        return None
+    switch = facts.config_reads.get("alibi")
+    if switch is not None and not spec.alibi:
+        book.cite(
+            "position_bias",
+            f"no ALiBi: the code adds it only under config.alibi, which is {spec.alibi}",
+            code.where(switch),
+        )
+        return None
+    name, line = min(found, key=lambda item: item[1])
+    book.cite(
+        "position_bias",
+        f"ALiBi: {name} builds a per-head linear bias of the key distance that the attention "
+        "adds to its scores",
+        code.where(line),
+    )
+    return name, code.where(line)
 
 
 def _softcap_line(code: CodeView) -> int | None:

@@ -58,6 +58,8 @@ class ClassFacts:
     #: ``num_key_value_heads = config.num_key_value_heads * N if <sliding test> else ...``
     #: in ``__init__`` (MiMo-V2-Flash): (N, line)
     sliding_kv_head_factor: tuple[int, int] | None = None
+    #: names of plain functions called anywhere in the class (``apply_rotary_pos_emb``)
+    function_calls: set[str] = field(default_factory=set)
 
     def first_call(self, kind: str) -> CallFact | None:
         return next((c for c in self.calls if c.kind == kind), None)
@@ -240,6 +242,8 @@ class _Collector(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if self.cls is None:
             return
+        if isinstance(node.func, cst.Name):
+            self.cls.function_calls.add(node.func.value)
         keywords = tuple(a.keyword.value for a in node.args if a.keyword is not None)
         for keyword in keywords:
             if keyword in _WATCHED_NAMES:

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.analyzer.config import text_config
+from kvskill.analyzer.config_keys import kv_heads, kv_heads_keys, lookup, write_keys
 from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
@@ -51,9 +52,9 @@ class ShrinkResult:
     changes: dict[str, tuple[Any, Any]]
 
 
-def _kv_heads(config: dict[str, Any]) -> int:
-    heads = config.get("num_attention_heads") or NUM_HEADS
-    kv = config.get("num_key_value_heads") or heads
+def _kv_heads(config: dict[str, Any], names: dict[str, str] | None = None) -> int:
+    heads = lookup(config, "num_heads", names)[0] or NUM_HEADS
+    kv = kv_heads(config, heads, names)[0] or heads
     if kv == heads:
         return NUM_HEADS  # MHA
     if kv == 1:
@@ -61,11 +62,13 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return 2  # GQA, group size 2
 
 
-def _per_layer_lists(config: dict[str, Any]) -> dict[str, list[Any]]:
+def _per_layer_lists(
+    config: dict[str, Any], names: dict[str, str] | None = None
+) -> dict[str, list[Any]]:
     """Config lists with one entry per layer: ``layer_types``, ``mlp_layer_types``,
     ``num_attention_heads_per_layer``, ``no_rope_layers``, ... (a key naming layers whose
     list is exactly ``num_hidden_layers`` long)."""
-    total = config.get("num_hidden_layers")
+    total = lookup(config, "num_layers", names)[0]
     return {
         key: value
         for key, value in config.items()
@@ -73,15 +76,15 @@ def _per_layer_lists(config: dict[str, Any]) -> dict[str, list[Any]]:
     }
 
 
-def _num_layers(config: dict[str, Any]) -> int:
+def _num_layers(config: dict[str, Any], names: dict[str, str] | None = None) -> int:
     """Fewest leading layers that still hold every layer kind (at least MIN_LAYERS).
 
     Every per-layer list counts: the kept layers show each of its values at least once (an
     attention kind, an MLP kind, a head count, a no-rope flag).
     """
-    total = int(config.get("num_hidden_layers") or MIN_LAYERS)
+    total = int(lookup(config, "num_layers", names)[0] or MIN_LAYERS)
     needed = MIN_LAYERS
-    for values in _per_layer_lists(config).values():
+    for values in _per_layer_lists(config, names).values():
         first_seen: dict[Any, int] = {}
         for i, value in enumerate(values):
             first_seen.setdefault(repr(value), i)
@@ -92,8 +95,17 @@ def _num_layers(config: dict[str, Any]) -> int:
     return min(total, needed)
 
 
-def shrink_config(config: dict[str, Any], *, shrink_window: bool = True) -> ShrinkResult:
+def shrink_config(
+    config: dict[str, Any],
+    *,
+    shrink_window: bool = True,
+    attribute_map: dict[str, str] | None = None,
+) -> ShrinkResult:
     """A tiny config with the same structure as ``config`` (which is not modified).
+
+    Sizes are written under the keys the model reads: a vendor's own names (``n_layer``,
+    ChatGLM's ``num_layers`` / ``kv_channels`` / ``padded_vocab_size``, ...) and the keys the
+    config class's ``attribute_map`` maps the standard names to (``analyzer.config_keys``).
 
     ``shrink_window=False`` keeps ``sliding_window`` as it is, for a model none of whose
     layers attends over it: transformers may still build its cache from the window (moshi's
@@ -101,17 +113,21 @@ def shrink_config(config: dict[str, Any], *, shrink_window: bool = True) -> Shri
     shrunk below the prompts would change the original, not exercise the conversion.
     """
     if text_config(config)[1]:
-        return _shrink_composite(config, shrink_window=shrink_window)
-    return _shrink_decoder(config, shrink_window=shrink_window)
+        return _shrink_composite(config, shrink_window=shrink_window, names=attribute_map)
+    return _shrink_decoder(config, shrink_window=shrink_window, names=attribute_map)
 
 
-def _shrink_composite(config: dict[str, Any], *, shrink_window: bool) -> ShrinkResult:
+def _shrink_composite(
+    config: dict[str, Any], *, shrink_window: bool, names: dict[str, str] | None = None
+) -> ShrinkResult:
     """``text_config`` shrunk as a decoder, every other ``*_config`` tower to one layer."""
     inner = config["text_config"]
     # NOTE: the decoder keeps its head dim: multimodal rope splits the rotary half of each
     # head into sections sized for it, often by a default in the code that the config does
     # not list (qwen2_5_vl: [16, 24, 24] of 64).
-    text = _shrink_decoder(inner, shrink_window=shrink_window, head_dim=_head_dim(inner))
+    text = _shrink_decoder(
+        inner, shrink_window=shrink_window, head_dim=_head_dim(inner, names), names=names
+    )
     towers = _shrink_towers({k: v for k, v in config.items() if k != "text_config"})
     changes = {f"text_config.{k}": change for k, change in text.changes.items()}
     changes.update(towers.changes)
@@ -187,42 +203,79 @@ def _linear_attention_sizes(config: dict[str, Any]) -> dict[str, int]:
     return new
 
 
+def _rotary_width(
+    config: dict[str, Any], head_dim: int, names: dict[str, str] | None
+) -> dict[str, int]:
+    """GPT-J style ``rotary_dim`` (rotated channels per head, in channels): the same share
+    of the shrunk head, even and at least 2, so a partial rotation stays partial. Fractions
+    (``partial_rotary_factor``, ``rotary_pct``) and ChatGLM's half-head rotation follow the
+    head by themselves."""
+    rotary = config.get("rotary_dim")
+    old = _head_dim(config, names)
+    if not _above(rotary, 0) or not _above(old, 0):
+        return {}
+    if rotary >= old:
+        return {"rotary_dim": head_dim}
+    return {"rotary_dim": max(2, rotary * head_dim // old // 2 * 2)}
+
+
 def _above(value: Any, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > limit
 
 
-def _head_dim(config: dict[str, Any]) -> int:
-    heads = config.get("num_attention_heads")
-    if isinstance(config.get("head_dim"), int):
-        return config["head_dim"]
-    if isinstance(heads, int) and heads and isinstance(config.get("hidden_size"), int):
-        return config["hidden_size"] // heads
+def _head_dim(config: dict[str, Any], names: dict[str, str] | None = None) -> int:
+    heads = lookup(config, "num_heads", names)[0]
+    head_dim = lookup(config, "head_dim", names)[0]
+    hidden = lookup(config, "hidden_size", names)[0]
+    if isinstance(head_dim, int):
+        return head_dim
+    if isinstance(heads, int) and heads and isinstance(hidden, int):
+        return hidden // heads
     return HEAD_DIM
 
 
+def _put(
+    new: dict[str, Any], config: dict[str, Any], name: str, value: Any, names: dict[str, str] | None
+) -> None:
+    """``value`` under every key of ``config`` the model reads ``name`` from."""
+    for key in write_keys(config, name, names):
+        new[key] = value
+
+
 def _shrink_decoder(
-    config: dict[str, Any], *, shrink_window: bool, head_dim: int = HEAD_DIM
+    config: dict[str, Any],
+    *,
+    shrink_window: bool,
+    head_dim: int = HEAD_DIM,
+    names: dict[str, str] | None = None,
 ) -> ShrinkResult:
     """``shrink_config`` of a decoder's own (flat) config, with heads of ``head_dim``."""
     new = dict(config)
-    layers = _num_layers(config)
-    new["num_hidden_layers"] = layers
-    for key, values in _per_layer_lists(config).items():
+    layers = _num_layers(config, names)
+    _put(new, config, "num_layers", layers, names)
+    for key, values in _per_layer_lists(config, names).items():
         new[key] = list(values[:layers])
     if "max_window_layers" in config and isinstance(config["max_window_layers"], int):
         new["max_window_layers"] = min(config["max_window_layers"], layers)
-    new["hidden_size"] = NUM_HEADS * head_dim
-    new["num_key_value_heads"] = _kv_heads(config)
-    new["num_attention_heads"] = NUM_HEADS
-    new["head_dim"] = head_dim
+    kv = _kv_heads(config, names)
+    _put(new, config, "hidden_size", NUM_HEADS * head_dim, names)
+    for key in kv_heads_keys(config, names):
+        new[key] = kv
+    _put(new, config, "num_heads", NUM_HEADS, names)
+    new.update(_rotary_width(config, head_dim, names))
+    _put(new, config, "head_dim", head_dim, names)
+    shrunk_counts = {"num_attention_heads": NUM_HEADS, "num_key_value_heads": kv}
     for key, model_wide in PER_LAYER_HEAD_KEYS.items():
         if isinstance(new.get(key), list):
             # A per-layer count equal to the model-wide one follows it down (the analyzer
             # refuses counts that differ from it).
-            new[key] = [new[model_wide] if v == config.get(model_wide) else v for v in new[key]]
-    if "intermediate_size" in config:
+            wide = shrunk_counts[model_wide]
+            new[key] = [wide if v == config.get(model_wide) else v for v in new[key]]
+    if lookup(config, "intermediate_size", names)[1] is not None:
+        _put(new, config, "intermediate_size", INTERMEDIATE_SIZE, names)
+    elif "intermediate_size" in config:
         new["intermediate_size"] = INTERMEDIATE_SIZE
-    new["vocab_size"] = VOCAB_SIZE
+    _put(new, config, "vocab_size", VOCAB_SIZE, names)
     if shrink_window and isinstance(config.get("sliding_window"), int):
         new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
     for key in _EXPERT_COUNT_KEYS:
@@ -261,6 +314,6 @@ def _shrink_decoder(
     if is_mla_config(config):
         # Latent attention: rope 64 and the latent (query D) at 512/128, the fused MLA
         # operator's limits (mla/shrink.py).
-        new.update(shrink_mla(config, new))
+        new.update(shrink_mla(config, new, names))
     changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
     return ShrinkResult(config=new, changes=changes)

@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.plan import Plan
+from kvskill.analyzer.config_keys import attribute_map_for, lookup
+from kvskill.analyzer.plan import Plan, SourceKind
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
+from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference, load_original_weights
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
@@ -397,10 +399,8 @@ def load_model_pair(
     except KvskillError:
         raise
     except Exception as exc:  # the original model's own code refused the config
-        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
-        raise BadInputError(
-            f"the original {plan.model_type} model cannot be built from {which}: "
-            f"{type(exc).__name__}: {_one_line(exc)}"
+        raise original_failure(
+            converted, exc, stage="build", shrunk=options.shrink, workdir=workdir
         ) from exc
     if note:
         report.notes.append(note)
@@ -426,13 +426,26 @@ def load_model_pair(
     return ModelPair(reference=reference, converted=model, converted_dir=converted_dir)
 
 
+def config_names(converted: ConvertedDir) -> dict[str, str]:
+    """The attribute_map of the config class that builds the model (the directory's own,
+    read without running it, for remote code), so vendor key names are found."""
+    plan = converted.plan
+    remote = plan.source.kind is not SourceKind.TRANSFORMERS and not converted.record.package
+    return attribute_map_for(plan.model_type, converted.config, converted.directory, remote=remote)
+
+
 def prompt_lengths_for(
-    plan: Plan, config: dict[str, Any], options: VerifyOptions, block_size: int
+    plan: Plan,
+    config: dict[str, Any],
+    options: VerifyOptions,
+    block_size: int,
+    names: dict[str, str] | None = None,
 ) -> list[int]:
     """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
     text = text_config(config)[0]  # a vision-language model's decoder keeps these
     window = text.get("sliding_window") if is_windowed(plan) else None
-    limit = int(text.get("max_position_embeddings") or 4096) - options.max_new_tokens
+    positions = lookup(text, "max_positions", names)[0]  # seq_length (ChatGLM), n_positions
+    limit = int(positions or 4096) - options.max_new_tokens
     return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
 
 
@@ -452,7 +465,12 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
     check_verifiable(converted, options)
-    shrunk = shrink_config(config, shrink_window=is_windowed(plan)) if options.shrink else None
+    names = config_names(converted)
+    shrunk = (
+        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names)
+        if options.shrink
+        else None
+    )
     run_config = shrunk.config if shrunk else config
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if plan.is_mla:  # the MLA NZ caches need 16-token-aligned blocks
@@ -489,18 +507,17 @@ def _verify(
     if pair is None:
         return
     driver = driver_for(converted_dir, pair.converted_dir, options)
-    lengths = prompt_lengths_for(plan, config, options, report.block_size)
-    vocab = int(text_config(config)[0]["vocab_size"])
+    names = config_names(converted_dir)
+    lengths = prompt_lengths_for(plan, config, options, report.block_size, names)
+    vocab = vocabulary_size(config, names, pair.reference)
     prompts = make_prompts(lengths, vocab, options.seed)
     try:
         references = [
             reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
         ]
     except Exception as exc:  # the original model's own code fails on this config
-        which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
-        raise BadInputError(
-            f"the original {plan.model_type} model fails to generate with {which}: "
-            f"{type(exc).__name__}: {_one_line(exc)}"
+        raise original_failure(
+            converted_dir, exc, stage="generate", shrunk=options.shrink, workdir=workdir
         ) from exc
     try:
         run = driver.run(
@@ -533,6 +550,21 @@ def _verify(
                 f"prompt {index}: near tie at step {result.first_mismatch} (the "
                 f"reference scores both tokens within atol {report.atol:g}); compared up to it"
             )
+
+
+def vocabulary_size(config: dict[str, Any], names: dict[str, str], reference: nn.Module) -> int:
+    """The prompts' token range: the config's vocabulary (``vocab_size``, ChatGLM's
+    ``padded_vocab_size``, ...), else the width of the original's output head."""
+    vocab = lookup(text_config(config)[0], "vocab_size", names)[0]
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    head = (
+        reference.get_output_embeddings() if hasattr(reference, "get_output_embeddings") else None
+    )
+    width = getattr(head, "out_features", None)
+    if not isinstance(width, int):
+        raise BadInputError("cannot tell the vocabulary size: the config names none")
+    return width
 
 
 def is_windowed(plan: Plan) -> bool:
@@ -597,11 +629,3 @@ __all__ = [
     "choose_prompt_lengths",
     "verify_directory",
 ]
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """The exception's message on one line (config validators raise several lines)."""
-    text = " ".join(str(exc).split())
-    if not text:
-        return repr(exc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvskill.analyzer.config_keys import lookup, write_keys
 from kvskill.implementer.mla.spec import MLA_QUERY_DIMS
 
 #: the smaller latent width the fused MLA attention accepts
@@ -26,12 +27,16 @@ def is_mla_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("kv_lora_rank"), int)
 
 
-def shrink_mla(config: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]:
+def shrink_mla(
+    config: dict[str, Any], shrunk: dict[str, Any], names: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The MLA keys of ``shrunk`` (the generic shrink of ``config``) to override.
 
     Args:
         config: the original config.
         shrunk: the generic shrink's result (hidden size, heads, layers already small).
+        names: the config class's attribute_map; the layer count is written under the key
+            the model reads (``analyzer.config_keys``).
 
     Returns:
         key -> new value; apply with ``shrunk.update(...)``.
@@ -55,10 +60,11 @@ def shrink_mla(config: dict[str, Any], shrunk: dict[str, Any]) -> dict[str, Any]
     dense = config.get("first_k_dense_replace")
     if isinstance(dense, int):
         new["first_k_dense_replace"] = min(dense, 1)
-        layers = int(shrunk.get("num_hidden_layers") or 2)
+        layers = int(lookup(shrunk, "num_layers", names)[0] or 2)
         # one dense layer and one MoE layer at least
-        new["num_hidden_layers"] = min(
-            int(config.get("num_hidden_layers") or layers),
+        count = min(
+            int(lookup(config, "num_layers", names)[0] or layers),
             max(layers, new["first_k_dense_replace"] + 1),
         )
+        new.update(dict.fromkeys(write_keys(config, "num_layers", names), count))
     return new

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvskill.analyzer import analyze_model
+from kvskill.analyzer.config import normalise
 from kvskill.analyzer.plan import WindowTokens
 from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
@@ -72,3 +73,176 @@ def test_invalid_overrides_are_bad_input():
         analyze_model("qwen3", config_overrides={"num_hidden_layers": "four"})
     with pytest.raises(BadInputError, match="not a multiple of num_key_value_heads 3"):
         analyze_model("qwen3", config_overrides={"num_key_value_heads": 3})
+
+
+# -- vendor key names ------------------------------------------------------------------------
+
+#: ChatGLM3-6B's shape: its own names for depth, vocabulary, MLP, head width and positions,
+#: and KV groups that count only under multi_query_attention
+CHATGLM_STYLE = {
+    "model_type": "chatglm",
+    "num_layers": 28,
+    "padded_vocab_size": 65024,
+    "hidden_size": 4096,
+    "ffn_hidden_size": 13696,
+    "kv_channels": 128,
+    "num_attention_heads": 32,
+    "seq_length": 8192,
+    "layernorm_epsilon": 1e-5,
+    "multi_query_attention": True,
+    "multi_query_group_num": 2,
+}
+#: Qwen-7B's shape: per-head width in kv_channels, positions in seq_length, no KV head key
+QWEN7B_STYLE = {
+    "model_type": "qwen",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "kv_channels": 128,
+    "intermediate_size": 22016,
+    "vocab_size": 151936,
+    "seq_length": 8192,
+    "layer_norm_epsilon": 1e-6,
+    "rotary_pct": 1.0,
+}
+#: InternLM2's and Baichuan2's shapes: transformers' own names (InternLM2 with grouped KV)
+INTERNLM2_STYLE = {
+    "model_type": "internlm2",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 92544,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+}
+#: GPT-2 / bloom style: short names that the config class's attribute_map points at
+GPT2_STYLE = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
+GPT2_MAP = {
+    "hidden_size": "n_embd",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+    "max_position_embeddings": "n_positions",
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "attribute_map", "expected", "keys"),
+    [
+        (
+            CHATGLM_STYLE,
+            {},
+            (28, 4096, 32, 2, 128, 65024, 13696, 8192),
+            {"num_layers": "num_layers", "num_kv_heads": "multi_query_group_num",
+             "head_dim": "kv_channels", "vocab_size": "padded_vocab_size",
+             "intermediate_size": "ffn_hidden_size", "max_positions": "seq_length"},
+        ),
+        (
+            QWEN7B_STYLE,
+            {},
+            (32, 4096, 32, 32, 128, 151936, 22016, 8192),
+            {"head_dim": "kv_channels", "max_positions": "seq_length"},
+        ),
+        (
+            INTERNLM2_STYLE,
+            {},
+            (32, 4096, 32, 8, 128, 92544, 14336, 32768),
+            {"num_kv_heads": "num_key_value_heads", "max_positions": "max_position_embeddings"},
+        ),
+        (
+            GPT2_STYLE,
+            GPT2_MAP,
+            (12, 768, 12, 12, 64, 0, 0, 1024),
+            {"num_layers": "n_layer", "num_heads": "n_head", "hidden_size": "n_embd",
+             "max_positions": "n_positions"},
+        ),
+    ],
+    ids=["chatglm3", "qwen-7b", "internlm2", "gpt2"],
+)  # fmt: skip
+def test_vendor_key_names_give_the_same_spec(config, attribute_map, expected, keys):
+    spec = normalise(config, attribute_map=attribute_map)
+    got = (
+        spec.num_layers,
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.vocab_size,
+        spec.intermediate_size,
+        spec.max_positions,
+    )
+    assert got == expected
+    for field, key in keys.items():
+        assert spec.sources[field] == key
+
+
+def test_chatglm_groups_count_only_under_multi_query_attention():
+    spec = normalise({**CHATGLM_STYLE, "multi_query_attention": False})
+    assert (spec.num_heads, spec.num_kv_heads) == (32, 32)
+    assert spec.sources["num_kv_heads"] == "multi_query_attention"
+
+
+def test_falcon_multi_query_is_one_kv_head_unless_the_new_architecture_counts_them():
+    falcon = {"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8,
+              "num_kv_heads": 8, "multi_query": True}  # fmt: skip
+    assert normalise(falcon).num_kv_heads == 1
+    assert normalise({**falcon, "new_decoder_architecture": True}).num_kv_heads == 8
+    assert normalise({**falcon, "multi_query": False}).num_kv_heads == 8
+
+
+def test_the_config_classs_attribute_map_wins_over_a_name_it_does_not_read():
+    # A class mapping num_attention_heads to its own key reads that key: an unrelated
+    # num_heads (a Mamba mixer's, say) is not the attention's.
+    config = {"num_hidden_layers": 2, "hidden_size": 256, "n_q": 4, "num_heads": 16}
+    spec = normalise(config, attribute_map={"num_attention_heads": "n_q"})
+    assert (spec.num_heads, spec.head_dim, spec.sources["num_heads"]) == (4, 64, "n_q")
+
+
+def _chatglm_dir(tmp_path, **config):
+    from tests.analyzer.fixtures import write_remote_model
+
+    vendor = {k: None for k in ("num_hidden_layers", "num_key_value_heads", "vocab_size",
+                                "intermediate_size", "hidden_size", "num_attention_heads")}  # fmt: skip
+    small = {**CHATGLM_STYLE, "num_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+             "kv_channels": 64, "ffn_hidden_size": 128, "padded_vocab_size": 512}  # fmt: skip
+    return write_remote_model(tmp_path / "glm", **{**vendor, **small, **config})
+
+
+def test_a_vendor_config_is_analysed_with_evidence_naming_each_vendor_key(tmp_path):
+    plan = analyze_model(str(_chatglm_dir(tmp_path)))
+    assert (plan.num_layers, plan.num_attention_heads, plan.num_key_value_heads) == (2, 4, 2)
+    assert (plan.head_dim, plan.attention) == (64, "gqa")
+    assert {e.num_head for e in plan.cache_entries["FullAttention"]} == {2}
+    config_lines = {e.source: e.reason for e in plan.evidence if e.decision == "config"}
+    assert "read from `num_layers`" in config_lines["config.json:num_layers"]
+    assert "read from `kv_channels`" in config_lines["config.json:kv_channels"]
+    groups = config_lines["config.json:multi_query_group_num"]
+    assert "num_key_value_heads = 2" in groups and "multi_query_attention=true" in groups
+    assert "config.json:num_attention_heads" not in config_lines  # a standard name: no line
+
+
+def test_a_remote_config_classs_attribute_map_is_read_without_running_it(tmp_path):
+    from tests.analyzer.fixtures import write_remote_model
+
+    root = write_remote_model(
+        tmp_path / "m", num_hidden_layers=None, num_attention_heads=None, n_blocks=3, n_q=4
+    )
+    (root / "configuration_tiny.py").write_text(
+        'import pathlib\npathlib.Path(__file__).with_name("SIDE_EFFECT_CONFIG").write_text("x")\n'
+        "\n\nclass TinyConfig:\n"
+        '    model_type = "tiny_remote"\n'
+        '    attribute_map = {"num_hidden_layers": "n_blocks", "num_attention_heads": "n_q"}\n',
+        encoding="utf-8",
+    )
+    plan = analyze_model(str(root))
+    assert (plan.num_layers, plan.num_attention_heads, plan.head_dim) == (3, 4, 16)
+    reasons = [e.reason for e in plan.evidence if e.decision == "config"]
+    assert any("attribute_map: num_attention_heads -> n_q" in r for r in reasons)
+    assert not (root / "SIDE_EFFECT_CONFIG").exists()
+
+
+def test_gpt2_evidence_names_the_keys_its_attribute_map_points_at():
+    plan = analyze_model("gpt2")
+    sources = {e.source for e in plan.evidence if e.decision == "config"}
+    assert {"gpt2 default config:n_head", "gpt2 default config:n_layer"} <= sources

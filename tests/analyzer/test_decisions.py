@@ -320,6 +320,10 @@ def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():
         # Complex multiplication of adjacent pairs (view_as_complex) is the interleaved rotation.
         ("deepseek_v2", "interleaved", "view_as_complex"),
         ("deepseek_v3", "interleaved", "rope_interleave"),
+        # GPT-J's rotate_every_two and GLM's rotate_half take [..., ::2] / [..., 1::2] pairs
+        ("gptj", "interleaved", "rotate_every_two"),
+        ("glm", "interleaved", "[..., ::2]"),
+        ("gpt2", "none", "config has no rope parameters"),
     ],
 )
 def test_rope_style_is_read_from_the_rotation_code(model, style, cited):
@@ -336,3 +340,153 @@ def test_per_layer_head_counts_other_than_the_model_wide_one_are_a_blocker():
         config_overrides={"num_hidden_layers": 2, "num_attention_heads_per_layer": [48, 32]},
     )
     assert any("num_attention_heads_per_layer" in b for b in mixed.implementer_blockers)
+
+
+@pytest.mark.parametrize(
+    ("model", "rotary_dim", "cited"),
+    [
+        ("gptj", 64, "config rotary_dim=64"),  # 64 of 256
+        ("phi", 32, "partial_rotary_factor=0.5"),  # 32 of 64
+        ("gpt_neox", 24, "partial_rotary_factor=0.25"),  # 24 of 96
+        ("llama", None, None),
+    ],
+)
+def test_partial_rotary_width_is_in_the_plan(model, rotary_dim, cited):
+    plan = analyze_model(model)
+    assert plan.rotary_dim == rotary_dim
+    partial = [e for e in plan.evidence if e.decision == "rope_style" and "partial" in e.reason]
+    assert bool(partial) == (cited is not None)
+    if cited:
+        assert cited in partial[0].source
+
+
+# -- rotations and position biases in vendor files (snippets of the same shape) ---------------
+
+#: ChatGLM-like: rope tables for half a head, adjacent pairs rotated through [..., 0]/[..., 1]
+PAIRS_ROTATION = """
+class HalfHeadRotary(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+
+
+def apply_rotary_pos_emb(x, table):
+    n = table.shape[-2] * 2
+    turned, kept = x[..., :n], x[..., n:]
+    pairs = turned.reshape(*turned.shape[:-1], n // 2, 2)
+    table = table.view(*table.shape[:-2], n // 2, 2)
+    even = pairs[..., 0] * table[..., 0] - pairs[..., 1] * table[..., 1]
+    odd = pairs[..., 1] * table[..., 0] + pairs[..., 0] * table[..., 1]
+    return torch.cat((torch.stack((even, odd), -1).flatten(-2), kept), dim=-1)
+
+
+def build_tables(config):
+    per_head = config.kv_channels
+    return HalfHeadRotary(per_head // 2)
+"""
+
+#: DeepSeek-V3-hub-like: de-interleave adjacent pairs with view/transpose, then rotate halves
+PERMUTED_ROTATION = """
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    n, h, t, d = q.shape
+    q = q.view(n, h, t, d // 2, 2).transpose(4, 3).reshape(n, h, t, d)
+    k = k.view(n, h, t, d // 2, 2).transpose(4, 3).reshape(n, h, t, d)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+"""
+
+#: Llama-like halves, for contrast
+HALF_ROTATION = """
+def rotate_half(x):
+    a = x[..., : x.shape[-1] // 2]
+    b = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+"""
+
+#: Baichuan-13B-like: an ALiBi mask of per-head slopes times key distance
+ALIBI_BIAS = """
+def _slopes(n):
+    start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+    return [start * start**i for i in range(n)]
+
+
+def _make_alibi_mask(n_head, max_pos):
+    slopes = torch.tensor(_slopes(n_head))
+    distance = torch.arange(max_pos).unsqueeze(0).unsqueeze(0).expand(n_head, -1, -1)
+    return slopes.unsqueeze(1).unsqueeze(1) * distance
+"""
+
+
+def _vendor_model(tmp_path, functions: str, call: str = "", **config) -> str:
+    from tests.analyzer.fixtures import REMOTE_MODELING, write_remote_model
+
+    modeling = REMOTE_MODELING.replace(
+        "\n\nclass TinyAttention", functions + "\n\nclass TinyAttention"
+    )
+    seam = "query_states, key_states, value_states = self.project(hidden_states)"
+    modeling = modeling.replace(seam, seam + "\n        " + call if call else seam)
+    return str(write_remote_model(tmp_path / "vendor", modeling=modeling, **config))
+
+
+@pytest.mark.parametrize(
+    ("functions", "call", "style", "shape"),
+    [
+        (PAIRS_ROTATION, "query_states = apply_rotary_pos_emb(query_states, table)",
+         "interleaved", "[..., 0] / [..., 1]"),
+        (PERMUTED_ROTATION, "q, k = apply_rotary_pos_emb(query_states, key_states, c, s)",
+         "interleaved", "transpose"),
+        (HALF_ROTATION, "q, k = apply_rotary_pos_emb(query_states, key_states, c, s)",
+         "half", ""),
+    ],
+    ids=["chatglm-pairs", "deepseek-hub-permute", "llama-halves"],
+)  # fmt: skip
+def test_rope_style_of_vendor_rotations(tmp_path, functions, call, style, shape):
+    plan = analyze_model(_vendor_model(tmp_path, functions, call, kv_channels=16))
+    assert plan.rope_style == style
+    cited = sources_of(plan, "rope_style")[0]
+    assert cited.startswith("modeling_tiny.py:") and shape in cited
+
+
+def test_chatglm_like_half_head_rotation_is_partial(tmp_path):
+    call = "query_states = apply_rotary_pos_emb(query_states, table)"
+    plan = analyze_model(_vendor_model(tmp_path, PAIRS_ROTATION, call, kv_channels=16))
+    assert plan.head_dim == 16 and plan.rotary_dim == 8
+    # without the half-width tables the pass-through slice alone proves nothing
+    whole = PAIRS_ROTATION.replace("HalfHeadRotary(per_head // 2)", "HalfHeadRotary(per_head)")
+    plan = analyze_model(_vendor_model(tmp_path / "whole", whole, call, kv_channels=16))
+    assert plan.rotary_dim is None
+
+
+def test_alibi_in_a_vendor_file_is_named_and_legacy(tmp_path):
+    plan = analyze_model(_vendor_model(tmp_path, ALIBI_BIAS))
+    assert plan.position_bias == "alibi"
+    assert plan.kv_mode == "legacy" and plan.input_layout == "BSH"
+    assert "ALiBi" in plan.legacy_reason and "_make_alibi_mask" in plan.legacy_reason
+    assert "pse_shift" in plan.legacy_reason and plan.sparse_mode == {}
+    assert sources_of(plan, "position_bias")[0].startswith("modeling_tiny.py:")
+
+
+@pytest.mark.parametrize("model", ["bloom", "mpt"])
+def test_builtin_alibi_models_are_never_plain_causal_paged(model):
+    plan = analyze_model(model)
+    assert plan.position_bias == "alibi"
+    assert plan.kv_mode == "legacy" and "ALiBi" in plan.legacy_reason
+    assert plan.sparse_mode == {} and plan.input_layout == "BSH"
+
+
+def test_falcon_adds_alibi_only_when_its_config_says_so():
+    rotary = analyze_model("falcon")
+    assert rotary.position_bias is None and rotary.kv_mode == "paged"
+    assert any("config.alibi" in e.reason for e in rotary.evidence if e.decision == "position_bias")
+    alibi = analyze_model("falcon", config_overrides={"alibi": True})
+    assert alibi.position_bias == "alibi" and alibi.kv_mode == "legacy"
+    # falcon's multi_query: one KV head shared by all 71 query heads
+    assert (rotary.attention, rotary.num_key_value_heads) == ("mqa", 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvskill.implementer.shrink import MIN_LAYERS, VOCAB_SIZE, shrink_config
+from kvskill.implementer.shrink import INTERMEDIATE_SIZE, MIN_LAYERS, VOCAB_SIZE, shrink_config
 
 
 def test_every_per_layer_list_is_cut_with_the_layers_and_keeps_each_kind():
@@ -104,3 +104,87 @@ def test_a_composite_towers_per_layer_lists_and_text_facing_widths_follow_the_sh
     assert vision["image_mean"] == [0.5, 0.5, 0.5]  # keyed by channel, not by layer
     assert vision["hidden_size"] == 1024
     assert vision["out_hidden_size"] == shrunk["text_config"]["hidden_size"] != 2048
+
+
+# -- vendor key names: the shrink writes the keys the model reads ------------------------------
+
+CHATGLM_STYLE = {
+    "model_type": "chatglm",
+    "num_layers": 28,
+    "padded_vocab_size": 65024,
+    "hidden_size": 4096,
+    "ffn_hidden_size": 13696,
+    "kv_channels": 128,
+    "num_attention_heads": 32,
+    "seq_length": 8192,
+    "multi_query_attention": True,
+    "multi_query_group_num": 2,
+}
+
+
+def test_chatglm_style_config_shrinks_through_its_own_keys():
+    new = shrink_config(CHATGLM_STYLE).config
+    assert new["num_layers"] == MIN_LAYERS
+    assert new["padded_vocab_size"] == VOCAB_SIZE
+    assert new["ffn_hidden_size"] == INTERMEDIATE_SIZE
+    assert new["kv_channels"] * new["num_attention_heads"] == new["hidden_size"]
+    # grouped KV stays grouped: fewer groups than heads, more than one
+    assert 1 < new["multi_query_group_num"] < new["num_attention_heads"]
+    assert new["seq_length"] == 8192  # positions are not a size to shrink
+    # no standard key the model would ignore next to its own
+    assert not {"num_hidden_layers", "vocab_size", "head_dim", "num_key_value_heads"} & set(new)
+
+
+def test_chatglm_groups_are_left_alone_without_multi_query_attention():
+    new = shrink_config({**CHATGLM_STYLE, "multi_query_attention": False}).config
+    assert new["multi_query_group_num"] == 2  # unread by the model: MHA
+    assert "num_key_value_heads" not in new
+
+
+def test_qwen7b_style_head_width_follows_the_heads():
+    config = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "kv_channels": 128, "intermediate_size": 22016, "vocab_size": 151936,
+              "seq_length": 8192, "rotary_pct": 1.0}  # fmt: skip
+    new = shrink_config(config).config
+    # Qwen-7B's projections are kv_channels * heads wide and must equal hidden_size
+    assert new["kv_channels"] * new["num_attention_heads"] == new["hidden_size"] < 4096
+    assert "head_dim" not in new
+
+
+def test_falcon_multi_query_gets_no_kv_count():
+    config = {"num_hidden_layers": 4, "hidden_size": 4544, "num_attention_heads": 71,
+              "num_kv_heads": 71, "multi_query": True, "ffn_hidden_size": 18176}  # fmt: skip
+    new = shrink_config(config).config
+    assert new["num_kv_heads"] == 71 and "num_key_value_heads" not in new  # the flag decides
+    assert new["ffn_hidden_size"] == INTERMEDIATE_SIZE
+
+
+def test_gptj_partial_rotation_stays_partial():
+    config = {"n_layer": 4, "n_embd": 4096, "n_head": 16, "rotary_dim": 64, "vocab_size": 50400}
+    new = shrink_config(config).config
+    head = new["n_embd"] // new["n_head"]
+    assert 0 < new["rotary_dim"] < head and new["rotary_dim"] % 2 == 0
+    assert new["rotary_dim"] * 4 == head  # the same quarter of a head
+
+
+def test_gpt2_config_class_builds_the_shrunk_sizes_from_its_own_keys():
+    # Through the class's attribute_map: transformers' GPT2Config keeps n_layer / n_head /
+    # n_embd, and a standard key beside them would be a second, conflicting value.
+    from kvskill.analyzer.config_keys import class_attribute_map
+    from transformers import GPT2Config
+
+    config = GPT2Config().to_dict()
+    new = shrink_config(config, attribute_map=class_attribute_map("gpt2")).config
+    assert not {"num_hidden_layers", "num_attention_heads", "hidden_size"} & set(new)
+    built = GPT2Config(**{k: v for k, v in new.items() if k != "model_type"})
+    assert (built.n_layer, built.n_head, built.n_embd) == (MIN_LAYERS, 4, 256)
+    assert (built.num_hidden_layers, built.num_attention_heads) == (MIN_LAYERS, 4)
+
+
+def test_a_vendor_attribute_map_points_the_shrink_at_its_keys():
+    config = {"n_blocks": 12, "n_q": 16, "width": 2048, "vocab_size": 1000}
+    names = {"num_hidden_layers": "n_blocks", "num_attention_heads": "n_q",
+             "hidden_size": "width"}  # fmt: skip
+    new = shrink_config(config, attribute_map=names).config
+    assert (new["n_blocks"], new["n_q"], new["width"]) == (MIN_LAYERS, 4, 256)
+    assert not {"num_hidden_layers", "num_attention_heads", "hidden_size"} & set(new)

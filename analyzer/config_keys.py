@@ -1,0 +1,272 @@
+"""Which key of a config holds each size the analyzer and the verify shrink read.
+
+Vendors name the same value differently: the decoder depth is ``num_hidden_layers`` in
+transformers' own configs, ``n_layer`` in GPT-2 style ones, ``num_layers`` in ChatGLM's and
+``n_layers`` in MPT's. A config class may also declare an ``attribute_map`` (transformers'
+``PretrainedConfig.attribute_map``: a standard name -> the attribute the class stores, GPT-2's
+``num_attention_heads -> n_head``); the key it maps to is the one the model's code reads, so it
+is looked up first. The verify shrink writes its small sizes through the same keys: a small
+value under a standard key the model never reads would leave the model full size.
+
+A remote-code config class is read with libcst (never imported): only a class-level
+``attribute_map = {"...": "...", ...}`` of string literals counts.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import libcst as cst
+
+#: value -> config keys that hold it, the standard (transformers) key first, then vendor names
+ALIASES: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    # NOTE: multi_query_group_num counts only under multi_query_attention=true (ChatGLM)
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    # kv_channels: ChatGLM's and Qwen-7B's per-head width
+    "head_dim": ("head_dim", "attention_head_size", "kv_channels"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner"),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "max_positions": (
+        "max_position_embeddings",
+        "seq_length",
+        "n_positions",
+        "max_seq_len",
+        "max_sequence_length",
+    ),
+    "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layernorm_epsilon", "layer_norm_eps"),
+}
+
+#: the standard key of each value (what a plain transformers config calls it)
+STANDARD = {name: keys[0] for name, keys in ALIASES.items()}
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not isinstance(value, (dict, list))
+
+
+def lookup(
+    cfg: dict[str, Any], name: str, attribute_map: dict[str, str] | None = None
+) -> tuple[Any, str | None]:
+    """(value, key) of ``name`` in ``cfg``: the key the class's attribute_map maps the
+    standard name to, else the first alias present; (None, None) when there is none."""
+    for key in _candidates(name, attribute_map):
+        if _present(cfg.get(key)):
+            return cfg[key], key
+    return None, None
+
+
+def _candidates(name: str, attribute_map: dict[str, str] | None) -> list[str]:
+    aliases = list(ALIASES[name])
+    mapped = (attribute_map or {}).get(aliases[0])
+    if mapped and mapped not in aliases:
+        aliases.insert(0, mapped)
+    elif mapped:
+        aliases.remove(mapped)
+        aliases.insert(0, mapped)
+    return aliases
+
+
+def write_keys(
+    cfg: dict[str, Any], name: str, attribute_map: dict[str, str] | None = None
+) -> list[str]:
+    """The keys a new value of ``name`` must be written to so the model reads it.
+
+    Every alias present that holds the same value as the one ``lookup`` reads (a config may
+    carry two names of one value); a present alias with another value names something else
+    (a Mamba ``num_heads`` beside ``num_attention_heads``) and is left alone. The standard key
+    when the config has none.
+    """
+    value, key = lookup(cfg, name, attribute_map)
+    if key is None:
+        return [STANDARD[name]]
+    return [k for k in _candidates(name, attribute_map) if _present(cfg.get(k)) and cfg[k] == value]
+
+
+def kv_heads(
+    cfg: dict[str, Any], heads: int, attribute_map: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """(KV heads, the config key that decided them: "" for none), with the flags vendors
+    gate them by (``kv_heads_note`` says how a flag decided).
+
+    ChatGLM's ``multi_query_group_num`` counts only when ``multi_query_attention`` is true.
+    Falcon's ``multi_query=true`` means one KV head unless ``new_decoder_architecture`` (then
+    ``num_kv_heads`` holds the count); GPT-BigCode's ``multi_query`` has no count at all.
+    """
+    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
+        return 1, "multi_query"
+    value, key = lookup(cfg, "num_kv_heads", attribute_map)
+    if key == "multi_query_group_num":
+        if not cfg.get("multi_query_attention"):
+            return heads, "multi_query_attention"
+        return int(value), key
+    if key is None or not value:
+        return heads, ""
+    return int(value), key
+
+
+def kv_heads_note(cfg: dict[str, Any], key: str) -> str | None:
+    """Why a vendor flag decided the KV heads read from ``key``, or None for a plain count."""
+    if key == "multi_query":
+        return "multi_query=true (no new_decoder_architecture): one KV head shared by all"
+    if key == "multi_query_attention":
+        return "multi_query_attention is not true, so multi_query_group_num is unused: MHA"
+    if key == "multi_query_group_num":
+        return "multi_query_group_num counts the KV heads under multi_query_attention=true"
+    return None
+
+
+def kv_heads_keys(cfg: dict[str, Any], attribute_map: dict[str, str] | None = None) -> list[str]:
+    """Keys a new KV head count goes to: none when a flag, not a count, sets them (Falcon's
+    and GPT-BigCode's ``multi_query``, ChatGLM without ``multi_query_attention``)."""
+    if cfg.get("multi_query") and not cfg.get("new_decoder_architecture"):
+        return []
+    value, key = lookup(cfg, "num_kv_heads", attribute_map)
+    if key == "multi_query_group_num" and not cfg.get("multi_query_attention"):
+        return []
+    return write_keys(cfg, "num_kv_heads", attribute_map)
+
+
+# -- attribute maps ----------------------------------------------------------------------------
+
+
+def class_attribute_map(model_type: str | None) -> dict[str, str]:
+    """The installed transformers config class's ``attribute_map`` for a model type."""
+    if not model_type:
+        return {}
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return {}
+    mapping = getattr(config_class, "attribute_map", None)
+    return {str(k): str(v) for k, v in mapping.items()} if isinstance(mapping, dict) else {}
+
+
+def source_attribute_map(directory: Path, config: dict[str, Any]) -> dict[str, str]:
+    """``attribute_map`` of the config class a model directory ships, read with libcst.
+
+    The class ``auto_map.AutoConfig`` names, else the one whose ``model_type`` is the
+    config's; {} when neither declares a literal map.
+    """
+    auto = (config.get("auto_map") or {}).get("AutoConfig")
+    class_name = auto.rsplit(".", 1)[-1] if isinstance(auto, str) else None
+    for path in sorted(Path(directory).glob("configuration_*.py")):
+        maps = _file_attribute_maps(str(path), path.stat().st_mtime_ns)
+        for name, (model_type, mapping) in maps.items():
+            if name == class_name or (
+                class_name is None and model_type == config.get("model_type")
+            ):
+                return dict(mapping)
+    return {}
+
+
+def attribute_map_for(
+    model_type: str | None, config: dict[str, Any], directory: Path | None, remote: bool
+) -> dict[str, str]:
+    """The attribute_map of the class that builds ``config``: the directory's own class for
+    remote code, else the installed transformers' class for the (text) model type."""
+    if remote and directory is not None:
+        return source_attribute_map(directory, config)
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+        model_type = inner.get("model_type") or model_type
+    return class_attribute_map(model_type)
+
+
+@lru_cache(maxsize=64)
+def _file_attribute_maps(
+    path: str, mtime_ns: int
+) -> dict[str, tuple[str | None, tuple[tuple[str, str], ...]]]:
+    """class name -> (its ``model_type`` literal, its literal ``attribute_map`` items)."""
+    try:
+        module = cst.parse_module(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, cst.ParserSyntaxError):
+        return {}
+    found: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
+    for node in module.body:
+        if not isinstance(node, cst.ClassDef):
+            continue
+        model_type, mapping = None, ()
+        for stmt in node.body.body:
+            assign = _class_assign(stmt)
+            if assign is None:
+                continue
+            target, value = assign
+            if target == "model_type" and isinstance(value, cst.SimpleString):
+                model_type = value.evaluated_value
+            elif target == "attribute_map" and isinstance(value, cst.Dict):
+                mapping = _literal_pairs(value)
+        if mapping:
+            found[node.name.value] = (model_type, mapping)
+    return found
+
+
+def _class_assign(stmt: cst.CSTNode) -> tuple[str, cst.BaseExpression] | None:
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    if isinstance(small, cst.Assign) and len(small.targets) == 1:
+        target = small.targets[0].target
+        if isinstance(target, cst.Name):
+            return target.value, small.value
+    annotated = isinstance(small, cst.AnnAssign) and small.value is not None
+    if annotated and isinstance(small.target, cst.Name):
+        return small.target.value, small.value
+    return None
+
+
+def _literal_pairs(value: cst.Dict) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for element in value.elements:
+        if not isinstance(element, cst.DictElement):
+            continue
+        key, val = element.key, element.value
+        if isinstance(key, cst.SimpleString) and isinstance(val, cst.SimpleString):
+            k, v = key.evaluated_value, val.evaluated_value
+            if isinstance(k, str) and isinstance(v, str):
+                pairs.append((k, v))
+    return tuple(pairs)
+
+
+# -- evidence ----------------------------------------------------------------------------------
+
+#: ModelSpec field -> ALIASES name, for the values whose key the evidence names
+_SPEC_FIELDS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+    "intermediate_size": "intermediate_size",
+    "max_positions": "max_positions",
+}
+
+
+def cite_vendor_keys(spec, attribute_map: dict[str, str], book) -> None:
+    """One evidence line per value read from a vendor's key (not the standard one) or decided
+    by a vendor flag, naming the key and, when it applies, the class's attribute_map entry."""
+    for field_name, name in _SPEC_FIELDS.items():
+        source = spec.sources.get(field_name)
+        if not source:
+            continue
+        key = source.rsplit(".", 1)[-1]
+        note = kv_heads_note({}, key) if name == "num_kv_heads" else None
+        if key == STANDARD[name] and note is None:
+            continue
+        if key not in ALIASES[name] and key not in attribute_map.values() and note is None:
+            continue  # derived (hidden_size / num_attention_heads), not read from a key
+        value = getattr(spec, field_name)
+        reason = f"{STANDARD[name]} = {value} read from `{key}`"
+        mapped = attribute_map.get(STANDARD[name])
+        if mapped == key:
+            reason += f" (the config class's attribute_map: {STANDARD[name]} -> {key})"
+        if note:
+            reason += f"; {note}"
+        book.cite("config", reason, book.cfg(source))

@@ -34,6 +34,13 @@ MAX_PAGED_BLOCK = 512
 PREFILL_BLOCK_MULTIPLE = 128
 DECODE_BLOCK_MULTIPLE = 16
 V2_MAX_PACKED_BATCH = 4096
+#: the docs' TND case without page attention (the un-absorbed MLA prefill): head counts (v1),
+#: query/key head dims, value head dims per query head dim, packed tokens (v1, v2)
+TND_V1_HEADS = (8, 16, 32, 64, 128)
+TND_V1_DIMS = {192: (128, 192)}
+TND_V2_DIMS = {128: (128,), 192: (128, 192)}
+TND_V1_MAX_TOKENS = 65536
+TND_V2_MAX_TOKENS = 1 << 20
 NPU_ONLY = "NPU-only limit, enforced under the strict NPU profile"
 
 
@@ -54,6 +61,8 @@ def check_fused_attention(call: FaCall, layout: Layout, shapes: Shapes) -> None:
         )
     if npu_limits_enabled():
         _check_hardware(call, layout, shapes, paged)
+        if layout.is_packed and not paged and call.query_rope is None:
+            _check_unpaged_tnd(call, layout)
 
 
 def _check_sizes(call: FaCall, layout: Layout, shapes: Shapes) -> None:
@@ -159,6 +168,53 @@ def _check_packed_sparse(call: FaCall) -> None:
     )
 
 
+def _check_unpaged_tnd(call: FaCall, layout: Layout) -> None:
+    """The docs' TND case proper (no page attention): the un-absorbed MLA prefill's call.
+
+    Hardware-only: verify shrinks heads and head dims. Paged TND calls are not held to it, as
+    vllm-ascend's running code calls paged TND with GQA and other head dims (npu_ops.md §9).
+    """
+    v2 = call.names.op.endswith("_v2")
+    q_d = _query_head_dim(call, layout)
+    k_d, v_d = call.key.size(-1), call.value.size(-1)
+    tokens = call.query.size(0 if layout.query == "TND" else 1)
+    key_heads = call.key.size(1 if layout.query == "TND" else 0)
+    value_heads = call.value.size(1 if layout.query == "TND" else 0)
+    if v2:
+        # doc v2, 约束说明 › 当query的d不等于512时: "TND场景，要求Q_D、K_D、V_D等于128，或者Q_D、K_D
+        # 等于192，V_D等于128/192"; "K_N、V_N相等，Q_N整除K_N，Q_N与K_N的比值不能大于64";
+        # › TND、TND_NTD、NTD_TND场景下...的综合限制: "T小于等于1M"
+        dims, max_tokens = TND_V2_DIMS, TND_V2_MAX_TOKENS
+        heads_ok = key_heads == value_heads and call.num_heads % max(key_heads, 1) == 0
+        heads_rule = "key and value heads equal, query heads a multiple of them"
+    else:
+        # doc v1, 约束说明 › TND场景下query、key、value输入的综合限制: "T小于等于65536";
+        # "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等"; "Q_D、K_D等于192, V_D等于128/192"
+        dims, max_tokens = TND_V1_DIMS, TND_V1_MAX_TOKENS
+        heads_ok = call.num_heads in TND_V1_HEADS and call.num_heads == key_heads == value_heads
+        heads_rule = f"query, key and value heads equal and in {TND_V1_HEADS}"
+    if q_d != k_d or v_d not in dims.get(q_d, ()):
+        allowed = "; ".join(f"Q_D = K_D = {q} with V_D in {v}" for q, v in dims.items())
+        _fail(
+            call,
+            f"input_layout {call.input_layout!r} without page attention takes {allowed}, got "
+            f"Q_D {q_d}, K_D {k_d}, V_D {v_d} ({NPU_ONLY})",
+        )
+    if not heads_ok:
+        _fail(
+            call,
+            f"input_layout {call.input_layout!r} without page attention needs {heads_rule}, got "
+            f"{call.names.num_heads}={call.num_heads}, key {key_heads}, value {value_heads} ({NPU_ONLY})",
+        )
+    if tokens > max_tokens:
+        _fail(call, f"packed query of {tokens} tokens exceeds T <= {max_tokens} ({NPU_ONLY})")
+    for name in ("query", "key", "value"):
+        t = getattr(call, name)
+        if t.dtype != torch.bfloat16:
+            # "数据类型仅支持BFLOAT16"
+            _fail(call, f"`{name}` must be bfloat16 in this TND case, got {t.dtype} ({NPU_ONLY})")
+
+
 def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -> None:
     """Hardware-only limits: dtypes, block sizes, alignment."""
     # doc v1/v2, 参数说明 › query/key/value: "数据类型支持float16、bfloat16、int8" (int8 and
@@ -168,6 +224,17 @@ def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -
         if t is not None and t.dtype not in NPU_FLOAT_DTYPES:
             _fail(
                 call, f"`{name}` must be float16 or bfloat16 on the NPU, got {t.dtype} ({NPU_ONLY})"
+            )
+    # doc v1/v2, 参数说明 › query/key/value/query_rope/key_rope: "不支持非连续的Tensor". Paged
+    # caches are left out: the page-pool layout hands the operator strided page views, which is
+    # unconfirmed on device and recorded, not refused (npu_ops.md §9).
+    strided = ("query", "query_rope") if paged else ("query", "query_rope", "key", "value")
+    for name in strided:
+        t = getattr(call, name)
+        if t is not None and not t.is_contiguous():
+            _fail(
+                call,
+                f"`{name}` must be contiguous on the NPU, got strides {t.stride()} ({NPU_ONLY})",
             )
     sink = call.learnable_sink
     if sink is not None and sink.dtype != torch.bfloat16:

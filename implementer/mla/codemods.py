@@ -95,7 +95,7 @@ def prefill_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
 def decode_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     """Keywords of the absorbed decode call, with the version's own names (npu_ops §2.2)."""
     kwargs = [
-        ("query_rope", "q_rope_tnd"),
+        ("query_rope", "q_rope_tnd.contiguous()"),
         ("key_rope", "self.nz_view(self.rope_cache)"),
         ("num_heads", "self.num_heads_per_rank"),
         ("num_key_value_heads", "self.num_key_value_heads_per_rank"),

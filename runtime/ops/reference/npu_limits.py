@@ -225,17 +225,6 @@ def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -
             _fail(
                 call, f"`{name}` must be float16 or bfloat16 on the NPU, got {t.dtype} ({NPU_ONLY})"
             )
-    # doc v1/v2, 参数说明 › query/key/value/query_rope/key_rope: "不支持非连续的Tensor". Paged
-    # caches are left out: the page-pool layout hands the operator strided page views, which is
-    # unconfirmed on device and recorded, not refused (npu_ops.md §9).
-    strided = ("query", "query_rope") if paged else ("query", "query_rope", "key", "value")
-    for name in strided:
-        t = getattr(call, name)
-        if t is not None and not t.is_contiguous():
-            _fail(
-                call,
-                f"`{name}` must be contiguous on the NPU, got strides {t.stride()} ({NPU_ONLY})",
-            )
     sink = call.learnable_sink
     if sink is not None and sink.dtype != torch.bfloat16:
         # doc v2, 参数说明 › learnable_sink: "数据类型支持bfloat16"

@@ -10,6 +10,27 @@ vllm-ascend disagree, the running code wins and references/npu_ops.md §9 record
 from __future__ import annotations
 
 import torch
+from kvskill.core.npu_limits import (
+    DECODE_BLOCK_MULTIPLE,
+    MAX_BATCH,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_PAGED_BLOCK,
+    MLA_BLOCK_SIZES,
+    MLA_LATENT_DIM,
+    MLA_MAX_QUERY_TOKENS,
+    MLA_NZ_BLOCK_SIZES,
+    MLA_V1_HEADS,
+    MLA_V2_HEADS,
+    PREFILL_BLOCK_MULTIPLE,
+    PROMPT_HEAD_DIM_MULTIPLE,
+    TND_V1_DIMS,
+    TND_V1_HEADS,
+    TND_V1_MAX_TOKENS,
+    TND_V2_DIMS,
+    TND_V2_MAX_TOKENS,
+)
 from torch import Tensor
 
 from ._checks import OpInputError, describe
@@ -19,28 +40,7 @@ from .npu_profile import npu_limits_enabled
 
 #: dtypes the device accepts for query/key/value (int8 quantised paths are outside the reference)
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEADS = 256
-MAX_HEAD_DIM = 512
-MAX_BATCH = 65536
-#: KV_N * D limit of the (blocknum, blocksize, H) cache form and of BSH/BSND queries
-MAX_HIDDEN = 65535
-#: MLA with a 512-wide latent: query tokens per request, query head counts (v2, v1)
-MLA_LATENT_DIM = 512
-MLA_MAX_QUERY_TOKENS = 16
-MLA_V2_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
-MLA_V1_HEADS = (32, 64, 128)
-MLA_BLOCK_SIZES = (16, 128)
-MAX_PAGED_BLOCK = 512
-PREFILL_BLOCK_MULTIPLE = 128
-DECODE_BLOCK_MULTIPLE = 16
 V2_MAX_PACKED_BATCH = 4096
-#: the docs' TND case without page attention (the un-absorbed MLA prefill): head counts (v1),
-#: query/key head dims, value head dims per query head dim, packed tokens (v1, v2)
-TND_V1_HEADS = (8, 16, 32, 64, 128)
-TND_V1_DIMS = {192: (128, 192)}
-TND_V2_DIMS = {128: (128,), 192: (128, 192)}
-TND_V1_MAX_TOKENS = 65536
-TND_V2_MAX_TOKENS = 1 << 20
 NPU_ONLY = "NPU-only limit, enforced under the strict NPU profile"
 
 
@@ -133,7 +133,7 @@ def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
                 f"request, got {longest}; run prefill without absorption ({NPU_ONLY})",
             )
         # "此时block_size支持16、128，其中数据格式为NZ时block_size不支持配置16"
-        allowed = (128,) if call.key.dim() == 5 else MLA_BLOCK_SIZES
+        allowed = MLA_NZ_BLOCK_SIZES if call.key.dim() == 5 else MLA_BLOCK_SIZES
         if call.block_size not in allowed:
             _fail(
                 call,
@@ -230,9 +230,12 @@ def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -
         # doc v2, 参数说明 › learnable_sink: "数据类型支持bfloat16"
         _fail(call, f"`learnable_sink` must be bfloat16 on the NPU, got {sink.dtype} ({NPU_ONLY})")
     d = _query_head_dim(call, layout)
-    if _prefill(shapes) and d % 16:
+    if _prefill(shapes) and d % PROMPT_HEAD_DIM_MULTIPLE:
         # doc v1/v2, 约束说明 › 当Q_S大于1时: "输入类型全为float16、bfloat16时, D轴需16对齐"
-        _fail(call, f"query head dim {d} must be a multiple of 16 when Q_S > 1 ({NPU_ONLY})")
+        _fail(
+            call,
+            f"query head dim {d} must be a multiple of {PROMPT_HEAD_DIM_MULTIPLE} when Q_S > 1 ({NPU_ONLY})",
+        )
     if paged:
         _check_block_size(call, shapes)
 

@@ -162,12 +162,14 @@ def fake_npu(monkeypatch):
     return log
 
 
-def _convert(tmp_path: Path, family: str, mode: str) -> Path:
+def _convert(tmp_path: Path, family: str, mode: str, overrides: dict | None = None) -> Path:
     model = str(write_remote_model(tmp_path / "source")) if family == REMOTE else family
     out = tmp_path / f"{family}-{mode}"
     deploy, _, kv_mode = mode.partition("-")
     options = ApplyOptions(
-        deploy_mode=deploy, kv_mode=kv_mode or "paged", config_overrides=FAMILIES[family]
+        deploy_mode=deploy,
+        kv_mode=kv_mode or "paged",
+        config_overrides=FAMILIES[family] if overrides is None else overrides,
     )
     apply_model(model, out, options)
     return out
@@ -276,6 +278,15 @@ def test_mla_prefill_is_unabsorbed_tnd_and_decode_absorbed(tmp_path, fake_npu, f
         assert b["query"].size(-1) == 512 and b["num_key_value_heads"] == 1
         assert max(_per_request(b["actual_seq_lengths"])) <= MLA_MAX_QUERY_TOKENS
         assert (b["sparse_mode"], b.get("atten_mask")) == (0, None)
+
+
+def test_deepseek_v3_with_its_real_128_heads_passes(tmp_path, fake_npu):
+    # 128 query heads on one latent head: the MLA case allows it (ratio 128, beyond GQA's 64)
+    overrides = {**MLA_MOE, "num_attention_heads": 128, "num_key_value_heads": 128}
+    _generate(_convert(tmp_path, "deepseek_v3", "framework", overrides))
+    calls = _attention_calls(fake_npu)
+    assert {b["num_heads"] for b in calls} == {128}
+    assert {b["num_key_value_heads"] for b in calls} == {1, 128}  # decode latent, prefill TND
 
 
 def test_chunked_mla_prefill_reads_the_earlier_chunks_from_the_cache(tmp_path, fake_npu):

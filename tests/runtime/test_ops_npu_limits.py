@@ -108,6 +108,20 @@ def test_mla_latent_needs_one_kv_head():
         _mla_call([1, 1], mode=0, mask=None, kv_heads=2)
 
 
+def test_mla_latent_takes_128_query_heads_on_one_kv_head_beyond_the_gqa_ratio_of_64():
+    # DeepSeek-V3 at TP 1: 128 heads over one latent head, which the MLA section allows
+    # ("N为32、64、128", "key的N为1") although plain GQA stops at a ratio of 64
+    out, _ = _mla_call([1, 1], mode=0, mask=None, heads=128, block_size=128)
+    assert out.shape == (2, 128, 512)
+    q = torch.zeros(2, 128, 64)
+    kv = torch.zeros(2, 1, 64)
+    with pytest.raises(OpInputError, match="ratio <= 64"):
+        npu.npu_fused_infer_attention_score(
+            q, kv, kv, num_heads=128, num_key_value_heads=1, input_layout="TND",
+            actual_seq_lengths=[1, 2], actual_seq_lengths_kv=[1, 2],
+        )  # fmt: skip
+
+
 # --- the strict NPU profile -------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from kvskill.analyzer.inputs import (
 )
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
+from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, Plan
 from kvskill.analyzer.roles import find_roles
@@ -255,6 +256,16 @@ def plan_for_source(
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
         scale_has_mscale=scale.has_yarn_mscale,
+    )
+    add_operator_limits(
+        spec=spec,
+        book=book,
+        attention=attention,
+        fa_version=fa_version,
+        has_sinks=sinks_line(code) is not None,
+        kv_heads_per_rank=kv_heads,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
     )
     rope = rope_style(code, spec, source.config)
     book.cite("rope_style", f"rope style: {rope.style}", rope.source)

@@ -58,22 +58,13 @@ def add_pitfalls(
             "MLA absorb: the FA call's num_key_value_heads=1 must equal cache_entries "
             "num_head=1, and the model class must set is_mla_backend=True"
         )
-        # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9)
+        # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9);
+        # the operator limits the MLA dims hit are in op_limits
         warn(
-            "MLA absorb on the NPU: the 512-wide latent query takes 1..16 query tokens per "
-            "request; an absorbed prefill over whole prompts is refused there (run prefill "
-            "without absorption)"
+            "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens per "
+            "request, so decode runs absorbed and prefill un-absorbed (the cached latent "
+            "decompressed by kv_b_proj, TND without page attention)"
         )
-        rope = int(spec.mla["qk_rope_head_dim"] or 0) if spec.mla else 0
-        rank = int(spec.mla["kv_lora_rank"] or 0) if spec.mla else 0
-        if rope != 64:
-            msg = f"MLA rope head dim is {rope}; the fused operator's rope split requires 64"
-            warn(msg)
-            book.block(msg)
-        if rank not in (128, 512):
-            msg = f"MLA kv_lora_rank is {rank}; the fused operator supports 512 or 128"
-            warn(msg)
-            book.block(msg)
     if AttnType.SLIDING_WINDOW.value in attn_types:
         warn(
             "sliding-window layers keep sparse_mode=4 with pre_tokens=W-1, next_tokens=0 in "

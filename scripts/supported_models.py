@@ -71,7 +71,7 @@ def _model_source(family: Family, workdir: Path) -> str:
 
 def _analyze_cell(plan) -> str:
     modes = ", ".join(
-        f"{kind} sparse {m['prefill']}/{m['decode']}" for kind, m in plan.sparse_mode.items()
+        f"{kind} sparse {m.prefill}/{m.decode}" for kind, m in plan.sparse_mode.items()
     )
     kinds = plan.layer_attn_types()
     states = kinds.count("Mamba")

@@ -1,9 +1,11 @@
-"""The MLA codemods: attention ``__init__`` (latent caches), ``forward`` (absorbed paged seam)
-and the model class (``get_cache_info`` with ``is_mla_backend=True``).
+"""The MLA codemods: attention ``__init__`` (latent caches), ``forward`` (paged seam) and the
+model class (``get_cache_info`` with ``is_mla_backend=True``).
 
 Everything above the seam (projections, norms, rope) and below it (reshape, ``o_proj``) stays
 as written; the seam (from the cache write of the latent to the attention kernel) becomes the
-absorbed, paged attention over the latent caches.
+latent cache write, then the attention: on prefill steps un-absorbed over the context read back
+from the cache and decompressed with the layer's ``kv_b_proj`` (the operator takes the absorbed
+latent query only for 1..16 tokens per request), on decode steps absorbed over the paged latent.
 """
 
 from __future__ import annotations
@@ -67,19 +69,40 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
         return with_body(updated, [*body, *methods("mla_methods.py.j2", config, **values)])
 
 
-def fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
-    """Keyword arguments of the absorbed FA call, with the version's own names (npu_ops §2.2)."""
-    scale = seam.scale or "(q_nope_tnd.shape[-1] + q_rope_tnd.shape[-1]) ** -0.5"
-    prefill, decode = spec.sparse_mode["prefill"], spec.sparse_mode["decode"]
+def _scale(seam: SeamFacts) -> str:
+    return seam.scale or "(q_nope_tnd.shape[-1] + q_rope_tnd.shape[-1]) ** -0.5"
+
+
+def prefill_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
+    """Keywords of the un-absorbed prefill call: decompressed per-head K/V, packed TND.
+
+    The docs' TND case (npu_ops §9): no page attention, one key/value head per query head,
+    cumulative query and key lengths, causal through ``sparse_mode`` 3 and the 2048 tile.
+    """
     kwargs = [
-        ("query_rope", "q_rope_tnd"),
+        ("num_heads", "self.num_heads_per_rank"),
+        ("num_key_value_heads", "self.num_heads_per_rank"),
+        ("input_layout", '"TND"'),
+        ("scale", _scale(seam)),
+        ("atten_mask", "md.attention_mask"),
+        ("sparse_mode", str(spec.sparse_mode["prefill"])),
+        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
+        ("actual_seq_lengths_kv", "md.actual_seq_lengths_cu_kv"),
+    ]
+    return fa_keywords(spec.fa_version, kwargs)
+
+
+def decode_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
+    """Keywords of the absorbed decode call, with the version's own names (npu_ops §2.2)."""
+    kwargs = [
+        ("query_rope", "q_rope_tnd.contiguous()"),
         ("key_rope", "self.nz_view(self.rope_cache)"),
         ("num_heads", "self.num_heads_per_rank"),
         ("num_key_value_heads", "self.num_key_value_heads_per_rank"),
         ("input_layout", f'"{spec.input_layout}"'),
-        ("scale", scale),
-        ("atten_mask", "md.attention_mask if md.is_prefill else None"),
-        ("sparse_mode", f"{prefill} if md.is_prefill else {decode}"),
+        ("scale", _scale(seam)),
+        ("atten_mask", "None"),
+        ("sparse_mode", str(spec.sparse_mode["decode"])),
         ("block_table", "md.block_table[self.attn_type]"),
         ("block_size", "nope_nz.shape[-2]"),
         ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
@@ -89,9 +112,12 @@ def fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
 
 
 class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
-    """Replace the seam of every MLA attention forward by the absorbed paged attention."""
+    """Replace the seam of every MLA attention forward by the paged latent attention."""
 
-    DESCRIPTION = "Write the latent (fused or scatter, NZ) and attend with the absorbed fused MLA."
+    DESCRIPTION = (
+        "Write the latent (fused or scatter, NZ); prefill attends un-absorbed (TND), decode "
+        "absorbed."
+    )
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = self.facts(original)
@@ -120,8 +146,10 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "norm_eps": fused.norm_eps if fused else "",
             "cos": fused.cos if fused else "",
             "sin": fused.sin if fused else "",
+            "kv_b_proj": facts.kv_b_proj,
             "op": FA_OPS[self.spec.fa_version],
-            "kwargs": fa_kwargs(self.spec, seam),
+            "prefill_kwargs": prefill_fa_kwargs(self.spec, seam),
+            "decode_kwargs": decode_fa_kwargs(self.spec, seam),
         }
         new = statements("mla_seam.py.j2", self.parser_config(), **values)
         if facts.query_parts is None:

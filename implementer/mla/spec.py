@@ -1,9 +1,9 @@
 """What the MLA codemods need from a Plan, validated once at the boundary.
 
 The fused operator's MLA path has hard limits (npu_ops §1.8): rope head dim 64, query head
-dim (here ``kv_lora_rank``, the absorbed query) 512 or 128, one key head. A Plan outside
-them is refused here, before anything is rewritten, instead of emitting code that fails on
-the device.
+dim (here ``kv_lora_rank``, the absorbed query of the decode steps) 512 or 128, one key head.
+A Plan outside them is refused here, before anything is rewritten, instead of emitting code
+that fails on the device. (Prefill steps are not absorbed: npu_ops §9.)
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from kvskill.analyzer.plan import (
     MlaCacheWrite,
     Plan,
 )
+from kvskill.core import npu_limits
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import UnsupportedModelError
 
-MLA_ROPE_DIM = 64
-MLA_QUERY_DIMS = (512, 128)
+MLA_ROPE_DIM = npu_limits.MLA_ROPE_DIM
+MLA_QUERY_DIMS = npu_limits.MLA_LATENT_DIMS
 #: block sizes of the MLA paths are multiples of 16 (NZ C0 for fp16/bf16; npu_ops §1.7, §4)
 MLA_BLOCK_SIZE = 16
-#: the only sparse modes the absorbed path emits: causal prefill, dense single-token decode
+#: the sparse modes the MLA path emits: causal prefill (un-absorbed), dense absorbed decode
 MLA_SPARSE_MODE = {"prefill": 3, "decode": 0}
 
 

@@ -27,6 +27,7 @@ VERIFY = VerifyOptions(num_prompts=2, max_new_tokens=4)
 #: mutations only need to show a difference: one short prompt (prefill + decode)
 # mutants are files kvskill did not write (nor sign): they run only when trusted
 VERIFY_MUTANT = VerifyOptions(num_prompts=1, max_new_tokens=3, trust_remote_code=True)
+MUTANT_LONG = dataclasses.replace(VERIFY, trust_remote_code=True)
 #: transformers' default deepseek_v2 config leaves num_experts_per_tok unset (its router
 #: cannot run); DeepSeek-V2 checkpoints set it
 V2_MOE = {"num_experts_per_tok": 2}
@@ -91,39 +92,51 @@ def applied_v3_yarn(tmp_path_factory) -> Path:
     return apply_to(tmp, "deepseek_v3", {"rope_parameters": {"rope_theta": 10000.0, **YARN}})
 
 
-def mutate(src: Path, dst: Path, old: str, new: str) -> Path:
+def mutate(src: Path, dst: Path, old: str, new: str, count: int = 1) -> Path:
     shutil.copytree(src, dst)
     path = dst / "modeling_deepseek_v3.py"
     text = path.read_text()
-    assert text.count(old) == 1, f"mutation anchor {old!r} not found exactly once"
+    assert text.count(old) == count, f"mutation anchor {old!r} not found {count} time(s)"
     path.write_text(text.replace(old, new))
     return dst
 
 
 MUTATIONS = {
-    # the seed's "scale without mscale^2": YaRN models attend too flat, silently
-    "missing_mscale": ("scale=self.scaling,", "scale=self.qk_head_dim ** -0.5,", "logits"),
+    # the seed's "scale without mscale^2": YaRN models attend too flat, silently (both the
+    # prefill and the decode call)
+    "missing_mscale": ("scale=self.scaling,", "scale=self.qk_head_dim ** -0.5,", "logits", 2),
     # prefill without causal masking (sparse_mode 0, no mask): future tokens leak in
     "prefill_sparse_mode_0": (
-        "atten_mask=md.attention_mask if md.is_prefill else None,\n"
-        "            sparse_mode=3 if md.is_prefill else 0,",
-        "atten_mask=None,\n            sparse_mode=0,",
+        "atten_mask=md.attention_mask,\n                sparse_mode=3,",
+        "atten_mask=None,\n                sparse_mode=0,",
         "logits",
+        1,
+    ),
+    # the prefill reads every context token from the request's first block: a later chunk
+    # (or any prompt longer than a block) attends to the wrong latents
+    "prefill_reads_one_block": (
+        "block = block_table[request, position // block_size].long()",
+        "block = block_table[request, position * 0].long()",
+        "logits",
+        1,
     ),
     # FA told the latent has one head per query head: the cache has one head
     "wrong_num_key_value_heads": (
         "num_key_value_heads=self.num_key_value_heads_per_rank,",
         "num_key_value_heads=self.num_heads_per_rank,",
         "heads",
+        1,
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_verify_catches_mutation(tmp_path, applied_v3_yarn, name):
-    old, new, symptom = MUTATIONS[name]
-    out = mutate(applied_v3_yarn, tmp_path / name, old, new)
-    report = verify_directory(out, VERIFY_MUTANT)
+    old, new, symptom, count = MUTATIONS[name]
+    out = mutate(applied_v3_yarn, tmp_path / name, old, new, count)
+    # a wrong block shows only in prompts longer than one block
+    options = VERIFY_MUTANT if name != "prefill_reads_one_block" else MUTANT_LONG
+    report = verify_directory(out, options)
     assert not report.passed
     if symptom == "logits":
         # silent numerical bugs: the run completes, the logits give them away
@@ -138,9 +151,8 @@ def test_decode_with_sparse_mode_3_still_verifies(tmp_path, applied_v3_yarn):
     out = mutate(
         applied_v3_yarn,
         tmp_path / "decode3",
-        "atten_mask=md.attention_mask if md.is_prefill else None,\n"
-        "            sparse_mode=3 if md.is_prefill else 0,",
-        "atten_mask=md.attention_mask,\n            sparse_mode=3,",
+        "atten_mask=None,\n                sparse_mode=0,",
+        "atten_mask=md.attention_mask,\n                sparse_mode=3,",
     )
     report = verify_directory(out, dataclasses.replace(VERIFY, trust_remote_code=True))
     assert report.passed, report.failures

@@ -108,6 +108,20 @@ def test_mla_latent_needs_one_kv_head():
         _mla_call([1, 1], mode=0, mask=None, kv_heads=2)
 
 
+def test_mla_latent_takes_128_query_heads_on_one_kv_head_beyond_the_gqa_ratio_of_64():
+    # DeepSeek-V3 at TP 1: 128 heads over one latent head, which the MLA section allows
+    # ("N为32、64、128", "key的N为1") although plain GQA stops at a ratio of 64
+    out, _ = _mla_call([1, 1], mode=0, mask=None, heads=128, block_size=128)
+    assert out.shape == (2, 128, 512)
+    q = torch.zeros(2, 128, 64)
+    kv = torch.zeros(2, 1, 64)
+    with pytest.raises(OpInputError, match="ratio <= 64"):
+        npu.npu_fused_infer_attention_score(
+            q, kv, kv, num_heads=128, num_key_value_heads=1, input_layout="TND",
+            actual_seq_lengths=[1, 2], actual_seq_lengths_kv=[1, 2],
+        )  # fmt: skip
+
+
 # --- the strict NPU profile -------------------------------------------------------------------
 
 
@@ -220,3 +234,48 @@ def test_strict_profile_wants_bf16_recurrent_inputs_and_int32_lengths():
         npu.npu_recurrent_gated_delta_rule(q, k, v, state, actual_seq_lengths=lens)
     with ops.npu_limits(), pytest.raises(OpInputError, match="`state` must be bfloat16"):
         npu.npu_recurrent_gated_delta_rule(q, k, v, state.float(), actual_seq_lengths=lens.int())
+
+
+# --- TND without page attention (the un-absorbed MLA prefill) ---------------------------------
+
+
+def _unpaged_tnd(q_d: int, v_d: int, heads: int = 32, kv_heads: int = 32, v2: bool = False):
+    q = torch.zeros(6, heads, q_d, dtype=torch.bfloat16)
+    k = torch.zeros(10, kv_heads, q_d, dtype=torch.bfloat16)
+    v = torch.zeros(10, kv_heads, v_d, dtype=torch.bfloat16)
+    if v2:
+        return npu.npu_fused_infer_attention_score_v2(
+            q, k, v, num_query_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
+            atten_mask=CAUSAL_TILE, sparse_mode=3, actual_seq_qlen=[2, 6],
+            actual_seq_kvlen=[4, 10],
+        )  # fmt: skip
+    return npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
+        atten_mask=CAUSAL_TILE, sparse_mode=3, actual_seq_lengths=[2, 6],
+        actual_seq_lengths_kv=[4, 10],
+    )  # fmt: skip
+
+
+def test_unpaged_tnd_takes_the_mla_prefill_dims_with_a_value_dim_of_its_own():
+    # chunked: 2 and 4 new queries over 4 and 10 keys; the value is 128 wide on 192-wide keys
+    with ops.npu_limits():
+        out, _ = _unpaged_tnd(192, 128)
+        assert out.shape == (6, 32, 128)
+        out, _ = _unpaged_tnd(128, 128, heads=32, kv_heads=8, v2=True)  # v2: GQA, 128/128
+        assert out.shape == (6, 32, 128)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((80, 24), "takes Q_D = K_D = 192 with V_D in \\(128, 192\\), got Q_D 80, K_D 80, V_D 24"),
+        ((128, 128), "got Q_D 128"),  # v1 has no 128 case
+        ((192, 128, 32, 8), "query, key and value heads equal and in"),
+        ((192, 128, 4, 4), "heads equal and in \\(8, 16, 32, 64, 128\\)"),
+    ],
+)
+def test_unpaged_tnd_outside_the_docs_case_is_refused_on_the_npu_only(args, match):
+    with ops.npu_limits(), pytest.raises(OpInputError, match=match):
+        _unpaged_tnd(*args)
+    out, _ = _unpaged_tnd(*args)  # the CPU reference runs it (verify shrinks these dims)
+    assert out.size(0) == 6

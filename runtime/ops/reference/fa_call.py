@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvskill.core import npu_limits
 from torch import Tensor
 
 #: side of the compressed causal tile that sparse modes 2/3/4 take (npu_ops.md §1.5)
 COMPRESSED_MASK_SIZE = 2048
-MLA_ROPE_DIM = 64
-MLA_NOPE_DIMS = (512, 128)
+MLA_ROPE_DIM = npu_limits.MLA_ROPE_DIM
+MLA_NOPE_DIMS = npu_limits.MLA_LATENT_DIMS
 MAX_GQA_RATIO = 64
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 

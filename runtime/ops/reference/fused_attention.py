@@ -8,6 +8,7 @@ user reads ``actual_seq_qlen`` and a v1 user ``actual_seq_lengths``.
 from __future__ import annotations
 
 import torch
+from kvskill.core.npu_limits import MLA_LATENT_DIM
 from torch import Tensor
 
 from ..cpu_kernels import paged_decode
@@ -37,7 +38,11 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     if call.num_heads <= 0:
         raise OpInputError(f"{nm.op}: {nm.num_heads} must be > 0, got {call.num_heads}")
     kvn = call.num_key_value_heads or call.num_heads
-    if call.num_heads % kvn or call.num_heads // kvn > MAX_GQA_RATIO:
+    # 参数说明 › num_key_value_heads: "比值不能大于64"; the MLA case takes one key head under 32,
+    # 64 or 128 query heads (› query_rope和key_rope参数约束: "N为32、64、128", "key的N为1"), the
+    # more specific rule (npu_limits checks its head counts)
+    ratio_limit = None if _mla_latent(call) else MAX_GQA_RATIO
+    if call.num_heads % kvn or (ratio_limit and call.num_heads // kvn > ratio_limit):
         raise OpInputError(
             f"{nm.op}: {nm.num_heads}={call.num_heads} must be a multiple of "
             f"num_key_value_heads={kvn} with a ratio <= {MAX_GQA_RATIO}"
@@ -188,6 +193,14 @@ def _attend_in_groups(
             lse[:, :, :rows].index_copy_(0, idx, lse_g)
     assert out is not None  # plan_groups never returns an empty partition
     return out, lse
+
+
+def _mla_latent(call: FaCall) -> bool:
+    """The absorbed MLA case: rope parts given and a latent-wide (512) query."""
+    if call.query_rope is None:
+        return False
+    dim = _head_dim(call.query, call.input_layout, call.num_heads, False)
+    return dim == MLA_LATENT_DIM
 
 
 def _rank(query_layout: str) -> int:

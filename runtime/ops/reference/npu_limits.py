@@ -10,6 +10,27 @@ vllm-ascend disagree, the running code wins and references/npu_ops.md §9 record
 from __future__ import annotations
 
 import torch
+from kvskill.core.npu_limits import (
+    DECODE_BLOCK_MULTIPLE,
+    MAX_BATCH,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_PAGED_BLOCK,
+    MLA_BLOCK_SIZES,
+    MLA_LATENT_DIM,
+    MLA_MAX_QUERY_TOKENS,
+    MLA_NZ_BLOCK_SIZES,
+    MLA_V1_HEADS,
+    MLA_V2_HEADS,
+    PREFILL_BLOCK_MULTIPLE,
+    PROMPT_HEAD_DIM_MULTIPLE,
+    TND_V1_DIMS,
+    TND_V1_HEADS,
+    TND_V1_MAX_TOKENS,
+    TND_V2_DIMS,
+    TND_V2_MAX_TOKENS,
+)
 from torch import Tensor
 
 from ._checks import OpInputError, describe
@@ -19,20 +40,6 @@ from .npu_profile import npu_limits_enabled
 
 #: dtypes the device accepts for query/key/value (int8 quantised paths are outside the reference)
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEADS = 256
-MAX_HEAD_DIM = 512
-MAX_BATCH = 65536
-#: KV_N * D limit of the (blocknum, blocksize, H) cache form and of BSH/BSND queries
-MAX_HIDDEN = 65535
-#: MLA with a 512-wide latent: query tokens per request, query head counts (v2, v1)
-MLA_LATENT_DIM = 512
-MLA_MAX_QUERY_TOKENS = 16
-MLA_V2_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
-MLA_V1_HEADS = (32, 64, 128)
-MLA_BLOCK_SIZES = (16, 128)
-MAX_PAGED_BLOCK = 512
-PREFILL_BLOCK_MULTIPLE = 128
-DECODE_BLOCK_MULTIPLE = 16
 V2_MAX_PACKED_BATCH = 4096
 NPU_ONLY = "NPU-only limit, enforced under the strict NPU profile"
 
@@ -54,6 +61,8 @@ def check_fused_attention(call: FaCall, layout: Layout, shapes: Shapes) -> None:
         )
     if npu_limits_enabled():
         _check_hardware(call, layout, shapes, paged)
+        if layout.is_packed and not paged and call.query_rope is None:
+            _check_unpaged_tnd(call, layout)
 
 
 def _check_sizes(call: FaCall, layout: Layout, shapes: Shapes) -> None:
@@ -124,7 +133,7 @@ def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
                 f"request, got {longest}; run prefill without absorption ({NPU_ONLY})",
             )
         # "此时block_size支持16、128，其中数据格式为NZ时block_size不支持配置16"
-        allowed = (128,) if call.key.dim() == 5 else MLA_BLOCK_SIZES
+        allowed = MLA_NZ_BLOCK_SIZES if call.key.dim() == 5 else MLA_BLOCK_SIZES
         if call.block_size not in allowed:
             _fail(
                 call,
@@ -159,6 +168,53 @@ def _check_packed_sparse(call: FaCall) -> None:
     )
 
 
+def _check_unpaged_tnd(call: FaCall, layout: Layout) -> None:
+    """The docs' TND case proper (no page attention): the un-absorbed MLA prefill's call.
+
+    Hardware-only: verify shrinks heads and head dims. Paged TND calls are not held to it, as
+    vllm-ascend's running code calls paged TND with GQA and other head dims (npu_ops.md §9).
+    """
+    v2 = call.names.op.endswith("_v2")
+    q_d = _query_head_dim(call, layout)
+    k_d, v_d = call.key.size(-1), call.value.size(-1)
+    tokens = call.query.size(0 if layout.query == "TND" else 1)
+    key_heads = call.key.size(1 if layout.query == "TND" else 0)
+    value_heads = call.value.size(1 if layout.query == "TND" else 0)
+    if v2:
+        # doc v2, 约束说明 › 当query的d不等于512时: "TND场景，要求Q_D、K_D、V_D等于128，或者Q_D、K_D
+        # 等于192，V_D等于128/192"; "K_N、V_N相等，Q_N整除K_N，Q_N与K_N的比值不能大于64";
+        # › TND、TND_NTD、NTD_TND场景下...的综合限制: "T小于等于1M"
+        dims, max_tokens = TND_V2_DIMS, TND_V2_MAX_TOKENS
+        heads_ok = key_heads == value_heads and call.num_heads % max(key_heads, 1) == 0
+        heads_rule = "key and value heads equal, query heads a multiple of them"
+    else:
+        # doc v1, 约束说明 › TND场景下query、key、value输入的综合限制: "T小于等于65536";
+        # "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等"; "Q_D、K_D等于192, V_D等于128/192"
+        dims, max_tokens = TND_V1_DIMS, TND_V1_MAX_TOKENS
+        heads_ok = call.num_heads in TND_V1_HEADS and call.num_heads == key_heads == value_heads
+        heads_rule = f"query, key and value heads equal and in {TND_V1_HEADS}"
+    if q_d != k_d or v_d not in dims.get(q_d, ()):
+        allowed = "; ".join(f"Q_D = K_D = {q} with V_D in {v}" for q, v in dims.items())
+        _fail(
+            call,
+            f"input_layout {call.input_layout!r} without page attention takes {allowed}, got "
+            f"Q_D {q_d}, K_D {k_d}, V_D {v_d} ({NPU_ONLY})",
+        )
+    if not heads_ok:
+        _fail(
+            call,
+            f"input_layout {call.input_layout!r} without page attention needs {heads_rule}, got "
+            f"{call.names.num_heads}={call.num_heads}, key {key_heads}, value {value_heads} ({NPU_ONLY})",
+        )
+    if tokens > max_tokens:
+        _fail(call, f"packed query of {tokens} tokens exceeds T <= {max_tokens} ({NPU_ONLY})")
+    for name in ("query", "key", "value"):
+        t = getattr(call, name)
+        if t.dtype != torch.bfloat16:
+            # "数据类型仅支持BFLOAT16"
+            _fail(call, f"`{name}` must be bfloat16 in this TND case, got {t.dtype} ({NPU_ONLY})")
+
+
 def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -> None:
     """Hardware-only limits: dtypes, block sizes, alignment."""
     # doc v1/v2, 参数说明 › query/key/value: "数据类型支持float16、bfloat16、int8" (int8 and
@@ -174,9 +230,12 @@ def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -
         # doc v2, 参数说明 › learnable_sink: "数据类型支持bfloat16"
         _fail(call, f"`learnable_sink` must be bfloat16 on the NPU, got {sink.dtype} ({NPU_ONLY})")
     d = _query_head_dim(call, layout)
-    if _prefill(shapes) and d % 16:
+    if _prefill(shapes) and d % PROMPT_HEAD_DIM_MULTIPLE:
         # doc v1/v2, 约束说明 › 当Q_S大于1时: "输入类型全为float16、bfloat16时, D轴需16对齐"
-        _fail(call, f"query head dim {d} must be a multiple of 16 when Q_S > 1 ({NPU_ONLY})")
+        _fail(
+            call,
+            f"query head dim {d} must be a multiple of {PROMPT_HEAD_DIM_MULTIPLE} when Q_S > 1 ({NPU_ONLY})",
+        )
     if paged:
         _check_block_size(call, shapes)
 

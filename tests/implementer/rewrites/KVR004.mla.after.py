@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
         )
         self.wo = nn.Linear(self.n_heads * self.vdim, config.hidden_size, bias=False)
         self.softmax_scale = (self.nope + self.rope) ** -0.5
-        # Paged MLA KV cache (absorbed): each token caches one latent head, shared by every query
+        # Paged MLA KV cache: each token caches one latent head, shared by every query
         # head: the normalised latent (kv_lora_rank) in nope_cache and the rotated shared key
         # (qk_rope_head_dim) in rope_cache. The runtime allocates each as
         # [num_blocks, block_size, 1, dim] and injects it through tensor_setter; writes and the
@@ -167,6 +167,38 @@ class LatentAttention(nn.Module):
             w_uv = per_head[:, self.mla_nope_head_dim :].contiguous()
             self.mla_absorbed = (key, w_uk, w_uv)
         return self.mla_absorbed[1], self.mla_absorbed[2]
+
+    def decompress_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [S, N, nope] and values [S, N, v] of latents [S, rank], by wkv_b.
+
+        The layer's own projection (weights, bias, any wrapper), as the source model applies
+        it; the value is made contiguous because the fused attention takes no strided input.
+        """
+        per_head = self.wkv_b(latent).view(latent.shape[0], -1, self.mla_nope_head_dim + self.mla_v_head_dim)
+        return per_head[..., : self.mla_nope_head_dim], per_head[..., self.mla_nope_head_dim :].contiguous()
+
+    def cached_latent(self, md) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent [S, rank] and rope key [S, rope] of every context token, read from the caches.
+
+        Requests are packed in batch order, each with its actual_seq_lengths_kv tokens (earlier
+        chunks and this step, which is written first): S = sum of them. Token t of request b sits
+        in block block_table[b, t // block_size], row t % block_size. Example: kv lengths [3, 2],
+        block_size 4, block_table [[5], [2]] -> (block, row) (5, 0) (5, 1) (5, 2) (2, 0) (2, 1).
+        """
+        block_table = md.block_table[self.attn_type]
+        device = block_table.device
+        kv_lens = torch.tensor(md.actual_seq_lengths_kv, dtype=torch.int64, device=device)
+        request = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=device), kv_lens)  # [S]
+        starts = torch.cumsum(kv_lens, 0) - kv_lens
+        position = torch.arange(request.numel(), device=device) - starts[request]  # [S]
+        block_size = self.nope_cache.shape[1]
+        block = block_table[request, position // block_size].long()
+        row = position % block_size
+        # NZ: token (block, row) holds its dim channels at [block, 0, :, row, :] (see nz_view)
+        return tuple(
+            self.nz_view(cache)[block, 0, :, row].reshape(request.numel(), cache.shape[-1])
+            for cache in (self.nope_cache, self.rope_cache)
+        )
 
     @staticmethod
     def nz_view(cache: torch.Tensor) -> torch.Tensor:

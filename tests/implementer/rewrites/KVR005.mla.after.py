@@ -94,38 +94,62 @@ class LatentAttention(nn.Module):
         q_pe = rotate_pairs(q_pe, cos, sin)
         k_pe = rotate_pairs(k_pe, cos, sin)
 
-        # Paged MLA, absorbed: attention runs on the latent cache (key = value = nope_cache, the rope
-        # key passed apart). q_nope . k_nope = (q_nope W_uk) . latent, so the query absorbs W_uk; the
-        # output is the latent mix, projected per head by W_uv.
+        # Paged MLA: each token caches one latent head (the normalised latent in nope_cache, the
+        # rotated shared key in rope_cache). Prefill attends un-absorbed, decode absorbed (npu_ops §9).
         md = get_forward_metadata()
-        w_uk, w_uv = self.absorbed_kv_b_proj()
         q_nope_tnd = q_nope.transpose(1, 2).reshape(-1, self.num_heads_per_rank, q_nope.shape[-1])  # [T, N, nope]
         q_rope_tnd = q_pe.transpose(1, 2).reshape(-1, self.num_heads_per_rank, q_pe.shape[-1])  # [T, N, rope]
-        query_latent = torch.bmm(q_nope_tnd.transpose(0, 1), w_uk).transpose(0, 1)  # [T, N, rank]
         slots = md.slot_mapping[self.attn_type]
         self.update_latent_cache(slots, latent.reshape(-1, latent.shape[-1]), k_pe.reshape(-1, k_pe.shape[-1]))
-        nope_nz = self.nz_view(self.nope_cache)
-        # Prefill: causal (sparse_mode 3, 2048 tile); decode: one query per request, dense (0, no mask).
-        # unconfirmed: the operator docs list per-request query lengths 1..16 for query D 512 in TND;
-        # if the device enforces that for prefill too, long prompts need chunks of at most 16 tokens.
-        attn_latent, _ = torch_npu.npu_fused_infer_attention_score(
-            query_latent,
-            nope_nz,
-            nope_nz,
-            query_rope=q_rope_tnd,
-            key_rope=self.nz_view(self.rope_cache),
-            num_heads=self.num_heads_per_rank,
-            num_key_value_heads=self.num_key_value_heads_per_rank,
-            input_layout="TND_NTD",
-            scale=self.softmax_scale,
-            atten_mask=md.attention_mask if md.is_prefill else None,
-            sparse_mode=3 if md.is_prefill else 0,
-            block_table=md.block_table[self.attn_type],
-            block_size=nope_nz.shape[-2],
-            actual_seq_lengths=md.actual_seq_lengths_cu_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
-        )
-        out = torch.bmm(attn_latent, w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(0)  # [1, T, N, v], as the source kernel returns
+        if md.is_prefill:
+            # Un-absorbed (the operator takes the 512-wide latent query for 1..16 tokens per request
+            # only): every context token of each request, the earlier chunks' and this step's, is read
+            # back from the latent caches and decompressed by wkv_b into per-head keys and
+            # values; the query is nope + rope wide (TND, Q_D = K_D = nope + rope, V_D = v).
+            ctx_latent, ctx_rope = self.cached_latent(md)  # [S, rank], [S, rope]; S = sum of kv lengths
+            ctx_key_nope, ctx_value = self.decompress_latent(ctx_latent)  # [S, N, nope], [S, N, v]
+            ctx_key = torch.cat((ctx_key_nope, ctx_rope.unsqueeze(1).expand(-1, ctx_key_nope.shape[1], -1)), dim=-1)
+            query_full = torch.cat((q_nope_tnd, q_rope_tnd), dim=-1)  # [T, N, nope + rope]
+            attn_tnd, _ = torch_npu.npu_fused_infer_attention_score(
+                query_full,
+                ctx_key,
+                ctx_value,
+                num_heads=self.num_heads_per_rank,
+                num_key_value_heads=self.num_heads_per_rank,
+                input_layout="TND",
+                scale=self.softmax_scale,
+                atten_mask=md.attention_mask,
+                sparse_mode=3,
+                actual_seq_lengths=md.actual_seq_lengths_cu_q,
+                actual_seq_lengths_kv=md.actual_seq_lengths_cu_kv,
+            )
+            out = attn_tnd.unsqueeze(0)  # [1, T, N, v], as the source kernel returns
+        else:
+            # Absorbed, one query per request: q_nope . k_nope = (q_nope W_uk) . latent, so the query
+            # absorbs W_uk and attends on the latent cache (key = value = nope_cache, the rope key
+            # passed apart); the output is the latent mix, projected per head by W_uv.
+            w_uk, w_uv = self.absorbed_kv_b_proj()
+            # contiguous, as the rope part below: the fused attention takes no strided query
+            query_latent = torch.bmm(q_nope_tnd.transpose(0, 1), w_uk).transpose(0, 1).contiguous()  # [T, N, rank]
+            nope_nz = self.nz_view(self.nope_cache)
+            attn_latent, _ = torch_npu.npu_fused_infer_attention_score(
+                query_latent,
+                nope_nz,
+                nope_nz,
+                query_rope=q_rope_tnd.contiguous(),
+                key_rope=self.nz_view(self.rope_cache),
+                num_heads=self.num_heads_per_rank,
+                num_key_value_heads=self.num_key_value_heads_per_rank,
+                input_layout="TND_NTD",
+                scale=self.softmax_scale,
+                atten_mask=None,
+                sparse_mode=0,
+                block_table=md.block_table[self.attn_type],
+                block_size=nope_nz.shape[-2],
+                actual_seq_lengths=md.actual_seq_lengths_cu_q,
+                actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            )
+            out = torch.bmm(attn_latent, w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(0)  # [1, T, N, v], as the source kernel returns
         return self.wo(out.reshape(b, s, -1))
 
 

@@ -1,0 +1,143 @@
+"""The fused attention's documented limits that this model's shapes hit, before anything is written.
+
+Two kinds (the facts live in ``core/npu_limits.py``, which the reference operators enforce too):
+
+* **blockers**: limits the CPU reference refuses as well, so ``verify`` and ``run`` would fail
+  on the converted code; ``apply`` refuses instead (exit 3, the limit named).
+* **warnings**: limits only the device (the strict NPU profile) refuses, such as head counts
+  and head dims the shrunk verify model steps around, block sizes and dtypes. The conversion is
+  written, and the user learns before deploying what the NPU will refuse.
+
+Each message names the doc section of torch_npu 2.13.0's ``_op_plugin_docs.py`` it comes from
+(references/npu_ops.md §9).
+"""
+
+from __future__ import annotations
+
+from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.evidence import Notebook
+from kvskill.core import npu_limits as lim
+
+_DOC = "torch_npu 2.13.0 FA docs, 约束说明"
+_ON_NPU = "the NPU refuses this call (the CPU reference runs it; KVSKILL_NPU_LIMITS=1 checks it)"
+
+
+def add_operator_limits(
+    *,
+    spec: ModelSpec,
+    book: Notebook,
+    attention: str,
+    fa_version: str,
+    has_sinks: bool,
+    kv_heads_per_rank: int,
+    attn_tp_size: int,
+    block_size: int,
+) -> None:
+    """Blockers and warnings for every operator limit the model's shapes hit."""
+    heads = max(spec.num_heads // attn_tp_size, 1)
+    if heads > lim.MAX_HEADS:
+        _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
+    if attention == "mla":
+        _mla(spec, book, fa_version, heads, block_size)
+        return
+    if max(spec.head_dim, spec.v_head_dim) > lim.MAX_HEAD_DIM:
+        _block(
+            book,
+            f"head dim {max(spec.head_dim, spec.v_head_dim)} exceeds {lim.MAX_HEAD_DIM} "
+            "(› 支持D轴小于等于512)",
+        )
+    hidden = kv_heads_per_rank * max(spec.head_dim, spec.v_head_dim)
+    if hidden > lim.MAX_HIDDEN:
+        # the converted code passes the paged cache as (blocknum, blocksize, KV_N * D)
+        _block(
+            book,
+            f"the paged cache (blocknum, blocksize, H) has H = KV_N * D = {hidden} > "
+            f"{lim.MAX_HIDDEN} (› page attention场景: KV_N*D超过65535时...会被拦截报错)",
+        )
+    if has_sinks and spec.v_head_dim not in lim.SINK_VALUE_DIMS:
+        _block(
+            book,
+            f"learnable sinks need a value head dim in {lim.SINK_VALUE_DIMS}, got "
+            f"{spec.v_head_dim} (v2 › learnable_sink的参数约束: 仅支持value的d小于等于128; the "
+            "reference keeps 64 or 128)",
+        )
+    if spec.head_dim % lim.PROMPT_HEAD_DIM_MULTIPLE:
+        _warn(
+            book,
+            f"head dim {spec.head_dim} is not a multiple of {lim.PROMPT_HEAD_DIM_MULTIPLE}: "
+            f"{_ON_NPU} for every prompt (› 当Q_S大于1时: D轴需16对齐)",
+        )
+    _paged_block_size(book, block_size)
+
+
+def _mla(spec: ModelSpec, book: Notebook, fa_version: str, heads: int, block_size: int) -> None:
+    mla = spec.mla or {}
+    rope = int(mla.get("qk_rope_head_dim") or 0)
+    rank = int(mla.get("kv_lora_rank") or 0)
+    nope = int(mla.get("qk_nope_head_dim") or 0)
+    value = int(mla.get("v_head_dim") or spec.v_head_dim or 0)
+    if rope != lim.MLA_ROPE_DIM:
+        _block(
+            book,
+            f"MLA rope head dim is {rope}; the fused operator's rope split requires "
+            f"{lim.MLA_ROPE_DIM} (› query_rope和key_rope参数约束: D为64)",
+        )
+    if rank not in lim.MLA_LATENT_DIMS:
+        _block(
+            book,
+            f"MLA kv_lora_rank is {rank}; the absorbed query head dim must be one of "
+            f"{lim.MLA_LATENT_DIMS} (v2 › 当query的d等于512时 / 当query的d等于128时)",
+        )
+    v2 = fa_version == "v2"
+    if rank == lim.MLA_LATENT_DIM:
+        allowed = lim.MLA_V2_HEADS if v2 else lim.MLA_V1_HEADS
+        if heads not in allowed:
+            _warn(
+                book,
+                f"MLA decode (absorbed, 512-wide latent) with {heads} query heads per rank: "
+                f"{_ON_NPU}; it takes {allowed} (› 当query的d等于512时 / query_rope和key_rope参数"
+                "约束: N为32、64、128)",
+            )
+    # the un-absorbed prefill: TND without page attention on Q_D = K_D = nope + rope, V_D = v
+    q_d = nope + rope
+    dims = lim.TND_V2_DIMS if v2 else lim.TND_V1_DIMS
+    if value not in dims.get(q_d, ()):
+        allowed = "; ".join(f"Q_D = K_D = {q} with V_D in {v}" for q, v in dims.items())
+        _warn(
+            book,
+            f"MLA prefill (un-absorbed, TND) has Q_D = K_D = {nope} + {rope} = {q_d}, V_D = "
+            f"{value}: {_ON_NPU}; it takes {allowed} (› TND场景下query、key、value输入的综合限制)",
+        )
+    if not v2 and heads not in lim.TND_V1_HEADS:
+        _warn(
+            book,
+            f"MLA prefill (un-absorbed, TND) with {heads} query heads per rank: {_ON_NPU}; v1 "
+            f"takes {lim.TND_V1_HEADS} (› TND场景下...的综合限制: N等于8/16/32/64/128)",
+        )
+    if block_size not in lim.MLA_NZ_BLOCK_SIZES:
+        _warn(
+            book,
+            f"block_size {block_size}: {_ON_NPU}; the NZ latent cache takes block_size "
+            f"{lim.MLA_NZ_BLOCK_SIZES[0]} (› 当query的d等于512时: 数据格式为NZ时block_size不支持配置16)",
+        )
+
+
+def _paged_block_size(book: Notebook, block_size: int) -> None:
+    step = lim.PREFILL_BLOCK_MULTIPLE
+    if block_size % step or not step <= block_size <= lim.MAX_PAGED_BLOCK:
+        _warn(
+            book,
+            f"block_size {block_size}: {_ON_NPU} for prompts; page attention takes a multiple "
+            f"of {step} in [{step}, {lim.MAX_PAGED_BLOCK}] when Q_S > 1 (› 当Q_S大于1时 › page "
+            "attention场景)",
+        )
+
+
+def _block(book: Notebook, message: str) -> None:
+    text = f"operator limit: {message} [{_DOC}]"
+    book.warn(text)
+    book.block(text)
+
+
+def _warn(book: Notebook, message: str) -> None:
+    book.warn(f"operator limit: {message} [{_DOC}]")

@@ -331,11 +331,13 @@ def _load_with_transformers_conversions(
     one tensor per expert (``experts.0.gate_proj.weight``); its loader merges them with
     converters that renaming alone cannot do (qwen3_moe, mixtral, deepseek_v3 checkpoints).
     """
-    from transformers.conversion_mapping import (
-        USER_REGISTERED_MAPPINGS,
-        get_checkpoint_conversion_mapping,
-    )
-
+    try:
+        from transformers.conversion_mapping import (
+            USER_REGISTERED_MAPPINGS,
+            get_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4 has no load-time conversions: the mismatch stands
+        raise mismatch from None
     model_type = getattr(config, "model_type", None)
     if not model_type or get_checkpoint_conversion_mapping(model_type) is None:
         raise mismatch

@@ -504,7 +504,7 @@ def low_precision_verdict(
         original=generations(originals),
         converted=generations(zip(run.token_ids, run.logits, strict=True)),
         ratio_limit=options.drift_ratio,
-        floor=options.atol,
+        floor_atol=options.atol,
     )
 
 

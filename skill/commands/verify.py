@@ -59,8 +59,8 @@ float16/bfloat16: drift within the noise-floor rule) and the three chains hold,
     type=click.FloatRange(min=0, max=1e6),
     default=None,
     help="Absolute logit tolerance (default 1e-4 in float32), plus 16 float32 ulps of the "
-    "largest reference logit. In float16/bfloat16: the floor added to the allowed drift "
-    "(default one unit roundoff of the dtype x the largest logit).",
+    "largest reference logit. In float16/bfloat16: the atol of the floor added to the allowed drift "
+    "(the same default).",
 )
 @click.option(
     "--drift-ratio",

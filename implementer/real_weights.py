@@ -108,6 +108,8 @@ def load_real_reference(
     )
 
     plan, directory = converted.plan, converted.directory
+    if plan.source.language_model_of:
+        return _language_model_reference(converted, workdir, report_notes)
     cls, config = reference_class(
         plan, converted.record, converted.config, workdir / "reference", directory
     )
@@ -141,6 +143,37 @@ def load_real_reference(
         if note:
             report_notes.append(note)
     return model.float().eval()
+
+
+def _language_model_reference(
+    converted: ConvertedDir, workdir: Path, report_notes: list[str]
+) -> nn.Module:
+    """The original language model of a composite (vision-language) checkpoint.
+
+    ``from_pretrained`` of the causal LM cannot read a composite checkpoint (every tensor is
+    named ``model.language_model...``); the reference takes the language model's tensors
+    under their causal-LM names, as the runtime's loader does.
+    """
+    from kvskill.implementer.reference import build_reference
+    from kvskill.runtime.loader import load_checkpoint_tensors
+
+    plan, directory = converted.plan, converted.directory
+    reference, note = build_reference(
+        plan, converted.record, converted.config, workdir / "reference", directory
+    )
+    if note:
+        report_notes.append(note)
+    try:
+        load_checkpoint_tensors(reference, directory)
+    except BadInputError as exc:
+        raise BadInputError(
+            f"weights in {directory} do not match the original {plan.model_type}: {exc}"
+        ) from exc
+    report_notes.append(
+        f"the language model of a {plan.source.language_model_of} checkpoint: the original "
+        "took its language-model tensors by name (transformers loads the composite model only)"
+    )
+    return reference.float().eval()
 
 
 def load_real_converted(directory: Path, dtype: str, seed: int) -> nn.Module:

@@ -367,6 +367,16 @@ def _load_with_transformers_conversions(
     return model
 
 
+def load_checkpoint_tensors(model: nn.Module, model_dir: Path) -> None:
+    """MODEL_DIR's ``*.safetensors`` into MODEL as ``load_model`` reads them (renamings of
+    transformers and a composite checkpoint's language model included, no converters).
+
+    Raises:
+        WeightsMismatchError: tensors missing, unexpected or of another shape.
+    """
+    _load_safetensors(model, sorted(model_dir.glob("*.safetensors")))
+
+
 def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
     from kvskill.core.safetensors_check import check_safetensors
     from safetensors.torch import load_file

@@ -61,7 +61,10 @@ def moe_checkpoint(tmp_path_factory):
     """(converted directory, the original's greedy tokens on PROMPTS, prompts file)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if "qwen3_moe" not in CONFIG_MAPPING:  # transformers 4.46 predates Qwen3
+        pytest.skip("the installed transformers has no qwen3_moe")
     root = tmp_path_factory.mktemp("moe_per_expert")
     source = root / "checkpoint"
     source.mkdir()
@@ -158,7 +161,8 @@ def test_weights_that_do_not_fit_fall_back_to_the_twin_unless_no_shrink(
     assert choose_checked(out, True, "float32") == (Checked.SHRUNK_TWIN, None)
 
 
-def test_a_directory_without_weights_is_checked_on_a_twin(converted):
-    directory = converted.directory("qwen3")
+def test_a_directory_without_weights_is_checked_on_a_twin(tmp_path):
+    directory = tmp_path  # choose_checked looks for *.safetensors only
+    (directory / "config.json").write_text("{}")
     assert choose_checked(directory, None, "float32") == (Checked.SHRUNK_TWIN, None)
     assert choose_checked(directory, False, "float32") == (Checked.RANDOM_WEIGHTS, None)

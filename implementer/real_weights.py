@@ -26,10 +26,10 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: bytes held per parameter while verifying real weights: the float32 anchor (4), the
-#: converted model built in float32 before its cast (4), and a low-precision copy of the
-#: original (2) when the dtype is float16 / bfloat16
-BYTES_PER_PARAM = {"float32": 8, "float16": 10, "bfloat16": 10}
+#: bytes held per parameter while verifying real weights: the float32 anchor (4) and the
+#: converted model, built in float32 before its cast (4); the low-precision original is the
+#: anchor cast in place once its float32 generations are made
+BYTES_PER_PARAM = 8
 #: headroom over the parameters for activations, the KV cache and transformers' loading
 MEMORY_MARGIN = 1.25
 
@@ -65,7 +65,7 @@ def choose_checked(directory: Path, shrink: bool | None, dtype: str) -> tuple[Ch
     from kvskill.runtime.loader import available_memory_bytes
 
     params = checkpoint_num_params(directory)
-    need = params * BYTES_PER_PARAM[dtype] * MEMORY_MARGIN
+    need = params * BYTES_PER_PARAM * MEMORY_MARGIN
     free = available_memory_bytes(torch.device("cpu"))
     if free is None or need <= free:
         return Checked.REAL_WEIGHTS, None

@@ -22,7 +22,6 @@ Stages (design §6):
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -486,14 +485,14 @@ def low_precision_verdict(
 ):
     """The noise-floor verdict: the original in the low dtype gives the rounding scale.
 
-    ANCHOR is the original in float32 (REFERENCES its generations); a copy of it in the low
-    dtype generates the same prompts, and both low-precision runs are measured against it.
+    ANCHOR is the original in float32 (REFERENCES its generations, already made); it is cast
+    to the low dtype in place (no second copy of the weights), generates the same prompts,
+    and both low-precision runs are measured against the float32 generations.
     """
     from kvskill.runtime.loader import resolve_dtype
 
-    low = copy.deepcopy(anchor).to(resolve_dtype(options.dtype))
+    low = anchor.to(resolve_dtype(options.dtype))
     originals = [reference_generate(low, p, options.max_new_tokens) for p in prompts]
-    del low
 
     def generations(pairs) -> list[Generation]:
         return [Generation(tokens=list(t), logits=list(logits)) for t, logits in pairs]

@@ -388,6 +388,8 @@ def _verify(
     report: VerifyReport,
 ) -> None:
     plan = converted_dir.plan
+    # before any model is built: a bad prompts file is refused at once
+    prompts = prompts_for(converted_dir, config, options, report.block_size)
     if report.checked is Checked.REAL_WEIGHTS:
         pair = load_real_pair(converted_dir, workdir, options, report)
     else:
@@ -395,7 +397,6 @@ def _verify(
     if pair is None:
         return
     driver = driver_for(converted_dir, pair.converted_dir, options)
-    prompts = prompts_for(converted_dir, config, options, report.block_size)
     try:
         references = [
             reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts

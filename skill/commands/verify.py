@@ -81,6 +81,8 @@ def verify(directory: Path, output_format: str, **options) -> int:
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
     if options["atol"] is not None and math.isnan(options["atol"]):
         raise BadInputError("--atol nan is not a tolerance; give a number >= 0")
+    if math.isnan(options["drift_ratio"]):
+        raise BadInputError("--drift-ratio nan is not a ratio; give a number >= 1")
     verify_options = VerifyOptions(
         shrink=options["shrink"],
         num_prompts=options["num_prompts"],

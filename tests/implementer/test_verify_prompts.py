@@ -54,3 +54,23 @@ def test_bad_prompts_are_one_line_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(BadInputError, match=message):
         _read(path, [tmp_path])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompts", "{text}"], "no tokenizer is present"),
+        (["--drift-ratio", "nan"], "--drift-ratio nan is not a ratio"),
+    ],
+)
+def test_bad_verify_options_exit_2_on_one_line(converted, tmp_path, capsys, args, message):
+    from kvskill.cli import main
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("a prompt in words\n")
+    argv = ["verify", str(converted.directory("qwen3"))] + [a.format(text=text) for a in args]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -166,3 +166,24 @@ def test_a_directory_without_weights_is_checked_on_a_twin(tmp_path):
     (directory / "config.json").write_text("{}")
     assert choose_checked(directory, None, "float32") == (Checked.SHRUNK_TWIN, None)
     assert choose_checked(directory, False, "float32") == (Checked.RANDOM_WEIGHTS, None)
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_bad_input(moe_checkpoint, tmp_path):
+    import shutil
+
+    from kvskill.runtime.loader import load_model
+    from safetensors.torch import load_file, save_file
+
+    out, _, _ = moe_checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken, symlinks=False)
+    state = load_file(str(broken / "model.safetensors"))
+    state["model.norm.scale"] = state.pop("model.norm.weight")
+    (broken / "model.safetensors").unlink()
+    save_file(state, str(broken / "model.safetensors"), {"format": "pt"})
+    # the loader's retry through transformers' conversions (absent before transformers 5)
+    # ends in the mismatch itself, never in an ImportError
+    with pytest.raises(BadInputError, match="do not match"):
+        load_model(broken, trust_remote_code=True)
+    with pytest.raises(BadInputError, match="do not match the original qwen3_moe"):
+        verify_directory(broken, VerifyOptions(num_prompts=1, trust_remote_code=True))

@@ -34,9 +34,11 @@ def _bf16(directory, seed: int = 0):
     return verify_directory(directory, options)
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), 2])
-def test_rounding_alone_passes_a_plain_moe_model_in_bfloat16(converted, seed):
-    report = _bf16(converted.directory("qwen3_moe"), seed)
+@pytest.mark.parametrize(
+    ("family", "seed"), [("qwen3_moe", s) for s in range(5)] + [("mixtral", s) for s in range(4)]
+)
+def test_rounding_alone_passes_a_plain_moe_model_in_bfloat16(converted, family, seed):
+    report = _bf16(converted.directory(family), seed)
     verdict = report.low_precision
     assert verdict is not None
     assert report.passed, report.failures()
@@ -44,6 +46,16 @@ def test_rounding_alone_passes_a_plain_moe_model_in_bfloat16(converted, seed):
     assert verdict.ratio < DRIFT_RATIO
     table = format_table(report)
     assert "bfloat16 drift from the float32 original" in table and "ratio" in table
+
+
+def test_a_router_flip_in_the_converted_run_alone_is_rounding(converted):
+    # issue 28's case: a fixed bf16 tolerance failed this correct conversion at 0.656. Here
+    # mixtral seed 1: one step of the converted run moves far (an expert picked on a near
+    # tie), the original's run does not; every other step drifts as the original does.
+    report = _bf16(converted.directory("mixtral"), seed=1)
+    verdict = report.low_precision
+    assert verdict.converted.max > 10 * verdict.noise_floor > verdict.original.max
+    assert report.passed, report.failures()
 
 
 def test_swapped_kv_heads_fail_the_bfloat16_verdict(converted, tmp_path):

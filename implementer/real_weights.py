@@ -104,15 +104,13 @@ def load_real_reference(
     from kvskill.implementer.reference import (
         REFERENCE_ATTENTION,
         installed_differs_note,
-        reference_class,
+        transformers_class,
     )
 
     plan, directory = converted.plan, converted.directory
-    if plan.source.language_model_of:
-        return _language_model_reference(converted, workdir, report_notes)
-    cls, config = reference_class(
-        plan, converted.record, converted.config, workdir / "reference", directory
-    )
+    if plan.source.language_model_of or not converted.record.package:
+        return _reference_by_name(converted, workdir, report_notes)
+    cls, config = transformers_class(plan, converted.config, workdir / "reference")
     try:
         with _quiet_loading():
             model, info = cls.from_pretrained(
@@ -138,21 +136,27 @@ def load_real_reference(
             f"transformers loads it: missing {missing[:5]}, unexpected {unexpected[:5]}, "
             f"mismatched {mismatched[:5]}"
         )
-    if converted.record.package:
-        note = installed_differs_note(model, converted.record)
-        if note:
-            report_notes.append(note)
+    note = installed_differs_note(model, converted.record)
+    if note:
+        report_notes.append(note)
     return model.float().eval()
 
 
-def _language_model_reference(
+def _reference_by_name(
     converted: ConvertedDir, workdir: Path, report_notes: list[str]
 ) -> nn.Module:
-    """The original language model of a composite (vision-language) checkpoint.
+    """The original built as ``verify`` builds it, given the checkpoint's tensors by name
+    (with transformers' renamings and a composite's language model, as the runtime reads
+    them).
 
-    ``from_pretrained`` of the causal LM cannot read a composite checkpoint (every tensor is
-    named ``model.language_model...``); the reference takes the language model's tensors
-    under their causal-LM names, as the runtime's loader does.
+    Two cases take this path instead of ``from_pretrained``:
+
+    - model code of the directory's own (remote code): transformers applies no checkpoint
+      conversions to it, and its ``from_pretrained`` (5.x) builds on the meta device and
+      leaves a non-persistent buffer the model computes in ``__init__`` (a rotary
+      ``inv_freq``) uninitialised;
+    - the language model of a composite (vision-language) checkpoint, whose tensors are
+      named ``model.language_model...``: the causal LM's ``from_pretrained`` finds none.
     """
     from kvskill.implementer.reference import build_reference
     from kvskill.runtime.loader import load_checkpoint_tensors
@@ -169,10 +173,12 @@ def _language_model_reference(
         raise BadInputError(
             f"weights in {directory} do not match the original {plan.model_type}: {exc}"
         ) from exc
-    report_notes.append(
-        f"the language model of a {plan.source.language_model_of} checkpoint: the original "
-        "took its language-model tensors by name (transformers loads the composite model only)"
-    )
+    if plan.source.language_model_of:
+        report_notes.append(
+            f"the language model of a {plan.source.language_model_of} checkpoint: the "
+            "original took its language-model tensors by name (transformers loads the "
+            "composite model only)"
+        )
     return reference.float().eval()
 
 
@@ -199,15 +205,22 @@ def weights_differ(reference: nn.Module, converted: nn.Module) -> str | None:
             "the converted model's parameters differ from the original's: missing "
             f"{missing[:5]}, unexpected {unexpected[:5]}"
         )
+    # non-persistent buffers too (a rotary inv_freq): a loader that builds on the meta
+    # device can leave one uninitialised, which no state dict shows
+    theirs.update((n, b) for n, b in reference.named_buffers() if n not in theirs)
+    ours.update((n, b) for n, b in converted.named_buffers() if n not in ours)
     differing = [
         name
         for name, tensor in theirs.items()
-        if tensor.shape != ours[name].shape
-        or not torch.equal(tensor.to(ours[name].dtype), ours[name])
+        if name in ours
+        and (
+            tensor.shape != ours[name].shape
+            or not torch.equal(tensor.to(ours[name].dtype), ours[name])
+        )
     ]
     if differing:
         return (
-            "the runtime's loader read other weights than transformers' from_pretrained for "
+            "the runtime's loader read other weights than the original's loader for "
             f"{len(differing)} tensor(s), e.g. {differing[:5]}"
         )
     return None

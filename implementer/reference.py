@@ -47,28 +47,17 @@ def build_reference(
     return _directory_reference(plan, workdir, record, converted_dir), None
 
 
-def reference_class(
-    plan: Plan,
-    record: ConversionRecord,
-    config: dict[str, Any],
-    workdir: Path,
-    converted_dir: Path,
-) -> tuple[Any, Any]:
-    """(the original's class, its config object) for ``from_pretrained`` on real weights.
+def transformers_class(plan: Plan, config: dict[str, Any], workdir: Path) -> tuple[Any, Any]:
+    """(transformers' auto class, the config object) of a conversion of the installed
+    transformers' code, for ``from_pretrained`` on real weights (which then runs the model
+    type's checkpoint conversions)."""
+    from transformers import AutoConfig
 
-    The class is transformers' auto class for a conversion of the installed transformers'
-    code (its ``from_pretrained`` then runs the model type's checkpoint conversions), else
-    the directory's original class written into ``workdir``.
-    """
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if plan.source.kind is SourceKind.TRANSFORMERS or record.package:
-        from transformers import AutoConfig
-
-        auto_config = AutoConfig.from_pretrained(str(workdir))
-        auto_config._attn_implementation = REFERENCE_ATTENTION
-        return _auto_class(plan), auto_config
-    return _directory_class(plan, workdir, record, converted_dir)
+    auto_config = AutoConfig.from_pretrained(str(workdir))
+    auto_config._attn_implementation = REFERENCE_ATTENTION
+    return _auto_class(plan), auto_config
 
 
 def installed_differs_note(model: nn.Module, record: ConversionRecord) -> str | None:
@@ -143,14 +132,6 @@ def _check_fits(auto_cls, config, model_type: str | None) -> None:
 def _directory_reference(
     plan: Plan, workdir: Path, record: ConversionRecord, converted_dir: Path
 ) -> nn.Module:
-    cls, config = _directory_class(plan, workdir, record, converted_dir)
-    return cls(config)
-
-
-def _directory_class(
-    plan: Plan, workdir: Path, record: ConversionRecord, converted_dir: Path
-) -> tuple[type[nn.Module], Any]:
-    """The directory's original causal-LM class (imported from WORKDIR) and its config."""
     from kvskill.runtime.loader import import_model_package
     from transformers import PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -193,4 +174,4 @@ def _directory_class(
         raise BadInputError(
             f"the original {name} has no class {plan.architecture}; cannot rebuild the reference"
         )
-    return cls, config
+    return cls(config)

@@ -144,7 +144,7 @@ def test_a_loader_reading_other_weights_is_reported(moe_checkpoint, monkeypatch)
     monkeypatch.setattr("kvskill.implementer.verify.load_real_converted", one_expert_off)
     report = verify_directory(out, VerifyOptions(num_prompts=1))
     assert not report.passed
-    assert "read other weights than transformers' from_pretrained" in report.error
+    assert "read other weights than the original's loader" in report.error
     assert "experts" in report.error
 
 
@@ -187,3 +187,40 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_bad_input(moe_checkpoint, t
         load_model(broken, trust_remote_code=True)
     with pytest.raises(BadInputError, match="do not match the original qwen3_moe"):
         verify_directory(broken, VerifyOptions(num_prompts=1, trust_remote_code=True))
+
+
+def test_a_remote_code_checkpoint_verifies_on_its_real_weights(tmp_path):
+    from kvskill.runtime.loader import import_model_package
+    from remote_model import write_remote_model
+    from safetensors.torch import save_file
+
+    source = write_remote_model(tmp_path / "remote")
+    package = import_model_package(source.resolve())
+    modeling = __import__(f"{package}.modeling_tiny_remote", fromlist=["_"])
+    config = modeling.TinyRemoteConfig.from_pretrained(str(source))
+    model = modeling.TinyRemoteForCausalLM(config)
+    condition_weights(model, seed=3)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(source / "model.safetensors"), {"format": "pt"})
+    out = tmp_path / "converted"
+    apply_model(str(source), out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions(trust_remote_code=True, num_prompts=2))
+    assert report.checked is Checked.REAL_WEIGHTS
+    assert report.passed, report.failures()
+
+
+def test_a_buffer_no_state_dict_holds_is_compared_too():
+    from kvskill.implementer.real_weights import weights_differ
+
+    class Rotary(torch.nn.Module):
+        def __init__(self, base: float) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+            self.register_buffer("inv_freq", torch.tensor([1.0, base]), persistent=False)
+
+    reference, converted = Rotary(0.5), Rotary(0.5)
+    converted.load_state_dict(reference.state_dict())
+    assert weights_differ(reference, converted) is None
+    # transformers 5's from_pretrained of remote code leaves such a buffer uninitialised
+    reference.inv_freq.zero_()
+    assert "inv_freq" in weights_differ(reference, converted)

@@ -49,13 +49,17 @@ def test_rounding_alone_passes_a_plain_moe_model_in_bfloat16(converted, family, 
 
 
 def test_a_router_flip_in_the_converted_run_alone_is_rounding(converted):
-    # issue 28's case: a fixed bf16 tolerance failed this correct conversion at 0.656. Here
-    # mixtral seed 1: one step of the converted run moves far (an expert picked on a near
-    # tie), the original's run does not; every other step drifts as the original does.
-    report = _bf16(converted.directory("mixtral"), seed=1)
-    verdict = report.low_precision
-    assert verdict.converted.max > 10 * verdict.noise_floor > verdict.original.max
-    assert report.passed, report.failures()
+    # issue 28's case: a fixed bf16 tolerance failed a correct conversion at 0.656. One step
+    # of the converted run moves far (an expert picked on a near tie), the original's run
+    # does not; every other step drifts as the original's does. Which seed flips depends on
+    # the transformers version (mixtral seed 1 under 5.24.0: 0.674 against 0.021).
+    for seed in range(4):
+        report = _bf16(converted.directory("mixtral"), seed)
+        verdict = report.low_precision
+        if verdict.converted.max > 10 * verdict.noise_floor > verdict.original.max:
+            assert report.passed, report.failures()
+            return
+    pytest.skip("no converted-only router flip on mixtral seeds 0-3 here")
 
 
 def test_swapped_kv_heads_fail_the_bfloat16_verdict(converted, tmp_path):

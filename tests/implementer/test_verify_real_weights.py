@@ -200,7 +200,7 @@ def test_a_remote_code_checkpoint_verifies_on_its_real_weights(tmp_path):
     config = modeling.TinyRemoteConfig.from_pretrained(str(source))
     model = modeling.TinyRemoteForCausalLM(config)
     condition_weights(model, seed=3)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # tied: stored twice
     save_file(state, str(source / "model.safetensors"), {"format": "pt"})
     out = tmp_path / "converted"
     apply_model(str(source), out, ApplyOptions())

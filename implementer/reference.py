@@ -47,6 +47,31 @@ def build_reference(
     return _directory_reference(plan, workdir, record, converted_dir), None
 
 
+def transformers_class(plan: Plan, config: dict[str, Any], workdir: Path) -> tuple[Any, Any]:
+    """(transformers' auto class, the config object) of a conversion of the installed
+    transformers' code, for ``from_pretrained`` on real weights (which then runs the model
+    type's checkpoint conversions)."""
+    from transformers import AutoConfig
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    auto_config = AutoConfig.from_pretrained(str(workdir))
+    auto_config._attn_implementation = REFERENCE_ATTENTION
+    return _auto_class(plan), auto_config
+
+
+def installed_differs_note(model: nn.Module, record: ConversionRecord) -> str | None:
+    """A note when the installed modeling file is not the one ``apply`` converted."""
+    installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
+    digest = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else ""
+    if digest == record.original_sha256:
+        return None
+    return (
+        f"the installed {installed.name} differs from the file converted by apply; the "
+        "reference uses the installed one"
+    )
+
+
 def _auto_class(plan: Plan):
     """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model
     converted as a whole (its text model type has no causal-LM class: qwen2_5_vl)."""
@@ -67,15 +92,7 @@ def _transformers_reference(
     auto_cls = _auto_class(plan)
     _check_fits(auto_cls, config, plan.model_type)
     model = auto_cls.from_config(config, attn_implementation=REFERENCE_ATTENTION)
-    note = None
-    installed = Path(importlib.import_module(type(model).__module__).__file__ or "")
-    digest = hashlib.sha256(installed.read_bytes()).hexdigest() if installed.is_file() else ""
-    if digest != record.original_sha256:
-        note = (
-            f"the installed {installed.name} differs from the file converted by apply; the "
-            "reference uses the installed one"
-        )
-    return model, note
+    return model, installed_differs_note(model, record)
 
 
 def _check_fits(auto_cls, config, model_type: str | None) -> None:
@@ -158,37 +175,3 @@ def _directory_reference(
             f"the original {name} has no class {plan.architecture}; cannot rebuild the reference"
         )
     return cls(config)
-
-
-def load_original_weights(model: nn.Module, directory: Path) -> bool:
-    """Load ``*.safetensors`` of ``directory`` into the reference; False when there are none."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return False
-    from kvskill.core.safetensors_check import check_safetensors
-    from kvskill.runtime.checkpoint_names import transformers_renamed_state
-    from safetensors.torch import load_file
-
-    state: dict[str, Any] = {}
-    for path in files:
-        check_safetensors(path)
-        try:
-            state.update(load_file(str(path)))
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise BadInputError(f"cannot read weights {path}: {exc}") from exc
-    state = transformers_renamed_state(model, state, set(model.state_dict())) or state
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatches raise even when not strict
-        first = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), "")
-        raise BadInputError(
-            f"weights in {directory} do not match the original model: {first or exc}"
-        ) from exc
-    if result.unexpected_keys:
-        raise BadInputError(
-            f"weights in {directory} do not match the original model: unexpected "
-            f"{result.unexpected_keys[:5]}"
-        )
-    if callable(getattr(model, "tie_weights", None)):
-        model.tie_weights()
-    return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvskill.implementer.verify import VerifyReport
+from kvskill.implementer.verify_report import VerifyReport
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -16,12 +16,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_table(report: VerifyReport) -> str:
     """Prompts (length, tokens, logit difference), chains, failures and the verdict."""
+    tolerance = (
+        f"{report.dtype} judged against the float32 original"
+        if report.low_precision is not None
+        else f"atol {report.atol:g} + rtol {report.rtol:.2g} x largest logit"
+    )
     lines = [
+        report.checked_line,
         f"verify {report.model_type} ({report.directory})",
         f"config: {'shrunk' if report.shrunk else 'as converted'}"
         + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
         + f"; dtype {report.dtype}; block size {report.block_size}; kv layout {report.kv_layout}"
-        + f"; atol {report.atol:g} + rtol {report.rtol:.2g} x largest logit",
+        + f"; {tolerance}",
         "",
     ]
     rows = [
@@ -31,7 +37,7 @@ def format_table(report: VerifyReport) -> str:
             "identical"
             if p.reference_tokens == p.runtime_tokens
             else f"near tie at step {p.first_mismatch}"
-            if p.near_tie
+            if p.near_tie and report.low_precision is None
             else f"differ at step {p.first_mismatch}",
             f"{p.max_logit_diff:.2e}",
         ]
@@ -49,6 +55,12 @@ def format_table(report: VerifyReport) -> str:
     lines += [f"  - {line}" for line in report.failures()]
     lines += [f"note: {note}" for note in report.notes]
     verdict = "PASSED" if report.passed else "FAILED"
+    chains_ok = bool(report.chains) and all(c["passed"] for c in report.chains)
+    if report.low_precision is not None:
+        lines.append(
+            f"{verdict}: {report.low_precision.summary()}; chains {'ok' if chains_ok else 'not ok'}"
+        )
+        return "\n".join(lines)
     ties = sum(1 for p in report.prompts if p.near_tie)
     lines.append(
         f"{verdict}: tokens {'identical' if report.tokens_identical else 'differ'}"
@@ -56,6 +68,6 @@ def format_table(report: VerifyReport) -> str:
         + ", max logit "
         f"diff {report.max_logit_diff:.2e} (atol {report.atol:g} + rtol {report.rtol:.2g} x "
         f"largest logit {max((p.logit_scale for p in report.prompts), default=0.0):.3g}), chains "
-        f"{'ok' if report.chains and all(c['passed'] for c in report.chains) else 'not ok'}"
+        f"{'ok' if chains_ok else 'not ok'}"
     )
     return "\n".join(lines)

@@ -3,17 +3,21 @@
 Stages (design §6):
   1. read ``kvskill_plan.json`` and ``config.json`` from the converted directory; code that
      does not come from the installed transformers needs ``trust_remote_code``;
-  2. shrink the config (default) keeping every structural feature, see ``shrink.py``;
-  3. build the reference (transformers with the *original* modeling code, eager attention)
-     and the converted model (imported from the directory by the runtime's loader) with
-     identical weights;
-  4. pick variable-length prompts: some longer than several blocks and than the window;
+  2. choose what to check (``real_weights.py``): the directory's own weights when it has
+     some and they fit in memory, else a shrunk config keeping every structural feature
+     (``shrink.py``) with random weights;
+  3. build the reference (transformers with the *original* modeling code, eager attention,
+     float32: the anchor) and the converted model (imported from the directory by the
+     runtime's loader) with identical weights;
+  4. pick variable-length prompts (some longer than several blocks and than the window), or
+     read them from ``--prompts FILE``;
   5. reference: ``generate`` greedy, one request at a time, raw logits of every step;
      converted: its driver (the engine with small blocks, a shuffled free list and chunked
      prefill, or a standalone output's runner) inside the three-chain checks (init, runtime,
      release);
-  6. compare tokens (identical) and per-step logits (within ``atol`` plus ``LOGIT_RTOL`` of the
-     largest reference logit).
+  6. float32: compare tokens (identical) and per-step logits (within ``atol`` plus
+     ``LOGIT_RTOL`` of the largest reference logit); float16 / bfloat16: the noise-floor
+     verdict of ``verdict.py`` (the original in the low dtype gives the rounding scale).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +44,19 @@ from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.original_failure import original_failure
+from kvskill.implementer.real_weights import (
+    choose_checked,
+    load_real_converted,
+    load_real_reference,
+    weights_differ,
+)
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.reference import build_reference, load_original_weights
+from kvskill.implementer.reference import build_reference
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
-from kvskill.implementer.verify_driver import VerifyDriver
+from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, judge
+from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
+from kvskill.implementer.verify_prompts import read_prompts
+from kvskill.implementer.verify_report import Checked, PromptResult, VerifyReport
 from kvskill.runtime.layout import KV_LAYOUTS
 from torch import nn
 
@@ -66,7 +79,9 @@ DEFAULT_BLOCK_SIZE = 4
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyOptions:
-    shrink: bool = True
+    #: True: a shrunk random-weight twin; False: the full config (the directory's weights
+    #: when it has some); None: the real weights when present and they fit, else the twin
+    shrink: bool | None = None
     num_prompts: int = 4
     max_new_tokens: int = 8
     atol: float | None = None
@@ -80,128 +95,10 @@ class VerifyOptions:
     #: cache) or "page_pool" (one pool of pages, strided views; references/
     #: noncontiguous_kv_reference.md)
     kv_layout: str = "contiguous"
-
-
-@dataclass(kw_only=True)
-class PromptResult:
-    index: int
-    prompt_len: int
-    reference_tokens: list[int]
-    runtime_tokens: list[int]
-    #: largest |reference - runtime| over the vocabulary and every compared step
-    max_logit_diff: float
-    #: first step whose token differs, or None
-    first_mismatch: int | None
-    #: largest |reference logit| over the compared steps: the scale of the relative tolerance
-    logit_scale: float = 0.0
-    #: the differing step was a near tie: the reference scored both tokens within atol
-    #: (low-precision rounding may flip it; greedy continuations differ from there on)
-    near_tie: bool = False
-
-    @property
-    def passed_tokens(self) -> bool:
-        return self.reference_tokens == self.runtime_tokens or self.near_tie
-
-
-@dataclass(kw_only=True)
-class VerifyReport:
-    model_type: str
-    directory: str
-    shrunk: bool
-    config_changes: dict[str, list[Any]]
-    dtype: str
-    atol: float
-    block_size: int
-    rtol: float = 0.0
-    kv_layout: str = "contiguous"
-    prompts: list[PromptResult] = field(default_factory=list)
-    chains: list[dict[str, Any]] = field(default_factory=list)
-    #: a failure that stopped the comparison (e.g. the converted forward raised)
-    error: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def max_logit_diff(self) -> float:
-        return max((p.max_logit_diff for p in self.prompts), default=math.inf)
-
-    @property
-    def tokens_identical(self) -> bool:
-        return bool(self.prompts) and all(p.passed_tokens for p in self.prompts)
-
-    def logit_tolerance(self, prompt: PromptResult) -> float:
-        """atol plus rtol times the prompt's largest reference logit (see LOGIT_RTOL)."""
-        return self.atol + self.rtol * prompt.logit_scale
-
-    @property
-    def logits_within(self) -> bool:
-        return bool(self.prompts) and all(
-            p.max_logit_diff <= self.logit_tolerance(p) for p in self.prompts
-        )
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.error is None
-            and self.tokens_identical
-            and self.logits_within
-            and bool(self.chains)
-            and all(c["passed"] for c in self.chains)
-        )
-
-    def failures(self) -> list[str]:
-        """One line per failed check."""
-        lines = [f"error: {self.error}"] if self.error else []
-        for p in self.prompts:
-            if not p.passed_tokens:
-                lines.append(
-                    f"prompt {p.index} (len {p.prompt_len}): tokens differ from step "
-                    f"{p.first_mismatch}: reference {p.reference_tokens} vs runtime "
-                    f"{p.runtime_tokens}"
-                )
-            elif p.max_logit_diff > self.logit_tolerance(p):
-                lines.append(
-                    f"prompt {p.index} (len {p.prompt_len}): logits differ by "
-                    f"{p.max_logit_diff:.3g} > {self.logit_tolerance(p):.3g} (atol "
-                    f"{self.atol:g} + rtol {self.rtol:.2g} x largest logit {p.logit_scale:.3g})"
-                )
-        for chain in self.chains:
-            lines += [f"{chain['name']} chain: {f}" for f in chain["failures"]]
-        return lines
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "model_type": self.model_type,
-            "directory": self.directory,
-            "shrunk": self.shrunk,
-            "config_changes": self.config_changes,
-            "dtype": self.dtype,
-            "atol": self.atol,
-            "rtol": self.rtol,
-            "block_size": self.block_size,
-            "kv_layout": self.kv_layout,
-            "tokens_identical": self.tokens_identical,
-            "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
-            "prompts": [
-                {
-                    "index": p.index,
-                    "prompt_len": p.prompt_len,
-                    "tokens_identical": p.reference_tokens == p.runtime_tokens,
-                    "first_mismatch": p.first_mismatch,
-                    "near_tie": p.near_tie,
-                    "max_logit_diff": p.max_logit_diff,
-                    "logit_scale": p.logit_scale,
-                    "logit_tolerance": self.logit_tolerance(p),
-                    "reference_tokens": p.reference_tokens,
-                    "runtime_tokens": p.runtime_tokens,
-                }
-                for p in self.prompts
-            ],
-            "chains": self.chains,
-            "error": self.error,
-            "failures": self.failures(),
-            "notes": self.notes,
-        }
+    #: prompts, one per line (token ids, or text with a local tokenizer); None: generated
+    prompts_file: Path | None = None
+    #: float16 / bfloat16: the conversion's drift may be this many times the original's
+    drift_ratio: float = DRIFT_RATIO
 
 
 def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
@@ -351,12 +248,14 @@ def start_report(
     options: VerifyOptions,
     shrunk: ShrinkResult | None,
     block_size: int,
+    checked: Checked = Checked.SHRUNK_TWIN,
 ) -> VerifyReport:
     """An empty report of what is about to be compared, and with which tolerance."""
     return VerifyReport(
         model_type=plan.model_type,
         directory=str(directory),
-        shrunk=options.shrink,
+        shrunk=bool(options.shrink),
+        checked=checked,
         config_changes={k: list(v) for k, v in (shrunk.changes if shrunk else {}).items()},
         dtype=options.dtype,
         atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
@@ -404,9 +303,9 @@ def load_model_pair(
         ) from exc
     if note:
         report.notes.append(note)
-    if options.shrink or not load_original_weights(reference, directory):
-        condition_weights(reference, options.seed)
-    reference = reference.to(dtype).eval()
+    condition_weights(reference, options.seed)  # random: real weights go load_real_pair's way
+    # float32 whatever the dtype: in float16 / bfloat16 it is the anchor of the verdict
+    reference = reference.float().eval()
     loaded = load_model(
         converted_dir,
         dtype=dtype,
@@ -466,6 +365,8 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     check_inputs(converted)
     check_verifiable(converted, options)
     names = config_names(converted)
+    checked, checked_note = choose_checked(directory, options.shrink, options.dtype)
+    options = replace(options, shrink=checked is Checked.SHRUNK_TWIN)
     shrunk = (
         shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names)
         if options.shrink
@@ -475,7 +376,9 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     block_size = options.block_size or DEFAULT_BLOCK_SIZE
     if plan.is_mla:  # the MLA NZ caches need 16-token-aligned blocks
         block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
-    report = start_report(directory, plan, options, shrunk, block_size)
+    report = start_report(directory, plan, options, shrunk, block_size, checked)
+    if checked_note:
+        report.notes.append(checked_note)
     with scratch_dir() as workdir:
         _verify(converted, workdir, run_config, options, report)
     return report
@@ -502,15 +405,23 @@ def _verify(
     options: VerifyOptions,
     report: VerifyReport,
 ) -> None:
-    plan = converted_dir.plan
-    pair = load_model_pair(converted_dir, workdir, config, options, report)
+    # before any model is built: a bad prompts file is refused at once (when the config
+    # names the vocabulary; else the original's output head gives it, once built)
+    vocab = vocabulary_size(config, config_names(converted_dir))
+    prompts = None
+    if vocab is not None:
+        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab)
+    if report.checked is Checked.REAL_WEIGHTS:
+        pair = load_real_pair(converted_dir, workdir, options, report)
+    else:
+        pair = load_model_pair(converted_dir, workdir, config, options, report)
     if pair is None:
         return
+    if prompts is None:
+        vocab = vocabulary_size(config, config_names(converted_dir), pair.reference)
+        assert vocab is not None, "vocabulary_size raises when the head names none"
+        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab)
     driver = driver_for(converted_dir, pair.converted_dir, options)
-    names = config_names(converted_dir)
-    lengths = prompt_lengths_for(plan, config, options, report.block_size, names)
-    vocab = vocabulary_size(config, names, pair.reference)
-    prompts = make_prompts(lengths, vocab, options.seed)
     try:
         references = [
             reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
@@ -534,6 +445,10 @@ def _verify(
         return
     report.notes += run.notes
     report.chains = [c.to_dict() for c in run.chains]
+    if options.dtype in LOW_PRECISION:
+        report.low_precision = low_precision_verdict(
+            pair.reference, prompts, references, run, options
+        )
     for index, (prompt, (tokens, ref_logits)) in enumerate(zip(prompts, references, strict=True)):
         result = compare_prompt(
             index,
@@ -545,19 +460,24 @@ def _verify(
             report.atol,
         )
         report.prompts.append(result)
-        if result.near_tie:
+        if result.near_tie and report.low_precision is None:  # else judged by top-k
             report.notes.append(
                 f"prompt {index}: near tie at step {result.first_mismatch} (the "
                 f"reference scores both tokens within atol {report.atol:g}); compared up to it"
             )
 
 
-def vocabulary_size(config: dict[str, Any], names: dict[str, str], reference: nn.Module) -> int:
+def vocabulary_size(
+    config: dict[str, Any], names: dict[str, str], reference: nn.Module | None = None
+) -> int | None:
     """The prompts' token range: the config's vocabulary (``vocab_size``, ChatGLM's
-    ``padded_vocab_size``, ...), else the width of the original's output head."""
+    ``padded_vocab_size``, ...), else the width of the original's output head (None until
+    the original is built)."""
     vocab = lookup(text_config(config)[0], "vocab_size", names)[0]
     if isinstance(vocab, int) and vocab > 0:
         return vocab
+    if reference is None:
+        return None
     head = (
         reference.get_output_embeddings() if hasattr(reference, "get_output_embeddings") else None
     )
@@ -565,6 +485,74 @@ def vocabulary_size(config: dict[str, Any], names: dict[str, str], reference: nn
     if not isinstance(width, int):
         raise BadInputError("cannot tell the vocabulary size: the config names none")
     return width
+
+
+def load_real_pair(
+    converted: ConvertedDir, workdir: Path, options: VerifyOptions, report: VerifyReport
+) -> ModelPair | None:
+    """The original by transformers' ``from_pretrained`` and the converted model by the
+    runtime's loader, both on the directory's weights.
+
+    None (with ``report.error`` set) when the two loaders disagree on a weight.
+    """
+    reference = load_real_reference(converted, workdir, report.notes)
+    model = load_real_converted(converted.directory, options.dtype, options.seed)
+    report.error = weights_differ(reference, model)
+    if report.error:
+        return None
+    return ModelPair(reference=reference, converted=model, converted_dir=converted.directory)
+
+
+def prompts_for(
+    converted: ConvertedDir,
+    config: dict[str, Any],
+    options: VerifyOptions,
+    block_size: int,
+    vocab: int,
+) -> list[list[int]]:
+    """The prompts of ``--prompts FILE``, else generated ones of varied lengths."""
+    names = config_names(converted)
+    if options.prompts_file is None:
+        lengths = prompt_lengths_for(converted.plan, config, options, block_size, names)
+        return make_prompts(lengths, vocab, options.seed)
+    positions = lookup(text_config(config)[0], "max_positions", names)[0]
+    limit = int(positions or 4096) - options.max_new_tokens
+    source = converted.plan.source.path
+    tokenizer_dirs = [converted.directory] + ([Path(source)] if source else [])
+    return read_prompts(
+        options.prompts_file, vocab_size=vocab, max_len=limit, tokenizer_dirs=tokenizer_dirs
+    )
+
+
+def low_precision_verdict(
+    anchor: nn.Module,
+    prompts: list[list[int]],
+    references: list[tuple[list[int], torch.Tensor]],
+    run: DriverRun,
+    options: VerifyOptions,
+):
+    """The noise-floor verdict: the original in the low dtype gives the rounding scale.
+
+    ANCHOR is the original in float32 (REFERENCES its generations, already made); it is cast
+    to the low dtype in place (no second copy of the weights), generates the same prompts,
+    and both low-precision runs are measured against the float32 generations.
+    """
+    from kvskill.runtime.loader import resolve_dtype
+
+    low = anchor.to(resolve_dtype(options.dtype))
+    originals = [reference_generate(low, p, options.max_new_tokens) for p in prompts]
+
+    def generations(pairs) -> list[Generation]:
+        return [Generation(tokens=list(t), logits=list(logits)) for t, logits in pairs]
+
+    return judge(
+        options.dtype,
+        anchor=generations(references),
+        original=generations(originals),
+        converted=generations(zip(run.token_ids, run.logits, strict=True)),
+        ratio_limit=options.drift_ratio,
+        floor_atol=options.atol,
+    )
 
 
 def is_windowed(plan: Plan) -> bool:
@@ -623,6 +611,8 @@ def logit_scale(ref_logits: torch.Tensor, steps: int) -> float:
 
 __all__ = [
     "LOGIT_RTOL",
+    "Checked",
+    "PromptResult",
     "SLIDING_WINDOW",
     "VerifyOptions",
     "VerifyReport",

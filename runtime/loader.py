@@ -331,11 +331,13 @@ def _load_with_transformers_conversions(
     one tensor per expert (``experts.0.gate_proj.weight``); its loader merges them with
     converters that renaming alone cannot do (qwen3_moe, mixtral, deepseek_v3 checkpoints).
     """
-    from transformers.conversion_mapping import (
-        USER_REGISTERED_MAPPINGS,
-        get_checkpoint_conversion_mapping,
-    )
-
+    try:
+        from transformers.conversion_mapping import (
+            USER_REGISTERED_MAPPINGS,
+            get_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4 has no load-time conversions: the mismatch stands
+        raise mismatch from None
     model_type = getattr(config, "model_type", None)
     if not model_type or get_checkpoint_conversion_mapping(model_type) is None:
         raise mismatch
@@ -363,6 +365,16 @@ def _load_with_transformers_conversions(
         raise mismatch
     logger.info("weights: loaded through transformers' %s checkpoint conversions", model_type)
     return model
+
+
+def load_checkpoint_tensors(model: nn.Module, model_dir: Path) -> None:
+    """MODEL_DIR's ``*.safetensors`` into MODEL as ``load_model`` reads them (renamings of
+    transformers and a composite checkpoint's language model included, no converters).
+
+    Raises:
+        WeightsMismatchError: tensors missing, unexpected or of another shape.
+    """
+    _load_safetensors(model, sorted(model_dir.glob("*.safetensors")))
 
 
 def _load_safetensors(model: nn.Module, files: list[Path]) -> None:

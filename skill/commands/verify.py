@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from kvskill.core.errors import BadInputError, ExitCode
 from kvskill.implementer.report import format_table
+from kvskill.implementer.verdict import DRIFT_RATIO
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
     block_size_option,
@@ -22,12 +23,14 @@ from kvskill.options import (
 
 EPILOG = """\b
 Examples:
-  kvskill verify converted/
-  kvskill verify converted/ --format json --no-shrink
+  kvskill verify converted/                  # its real weights if it has some, else a twin
+  kvskill verify converted/ --shrink         # a shrunk random-weight twin
+  kvskill verify converted/ --prompts prompts.txt --dtype bfloat16
   kvskill verify converted/ --kv-layout page_pool
 
 \b
-Exit codes: 0 tokens identical, logits within tolerance and the three chains hold,
+Exit codes: 0 the models agree (float32: tokens identical and logits within tolerance;
+float16/bfloat16: drift within the noise-floor rule) and the three chains hold,
 1 a check failed, 2 bad input (e.g. remote code without --trust-remote-code).
 """
 
@@ -36,9 +39,18 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
 @click.argument("directory", type=existing_dir)
 @click.option(
     "--shrink/--no-shrink",
-    default=True,
-    show_default=True,
-    help="Shrink the config (keeping every structural feature) before comparing.",
+    default=None,
+    help="--shrink: check a shrunk random-weight twin (every structural feature kept). "
+    "--no-shrink: the full config, on the directory's weights if it has some. Default: the "
+    "directory's weights when present and they fit in memory, else the shrunk twin.",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Prompts, one per line: token ids (1,2,3) or text (needs the checkpoint's tokenizer "
+    "files in DIR or its source directory; never downloaded). Replaces --num-prompts.",
 )
 @click.option("--num-prompts", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=8, show_default=True)
@@ -47,7 +59,16 @@ Exit codes: 0 tokens identical, logits within tolerance and the three chains hol
     type=click.FloatRange(min=0, max=1e6),
     default=None,
     help="Absolute logit tolerance (default 1e-4 in float32), plus 16 float32 ulps of the "
-    "largest reference logit.",
+    "largest reference logit. In float16/bfloat16: the atol of the floor added to the allowed drift "
+    "(the same default).",
+)
+@click.option(
+    "--drift-ratio",
+    type=click.FloatRange(min=1, max=1e3),
+    default=DRIFT_RATIO,
+    show_default=True,
+    help="float16/bfloat16: the converted model's drift from the float32 original may be this "
+    "many times the original's own drift in that dtype (plus the floor).",
 )
 @kv_layout_option
 @block_size_option
@@ -60,6 +81,8 @@ def verify(directory: Path, output_format: str, **options) -> int:
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
     if options["atol"] is not None and math.isnan(options["atol"]):
         raise BadInputError("--atol nan is not a tolerance; give a number >= 0")
+    if math.isnan(options["drift_ratio"]):
+        raise BadInputError("--drift-ratio nan is not a ratio; give a number >= 1")
     verify_options = VerifyOptions(
         shrink=options["shrink"],
         num_prompts=options["num_prompts"],
@@ -70,6 +93,8 @@ def verify(directory: Path, output_format: str, **options) -> int:
         seed=options["seed"],
         trust_remote_code=options["trust_remote_code"],
         kv_layout=options["kv_layout"],
+        prompts_file=options["prompts_file"],
+        drift_ratio=options["drift_ratio"],
     )
     # one verify: a standalone output's record names its runner, which drives the model
     report = verify_directory(directory, verify_options)

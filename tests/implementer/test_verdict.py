@@ -1,0 +1,95 @@
+"""The low-precision verdict on hand-made runs: what rounding looks like, and what it is not."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from kvskill.implementer.verdict import DRIFT_RATIO, TOP_K, Generation, judge, measure
+
+VOCAB = 32
+STEPS = 8
+
+
+def _run(tokens: list[int], noise: float, seed: int, offset: float = 0.0) -> Generation:
+    """Greedy TOKENS whose logits are the anchor's plus uniform noise of size NOISE."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = []
+    for token in tokens:
+        base = torch.arange(VOCAB, dtype=torch.float32) / VOCAB  # token 31 best
+        base[token] = 3.0
+        jitter = (torch.rand(VOCAB, generator=generator) * 2 - 1) * noise
+        logits.append(base + jitter + offset * torch.linspace(-1, 1, VOCAB))
+    return Generation(tokens=list(tokens), logits=logits)
+
+
+def _prompts(noise: float, seed: int, offset: float = 0.0) -> list[Generation]:
+    return [_run([p + s for s in range(STEPS)], noise, seed * 10 + p, offset) for p in range(4)]
+
+
+def test_rounding_alone_passes_with_the_ratio_near_one():
+    anchor = _prompts(0.0, 0)
+    verdict = judge("bfloat16", anchor, _prompts(0.02, 1), _prompts(0.02, 2))
+    assert verdict.passed, verdict.failures()
+    assert 0.7 < verdict.ratio < 1.3
+    assert verdict.noise_floor > 0.01 and verdict.floor < 1e-3
+    assert "ratio" in verdict.summary() and "tokens identical" in verdict.summary()
+
+
+def test_a_shift_of_every_step_fails_as_more_than_rounding():
+    anchor = _prompts(0.0, 0)
+    verdict = judge("bfloat16", anchor, _prompts(0.02, 1), _prompts(0.02, 2, offset=0.06))
+    assert not verdict.passed
+    assert verdict.ratio > DRIFT_RATIO
+    assert "more than rounding" in verdict.failures()[0]
+
+
+def test_one_outlying_step_in_the_converted_run_alone_is_rounding():
+    # an MoE router flipping on a near tie in one run and not the other: one step moves far
+    anchor = _prompts(0.0, 0)
+    converted = _prompts(0.02, 2)
+    converted[1].logits[3][5] += 0.9
+    verdict = judge("bfloat16", anchor, _prompts(0.02, 1), converted)
+    assert verdict.converted.max > 0.85
+    steps = verdict.converted.step_drifts
+    assert sum(steps) / len(steps) > verdict.allowed, "a plain mean would fail it"
+    assert verdict.passed, verdict.failures()
+
+
+def test_a_divergence_is_judged_by_the_top_k_of_both_runs():
+    anchor = _prompts(0.0, 0)
+    original = _prompts(0.02, 1)
+    near = _prompts(0.02, 2)
+    # step 2 of prompt 0: the converted run picks the anchor's second best (token 31)
+    near[0].tokens[2:] = [31] * (STEPS - 2)
+    verdict = judge("bfloat16", anchor, original, near)
+    (divergence,) = verdict.tokens
+    assert (divergence.prompt, divergence.step, divergence.token) == (0, 2, 31)
+    assert divergence.within_top_k and verdict.passed, verdict.failures()
+    far = _prompts(0.02, 2)
+    far[0].tokens[2:] = [0] * (STEPS - 2)  # the anchor's worst token
+    verdict = judge("bfloat16", anchor, original, far)
+    assert not verdict.passed
+    assert verdict.tokens[0].rank_in_reference >= TOP_K
+    assert any("top-5" in line for line in verdict.failures())
+
+
+def test_a_step_without_logits_cannot_pass():
+    anchor = _prompts(0.0, 0)
+    converted = _prompts(0.0, 0)
+    converted[2] = Generation(tokens=converted[2].tokens, logits=converted[2].logits[:3])
+    verdict = judge("float16", anchor, _prompts(0.01, 1), converted)
+    assert math.isinf(verdict.drift) and not verdict.passed
+    assert verdict.failures()
+
+
+def test_drift_is_compared_up_to_the_first_divergence_from_the_anchor():
+    anchor = _prompts(0.0, 0)
+    side = _prompts(0.0, 0)
+    side[0].tokens[4:] = [31] * (STEPS - 4)
+    for step in range(5, STEPS):  # after the divergence the runs are not comparable
+        side[0].logits[step] = side[0].logits[step] + 100
+    drift = measure(anchor, side)
+    assert len(drift.step_drifts) == 4 * STEPS - (STEPS - 5)
+    assert drift.max < 1e-6
+    assert [(d.prompt, d.step) for d in drift.divergences] == [(0, 4)]

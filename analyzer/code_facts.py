@@ -55,7 +55,9 @@ def code_facts(code: CodeView, source: ModelSource) -> dict[str, Any]:
         "linear_attention_classes": list(roles.linear_attention),
         "cache_update_line": update.line if update else None,
         "attention_interface_line": _line(primary, "attention_call"),
-        "cache_api": _cache_api(update.receiver if update else None),
+        "cache_api": "tuple_cat"
+        if update and update.callee == "cat"
+        else _cache_api(update.receiver if update else None),
         "cache_update_source": facts.where(update.line) if update else None,
     }
     _converted(facts, result)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.analyzer.gather import classify_call, dotted_name
+from kvskill.analyzer.gather import cache_cat_growth, classify_call, dotted_name
 from kvskill.core.errors import UnsupportedModelError
 
 _SINK_NAMES = ("sinks", "s_aux", "learnable_sink", "attention_sinks")
@@ -281,6 +281,20 @@ class _Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         if self.cls is None:
             return
+        if self.method is not None and cache_cat_growth(node) is not None:
+            # a tuple cache grown with torch.cat: the cache write of 4.x-era vendor files
+            snippet = self.module.code_for_node(node).strip().splitlines()[0]
+            nth = self.seen.get(snippet, 0)
+            self.seen[snippet] = nth + 1
+            self.cls.calls.append(
+                CallFact(
+                    kind="cache_update",
+                    callee="cat",
+                    receiver=dotted_name(cst.ensure_type(node.value, cst.Call).func),
+                    method=self.method,
+                    line=self.locator.occurrence(snippet, self.method_line, nth),
+                )
+            )
         if self.method == "__init__" and self.cls.sliding_kv_head_factor is None:
             factor = _sliding_head_factor(node)
             if factor is not None:

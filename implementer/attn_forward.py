@@ -14,7 +14,8 @@ import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.facts import CacheLayout, KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import ConversionSpec
 
@@ -84,6 +85,16 @@ class AttentionForwardCommand(AttentionForwardRewrite):
     def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
         return fa_kwargs(self.spec, seam)
 
+    def visit_Module(self, node: cst.Module) -> bool:
+        #: whether a converted forward sizes a rotary table with seq_len= (rotary.py)
+        self.sized_rotary = False
+        return True
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        if not self.sized_rotary:
+            return updated_node
+        return with_helper(updated_node, self.parser_config())
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         seam = attention_facts(original).seam
         assert seam is not None, "the pipeline validates attention facts first"
@@ -104,7 +115,18 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             op=FA_OPS[self.spec.fa_version],
             kwargs=self.fa_kwargs(seam),
         )
-        return splice_seam(forward, seam, new)
+        forward, sized = cover_positions(splice_seam(forward, seam, new))
+        self.sized_rotary = self.sized_rotary or sized
+        return forward
+
+
+#: what brings a tensor of each layout to [T, N, D]-ready order ([b=1, s, h, d] or [s, b=1, ..])
+#: before ``.reshape(-1, N, D)``
+TO_TOKENS_FIRST = {
+    CacheLayout.BHSD: ".transpose(1, 2)",
+    CacheLayout.BSHD: "",
+    CacheLayout.SBHD: ".transpose(0, 1)",
+}
 
 
 def seam_values(seam: SeamFacts) -> dict:
@@ -115,7 +137,8 @@ def seam_values(seam: SeamFacts) -> dict:
         "value": seam.value,
         "output": seam.targets[0],
         "bnsd": seam.style is KernelStyle.SDPA,
-        "extra_outputs": [t for t in seam.targets[1:] if t != "_"],
+        "to_tnd": TO_TOKENS_FIRST[seam.layout],
+        "extra_outputs": [t for t in seam.targets[1:] if t != "_"] + list(seam.nulled),
     }
 
 

@@ -12,9 +12,9 @@ from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     FA_CALL,
     attention_facts,
+    causal_lm_classes,
     class_assigns,
     is_attention_class,
-    is_causal_lm_class,
     m,
 )
 from kvskill.implementer.mla.facts import mla_attention_facts
@@ -32,7 +32,7 @@ def check_attention_module(
     """
     classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
     attention = [c for c in classes if is_attention_class(c)]
-    heads = [c for c in classes if is_causal_lm_class(c)]
+    heads = causal_lm_classes(module, spec.causal_lm_class)
     problems = list(problems)
     if not attention:
         problems.append(
@@ -41,7 +41,10 @@ def check_attention_module(
             "scaled_dot_product_attention)"
         )
     if not heads:
-        problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
+        problems.append(
+            "no causal-LM class found (a class whose __init__ assigns self.lm_head or a Linear "
+            "to the vocabulary, or the class auto_map's AutoModelForCausalLM names)"
+        )
     for cls in attention:
         facts = attention_facts(cls)
         problems.extend(facts.problems)
@@ -77,7 +80,7 @@ def check_mla_module(
             "no attention class found (a module whose forward writes the latent with "
             "`<cache>.update(latent, rope_key, self.layer_idx, ...)` and then calls attention)"
         )
-    if not any(is_causal_lm_class(c) for c in classes.values()):
+    if not causal_lm_classes(module):
         problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
     for cls in attention:
         if class_assigns(cls, CACHE_ENTRIES_ASSIGN):

@@ -17,6 +17,7 @@ from enum import Enum
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import (
+    CACHE_CAT_ASSIGN,
     CACHE_ENTRIES_ASSIGN,
     CACHE_UPDATE_CALL,
     FA_CALL,
@@ -24,6 +25,8 @@ from kvskill.analyzer.gather import (
     LM_HEAD_ASSIGN,
     SDPA_CALL,
     STATE_ENTRIES_ASSIGN,
+    cache_cat_growths,
+    causal_lm_classes,
     class_assigns,
     is_attention_class,
     is_causal_lm_class,
@@ -40,6 +43,35 @@ class KernelStyle(str, Enum):
     INTERFACE = "interface"
     #: ``scaled_dot_product_attention(q, k, v, ...)`` returning ``[B, N, S, D]``
     SDPA = "sdpa"
+
+
+class CacheLayout(str, Enum):
+    """Axis order of the keys and values where the source writes its cache; decides how the
+    seam flattens query, key and value to TND ([T, N, D]) with the batch of one."""
+
+    #: ``[b, h, s, d]``: transformers' cache and the tuple caches grown along dim 2
+    BHSD = "bhsd"
+    #: ``[b, s, h, d]``: tuple caches grown along dim 1 (Qwen-7B style)
+    BSHD = "bshd"
+    #: ``[s, b, h, d]``: tuple caches grown along dim 0 (ChatGLM style)
+    SBHD = "sbhd"
+
+
+#: the sequence axis of a 4-d tensor -> its layout
+_LAYOUT_OF_SEQ_DIM = {2: CacheLayout.BHSD, 1: CacheLayout.BSHD, 0: CacheLayout.SBHD}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheWriteFacts:
+    """Where the forward writes its KV cache: the top-level statement, this step's key and
+    value (the names the write consumes) and the layout they have there."""
+
+    index: int
+    key: str
+    value: str
+    layout: CacheLayout
+    #: "update" (``<cache>.update(k, v, idx)``) or "cat" (a tuple grown with ``torch.cat``)
+    kind: str
 
 
 def code(node: cst.CSTNode) -> str:
@@ -63,6 +95,11 @@ class SeamFacts:
     sinks: str | None
     #: assignment targets of the kernel call, e.g. ["attn_output", "attn_weights"]
     targets: list[str]
+    #: axis order of query/key/value where the seam starts
+    layout: CacheLayout = CacheLayout.BHSD
+    #: names the seam defines that later code reads but that only carry the source's own
+    #: cache (``present = (k, v) if use_cache else None``): None in the converted forward
+    nulled: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -108,17 +145,54 @@ def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | Non
     return None
 
 
-def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
-    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWriteFacts | None:
+    """The forward's cache write: ``<cache>.update(key, value, layer_idx, ...)`` (``[b, h, s,
+    d]``), else a tuple cache grown in one statement by ``key = torch.cat([<past>, key],
+    dim=d)`` and the same for value, whose ``d`` is the sequence axis and so the layout.
+    None when there is none; a problem when the concatenation cannot be read as a KV write."""
     update_index = _top_index(body, CACHE_UPDATE_CALL)
-    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL)
-    if update_index is None or kernel_index is None or kernel_index < update_index:
+    cat_index = _top_index(body, CACHE_CAT_ASSIGN)
+    if update_index is not None and (cat_index is None or update_index <= cat_index):
+        update = cst.ensure_type(m.findall(body.body[update_index], CACHE_UPDATE_CALL)[0], cst.Call)
+        return CacheWriteFacts(
+            index=update_index,
+            key=code(update.args[0].value),
+            value=code(update.args[1].value),
+            layout=CacheLayout.BHSD,
+            kind="update",
+        )
+    if cat_index is None:
+        return None
+    growths = cache_cat_growths(body.body[cat_index])
+    names = [name for name, _ in growths]
+    dims = {dim + 4 if dim < 0 else dim for _, dim in growths}
+    if len(growths) != 2 or len(set(names)) != 2 or len(dims) != 1:
         facts.problems.append(
-            f"{facts.name}.forward does not write the cache before calling attention"
+            f"{facts.name}.forward grows its cache with torch.cat, but not as one key and one "
+            f"value along the same axis ({', '.join(names)})"
         )
         return None
-    update = m.findall(body.body[update_index], CACHE_UPDATE_CALL)[0]
-    assert isinstance(update, cst.Call)
+    layout = _LAYOUT_OF_SEQ_DIM.get(dims.pop())
+    if layout is None:
+        facts.problems.append(
+            f"{facts.name}.forward concatenates its cache along dim {growths[0][1]}, which is "
+            "not the sequence axis of a [b, h, s, d], [b, s, h, d] or [s, b, h, d] layout"
+        )
+        return None
+    return CacheWriteFacts(index=cat_index, key=names[0], value=names[1], layout=layout, kind="cat")
+
+
+def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
+    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+    write = cache_write_facts(facts, body)
+    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL)
+    if write is None or kernel_index is None or kernel_index < write.index:
+        if write is not None or not facts.problems:
+            facts.problems.append(
+                f"{facts.name}.forward does not write the cache before calling attention"
+            )
+        return None
+    update_index = write.index
     stmt = body.body[kernel_index]
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
     if not isinstance(assign, (cst.Assign, cst.AnnAssign)) or not isinstance(
@@ -141,19 +215,92 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
     if not targets:
         facts.problems.append(f"{facts.name}.forward assigns attention output to a non-name")
         return None
+    inside = list(body.body[update_index:kernel_index])
+    query = code(positional[offset])
+    if write.kind == "cat":
+        # the seam is replaced wholesale, so the query it reads is the name as it stood
+        # before the seam (vendors permute it to the kernel's layout inside the seam)
+        query = _name_before(positional[offset], inside)
     seam = SeamFacts(
         update_index=update_index,
         kernel_index=kernel_index,
         style=style,
-        query=code(positional[offset]),
-        key=code(update.args[0].value),
-        value=code(update.args[1].value),
+        query=query,
+        key=write.key,
+        value=write.value,
         scale=keywords.get("scaling") or keywords.get("scale"),
         sinks=keywords.get("s_aux") or keywords.get("sinks"),
         targets=targets,
+        layout=write.layout,
+        nulled=(
+            _cache_only_names(body, update_index, kernel_index, {write.key, write.value})
+            if write.kind == "cat"
+            else []
+        ),
     )
     _check_seam_names(facts, body, seam)
     return seam
+
+
+def _root_name(node: cst.BaseExpression) -> str | None:
+    """``q`` of ``q``, ``q.permute(...)``, ``q[...]``, ``q.transpose(1, 2).contiguous()``."""
+    while True:
+        if isinstance(node, cst.Name):
+            return node.value
+        if isinstance(node, cst.Attribute):
+            node = node.value
+        elif isinstance(node, cst.Call):
+            node = node.func
+        elif isinstance(node, cst.Subscript):
+            node = node.value
+        else:
+            return None
+
+
+def _name_before(expr: cst.BaseExpression, inside: list[cst.BaseStatement]) -> str:
+    """The name EXPR's tensor had before the seam, following ``q2 = q.transpose(...)``
+    renames inside it backwards; the expression's own text when it has no root name."""
+    name = _root_name(expr)
+    if name is None:
+        return code(expr)
+    for stmt in reversed(inside):
+        for assign in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(name))])):
+            source = _root_name(cst.ensure_type(assign, cst.Assign).value)
+            if source is not None and source != name:
+                name = source
+    return name
+
+
+def _packs_cache(value: cst.BaseExpression, cache_names: set[str]) -> bool:
+    """``None``, ``(k, v)`` of cache names, or a conditional of those."""
+    if m.matches(value, m.Name("None")):
+        return True
+    if isinstance(value, cst.Tuple):
+        return bool(value.elements) and all(
+            isinstance(e.value, cst.Name) and e.value.value in cache_names for e in value.elements
+        )
+    if isinstance(value, cst.IfExp):
+        return _packs_cache(value.body, cache_names) and _packs_cache(value.orelse, cache_names)
+    return False
+
+
+def _cache_only_names(
+    body: cst.IndentedBlock, start: int, end: int, cache_names: set[str]
+) -> list[str]:
+    """Names the seam assigns only the source's own cache to (``present = (k, v) if use_cache
+    else None``) and later code reads: the paged cache replaces them, so they become None."""
+    inside = list(body.body[start:end])
+    after = list(body.body[end + 1 :])
+    nulled = []
+    for name in sorted(_assigned_names(inside) & _used_names(after)):
+        assigns = [
+            cst.ensure_type(a, cst.Assign)
+            for stmt in inside
+            for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(name))]))
+        ]
+        if assigns and all(_packs_cache(a.value, cache_names) for a in assigns):
+            nulled.append(name)
+    return nulled
 
 
 def _targets(assign: cst.Assign | cst.AnnAssign) -> list[str]:
@@ -187,7 +334,7 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
     inside = list(body.body[seam.update_index : seam.kernel_index])
     after = list(body.body[seam.kernel_index + 1 :])
     leaked = (_assigned_names(inside) - set(seam.targets)) & _used_names(after)
-    leaked -= {seam.key, seam.value, seam.query}
+    leaked -= {seam.key, seam.value, seam.query, *seam.nulled}
     tiled = m.Call(
         func=m.Attribute(value=m.Name(seam.key) | m.Name(seam.value), attr=m.Name("repeat"))
     )
@@ -212,9 +359,13 @@ __all__ = [
     "SDPA_CALL",
     "STATE_ENTRIES_ASSIGN",
     "AttentionFacts",
+    "CacheLayout",
+    "CacheWriteFacts",
     "KernelStyle",
     "SeamFacts",
     "attention_facts",
+    "cache_write_facts",
+    "causal_lm_classes",
     "class_assigns",
     "code",
     "is_attention_class",

@@ -40,6 +40,7 @@ from kvskill.core.trust import require_trust
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference, load_original_weights
+from kvskill.implementer.reference_drive import drives_own_tuple_cache, tuple_cache_generate
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.verify_driver import VerifyDriver
 from kvskill.runtime.layout import KV_LAYOUTS
@@ -492,10 +493,9 @@ def _verify(
     lengths = prompt_lengths_for(plan, config, options, report.block_size)
     vocab = int(text_config(config)[0]["vocab_size"])
     prompts = make_prompts(lengths, vocab, options.seed)
+    drive = tuple_cache_generate if drives_own_tuple_cache(plan.code) else reference_generate
     try:
-        references = [
-            reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
-        ]
+        references = [drive(pair.reference, p, options.max_new_tokens) for p in prompts]
     except Exception as exc:  # the original model's own code fails on this config
         which = "the shrunk config (try --no-shrink)" if options.shrink else "its config"
         raise BadInputError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -238,14 +239,17 @@ class LLMEngine:
     def _forward(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
     ) -> Tensor:
+        keeps = takes_logits_to_keep(self.model)
+        extra = {"logits_to_keep": logits_indices} if keeps else {}
         with torch.inference_mode(), forward_context(md):
             out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=logits_indices,
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             )
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+        if not keeps and isinstance(logits, Tensor) and logits.dim() == 3:
+            # a forward without logits_to_keep (vendor code of transformers 4.3x) returns
+            # every token's logits: keep the rows the step samples from
+            logits = logits[:, logits_indices]
         expected = (1, logits_indices.numel())
         if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
             raise RuntimeError(
@@ -300,3 +304,13 @@ class LLMEngine:
         stats.num_generated_tokens += len(sampled) - sampled.count(None)
         stats.num_preemptions += len(output.preempted)
         stats.forward_s += forward_s
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether MODEL's forward names a ``logits_to_keep`` parameter (transformers >= 4.45
+    heads do; vendor heads written for older versions take only ``**kwargs`` or nothing)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "logits_to_keep" in params

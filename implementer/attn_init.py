@@ -94,7 +94,10 @@ def init_values(
         "config": config,
         "attn_tp_size": spec.attn_tp_size,
         "heads_expr": head_count_expr(cls, config, "num_attention_heads"),
-        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads"),
+        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads")
+        if spec.config_has_kv_heads
+        # MHA vendor configs (Qwen-7B, Baichuan) have no KV-head count: every head has its own
+        else f'(getattr({config}, "num_key_value_heads", None) or {config}.num_attention_heads)',
         "windowed": windowed,
         "window_expr": "",
         "head_dim_expr": "self.head_dim"

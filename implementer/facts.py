@@ -195,6 +195,8 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
     update_index = write.index
     stmt = body.body[kernel_index]
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
+    if isinstance(stmt, cst.If):
+        assign = _branch_kernel_assign(stmt)
     if not isinstance(assign, (cst.Assign, cst.AnnAssign)) or not isinstance(
         assign.value, cst.Call
     ):
@@ -240,6 +242,34 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
     )
     _check_seam_names(facts, body, seam)
     return seam
+
+
+def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
+    """The kernel assignment of an ``if``/``else`` whose every branch assigns the same targets
+    from the same attention call on the same query, key and value, differing only in how it
+    masks (ChatGLM: ``is_causal=True`` without a mask, else the mask): the fused operator
+    masks by itself, so the branches are one kernel call. None for any other ``if``."""
+    assigns = [
+        cst.ensure_type(a, cst.Assign)
+        for a in m.findall(stmt, m.Assign(value=INTERFACE_CALL | SDPA_CALL))
+    ]
+    branches, node = 0, stmt
+    while isinstance(node, cst.If):
+        branches += 1
+        node = node.orelse.body if isinstance(node.orelse, cst.Else) else node.orelse
+    if node is None or not assigns or len(assigns) != branches + 1:
+        return None
+    first = assigns[0]
+
+    def signature(assign: cst.Assign) -> tuple[str, list[str], str | None]:
+        call = cst.ensure_type(assign.value, cst.Call)
+        positional = [code(a.value) for a in call.args if a.keyword is None][:3]
+        keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
+        return code(assign.targets[0].target), positional, keywords.get("scale")
+
+    if any(signature(a) != signature(first) for a in assigns[1:]):
+        return None
+    return first
 
 
 def _root_name(node: cst.BaseExpression) -> str | None:

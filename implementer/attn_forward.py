@@ -14,7 +14,7 @@ import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.facts import BNSD_STYLES, SeamFacts, attention_facts, module_classes
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import ConversionSpec
 
@@ -84,8 +84,12 @@ class AttentionForwardCommand(AttentionForwardRewrite):
     def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
         return fa_kwargs(self.spec, seam)
 
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.classes = module_classes(node)
+        return True
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        seam = attention_facts(original).seam
+        seam = attention_facts(original, self.classes).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
         body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
@@ -114,7 +118,7 @@ def seam_values(seam: SeamFacts) -> dict:
         "key": seam.key,
         "value": seam.value,
         "output": seam.targets[0],
-        "bnsd": seam.style is KernelStyle.SDPA,
+        "bnsd": seam.style in BNSD_STYLES,
         "extra_outputs": [t for t in seam.targets[1:] if t != "_"],
     }
 

@@ -8,6 +8,8 @@ is, so each of those is decided here, once:
 * :func:`classify_call` names the kind of a call (a KV-cache update, the fused attention, a
   cache-write operator, an attention kernel, a recurrent-state kernel);
 * the matchers (``FA_CALL``, ``CACHE_UPDATE_CALL``, ...) are built from the same names;
+* :func:`matmul_attention` finds hand-written attention (``matmul`` of query and transposed
+  keys, a softmax, ``matmul`` with the values), as transformers 4 eager classes write it;
 * :func:`is_attention_class` and :func:`is_causal_lm_class` are the class rules.
 
 A class is recognised by what its methods do, never by its name.
@@ -131,6 +133,15 @@ SDPA_CALL = m.Call(
     func=m.Name("scaled_dot_product_attention")
     | m.Attribute(attr=m.Name("scaled_dot_product_attention"))
 )
+#: ``_flash_attention_forward(q, k, v, mask, q_len, ...)``: transformers 4's flash helper, which
+#: takes and returns ``[B, S, N, D]``
+FLASH_CALL = m.Call(
+    func=m.Name("_flash_attention_forward") | m.Attribute(attr=m.Name("_flash_attention_forward"))
+)
+#: ``torch.matmul(a, b)`` under any import spelling
+MATMUL_CALL = m.Call(func=m.Name("matmul") | m.Attribute(attr=m.Name("matmul")))
+#: ``softmax(...)`` as a function (``F.softmax``, ``torch.softmax``) or a tensor method
+SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
 FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
 #: ``self.cache_entries = ...``: the class declares its paged caches
@@ -238,17 +249,63 @@ def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
     return init is not None and bool(m.findall(init, matcher))
 
 
+def _assigned_call(stmt: cst.BaseStatement) -> tuple[str, cst.BaseExpression] | None:
+    """(target name, value) of a one-statement line ``name = <expr>``, else None."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    assign = stmt.body[0]
+    if not isinstance(assign, cst.Assign) or len(assign.targets) != 1:
+        return None
+    target = assign.targets[0].target
+    return (target.value, assign.value) if isinstance(target, cst.Name) else None
+
+
+def scores_matmul(value: cst.BaseExpression) -> cst.Call | None:
+    """The ``matmul(query, key.transpose(...))`` a score assignment computes, optionally
+    multiplied or divided by a scale, else None."""
+    if isinstance(value, cst.BinaryOperation) and isinstance(
+        value.operator, (cst.Multiply, cst.Divide)
+    ):
+        value = value.left
+    if not m.matches(value, MATMUL_CALL):
+        return None
+    call = cst.ensure_type(value, cst.Call)
+    if len(call.args) != 2:
+        return None
+    key = call.args[1].value
+    transposed = m.Call(func=m.Attribute(attr=m.Name("transpose"))) | m.Attribute(attr=m.Name("mT"))
+    return call if m.matches(key, transposed) else None
+
+
+def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
+    """(scores index, output index) of hand-written attention among the top-level statements
+    of BODY: ``w = matmul(q, k.transpose(...)) [* or / scale]``, then a statement with a
+    softmax, then ``o = matmul(w, v)``; else None."""
+    stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
+    for first, stmt in enumerate(stmts):
+        assigned = _assigned_call(stmt)
+        if assigned is None or scores_matmul(assigned[1]) is None:
+            continue
+        softmax = False
+        for index in range(first + 1, len(stmts)):
+            softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
+            found = _assigned_call(stmts[index])
+            if softmax and found is not None and m.matches(found[1], MATMUL_CALL):
+                return first, index
+    return None
+
+
 def is_attention_class(cls: cst.ClassDef) -> bool:
-    """A class whose forward writes a KV cache and calls an attention kernel, or one already
-    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
+    """A class whose forward writes a KV cache and calls an attention kernel (or computes
+    attention by hand, :func:`matmul_attention`), or one already converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
     if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
         return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
     forward = method(cls, "forward")
     if forward is None:
         return False
     has_update = bool(m.findall(forward, CACHE_WRITE))
-    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
-    return has_update and has_kernel
+    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL))
+    return has_update and (has_kernel or matmul_attention(forward.body) is not None)
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:

@@ -14,7 +14,13 @@ import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import CacheLayout, KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.facts import (
+    BNSD_STYLES,
+    CacheLayout,
+    SeamFacts,
+    attention_facts,
+    module_classes,
+)
 from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import ConversionSpec
@@ -86,6 +92,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         return fa_kwargs(self.spec, seam)
 
     def visit_Module(self, node: cst.Module) -> bool:
+        self.classes = module_classes(node)
         #: whether a converted forward sizes a rotary table with seq_len= (rotary.py)
         self.sized_rotary = False
         return True
@@ -96,7 +103,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         return with_helper(updated_node, self.parser_config())
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        seam = attention_facts(original).seam
+        seam = attention_facts(original, self.classes).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
         body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
@@ -136,7 +143,7 @@ def seam_values(seam: SeamFacts) -> dict:
         "key": seam.key,
         "value": seam.value,
         "output": seam.targets[0],
-        "bnsd": seam.style is KernelStyle.SDPA,
+        "bnsd": seam.style in BNSD_STYLES,
         "to_tnd": TO_TOKENS_FIRST[seam.layout],
         "extra_outputs": [t for t in seam.targets[1:] if t != "_"] + list(seam.nulled),
     }

@@ -16,6 +16,7 @@ from kvskill.implementer.facts import (
     class_assigns,
     is_attention_class,
     m,
+    module_classes,
 )
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
@@ -45,8 +46,9 @@ def check_attention_module(
             "no causal-LM class found (a class whose __init__ assigns self.lm_head or a Linear "
             "to the vocabulary, or the class auto_map's AutoModelForCausalLM names)"
         )
+    in_file = module_classes(module)
     for cls in attention:
-        facts = attention_facts(cls)
+        facts = attention_facts(cls, in_file)
         problems.extend(facts.problems)
         if facts.converted or m.findall(cls, FA_CALL):
             continue

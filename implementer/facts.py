@@ -21,6 +21,7 @@ from kvskill.analyzer.gather import (
     CACHE_ENTRIES_ASSIGN,
     CACHE_UPDATE_CALL,
     FA_CALL,
+    FLASH_CALL,
     INTERFACE_CALL,
     LM_HEAD_ASSIGN,
     SDPA_CALL,
@@ -30,6 +31,8 @@ from kvskill.analyzer.gather import (
     class_assigns,
     is_attention_class,
     is_causal_lm_class,
+    matmul_attention,
+    scores_matmul,
 )
 from kvskill.analyzer.gather import method as _method
 
@@ -43,6 +46,14 @@ class KernelStyle(str, Enum):
     INTERFACE = "interface"
     #: ``scaled_dot_product_attention(q, k, v, ...)`` returning ``[B, N, S, D]``
     SDPA = "sdpa"
+    #: hand-written ``matmul(q, k^T) * scale`` -> softmax -> ``matmul(w, v)``, ``[B, N, S, D]``
+    MATMUL = "matmul"
+    #: transformers 4's ``_flash_attention_forward(q, k, v, ...)`` returning ``[B, S, N, D]``
+    FLASH = "flash"
+
+
+#: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
+BNSD_STYLES = frozenset({KernelStyle.SDPA, KernelStyle.MATMUL})
 
 
 class CacheLayout(str, Enum):
@@ -118,18 +129,67 @@ def _params(func: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in func.params.params]
 
 
-def attention_facts(cls: cst.ClassDef) -> AttentionFacts:
-    """Gather what the attention codemods need; ``problems`` lists what blocks a rewrite."""
-    facts = AttentionFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
-    init = _method(cls, "__init__")
-    if init is None:
+#: ``super().__init__(...)`` (also ``super(Cls, self).__init__(...)``)
+SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+
+
+def module_classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    """The top-level classes of MODULE by name (what a class's in-file bases are looked up in)."""
+    return {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
+
+
+def _file_base(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+    """CLS's first base when it is a class of the same file, else None."""
+    for base in cls.bases:
+        if isinstance(base.value, cst.Name) and base.value.value in classes:
+            return classes[base.value.value]
+    return None
+
+
+def init_owner(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+    """The class whose ``__init__`` declares CLS's caches; None when CLS has no ``__init__`` of
+    its own or from an attention class of the file.
+
+    transformers 4 attention families share one ``__init__``: ``XSdpaAttention(XAttention)``
+    overrides only ``forward``, ``XFlashAttention2(XAttention)`` has an ``__init__`` that calls
+    ``super().__init__``. Their caches are declared once, in ``XAttention.__init__``; every
+    variant's forward still gets its own seam.
+    """
+    seen: set[str] = set()
+    while cls.name.value not in seen:
+        seen.add(cls.name.value)
+        init = _method(cls, "__init__")
+        base = _file_base(cls, classes)
+        if base is None or not is_attention_class(base):
+            return cls if init is not None else None
+        if init is not None and not m.findall(init, SUPER_INIT):
+            return cls
+        cls = base
+    return None
+
+
+def attention_facts(
+    cls: cst.ClassDef, classes: dict[str, cst.ClassDef] | None = None
+) -> AttentionFacts:
+    """Gather what the attention codemods need; ``problems`` lists what blocks a rewrite.
+
+    CLASSES (the file's classes, :func:`module_classes`) lets a variant of an attention family
+    take its ``__init__`` facts from the base that owns them (:func:`init_owner`).
+    """
+    owner = init_owner(cls, classes or {})
+    facts = AttentionFacts(
+        name=cls.name.value, converted=class_assigns(owner or cls, CACHE_ENTRIES_ASSIGN)
+    )
+    if owner is None:
         facts.problems.append(f"{facts.name} has no __init__")
         return facts
+    init = _method(owner, "__init__")
+    assert init is not None, "init_owner returns a class with an __init__"
     params = _params(init)[1:]
     facts.config_param = "config" if "config" in params else (params[0] if params else None)
     facts.layer_idx_param = next((p for p in params if "layer_idx" in p), None)
     if facts.config_param is None:
-        facts.problems.append(f"{facts.name}.__init__ takes no config")
+        facts.problems.append(f"{owner.name.value}.__init__ takes no config")
     forward = _method(cls, "forward")
     if forward is None:
         facts.problems.append(f"{facts.name} has no forward")
@@ -185,14 +245,72 @@ def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWr
 def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
     body = cst.ensure_type(forward.body, cst.IndentedBlock)
     write = cache_write_facts(facts, body)
-    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL)
-    if write is None or kernel_index is None or kernel_index < write.index:
+    position = _kernel_position(body)
+    if write is None or position is None or position[0] < write.index:
         if write is not None or not facts.problems:
             facts.problems.append(
                 f"{facts.name}.forward does not write the cache before calling attention"
             )
         return None
-    update_index = write.index
+    kernel = _kernel_facts(facts, body, *position)
+    if kernel is None:
+        return None
+    query = kernel.query
+    if write.kind == "cat":
+        # the seam is replaced wholesale, so the query it reads is the name as it stood
+        # before the seam (vendors permute it to the kernel's layout inside the seam)
+        inside = list(body.body[write.index : kernel.index])
+        query = _name_before(cst.parse_expression(kernel.query), inside)
+    seam = SeamFacts(
+        update_index=write.index,
+        kernel_index=kernel.index,
+        style=kernel.style,
+        query=query,
+        key=write.key,
+        value=write.value,
+        scale=kernel.scale,
+        sinks=kernel.sinks,
+        targets=kernel.targets,
+        layout=write.layout,
+        nulled=(
+            _cache_only_names(body, write.index, kernel.index, {write.key, write.value})
+            if write.kind == "cat"
+            else []
+        ),
+    )
+    _check_seam_names(facts, body, seam)
+    return seam
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Kernel:
+    """How the forward runs attention (the end of the seam)."""
+
+    #: the statement that computes the attention output (the seam's last statement)
+    index: int
+    style: KernelStyle
+    query: str
+    scale: str | None
+    sinks: str | None
+    targets: list[str]
+
+
+def _kernel_position(body: cst.IndentedBlock) -> tuple[int, int] | None:
+    """(first, last) top-level statement of the attention kernel: one call (an attention
+    interface, SDPA, transformers 4's flash helper), or the scores through the output of
+    hand-written matmul attention; None when the forward has neither."""
+    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL | FLASH_CALL)
+    if kernel_index is not None:
+        return kernel_index, kernel_index
+    return matmul_attention(body)
+
+
+def _kernel_facts(
+    facts: AttentionFacts, body: cst.IndentedBlock, first_index: int, kernel_index: int
+) -> _Kernel | None:
+    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say."""
+    if first_index != kernel_index:
+        return _matmul_kernel(facts, body, first_index, kernel_index)
     stmt = body.body[kernel_index]
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
     if isinstance(stmt, cst.If):
@@ -206,7 +324,12 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
         )
         return None
     call = assign.value
-    style = KernelStyle.SDPA if m.matches(call, SDPA_CALL) else KernelStyle.INTERFACE
+    if m.matches(call, SDPA_CALL):
+        style = KernelStyle.SDPA
+    elif m.matches(call, FLASH_CALL):
+        style = KernelStyle.FLASH
+    else:
+        style = KernelStyle.INTERFACE
     positional = [a.value for a in call.args if a.keyword is None and a.star == ""]
     offset = 1 if style is KernelStyle.INTERFACE else 0
     keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
@@ -217,31 +340,78 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
     if not targets:
         facts.problems.append(f"{facts.name}.forward assigns attention output to a non-name")
         return None
-    inside = list(body.body[update_index:kernel_index])
-    query = code(positional[offset])
-    if write.kind == "cat":
-        # the seam is replaced wholesale, so the query it reads is the name as it stood
-        # before the seam (vendors permute it to the kernel's layout inside the seam)
-        query = _name_before(positional[offset], inside)
-    seam = SeamFacts(
-        update_index=update_index,
-        kernel_index=kernel_index,
+    scale = keywords.get("scaling") or keywords.get("scale")
+    if style is KernelStyle.FLASH:
+        # the helper's own keyword; its default (None) is head_dim ** -0.5, as the seam's
+        scale = keywords.get("softmax_scale")
+    return _Kernel(
+        index=kernel_index,
         style=style,
-        query=query,
-        key=write.key,
-        value=write.value,
-        scale=keywords.get("scaling") or keywords.get("scale"),
+        query=code(positional[offset]),
+        scale=scale,
         sinks=keywords.get("s_aux") or keywords.get("sinks"),
         targets=targets,
-        layout=write.layout,
-        nulled=(
-            _cache_only_names(body, update_index, kernel_index, {write.key, write.value})
-            if write.kind == "cat"
-            else []
-        ),
     )
-    _check_seam_names(facts, body, seam)
-    return seam
+
+
+#: on the scores, a soft cap (``tanh``) the fused operator has no input for
+_SOFT_CAP = m.Call(func=m.Name("tanh") | m.Attribute(attr=m.Name("tanh")))
+
+
+def _matmul_kernel(
+    facts: AttentionFacts, body: cst.IndentedBlock, scores_index: int, output_index: int
+) -> _Kernel | None:
+    """Hand-written attention: ``w = matmul(q, k^T) [* s | / s]``, an additive mask, a softmax
+    (maybe upcast), dropout, ``o = matmul(w, v)``. The mask and dropout are the runtime's and
+    inference's business; anything else done to the scores cannot be expressed by the fused
+    operator and is refused with the reason."""
+    scores_stmt = cst.ensure_type(body.body[scores_index], cst.SimpleStatementLine)
+    assign = cst.ensure_type(scores_stmt.body[0], cst.Assign)
+    weights = cst.ensure_type(assign.targets[0].target, cst.Name).value
+    product = scores_matmul(assign.value)
+    assert product is not None, "matmul_attention found these scores"
+    between = list(body.body[scores_index + 1 : output_index])
+    if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
+        facts.problems.append(
+            f"{facts.name}.forward soft-caps its attention scores (tanh); the fused operator "
+            "has no soft-capping input"
+        )
+        return None
+    rescaled = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.MultiplyAssign() | m.DivideAssign())
+    if any(m.findall(stmt, rescaled) for stmt in between):
+        facts.problems.append(
+            f"{facts.name}.forward rescales its attention scores after the product; the fused "
+            "operator takes one softmax scale"
+        )
+        return None
+    value = assign.value
+    if isinstance(value, cst.BinaryOperation):
+        factor = code(value.right)
+        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / ({factor})"
+        if isinstance(value.operator, cst.Divide) and isinstance(
+            value.right, (cst.Name, cst.Attribute, cst.Call)
+        ):
+            scale = f"1 / {factor}"
+    else:
+        scale = "1.0"  # the source applies no scale to q.k
+    output = _assigned_name(body.body[output_index])
+    return _Kernel(
+        index=output_index,
+        style=KernelStyle.MATMUL,
+        query=code(product.args[0].value),
+        scale=scale,
+        sinks=None,
+        targets=[output, weights],
+    )
+
+
+def _assigned_name(stmt: cst.BaseStatement) -> str:
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    assign = cst.ensure_type(line.body[0], cst.Assign)
+    return cst.ensure_type(assign.targets[0].target, cst.Name).value
 
 
 def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
@@ -388,6 +558,7 @@ __all__ = [
     "LM_HEAD_ASSIGN",
     "SDPA_CALL",
     "STATE_ENTRIES_ASSIGN",
+    "BNSD_STYLES",
     "AttentionFacts",
     "CacheLayout",
     "CacheWriteFacts",
@@ -396,6 +567,8 @@ __all__ = [
     "attention_facts",
     "cache_write_facts",
     "causal_lm_classes",
+    "init_owner",
+    "module_classes",
     "class_assigns",
     "code",
     "is_attention_class",

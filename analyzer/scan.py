@@ -58,6 +58,11 @@ class ClassFacts:
     #: ``num_key_value_heads = config.num_key_value_heads * N if <sliding test> else ...``
     #: in ``__init__`` (MiMo-V2-Flash): (N, line)
     sliding_kv_head_factor: tuple[int, int] | None = None
+    #: ``self.<module>(...)`` calls in ``forward``, in source order: (attribute, line)
+    module_calls: list[tuple[str, int]] = field(default_factory=list)
+    #: ``forward`` reshapes with a ``+ 2`` extent: per KV group its queries, then one key and
+    #: one value (InternLM2's grouped ``wqkv`` layout)
+    grouped_qkv_split: bool = False
 
     def first_call(self, kind: str) -> CallFact | None:
         return next((c for c in self.calls if c.kind == kind), None)
@@ -245,6 +250,8 @@ class _Collector(cst.CSTVisitor):
             if keyword in _WATCHED_NAMES:
                 where = self.locator.occurrence(f"{keyword}=", self.method_line, 0)
                 self.cls.names_used.setdefault(keyword, where)
+        if self.method == "forward":
+            self._forward_call(node)
         fact_kind = classify_call(node)
         if fact_kind is None:
             return
@@ -263,6 +270,23 @@ class _Collector(cst.CSTVisitor):
                 keywords=keywords,
             )
         )
+
+    def _forward_call(self, node: cst.Call) -> None:
+        """Module calls and the grouped-qkv reshape of an attention forward."""
+        assert self.cls is not None
+        func = node.func
+        if isinstance(func, cst.Attribute) and m.matches(func.value, m.Name("self")):
+            snippet = f"self.{func.attr.value}("
+            nth = self.seen.get(snippet, 0)
+            self.seen[snippet] = nth + 1
+            line = self.locator.occurrence(snippet, self.method_line, nth)
+            self.cls.module_calls.append((func.attr.value, line))
+        if dotted_name(func).split(".")[-1] in ("view", "reshape", "unflatten", "rearrange"):
+            plus_two = m.BinaryOperation(operator=m.Add()) & m.MatchIfTrue(
+                lambda op: m.matches(op.left, m.Integer("2")) or m.matches(op.right, m.Integer("2"))
+            )
+            if any(m.findall(arg.value, plus_two) for arg in node.args):
+                self.cls.grouped_qkv_split = True
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         if self.cls is None:

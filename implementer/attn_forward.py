@@ -127,13 +127,15 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         return forward
 
 
-#: what brings a tensor of each layout to [T, N, D]-ready order ([b=1, s, h, d] or [s, b=1, ..])
-#: before ``.reshape(-1, N, D)``
+#: what brings a tensor of each layout to ``[b, s, h, d]``, ready for ``.reshape(-1, N, D)``
+#: (TND) or ``.reshape(b, s, -1)`` (BSH)
 TO_TOKENS_FIRST = {
     CacheLayout.BHSD: ".transpose(1, 2)",
     CacheLayout.BSHD: "",
     CacheLayout.SBHD: ".transpose(0, 1)",
 }
+#: (batch axis, sequence axis) of each layout
+BATCH_SEQ_AXES = {CacheLayout.BHSD: (0, 2), CacheLayout.BSHD: (0, 1), CacheLayout.SBHD: (1, 0)}
 
 
 def seam_values(seam: SeamFacts) -> dict:
@@ -145,6 +147,8 @@ def seam_values(seam: SeamFacts) -> dict:
         "output": seam.targets[0],
         "bnsd": seam.style in BNSD_STYLES,
         "to_tnd": TO_TOKENS_FIRST[seam.layout],
+        "batch_axis": BATCH_SEQ_AXES[seam.layout][0],
+        "seq_axis": BATCH_SEQ_AXES[seam.layout][1],
         "extra_outputs": [t for t in seam.targets[1:] if t != "_"] + list(seam.nulled),
     }
 

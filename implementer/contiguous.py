@@ -9,12 +9,10 @@ calls the fused attention with ``input_layout="BSH"`` over the whole per-row cac
 
 from __future__ import annotations
 
-import libcst as cst
-import libcst.matchers as m
 from kvskill.implementer.attn_forward import AttentionForwardCommand
 from kvskill.implementer.attn_init import AttentionInitCommand
 from kvskill.implementer.fa_call import fa_keywords
-from kvskill.implementer.facts import CacheLayout, SeamFacts, attention_facts, is_attention_class
+from kvskill.implementer.facts import SeamFacts
 from kvskill.implementer.spec import ConversionSpec
 
 #: the contiguous layout's sparse modes: causal prefill over the 2048 tile; decode (one query
@@ -59,17 +57,3 @@ class ContiguousAttentionForwardCommand(AttentionForwardCommand):
 
     def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
         return bsh_fa_kwargs(self.spec, seam)
-
-    @classmethod
-    def problems(cls, module: cst.Module, spec: ConversionSpec) -> list[str]:
-        # the BSH seam keeps the source's [B, S] batch, which it reads from [b, h, s, d]
-        found = []
-        for node in m.findall(module, m.ClassDef()):
-            node = cst.ensure_type(node, cst.ClassDef)
-            seam = attention_facts(node).seam if is_attention_class(node) else None
-            if seam is not None and seam.layout is not CacheLayout.BHSD:
-                found.append(
-                    f"{node.name.value}.forward keeps its keys in [{', '.join(seam.layout.value)}]"
-                    "; the contiguous (BSH) rewrite reads a [b, h, s, d] batch only"
-                )
-        return found

@@ -7,6 +7,7 @@ rewrite cannot handle fails with every reason at once and never yields a half-co
 from __future__ import annotations
 
 import libcst as cst
+from kvskill.analyzer.gather import CACHE_WRITE, method
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -41,6 +42,7 @@ def check_attention_module(
             "value, self.layer_idx, ...)` and then calls an attention interface or "
             "scaled_dot_product_attention)"
         )
+        problems.extend(_writers_without_kernel(classes))
     if not heads:
         problems.append(
             "no causal-LM class found (a class whose __init__ assigns self.lm_head or a Linear "
@@ -64,6 +66,21 @@ def check_attention_module(
             )
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
+
+
+def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
+    """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
+    ``self.core_attention(...)``): the seam from the cache write to the kernel would span two
+    modules, which the rewrite does not do."""
+    found = []
+    for cls in classes:
+        forward = method(cls, "forward")
+        if forward is not None and m.findall(forward, CACHE_WRITE):
+            found.append(
+                f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
+                "itself (attention run by another module is not rewritten)"
+            )
+    return found
 
 
 def check_mla_module(

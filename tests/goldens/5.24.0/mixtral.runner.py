@@ -25,7 +25,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,9 +97,6 @@ class Runner:
         self.kv_caches: list[dict[str, torch.Tensor]] = []
         #: called after every forward with (metadata, logits [batch, vocab]), e.g. for tracing
         self.step_hook: Callable[[ForwardMetaData, torch.Tensor], None] | None = None
-        #: whether the forward takes logits_to_keep; one written for transformers 4.3x (vendor
-        #: remote code) does not and returns every token's logits, picked in _forward
-        self.keeps_logit_rows = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._init_kvcache()
 
     def _init_kvcache(self) -> None:
@@ -198,16 +194,14 @@ class Runner:
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """Run the model on one step; the logits of each row's last token, [batch, vocab]."""
-        keep = {"logits_to_keep": step.logits_indices} if self.keeps_logit_rows else {}
         with forward_context(step.metadata), torch.no_grad():
             output = self.model(
                 input_ids=step.input_ids,
                 position_ids=step.position_ids,
                 use_cache=False,
-                **keep,
+                logits_to_keep=step.logits_indices,
             )
-        kept = output.logits if keep else output.logits[:, step.logits_indices]
-        logits = self._last_logits(kept)
+        logits = self._last_logits(output.logits)
         if self.step_hook is not None:
             self.step_hook(step.metadata, logits)
         return logits

@@ -155,6 +155,7 @@ def _converted(name: str) -> str:
         ("grouped_wqkv_bhsd", "key_tnd = key_states.transpose(1, 2).reshape("),
         ("c_attn_bshd", "key_tnd = key.reshape("),
         ("mqa_groups_sbhd", "key_tnd = key_layer.transpose(0, 1).reshape("),
+        ("w_pack_matmul_bhsd", "key_tnd = key_states.transpose(1, 2).reshape("),
     ],
 )
 def test_each_layout_is_flattened_to_tnd_from_its_own_axes(name, flatten):
@@ -199,6 +200,7 @@ def test_the_plan_records_the_fused_projection_and_the_tuple_cache(name):
         "grouped_wqkv_bhsd": ("wqkv", "grouped"),
         "c_attn_bshd": ("c_attn", "blocks"),
         "mqa_groups_sbhd": ("query_key_value", "blocks"),
+        "w_pack_matmul_bhsd": ("W_pack", "blocks"),
     }[name]
     assert (fused["attr"], fused["layout"]) == expected
     assert plan.code["cache_api"] == "tuple_cat"

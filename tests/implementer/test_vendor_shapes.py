@@ -239,3 +239,91 @@ def test_attention_run_by_another_module_is_refused_naming_the_class(tmp_path):
         "itself" in message
     )
     assert not out.exists()
+
+
+CACHE_API_43X = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class OldAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.rotary_emb = Rotary(self.head_dim)
+
+    def forward(self, x, position_ids, past_key_value=None):
+        q = self.q_proj(x).view(1, x.shape[1], -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(1, x.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(1, x.shape[1], -1, self.head_dim).transpose(1, 2)
+        kv_seq_len = k.shape[-2]
+        if past_key_value is not None:
+            kv_seq_len += past_key_value.get_usable_length(kv_seq_len, self.layer_idx)
+        cos, sin = self.rotary_emb(v, seq_len=kv_seq_len)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, position_ids)
+        if past_key_value is not None:
+            k, v = past_key_value.update(k, v, self.layer_idx, {"sin": sin, "cos": cos})
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(1, x.shape[1], -1)
+
+
+class OldForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.layers = nn.ModuleList([OldAttention(config, 0)])
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+"""
+
+SPEC = ConversionSpec(
+    fa_version="v1",
+    input_layout="TND",
+    uniform_attn_type="FullAttention",
+    sparse_mode={"FullAttention": {"prefill": 3, "decode": 3}},
+)
+
+
+def test_the_43x_cache_api_bookkeeping_gets_its_rotary_table_sized_too():
+    converted = convert_source(CACHE_API_43X, SPEC, filename="modeling_old.py")
+    assert "self.rotary_emb(v, seq_len=_paged_seq_len(kv_seq_len))" in converted
+    assert converted.count("def _paged_seq_len(") == 1
+    # converting the converted file changes nothing (the call is sized once)
+    assert convert_source(converted, SPEC, filename="modeling_old.py") == converted
+
+
+def test_paged_seq_len_is_the_source_length_outside_the_runtime_and_the_longest_request_inside():
+    import ast
+
+    import torch
+    from kvskill.runtime import ForwardMetaData, forward_context, get_forward_metadata
+
+    converted = convert_source(CACHE_API_43X, SPEC, filename="modeling_old.py")
+    helper = next(
+        node
+        for node in ast.parse(converted).body
+        if isinstance(node, ast.FunctionDef) and node.name == "_paged_seq_len"
+    )
+    scope = {"get_forward_metadata": get_forward_metadata}
+    exec(compile(ast.Module(body=[helper], type_ignores=[]), "helper", "exec"), scope)  # noqa: S102
+    paged_seq_len = scope["_paged_seq_len"]
+    assert paged_seq_len(7) == 7
+    # a decode step of three requests: T = 3 tokens, positions up to 40
+    md = ForwardMetaData(
+        is_prefill=False,
+        kv_len=torch.tensor([12, 41, 5]),
+        actual_seq_lengths_q=[1, 1, 1],
+        actual_seq_lengths_kv=[12, 41, 5],
+        actual_seq_lengths_cu_q=[1, 2, 3],
+        actual_seq_lengths_cu_kv=[12, 53, 58],
+        block_table={},
+        slot_mapping={},
+        prompt_tokens=[11, 40, 4],
+        num_tokens=3,
+    )
+    with forward_context(md):
+        assert paged_seq_len(3) == 41
+        assert paged_seq_len(64) == 64

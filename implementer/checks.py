@@ -70,7 +70,7 @@ def check_attention_module(
 
 def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
-    ``self.core_attention(...)``): the seam from the cache write to the kernel would span two
+    ``self.core_attention(...)``, a ``self._attn(...)`` method): the seam from the cache write to the kernel would span two
     modules, which the rewrite does not do."""
     found = []
     for cls in classes:
@@ -78,7 +78,7 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
         if forward is not None and m.findall(forward, CACHE_WRITE):
             found.append(
                 f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
-                "itself (attention run by another module is not rewritten)"
+                "itself (attention run in another method or module is not rewritten)"
             )
     return found
 

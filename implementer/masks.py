@@ -2,7 +2,8 @@
 
 The fused attention masks by itself (``sparse_mode`` with the fixed 2048x2048 tile and the
 actual sequence lengths), so the O(T^2) masks transformers builds for the packed ``[1, T]``
-batch are skipped: every call of a ``masking_utils`` builder - directly or through a local
+batch are skipped: every call of a ``masking_utils`` (or 4.3x ``modeling_attn_mask_utils``)
+builder - directly or through a local
 alias such as ``mask_function = create_causal_mask if ... else ...`` - becomes
 ``None if _in_paged_runtime() else <call>``. Outside the runtime the model builds its masks
 as before.
@@ -18,16 +19,19 @@ from kvskill.implementer.snippets import statements
 HELPER = "_in_paged_runtime"
 #: the guard this codemod emits; a call already under it is left alone
 GUARDED = m.IfExp(test=m.Call(func=m.Name(HELPER)))
-MASKING_MODULE_SUFFIX = "masking_utils"
+#: modules whose builders make dense masks: transformers >= 4.5x's ``masking_utils`` and the
+#: ``modeling_attn_mask_utils`` (``_prepare_4d_causal_attention_mask``) of 4.3x-era code
+MASKING_MODULE_SUFFIXES = ("masking_utils", "modeling_attn_mask_utils")
 
 
 def mask_builders(module: cst.Module) -> set[str]:
-    """Names imported from a ``masking_utils`` module (``create_causal_mask``, ...)."""
+    """Names imported from a mask module (``create_causal_mask``,
+    ``_prepare_4d_causal_attention_mask``, ...)."""
     names: set[str] = set()
     for node in m.findall(module, m.ImportFrom()):
         node = cst.ensure_type(node, cst.ImportFrom)
         dotted = cst.Module(body=[]).code_for_node(node.module) if node.module else ""
-        if not dotted.endswith(MASKING_MODULE_SUFFIX) or isinstance(node.names, cst.ImportStar):
+        if not dotted.endswith(MASKING_MODULE_SUFFIXES) or isinstance(node.names, cst.ImportStar):
             continue
         for alias in node.names:
             bound = alias.asname.name if alias.asname else alias.name

@@ -327,3 +327,19 @@ def test_paged_seq_len_is_the_source_length_outside_the_runtime_and_the_longest_
     with forward_context(md):
         assert paged_seq_len(3) == 41
         assert paged_seq_len(64) == 64
+
+
+def test_the_43x_mask_builders_are_skipped_under_the_runtime():
+    source = CACHE_API_43X.replace(
+        "from torch import nn\n",
+        "from torch import nn\n"
+        "from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask\n",
+    ) + (
+        "\n\ndef build_mask(mask, shape, embeds, past):\n"
+        "    return _prepare_4d_causal_attention_mask(mask, shape, embeds, past)\n"
+    )
+    converted = convert_source(source, SPEC, filename="modeling_old.py")
+    assert (
+        "return (None if _in_paged_runtime() else "
+        "_prepare_4d_causal_attention_mask(mask, shape, embeds, past))" in converted
+    )

@@ -303,11 +303,12 @@ def _matmul_kernel(
     value = assign.value
     if isinstance(value, cst.BinaryOperation):
         factor = code(value.right)
-        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / ({factor})"
-        if isinstance(value.operator, cst.Divide) and isinstance(
-            value.right, (cst.Name, cst.Attribute, cst.Call)
-        ):
-            scale = f"1 / {factor}"
+        # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
+        atom = value.right.lpar or isinstance(
+            value.right, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Float)
+        )
+        divisor = factor if atom else f"({factor})"
+        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
     else:
         scale = "1.0"  # the source applies no scale to q.k
     output = _assigned_name(body.body[output_index])

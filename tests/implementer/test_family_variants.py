@@ -123,3 +123,23 @@ def test_a_variant_without_init_whose_base_is_no_attention_class_is_refused():
     )
     with pytest.raises(UnsupportedModelError, match="MiniSdpaAttention has no __init__"):
         convert_source(source, FULL)
+
+
+MODEL_WITH_MASK_METHOD = '''
+class MiniModel(nn.Module):
+    def forward(self, input_ids, attention_mask=None, cache_position=None, past_key_values=None):
+        hidden_states = self.embed_tokens(input_ids)
+        causal_mask = self._update_causal_mask(attention_mask, hidden_states, cache_position, past_key_values)
+        return self.layer(hidden_states, causal_mask)
+
+    def _update_causal_mask(self, attention_mask, input_tensor, cache_position, past_key_values):
+        return torch.full((input_tensor.shape[1], input_tensor.shape[1]), float("-inf")).triu(1)
+'''
+
+
+def test_the_dense_mask_method_of_a_4x_model_is_skipped_in_the_paged_runtime():
+    out = convert_source(BEFORE + MODEL_WITH_MASK_METHOD, FULL)
+    assert "causal_mask = (None if _in_paged_runtime() else self._update_causal_mask(" in out
+    assert "def _in_paged_runtime() -> bool:" in out
+    # the method itself still builds the mask outside the runtime
+    assert "return torch.full((input_tensor.shape[1]" in out

@@ -125,7 +125,7 @@ def test_a_variant_without_init_whose_base_is_no_attention_class_is_refused():
         convert_source(source, FULL)
 
 
-MODEL_WITH_MASK_METHOD = '''
+MODEL_WITH_MASK_METHOD = """
 class MiniModel(nn.Module):
     def forward(self, input_ids, attention_mask=None, cache_position=None, past_key_values=None):
         hidden_states = self.embed_tokens(input_ids)
@@ -134,7 +134,7 @@ class MiniModel(nn.Module):
 
     def _update_causal_mask(self, attention_mask, input_tensor, cache_position, past_key_values):
         return torch.full((input_tensor.shape[1], input_tensor.shape[1]), float("-inf")).triu(1)
-'''
+"""
 
 
 def test_the_dense_mask_method_of_a_4x_model_is_skipped_in_the_paged_runtime():

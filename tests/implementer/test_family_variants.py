@@ -103,6 +103,7 @@ def test_the_softmax_scale_is_read_from_the_scores(scores, scale):
     [
         ("attn_weights = torch.tanh(attn_weights / 50.0) * 50.0\n", "soft-caps its attention scores (tanh)"),
         ("attn_weights = attn_weights * self.temperature\n", "rescales its attention scores after the product"),
+        ("attn_weights = attn_weights + self.alibi[:, : key_states.shape[-2]]\n", "adds self.alibi[:, : key_states.shape[-2]] to its attention scores (a position bias such as ALiBi)"),
     ],
 )  # fmt: skip
 def test_scores_the_fused_operator_cannot_express_are_refused_with_the_reason(inserted, reason):

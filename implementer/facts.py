@@ -387,25 +387,51 @@ def _matmul_kernel(
             "operator takes one softmax scale"
         )
         return None
+    added = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Add()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
+    for stmt in between:
+        for node in m.findall(stmt, added):
+            term = node.value.right if isinstance(node, cst.Assign) else node.value
+            names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
+            if not any("mask" in name.lower() for name in names):
+                facts.problems.append(
+                    f"{facts.name}.forward adds {code(term)} to its attention scores (a "
+                    "position bias such as ALiBi); the paged seam adds only the causal mask"
+                )
+                return None
     value = assign.value
     if isinstance(value, cst.BinaryOperation):
         factor = code(value.right)
-        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / ({factor})"
-        if isinstance(value.operator, cst.Divide) and isinstance(
-            value.right, (cst.Name, cst.Attribute, cst.Call)
-        ):
-            scale = f"1 / {factor}"
+        # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
+        atom = value.right.lpar or isinstance(
+            value.right, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Float)
+        )
+        divisor = factor if atom else f"({factor})"
+        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
     else:
         scale = "1.0"  # the source applies no scale to q.k
     output = _assigned_name(body.body[output_index])
+    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
+    probs = _matmul_operand(body.body[output_index])
+    extra = [weights] + ([probs] if probs not in (None, weights, output) else [])
     return _Kernel(
         index=output_index,
         style=KernelStyle.MATMUL,
         query=code(product.args[0].value),
         scale=scale,
         sinks=None,
-        targets=[output, weights],
+        targets=[output, *extra],
     )
+
+
+def _matmul_operand(stmt: cst.BaseStatement) -> str | None:
+    """The first operand of ``o = matmul(w, v)`` when it is a name."""
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    call = cst.ensure_type(cst.ensure_type(line.body[0], cst.Assign).value, cst.Call)
+    first = call.args[0].value if call.args else None
+    return first.value if isinstance(first, cst.Name) else None
 
 
 def _assigned_name(stmt: cst.BaseStatement) -> str:

@@ -5,8 +5,10 @@ actual sequence lengths), so the O(T^2) masks transformers builds for the packed
 batch are skipped: every call of a ``masking_utils`` (or 4.3x ``modeling_attn_mask_utils``)
 builder - directly or through a local
 alias such as ``mask_function = create_causal_mask if ... else ...`` - becomes
-``None if _in_paged_runtime() else <call>``. Outside the runtime the model builds its masks
-as before.
+``None if _in_paged_runtime() else <call>``. transformers 4.4x models build theirs in a
+method of the model class, ``self._update_causal_mask(...)`` (a dense ``T x T`` mask for eager
+attention); a call of such a method, defined in the file, is guarded the same way. Outside the
+runtime the model builds its masks as before.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ GUARDED = m.IfExp(test=m.Call(func=m.Name(HELPER)))
 #: modules whose builders make dense masks: transformers >= 4.5x's ``masking_utils`` and the
 #: ``modeling_attn_mask_utils`` (``_prepare_4d_causal_attention_mask``) of 4.3x-era code
 MASKING_MODULE_SUFFIXES = ("masking_utils", "modeling_attn_mask_utils")
+#: methods of transformers 4.4x model classes that build the dense mask
+DENSE_MASK_METHODS = ("_update_causal_mask",)
 
 
 def mask_builders(module: cst.Module) -> set[str]:
@@ -58,10 +62,13 @@ class SkipDenseMasksCommand(FrameworkCommand):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.builders = mask_builders(node)
+        self.methods = {
+            name for name in DENSE_MASK_METHODS if m.findall(node, m.FunctionDef(name=m.Name(name)))
+        }
         self.local: list[set[str]] = []
         self.guarded = 0
         self.has_helper = bool(m.findall(node, m.FunctionDef(name=m.Name(HELPER))))
-        return bool(self.builders)
+        return bool(self.builders or self.methods)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.local.append(self.builders | _aliases(node, self.builders))
@@ -87,7 +94,11 @@ class SkipDenseMasksCommand(FrameworkCommand):
         if not self.local or self.guarded:
             return updated_node
         func = original_node.func
-        if not (isinstance(func, cst.Name) and func.value in self.local[-1]):
+        builder = isinstance(func, cst.Name) and func.value in self.local[-1]
+        method = m.matches(func, m.Attribute(value=m.Name("self"))) and (
+            cst.ensure_type(func, cst.Attribute).attr.value in self.methods
+        )
+        if not (builder or method):
             return updated_node
         self.changed = True
         return cst.IfExp(

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-slow test-all lint bench clean
+.PHONY: venv demo test test-slow test-all test-compat lint bench clean
 
 venv: $(STAMP)
 
@@ -29,11 +29,28 @@ test: lint
 
 # Only the slow end-to-end runs (conversions verified per family, the goldens).
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow --durations=15
+	$(PY) -m pytest -m "slow and not compat" --durations=15
 
 # Everything, in one run.
 test-all: lint
 	$(PY) -m pytest --durations=15
+
+# The compatibility suite (tests marked compat) under each older transformers the project
+# supports: one venv per lock, built once like .venv (torch first, pinned), then reused.
+COMPAT_VERSIONS := 4.46.3 4.55.0
+COMPAT_STAMPS := $(foreach v,$(COMPAT_VERSIONS),.venv-tf$(v)/.kvskill-installed)
+
+.venv-tf%/.kvskill-installed: pyproject.toml constraints-transformers-%.txt
+	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check -q install -c constraints-transformers-$*.txt torch==2.13.0
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check -q install -c constraints-transformers-$*.txt -e '.[test]'
+	touch $@
+
+test-compat: $(COMPAT_STAMPS)
+	@set -e; for v in $(COMPAT_VERSIONS); do \
+		echo "== transformers $$v"; \
+		OMP_NUM_THREADS=1 .venv-tf$$v/bin/python -m pytest -m compat tests/compat --durations=10; \
+	done
 
 demo: $(STAMP)
 	DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh $(PY)
@@ -42,4 +59,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(COMPAT_VERSIONS),.venv-tf$(v)) $(DEMO_DIR) build *.egg-info

@@ -539,6 +539,26 @@ def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
             "converting it to Paged",
             facts["legacy_framework_source"],
         )
+    fused = facts.get("fused_qkv")
+    if fused:
+        order = (
+            "per KV group its query heads, then one key and one value head"
+            if fused["layout"] == "grouped"
+            else "all query heads, then all key heads, then all value heads"
+        )
+        book.cite(
+            "fused_qkv",
+            f"{fused['class']}.{fused['attr']} projects query, key and value in one Linear "
+            f"({fused['layout']}: {order}); a tensor-parallel head split must cut it that way",
+            fused["source"],
+        )
+    if facts.get("cache_api") == "tuple_cat":
+        book.cite(
+            "code",
+            "tuple cache grown with torch.cat and returned as present under use_cache "
+            "(transformers 4.3x vendor style)",
+            facts["cache_update_source"],
+        )
     if facts.get("cache_api") == "transformers4":
         book.cite(
             "code",

@@ -25,10 +25,36 @@ def _line(cls: ClassFacts | None, kind: str) -> int | None:
     return call.line if call else None
 
 
+def fused_projection(cls: ClassFacts) -> dict[str, Any] | None:
+    """The one Linear that projects query, key and value together, when the forward calls a
+    single Linear of its own before the cache write (``wqkv``, ``W_pack``,
+    ``query_key_value``, ``c_attn``); its layout says how a tensor-parallel split must cut
+    it: ``grouped`` (per KV group its queries, then one key and one value: InternLM2) or
+    ``blocks`` (all queries, then all keys, then all values)."""
+    linears = {attr for attr, names in cls.attr_classes.items() if "Linear" in names}
+    write = cls.first_call("cache_update")
+    before = {
+        attr
+        for attr, line in cls.module_calls
+        if attr in linears and (write is None or line < write.line)
+    }
+    if len(before) != 1:
+        return None
+    (attr,) = before
+    return {
+        "attr": attr,
+        "layout": "grouped" if cls.grouped_qkv_split else "blocks",
+        "line": cls.self_attrs.get(attr, cls.line),
+    }
+
+
 def _attention_entry(cls: ClassFacts) -> dict[str, Any]:
     update = cls.first_call("cache_update")
     call = cls.first_call("attention_call") or cls.first_call("fa_call")
+    fused = fused_projection(cls)
+    extra = {"fused_qkv": fused} if fused is not None else {}
     return {
+        **extra,
         "line": cls.line,
         "init_line": cls.methods.get("__init__"),
         "forward_line": cls.methods.get("forward"),
@@ -64,9 +90,14 @@ def code_facts(code: CodeView, source: ModelSource) -> dict[str, Any]:
         "linear_attention_classes": list(roles.linear_attention),
         "cache_update_line": update.line if update else None,
         "attention_interface_line": _line(primary, "attention_call"),
-        "cache_api": _cache_api(update.receiver if update else None),
+        "cache_api": "tuple_cat"
+        if update and update.callee == "cat"
+        else _cache_api(update.receiver if update else None),
         "cache_update_source": facts.where(update.line) if update else None,
     }
+    fused = fused_projection(primary) if primary else None
+    if fused is not None:
+        result["fused_qkv"] = {**fused, "class": primary.name, "source": facts.where(fused["line"])}
     _converted(facts, result)
     return result
 

@@ -8,6 +8,8 @@ is, so each of those is decided here, once:
 * :func:`classify_call` names the kind of a call (a KV-cache update, the fused attention, a
   cache-write operator, an attention kernel, a recurrent-state kernel);
 * the matchers (``FA_CALL``, ``CACHE_UPDATE_CALL``, ...) are built from the same names;
+* :func:`matmul_attention` finds hand-written attention (``matmul`` of query and transposed
+  keys, a softmax, ``matmul`` with the values), as transformers 4 eager classes write it;
 * :func:`is_attention_class` and :func:`is_causal_lm_class` are the class rules.
 
 A class is recognised by what its methods do, never by its name.
@@ -131,6 +133,15 @@ SDPA_CALL = m.Call(
     func=m.Name("scaled_dot_product_attention")
     | m.Attribute(attr=m.Name("scaled_dot_product_attention"))
 )
+#: ``_flash_attention_forward(q, k, v, mask, q_len, ...)``: transformers 4's flash helper, which
+#: takes and returns ``[B, S, N, D]``
+FLASH_CALL = m.Call(
+    func=m.Name("_flash_attention_forward") | m.Attribute(attr=m.Name("_flash_attention_forward"))
+)
+#: ``torch.matmul(a, b)`` under any import spelling
+MATMUL_CALL = m.Call(func=m.Name("matmul") | m.Attribute(attr=m.Name("matmul")))
+#: ``softmax(...)`` as a function (``F.softmax``, ``torch.softmax``) or a tensor method
+SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
 FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
 #: ``self.cache_entries = ...``: the class declares its paged caches
@@ -146,6 +157,82 @@ STATE_ENTRIES_ASSIGN = m.Assign(
 )
 #: ``self.lm_head = ...``: the language-model head, held by the *ForCausalLM class
 LM_HEAD_ASSIGN = _self_attr_assign("lm_head")
+#: ``self.<head> = nn.Linear(<hidden>, <...vocab...>, ...)``: a head by structure, whatever its
+#: name (``output`` in InternLM2, ``output_layer`` in ChatGLM); the vocabulary is named in the
+#: out-features argument (``config.vocab_size``, ``config.padded_vocab_size``)
+VOCAB_HEAD_ASSIGN = m.Assign(
+    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))],
+    value=m.Call(
+        func=m.Name("Linear") | m.Attribute(attr=m.Name("Linear")),
+        args=[
+            m.Arg(),
+            m.Arg(value=m.MatchIfTrue(lambda v: "vocab" in dotted_name(v))),
+            m.ZeroOrMore(),
+        ],
+    ),
+)
+
+
+def cache_cat_growth(assign: cst.Assign) -> tuple[str, int] | None:
+    """(name, dim) of ``name = torch.cat([<past>, name], dim=<int>)``, else None.
+
+    The tuple-cache write of transformers-4-era vendor files: this step's keys (or values)
+    are appended after the past ones along the sequence axis. Concatenating along the last
+    axis is a feature split (partial rotary), never a cache.
+    """
+    if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+        return None
+    name = assign.targets[0].target.value
+    call = assign.value
+    if not isinstance(call, cst.Call) or dotted_name(call.func) not in ("torch.cat", "cat"):
+        return None
+    positional = [a for a in call.args if a.keyword is None]
+    if not positional or not isinstance(positional[0].value, (cst.List, cst.Tuple)):
+        return None
+    elements = positional[0].value.elements
+    if len(elements) != 2 or not m.matches(elements[1].value, m.Name(name)):
+        return None
+    if m.findall(elements[0].value, m.Name(name)):
+        return None
+    dim_arg = next((a for a in call.args if a.keyword and a.keyword.value == "dim"), None)
+    if dim_arg is None and len(positional) > 1:
+        dim_arg = positional[1]
+    dim = _int_literal(dim_arg.value) if dim_arg is not None else 0
+    if dim is None or dim in (-1, 3):
+        return None
+    return name, dim
+
+
+def _int_literal(node: cst.BaseExpression) -> int | None:
+    if isinstance(node, cst.Integer):
+        return int(node.value)
+    if (
+        isinstance(node, cst.UnaryOperation)
+        and isinstance(node.operator, cst.Minus)
+        and isinstance(node.expression, cst.Integer)
+    ):
+        return -int(node.expression.value)
+    return None
+
+
+def cache_cat_growths(node: cst.CSTNode) -> list[tuple[str, int]]:
+    """Every ``name = torch.cat([<past>, name], dim=...)`` under NODE: (name, dim), in order."""
+    found = []
+    for assign in m.findall(node, m.Assign(value=m.Call())):
+        growth = cache_cat_growth(cst.ensure_type(assign, cst.Assign))
+        if growth is not None:
+            found.append(growth)
+    return found
+
+
+#: an assignment growing a tuple cache by concatenation (``_cat_growth``'s rule)
+CACHE_CAT_ASSIGN = m.Assign(value=m.Call()) & m.MatchIfTrue(
+    lambda node: cache_cat_growth(node) is not None
+)
+#: a KV-cache write of either shape: ``<cache>.update(k, v, idx)`` or a tuple grown by cat
+CACHE_WRITE = m.MatchIfTrue(
+    lambda node: m.matches(node, CACHE_UPDATE_CALL) or m.matches(node, CACHE_CAT_ASSIGN)
+)
 
 
 def method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
@@ -162,19 +249,83 @@ def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
     return init is not None and bool(m.findall(init, matcher))
 
 
+def _assigned_call(stmt: cst.BaseStatement) -> tuple[str, cst.BaseExpression] | None:
+    """(target name, value) of a one-statement line ``name = <expr>``, else None."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    assign = stmt.body[0]
+    if not isinstance(assign, cst.Assign) or len(assign.targets) != 1:
+        return None
+    target = assign.targets[0].target
+    return (target.value, assign.value) if isinstance(target, cst.Name) else None
+
+
+def scores_matmul(value: cst.BaseExpression) -> cst.Call | None:
+    """The ``matmul(query, key.transpose(...))`` a score assignment computes, optionally
+    multiplied or divided by a scale, else None."""
+    if isinstance(value, cst.BinaryOperation) and isinstance(
+        value.operator, (cst.Multiply, cst.Divide)
+    ):
+        value = value.left
+    if not m.matches(value, MATMUL_CALL):
+        return None
+    call = cst.ensure_type(value, cst.Call)
+    if len(call.args) != 2:
+        return None
+    key = call.args[1].value
+    transposed = m.Call(func=m.Attribute(attr=m.Name("transpose"))) | m.Attribute(attr=m.Name("mT"))
+    return call if m.matches(key, transposed) else None
+
+
+def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
+    """(scores index, output index) of hand-written attention among the top-level statements
+    of BODY: ``w = matmul(q, k.transpose(...)) [* or / scale]``, then a statement with a
+    softmax, then ``o = matmul(w, v)``; else None."""
+    stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
+    for first, stmt in enumerate(stmts):
+        assigned = _assigned_call(stmt)
+        if assigned is None or scores_matmul(assigned[1]) is None:
+            continue
+        softmax = False
+        for index in range(first + 1, len(stmts)):
+            softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
+            found = _assigned_call(stmts[index])
+            if softmax and found is not None and m.matches(found[1], MATMUL_CALL):
+                return first, index
+    return None
+
+
 def is_attention_class(cls: cst.ClassDef) -> bool:
-    """A class whose forward writes a KV cache and calls an attention kernel, or one already
-    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
+    """A class whose forward writes a KV cache and calls an attention kernel (or computes
+    attention by hand, :func:`matmul_attention`), or one already converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
     if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
         return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
     forward = method(cls, "forward")
     if forward is None:
         return False
-    has_update = bool(m.findall(forward, CACHE_UPDATE_CALL))
-    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
-    return has_update and has_kernel
+    has_update = bool(m.findall(forward, CACHE_WRITE))
+    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL))
+    return has_update and (has_kernel or matmul_attention(forward.body) is not None)
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:
-    """The class holding the language-model head (the ``*ForCausalLM``)."""
+    """The class holding the language-model head as ``self.lm_head`` (the ``*ForCausalLM``)."""
     return class_assigns(cls, LM_HEAD_ASSIGN)
+
+
+def causal_lm_classes(module: cst.Module, architecture: str | None = None) -> list[str]:
+    """Names of the classes that hold the language-model head, by structure.
+
+    The classes assigning ``self.lm_head``; failing that, the class the config names
+    (``auto_map``'s ``AutoModelForCausalLM``, then ``architectures``) when it is in the file,
+    since vendors may keep the head in an inner module (ChatGLM's ``transformer.output_layer``);
+    failing that, the classes assigning a Linear to the vocabulary under another name
+    (InternLM2's ``self.output``).
+    """
+    classes = [c for c in module.body if isinstance(c, cst.ClassDef)]
+    named = [c.name.value for c in classes if is_causal_lm_class(c)]
+    if named:
+        return named
+    if architecture is not None and any(c.name.value == architecture for c in classes):
+        return [architecture]
+    return [c.name.value for c in classes if class_assigns(c, VOCAB_HEAD_ASSIGN)]

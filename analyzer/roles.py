@@ -14,6 +14,8 @@ from kvskill.analyzer.scan import ClassFacts, ModuleFacts
 
 _LAYER_LIST_ATTRS = ("layers", "h", "blocks", "layer", "decoder_layers")
 _MODEL_ATTRS = ("model", "transformer", "language_model", "gpt_neox", "decoder", "backbone")
+#: a model that keeps its layer stack one module down (ChatGLM: ``transformer.encoder.layers``)
+_STACK_HOLDER_ATTRS = ("encoder",)
 
 
 @dataclass(kw_only=True)
@@ -67,6 +69,8 @@ def find_roles(facts: ModuleFacts, causal_lm_hint: str | None = None) -> CodeRol
             None,
         )
     layers = _own_or_base(facts, roles.model, _LAYER_LIST_ATTRS)
+    for holder in [] if layers else _own_or_base(facts, roles.model, _STACK_HOLDER_ATTRS):
+        layers = layers or _own_or_base(facts, holder, _LAYER_LIST_ATTRS)
     roles.decoder_layer = layers[0] if layers else None
     if roles.decoder_layer is None:
         roles.decoder_layer = next((n for n in classes if n.endswith("DecoderLayer")), None)

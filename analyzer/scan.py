@@ -18,7 +18,7 @@ from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.analyzer.gather import classify_call, dotted_name
+from kvskill.analyzer.gather import cache_cat_growth, classify_call, dotted_name
 from kvskill.core.errors import UnsupportedModelError
 
 _SINK_NAMES = ("sinks", "s_aux", "learnable_sink", "attention_sinks")
@@ -60,6 +60,11 @@ class ClassFacts:
     sliding_kv_head_factor: tuple[int, int] | None = None
     #: names of plain functions called anywhere in the class (``apply_rotary_pos_emb``)
     function_calls: set[str] = field(default_factory=set)
+    #: ``self.<module>(...)`` calls in ``forward``, in source order: (attribute, line)
+    module_calls: list[tuple[str, int]] = field(default_factory=list)
+    #: ``forward`` reshapes with a ``+ 2`` extent: per KV group its queries, then one key and
+    #: one value (InternLM2's grouped ``wqkv`` layout)
+    grouped_qkv_split: bool = False
 
     def first_call(self, kind: str) -> CallFact | None:
         return next((c for c in self.calls if c.kind == kind), None)
@@ -249,6 +254,8 @@ class _Collector(cst.CSTVisitor):
             if keyword in _WATCHED_NAMES:
                 where = self.locator.occurrence(f"{keyword}=", self.method_line, 0)
                 self.cls.names_used.setdefault(keyword, where)
+        if self.method == "forward":
+            self._forward_call(node)
         fact_kind = classify_call(node)
         if fact_kind is None:
             return
@@ -268,6 +275,23 @@ class _Collector(cst.CSTVisitor):
             )
         )
 
+    def _forward_call(self, node: cst.Call) -> None:
+        """Module calls and the grouped-qkv reshape of an attention forward."""
+        assert self.cls is not None
+        func = node.func
+        if isinstance(func, cst.Attribute) and m.matches(func.value, m.Name("self")):
+            snippet = f"self.{func.attr.value}("
+            nth = self.seen.get(snippet, 0)
+            self.seen[snippet] = nth + 1
+            line = self.locator.occurrence(snippet, self.method_line, nth)
+            self.cls.module_calls.append((func.attr.value, line))
+        if dotted_name(func).split(".")[-1] in ("view", "reshape", "unflatten", "rearrange"):
+            plus_two = m.BinaryOperation(operator=m.Add()) & m.MatchIfTrue(
+                lambda op: m.matches(op.left, m.Integer("2")) or m.matches(op.right, m.Integer("2"))
+            )
+            if any(m.findall(arg.value, plus_two) for arg in node.args):
+                self.cls.grouped_qkv_split = True
+
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         if self.cls is None:
             return
@@ -285,6 +309,20 @@ class _Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         if self.cls is None:
             return
+        if self.method is not None and cache_cat_growth(node) is not None:
+            # a tuple cache grown with torch.cat: the cache write of 4.x-era vendor files
+            snippet = self.module.code_for_node(node).strip().splitlines()[0]
+            nth = self.seen.get(snippet, 0)
+            self.seen[snippet] = nth + 1
+            self.cls.calls.append(
+                CallFact(
+                    kind="cache_update",
+                    callee="cat",
+                    receiver=dotted_name(cst.ensure_type(node.value, cst.Call).func),
+                    method=self.method,
+                    line=self.locator.occurrence(snippet, self.method_line, nth),
+                )
+            )
         if self.method == "__init__" and self.cls.sliding_kv_head_factor is None:
             factor = _sliding_head_factor(node)
             if factor is not None:

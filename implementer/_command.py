@@ -15,9 +15,9 @@ import libcst.matchers as m
 from kvskill.analyzer.gather import (
     CACHE_ENTRIES_ASSIGN,
     FA_CALL,
+    causal_lm_classes,
     class_assigns,
     is_attention_class,
-    is_causal_lm_class,
 )
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 
@@ -94,10 +94,16 @@ class AttentionForwardRewrite(ClassRewriteCommand):
 
 
 class ModelClassRewrite(ClassRewriteCommand):
-    """Serves the causal-LM head class until it has ``get_cache_info``."""
+    """Serves the causal-LM head class (``gather.causal_lm_classes``) until it has
+    ``get_cache_info``."""
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        #: the head classes are a fact of the whole file (the head may sit in an inner module)
+        self.heads = set(causal_lm_classes(node, getattr(self.spec, "causal_lm_class", None)))
+        return True
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return is_causal_lm_class(cls) and not m.findall(cls.body, GET_CACHE_INFO)
+        return cls.name.value in self.heads and not m.findall(cls.body, GET_CACHE_INFO)
 
 
 def replace_method(

@@ -14,7 +14,14 @@ import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.facts import (
+    BNSD_STYLES,
+    CacheLayout,
+    SeamFacts,
+    attention_facts,
+    module_classes,
+)
+from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import ConversionSpec
 
@@ -84,8 +91,19 @@ class AttentionForwardCommand(AttentionForwardRewrite):
     def fa_kwargs(self, seam: SeamFacts) -> list[tuple[str, str]]:
         return fa_kwargs(self.spec, seam)
 
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.classes = module_classes(node)
+        #: whether a converted forward sizes a rotary table with seq_len= (rotary.py)
+        self.sized_rotary = False
+        return True
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        if not self.sized_rotary:
+            return updated_node
+        return with_helper(updated_node, self.parser_config())
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        seam = attention_facts(original).seam
+        seam = attention_facts(original, self.classes).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
         body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
@@ -104,7 +122,20 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             op=FA_OPS[self.spec.fa_version],
             kwargs=self.fa_kwargs(seam),
         )
-        return splice_seam(forward, seam, new)
+        forward, sized = cover_positions(splice_seam(forward, seam, new))
+        self.sized_rotary = self.sized_rotary or sized
+        return forward
+
+
+#: what brings a tensor of each layout to ``[b, s, h, d]``, ready for ``.reshape(-1, N, D)``
+#: (TND) or ``.reshape(b, s, -1)`` (BSH)
+TO_TOKENS_FIRST = {
+    CacheLayout.BHSD: ".transpose(1, 2)",
+    CacheLayout.BSHD: "",
+    CacheLayout.SBHD: ".transpose(0, 1)",
+}
+#: (batch axis, sequence axis) of each layout
+BATCH_SEQ_AXES = {CacheLayout.BHSD: (0, 2), CacheLayout.BSHD: (0, 1), CacheLayout.SBHD: (1, 0)}
 
 
 def seam_values(seam: SeamFacts) -> dict:
@@ -114,8 +145,11 @@ def seam_values(seam: SeamFacts) -> dict:
         "key": seam.key,
         "value": seam.value,
         "output": seam.targets[0],
-        "bnsd": seam.style is KernelStyle.SDPA,
-        "extra_outputs": [t for t in seam.targets[1:] if t != "_"],
+        "bnsd": seam.style in BNSD_STYLES,
+        "to_tnd": TO_TOKENS_FIRST[seam.layout],
+        "batch_axis": BATCH_SEQ_AXES[seam.layout][0],
+        "seq_axis": BATCH_SEQ_AXES[seam.layout][1],
+        "extra_outputs": [t for t in seam.targets[1:] if t != "_"] + list(seam.nulled),
     }
 
 

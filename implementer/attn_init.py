@@ -17,7 +17,13 @@ from kvskill.implementer._command import (
     replace_method,
     with_body,
 )
-from kvskill.implementer.facts import attention_facts, class_assigns, m
+from kvskill.implementer.facts import (
+    attention_facts,
+    class_assigns,
+    init_owner,
+    m,
+    module_classes,
+)
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import FA_UNBOUNDED_TOKENS, ConversionSpec
 
@@ -94,7 +100,10 @@ def init_values(
         "config": config,
         "attn_tp_size": spec.attn_tp_size,
         "heads_expr": head_count_expr(cls, config, "num_attention_heads"),
-        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads"),
+        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads")
+        if spec.config_has_kv_heads
+        # MHA vendor configs (Qwen-7B, Baichuan) have no KV-head count: every head has its own
+        else f'(getattr({config}, "num_key_value_heads", None) or {config}.num_attention_heads)',
         "windowed": windowed,
         "window_expr": "",
         "head_dim_expr": "self.head_dim"
@@ -132,8 +141,17 @@ class AttentionInitCommand(AttentionInitRewrite):
     #: the template whose ``set_*`` methods (the entries' tensor setters) the class receives
     METHODS_TEMPLATE = "framework_attn_methods.py.j2"
 
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.classes = module_classes(node)
+        return True
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        # a variant of an attention family whose __init__ is its base's (XSdpaAttention(
+        # XAttention), or one calling super().__init__) gets its caches there, once
+        return super().selects(cls) and init_owner(cls, self.classes) is cls
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = attention_facts(original)
+        facts = attention_facts(original, self.classes)
         assert facts.config_param is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
         values = init_values(self.spec, original, facts.config_param, facts.layer_idx_param)

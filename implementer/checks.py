@@ -7,15 +7,17 @@ rewrite cannot handle fails with every reason at once and never yields a half-co
 from __future__ import annotations
 
 import libcst as cst
+from kvskill.analyzer.gather import CACHE_WRITE, method
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     FA_CALL,
     attention_facts,
+    causal_lm_classes,
     class_assigns,
     is_attention_class,
-    is_causal_lm_class,
     m,
+    module_classes,
 )
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
@@ -32,7 +34,7 @@ def check_attention_module(
     """
     classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
     attention = [c for c in classes if is_attention_class(c)]
-    heads = [c for c in classes if is_causal_lm_class(c)]
+    heads = causal_lm_classes(module, spec.causal_lm_class)
     problems = list(problems)
     if not attention:
         problems.append(
@@ -40,10 +42,15 @@ def check_attention_module(
             "value, self.layer_idx, ...)` and then calls an attention interface or "
             "scaled_dot_product_attention)"
         )
+        problems.extend(_writers_without_kernel(classes))
     if not heads:
-        problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
+        problems.append(
+            "no causal-LM class found (a class whose __init__ assigns self.lm_head or a Linear "
+            "to the vocabulary, or the class auto_map's AutoModelForCausalLM names)"
+        )
+    in_file = module_classes(module)
     for cls in attention:
-        facts = attention_facts(cls)
+        facts = attention_facts(cls, in_file)
         problems.extend(facts.problems)
         if facts.converted or m.findall(cls, FA_CALL):
             continue
@@ -59,6 +66,21 @@ def check_attention_module(
             )
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
+
+
+def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
+    """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
+    ``self.core_attention(...)``, a ``self._attn(...)`` method): the seam from the cache write to the kernel would span two
+    modules, which the rewrite does not do."""
+    found = []
+    for cls in classes:
+        forward = method(cls, "forward")
+        if forward is not None and m.findall(forward, CACHE_WRITE):
+            found.append(
+                f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
+                "itself (attention run in another method or module is not rewritten)"
+            )
+    return found
 
 
 def check_mla_module(
@@ -77,7 +99,7 @@ def check_mla_module(
             "no attention class found (a module whose forward writes the latent with "
             "`<cache>.update(latent, rope_key, self.layer_idx, ...)` and then calls attention)"
         )
-    if not any(is_causal_lm_class(c) for c in classes.values()):
+    if not causal_lm_classes(module):
         problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
     for cls in attention:
         if class_assigns(cls, CACHE_ENTRIES_ASSIGN):

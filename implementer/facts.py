@@ -17,16 +17,22 @@ from enum import Enum
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import (
+    CACHE_CAT_ASSIGN,
     CACHE_ENTRIES_ASSIGN,
     CACHE_UPDATE_CALL,
     FA_CALL,
+    FLASH_CALL,
     INTERFACE_CALL,
     LM_HEAD_ASSIGN,
     SDPA_CALL,
     STATE_ENTRIES_ASSIGN,
+    cache_cat_growths,
+    causal_lm_classes,
     class_assigns,
     is_attention_class,
     is_causal_lm_class,
+    matmul_attention,
+    scores_matmul,
 )
 from kvskill.analyzer.gather import method as _method
 
@@ -40,6 +46,43 @@ class KernelStyle(str, Enum):
     INTERFACE = "interface"
     #: ``scaled_dot_product_attention(q, k, v, ...)`` returning ``[B, N, S, D]``
     SDPA = "sdpa"
+    #: hand-written ``matmul(q, k^T) * scale`` -> softmax -> ``matmul(w, v)``, ``[B, N, S, D]``
+    MATMUL = "matmul"
+    #: transformers 4's ``_flash_attention_forward(q, k, v, ...)`` returning ``[B, S, N, D]``
+    FLASH = "flash"
+
+
+#: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
+BNSD_STYLES = frozenset({KernelStyle.SDPA, KernelStyle.MATMUL})
+
+
+class CacheLayout(str, Enum):
+    """Axis order of the keys and values where the source writes its cache; decides how the
+    seam flattens query, key and value to TND ([T, N, D]) with the batch of one."""
+
+    #: ``[b, h, s, d]``: transformers' cache and the tuple caches grown along dim 2
+    BHSD = "bhsd"
+    #: ``[b, s, h, d]``: tuple caches grown along dim 1 (Qwen-7B style)
+    BSHD = "bshd"
+    #: ``[s, b, h, d]``: tuple caches grown along dim 0 (ChatGLM style)
+    SBHD = "sbhd"
+
+
+#: the sequence axis of a 4-d tensor -> its layout
+_LAYOUT_OF_SEQ_DIM = {2: CacheLayout.BHSD, 1: CacheLayout.BSHD, 0: CacheLayout.SBHD}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheWriteFacts:
+    """Where the forward writes its KV cache: the top-level statement, this step's key and
+    value (the names the write consumes) and the layout they have there."""
+
+    index: int
+    key: str
+    value: str
+    layout: CacheLayout
+    #: "update" (``<cache>.update(k, v, idx)``) or "cat" (a tuple grown with ``torch.cat``)
+    kind: str
 
 
 def code(node: cst.CSTNode) -> str:
@@ -63,6 +106,11 @@ class SeamFacts:
     sinks: str | None
     #: assignment targets of the kernel call, e.g. ["attn_output", "attn_weights"]
     targets: list[str]
+    #: axis order of query/key/value where the seam starts
+    layout: CacheLayout = CacheLayout.BHSD
+    #: names the seam defines that later code reads but that only carry the source's own
+    #: cache (``present = (k, v) if use_cache else None``): None in the converted forward
+    nulled: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -81,18 +129,67 @@ def _params(func: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in func.params.params]
 
 
-def attention_facts(cls: cst.ClassDef) -> AttentionFacts:
-    """Gather what the attention codemods need; ``problems`` lists what blocks a rewrite."""
-    facts = AttentionFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
-    init = _method(cls, "__init__")
-    if init is None:
+#: ``super().__init__(...)`` (also ``super(Cls, self).__init__(...)``)
+SUPER_INIT = m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__")))
+
+
+def module_classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    """The top-level classes of MODULE by name (what a class's in-file bases are looked up in)."""
+    return {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
+
+
+def _file_base(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+    """CLS's first base when it is a class of the same file, else None."""
+    for base in cls.bases:
+        if isinstance(base.value, cst.Name) and base.value.value in classes:
+            return classes[base.value.value]
+    return None
+
+
+def init_owner(cls: cst.ClassDef, classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
+    """The class whose ``__init__`` declares CLS's caches; None when CLS has no ``__init__`` of
+    its own or from an attention class of the file.
+
+    transformers 4 attention families share one ``__init__``: ``XSdpaAttention(XAttention)``
+    overrides only ``forward``, ``XFlashAttention2(XAttention)`` has an ``__init__`` that calls
+    ``super().__init__``. Their caches are declared once, in ``XAttention.__init__``; every
+    variant's forward still gets its own seam.
+    """
+    seen: set[str] = set()
+    while cls.name.value not in seen:
+        seen.add(cls.name.value)
+        init = _method(cls, "__init__")
+        base = _file_base(cls, classes)
+        if base is None or not is_attention_class(base):
+            return cls if init is not None else None
+        if init is not None and not m.findall(init, SUPER_INIT):
+            return cls
+        cls = base
+    return None
+
+
+def attention_facts(
+    cls: cst.ClassDef, classes: dict[str, cst.ClassDef] | None = None
+) -> AttentionFacts:
+    """Gather what the attention codemods need; ``problems`` lists what blocks a rewrite.
+
+    CLASSES (the file's classes, :func:`module_classes`) lets a variant of an attention family
+    take its ``__init__`` facts from the base that owns them (:func:`init_owner`).
+    """
+    owner = init_owner(cls, classes or {})
+    facts = AttentionFacts(
+        name=cls.name.value, converted=class_assigns(owner or cls, CACHE_ENTRIES_ASSIGN)
+    )
+    if owner is None:
         facts.problems.append(f"{facts.name} has no __init__")
         return facts
+    init = _method(owner, "__init__")
+    assert init is not None, "init_owner returns a class with an __init__"
     params = _params(init)[1:]
     facts.config_param = "config" if "config" in params else (params[0] if params else None)
     facts.layer_idx_param = next((p for p in params if "layer_idx" in p), None)
     if facts.config_param is None:
-        facts.problems.append(f"{facts.name}.__init__ takes no config")
+        facts.problems.append(f"{owner.name.value}.__init__ takes no config")
     forward = _method(cls, "forward")
     if forward is None:
         facts.problems.append(f"{facts.name} has no forward")
@@ -108,19 +205,116 @@ def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | Non
     return None
 
 
-def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
-    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWriteFacts | None:
+    """The forward's cache write: ``<cache>.update(key, value, layer_idx, ...)`` (``[b, h, s,
+    d]``), else a tuple cache grown in one statement by ``key = torch.cat([<past>, key],
+    dim=d)`` and the same for value, whose ``d`` is the sequence axis and so the layout.
+    None when there is none; a problem when the concatenation cannot be read as a KV write."""
     update_index = _top_index(body, CACHE_UPDATE_CALL)
-    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL)
-    if update_index is None or kernel_index is None or kernel_index < update_index:
+    cat_index = _top_index(body, CACHE_CAT_ASSIGN)
+    if update_index is not None and (cat_index is None or update_index <= cat_index):
+        update = cst.ensure_type(m.findall(body.body[update_index], CACHE_UPDATE_CALL)[0], cst.Call)
+        return CacheWriteFacts(
+            index=update_index,
+            key=code(update.args[0].value),
+            value=code(update.args[1].value),
+            layout=CacheLayout.BHSD,
+            kind="update",
+        )
+    if cat_index is None:
+        return None
+    growths = cache_cat_growths(body.body[cat_index])
+    names = [name for name, _ in growths]
+    dims = {dim + 4 if dim < 0 else dim for _, dim in growths}
+    if len(growths) != 2 or len(set(names)) != 2 or len(dims) != 1:
         facts.problems.append(
-            f"{facts.name}.forward does not write the cache before calling attention"
+            f"{facts.name}.forward grows its cache with torch.cat, but not as one key and one "
+            f"value along the same axis ({', '.join(names)})"
         )
         return None
-    update = m.findall(body.body[update_index], CACHE_UPDATE_CALL)[0]
-    assert isinstance(update, cst.Call)
+    layout = _LAYOUT_OF_SEQ_DIM.get(dims.pop())
+    if layout is None:
+        facts.problems.append(
+            f"{facts.name}.forward concatenates its cache along dim {growths[0][1]}, which is "
+            "not the sequence axis of a [b, h, s, d], [b, s, h, d] or [s, b, h, d] layout"
+        )
+        return None
+    return CacheWriteFacts(index=cat_index, key=names[0], value=names[1], layout=layout, kind="cat")
+
+
+def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
+    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+    write = cache_write_facts(facts, body)
+    position = _kernel_position(body)
+    if write is None or position is None or position[0] < write.index:
+        if write is not None or not facts.problems:
+            facts.problems.append(
+                f"{facts.name}.forward does not write the cache before calling attention"
+            )
+        return None
+    kernel = _kernel_facts(facts, body, *position)
+    if kernel is None:
+        return None
+    query = kernel.query
+    if write.kind == "cat":
+        # the seam is replaced wholesale, so the query it reads is the name as it stood
+        # before the seam (vendors permute it to the kernel's layout inside the seam)
+        inside = list(body.body[write.index : kernel.index])
+        query = _name_before(cst.parse_expression(kernel.query), inside)
+    seam = SeamFacts(
+        update_index=write.index,
+        kernel_index=kernel.index,
+        style=kernel.style,
+        query=query,
+        key=write.key,
+        value=write.value,
+        scale=kernel.scale,
+        sinks=kernel.sinks,
+        targets=kernel.targets,
+        layout=write.layout,
+        nulled=(
+            _cache_only_names(body, write.index, kernel.index, {write.key, write.value})
+            if write.kind == "cat"
+            else []
+        ),
+    )
+    _check_seam_names(facts, body, seam)
+    return seam
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Kernel:
+    """How the forward runs attention (the end of the seam)."""
+
+    #: the statement that computes the attention output (the seam's last statement)
+    index: int
+    style: KernelStyle
+    query: str
+    scale: str | None
+    sinks: str | None
+    targets: list[str]
+
+
+def _kernel_position(body: cst.IndentedBlock) -> tuple[int, int] | None:
+    """(first, last) top-level statement of the attention kernel: one call (an attention
+    interface, SDPA, transformers 4's flash helper), or the scores through the output of
+    hand-written matmul attention; None when the forward has neither."""
+    kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL | FLASH_CALL)
+    if kernel_index is not None:
+        return kernel_index, kernel_index
+    return matmul_attention(body)
+
+
+def _kernel_facts(
+    facts: AttentionFacts, body: cst.IndentedBlock, first_index: int, kernel_index: int
+) -> _Kernel | None:
+    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say."""
+    if first_index != kernel_index:
+        return _matmul_kernel(facts, body, first_index, kernel_index)
     stmt = body.body[kernel_index]
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
+    if isinstance(stmt, cst.If):
+        assign = _branch_kernel_assign(stmt)
     if not isinstance(assign, (cst.Assign, cst.AnnAssign)) or not isinstance(
         assign.value, cst.Call
     ):
@@ -130,7 +324,12 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
         )
         return None
     call = assign.value
-    style = KernelStyle.SDPA if m.matches(call, SDPA_CALL) else KernelStyle.INTERFACE
+    if m.matches(call, SDPA_CALL):
+        style = KernelStyle.SDPA
+    elif m.matches(call, FLASH_CALL):
+        style = KernelStyle.FLASH
+    else:
+        style = KernelStyle.INTERFACE
     positional = [a.value for a in call.args if a.keyword is None and a.star == ""]
     offset = 1 if style is KernelStyle.INTERFACE else 0
     keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
@@ -141,19 +340,193 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
     if not targets:
         facts.problems.append(f"{facts.name}.forward assigns attention output to a non-name")
         return None
-    seam = SeamFacts(
-        update_index=update_index,
-        kernel_index=kernel_index,
+    scale = keywords.get("scaling") or keywords.get("scale")
+    if style is KernelStyle.FLASH:
+        # the helper's own keyword; its default (None) is head_dim ** -0.5, as the seam's
+        scale = keywords.get("softmax_scale")
+    return _Kernel(
+        index=kernel_index,
         style=style,
         query=code(positional[offset]),
-        key=code(update.args[0].value),
-        value=code(update.args[1].value),
-        scale=keywords.get("scaling") or keywords.get("scale"),
+        scale=scale,
         sinks=keywords.get("s_aux") or keywords.get("sinks"),
         targets=targets,
     )
-    _check_seam_names(facts, body, seam)
-    return seam
+
+
+#: on the scores, a soft cap (``tanh``) the fused operator has no input for
+_SOFT_CAP = m.Call(func=m.Name("tanh") | m.Attribute(attr=m.Name("tanh")))
+
+
+def _matmul_kernel(
+    facts: AttentionFacts, body: cst.IndentedBlock, scores_index: int, output_index: int
+) -> _Kernel | None:
+    """Hand-written attention: ``w = matmul(q, k^T) [* s | / s]``, an additive mask, a softmax
+    (maybe upcast), dropout, ``o = matmul(w, v)``. The mask and dropout are the runtime's and
+    inference's business; anything else done to the scores cannot be expressed by the fused
+    operator and is refused with the reason."""
+    scores_stmt = cst.ensure_type(body.body[scores_index], cst.SimpleStatementLine)
+    assign = cst.ensure_type(scores_stmt.body[0], cst.Assign)
+    weights = cst.ensure_type(assign.targets[0].target, cst.Name).value
+    product = scores_matmul(assign.value)
+    assert product is not None, "matmul_attention found these scores"
+    between = list(body.body[scores_index + 1 : output_index])
+    if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
+        facts.problems.append(
+            f"{facts.name}.forward soft-caps its attention scores (tanh); the fused operator "
+            "has no soft-capping input"
+        )
+        return None
+    rescaled = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.MultiplyAssign() | m.DivideAssign())
+    if any(m.findall(stmt, rescaled) for stmt in between):
+        facts.problems.append(
+            f"{facts.name}.forward rescales its attention scores after the product; the fused "
+            "operator takes one softmax scale"
+        )
+        return None
+    added = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Add()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
+    for stmt in between:
+        for node in m.findall(stmt, added):
+            term = node.value.right if isinstance(node, cst.Assign) else node.value
+            names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
+            if not any("mask" in name.lower() for name in names):
+                facts.problems.append(
+                    f"{facts.name}.forward adds {code(term)} to its attention scores (a "
+                    "position bias such as ALiBi); the paged seam adds only the causal mask"
+                )
+                return None
+    value = assign.value
+    if isinstance(value, cst.BinaryOperation):
+        factor = code(value.right)
+        # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
+        atom = value.right.lpar or isinstance(
+            value.right, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Float)
+        )
+        divisor = factor if atom else f"({factor})"
+        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
+    else:
+        scale = "1.0"  # the source applies no scale to q.k
+    output = _assigned_name(body.body[output_index])
+    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
+    probs = _matmul_operand(body.body[output_index])
+    extra = [weights] + ([probs] if probs not in (None, weights, output) else [])
+    return _Kernel(
+        index=output_index,
+        style=KernelStyle.MATMUL,
+        query=code(product.args[0].value),
+        scale=scale,
+        sinks=None,
+        targets=[output, *extra],
+    )
+
+
+def _matmul_operand(stmt: cst.BaseStatement) -> str | None:
+    """The first operand of ``o = matmul(w, v)`` when it is a name."""
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    call = cst.ensure_type(cst.ensure_type(line.body[0], cst.Assign).value, cst.Call)
+    first = call.args[0].value if call.args else None
+    return first.value if isinstance(first, cst.Name) else None
+
+
+def _assigned_name(stmt: cst.BaseStatement) -> str:
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    assign = cst.ensure_type(line.body[0], cst.Assign)
+    return cst.ensure_type(assign.targets[0].target, cst.Name).value
+
+
+def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
+    """The kernel assignment of an ``if``/``else`` whose every branch assigns the same targets
+    from the same attention call on the same query, key and value, differing only in how it
+    masks (ChatGLM: ``is_causal=True`` without a mask, else the mask): the fused operator
+    masks by itself, so the branches are one kernel call. None for any other ``if``."""
+    assigns = [
+        cst.ensure_type(a, cst.Assign)
+        for a in m.findall(stmt, m.Assign(value=INTERFACE_CALL | SDPA_CALL))
+    ]
+    branches, node = 0, stmt
+    while isinstance(node, cst.If):
+        branches += 1
+        node = node.orelse.body if isinstance(node.orelse, cst.Else) else node.orelse
+    if node is None or not assigns or len(assigns) != branches + 1:
+        return None
+    first = assigns[0]
+
+    def signature(assign: cst.Assign) -> tuple[str, list[str], str | None]:
+        call = cst.ensure_type(assign.value, cst.Call)
+        positional = [code(a.value) for a in call.args if a.keyword is None][:3]
+        keywords = {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
+        return code(assign.targets[0].target), positional, keywords.get("scale")
+
+    if any(signature(a) != signature(first) for a in assigns[1:]):
+        return None
+    return first
+
+
+def _root_name(node: cst.BaseExpression) -> str | None:
+    """``q`` of ``q``, ``q.permute(...)``, ``q[...]``, ``q.transpose(1, 2).contiguous()``."""
+    while True:
+        if isinstance(node, cst.Name):
+            return node.value
+        if isinstance(node, cst.Attribute):
+            node = node.value
+        elif isinstance(node, cst.Call):
+            node = node.func
+        elif isinstance(node, cst.Subscript):
+            node = node.value
+        else:
+            return None
+
+
+def _name_before(expr: cst.BaseExpression, inside: list[cst.BaseStatement]) -> str:
+    """The name EXPR's tensor had before the seam, following ``q2 = q.transpose(...)``
+    renames inside it backwards; the expression's own text when it has no root name."""
+    name = _root_name(expr)
+    if name is None:
+        return code(expr)
+    for stmt in reversed(inside):
+        for assign in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(name))])):
+            source = _root_name(cst.ensure_type(assign, cst.Assign).value)
+            if source is not None and source != name:
+                name = source
+    return name
+
+
+def _packs_cache(value: cst.BaseExpression, cache_names: set[str]) -> bool:
+    """``None``, ``(k, v)`` of cache names, or a conditional of those."""
+    if m.matches(value, m.Name("None")):
+        return True
+    if isinstance(value, cst.Tuple):
+        return bool(value.elements) and all(
+            isinstance(e.value, cst.Name) and e.value.value in cache_names for e in value.elements
+        )
+    if isinstance(value, cst.IfExp):
+        return _packs_cache(value.body, cache_names) and _packs_cache(value.orelse, cache_names)
+    return False
+
+
+def _cache_only_names(
+    body: cst.IndentedBlock, start: int, end: int, cache_names: set[str]
+) -> list[str]:
+    """Names the seam assigns only the source's own cache to (``present = (k, v) if use_cache
+    else None``) and later code reads: the paged cache replaces them, so they become None."""
+    inside = list(body.body[start:end])
+    after = list(body.body[end + 1 :])
+    nulled = []
+    for name in sorted(_assigned_names(inside) & _used_names(after)):
+        assigns = [
+            cst.ensure_type(a, cst.Assign)
+            for stmt in inside
+            for a in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(name))]))
+        ]
+        if assigns and all(_packs_cache(a.value, cache_names) for a in assigns):
+            nulled.append(name)
+    return nulled
 
 
 def _targets(assign: cst.Assign | cst.AnnAssign) -> list[str]:
@@ -187,7 +560,7 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
     inside = list(body.body[seam.update_index : seam.kernel_index])
     after = list(body.body[seam.kernel_index + 1 :])
     leaked = (_assigned_names(inside) - set(seam.targets)) & _used_names(after)
-    leaked -= {seam.key, seam.value, seam.query}
+    leaked -= {seam.key, seam.value, seam.query, *seam.nulled}
     tiled = m.Call(
         func=m.Attribute(value=m.Name(seam.key) | m.Name(seam.value), attr=m.Name("repeat"))
     )
@@ -211,10 +584,17 @@ __all__ = [
     "LM_HEAD_ASSIGN",
     "SDPA_CALL",
     "STATE_ENTRIES_ASSIGN",
+    "BNSD_STYLES",
     "AttentionFacts",
+    "CacheLayout",
+    "CacheWriteFacts",
     "KernelStyle",
     "SeamFacts",
     "attention_facts",
+    "cache_write_facts",
+    "causal_lm_classes",
+    "init_owner",
+    "module_classes",
     "class_assigns",
     "code",
     "is_attention_class",

@@ -2,10 +2,13 @@
 
 The fused attention masks by itself (``sparse_mode`` with the fixed 2048x2048 tile and the
 actual sequence lengths), so the O(T^2) masks transformers builds for the packed ``[1, T]``
-batch are skipped: every call of a ``masking_utils`` builder - directly or through a local
+batch are skipped: every call of a ``masking_utils`` (or 4.3x ``modeling_attn_mask_utils``)
+builder - directly or through a local
 alias such as ``mask_function = create_causal_mask if ... else ...`` - becomes
-``None if _in_paged_runtime() else <call>``. Outside the runtime the model builds its masks
-as before.
+``None if _in_paged_runtime() else <call>``. transformers 4.4x models build theirs in a
+method of the model class, ``self._update_causal_mask(...)`` (a dense ``T x T`` mask for eager
+attention); a call of such a method, defined in the file, is guarded the same way. Outside the
+runtime the model builds its masks as before.
 """
 
 from __future__ import annotations
@@ -18,16 +21,21 @@ from kvskill.implementer.snippets import statements
 HELPER = "_in_paged_runtime"
 #: the guard this codemod emits; a call already under it is left alone
 GUARDED = m.IfExp(test=m.Call(func=m.Name(HELPER)))
-MASKING_MODULE_SUFFIX = "masking_utils"
+#: modules whose builders make dense masks: transformers >= 4.5x's ``masking_utils`` and the
+#: ``modeling_attn_mask_utils`` (``_prepare_4d_causal_attention_mask``) of 4.3x-era code
+MASKING_MODULE_SUFFIXES = ("masking_utils", "modeling_attn_mask_utils")
+#: methods of transformers 4.4x model classes that build the dense mask
+DENSE_MASK_METHODS = ("_update_causal_mask",)
 
 
 def mask_builders(module: cst.Module) -> set[str]:
-    """Names imported from a ``masking_utils`` module (``create_causal_mask``, ...)."""
+    """Names imported from a mask module (``create_causal_mask``,
+    ``_prepare_4d_causal_attention_mask``, ...)."""
     names: set[str] = set()
     for node in m.findall(module, m.ImportFrom()):
         node = cst.ensure_type(node, cst.ImportFrom)
         dotted = cst.Module(body=[]).code_for_node(node.module) if node.module else ""
-        if not dotted.endswith(MASKING_MODULE_SUFFIX) or isinstance(node.names, cst.ImportStar):
+        if not dotted.endswith(MASKING_MODULE_SUFFIXES) or isinstance(node.names, cst.ImportStar):
             continue
         for alias in node.names:
             bound = alias.asname.name if alias.asname else alias.name
@@ -54,10 +62,13 @@ class SkipDenseMasksCommand(FrameworkCommand):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.builders = mask_builders(node)
+        self.methods = {
+            name for name in DENSE_MASK_METHODS if m.findall(node, m.FunctionDef(name=m.Name(name)))
+        }
         self.local: list[set[str]] = []
         self.guarded = 0
         self.has_helper = bool(m.findall(node, m.FunctionDef(name=m.Name(HELPER))))
-        return bool(self.builders)
+        return bool(self.builders or self.methods)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.local.append(self.builders | _aliases(node, self.builders))
@@ -83,7 +94,11 @@ class SkipDenseMasksCommand(FrameworkCommand):
         if not self.local or self.guarded:
             return updated_node
         func = original_node.func
-        if not (isinstance(func, cst.Name) and func.value in self.local[-1]):
+        builder = isinstance(func, cst.Name) and func.value in self.local[-1]
+        method = m.matches(func, m.Attribute(value=m.Name("self"))) and (
+            cst.ensure_type(func, cst.Attribute).attr.value in self.methods
+        )
+        if not (builder or method):
             return updated_node
         self.changed = True
         return cst.IfExp(

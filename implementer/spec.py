@@ -54,6 +54,11 @@ class ConversionSpec:
     attn_tp_size: int = 1
     block_size: int = 128
     has_sinks: bool = False
+    #: the class the Plan names as the causal LM; the model-class rewrite uses it when no
+    #: class assigns ``self.lm_head`` (vendor heads named ``output`` / ``output_layer``)
+    causal_lm_class: str | None = None
+    #: whether the model's config names ``num_key_value_heads`` (MHA vendor configs do not)
+    config_has_kv_heads: bool = True
 
     @property
     def attn_types(self) -> list[str]:
@@ -94,6 +99,8 @@ class ConversionSpec:
             block_size=block_size or plan.block_size,
             has_sinks=plan.has_sinks,
             has_state_layers=any(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()),
+            causal_lm_class=plan.architecture,
+            config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
         )
 
 

@@ -52,6 +52,7 @@ from kvskill.implementer.real_weights import (
 )
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference
+from kvskill.implementer.reference_drive import drives_own_tuple_cache, tuple_cache_generate
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, judge
 from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
@@ -422,10 +423,13 @@ def _verify(
         assert vocab is not None, "vocabulary_size raises when the head names none"
         prompts = prompts_for(converted_dir, config, options, report.block_size, vocab)
     driver = driver_for(converted_dir, pair.converted_dir, options)
+    drive = (
+        tuple_cache_generate
+        if drives_own_tuple_cache(converted_dir.plan.code)
+        else reference_generate
+    )
     try:
-        references = [
-            reference_generate(pair.reference, p, options.max_new_tokens) for p in prompts
-        ]
+        references = [drive(pair.reference, p, options.max_new_tokens) for p in prompts]
     except Exception as exc:  # the original model's own code fails on this config
         raise original_failure(
             converted_dir, exc, stage="generate", shrunk=options.shrink, workdir=workdir
@@ -447,7 +451,7 @@ def _verify(
     report.chains = [c.to_dict() for c in run.chains]
     if options.dtype in LOW_PRECISION:
         report.low_precision = low_precision_verdict(
-            pair.reference, prompts, references, run, options
+            pair.reference, prompts, references, run, options, drive=drive
         )
     for index, (prompt, (tokens, ref_logits)) in enumerate(zip(prompts, references, strict=True)):
         result = compare_prompt(
@@ -530,6 +534,7 @@ def low_precision_verdict(
     references: list[tuple[list[int], torch.Tensor]],
     run: DriverRun,
     options: VerifyOptions,
+    drive=None,
 ):
     """The noise-floor verdict: the original in the low dtype gives the rounding scale.
 
@@ -540,7 +545,8 @@ def low_precision_verdict(
     from kvskill.runtime.loader import resolve_dtype
 
     low = anchor.to(resolve_dtype(options.dtype))
-    originals = [reference_generate(low, p, options.max_new_tokens) for p in prompts]
+    generate = drive or reference_generate  # the original's own generation (e.g. tuple caches)
+    originals = [generate(low, p, options.max_new_tokens) for p in prompts]
 
     def generations(pairs) -> list[Generation]:
         return [Generation(tokens=list(t), logits=list(logits)) for t, logits in pairs]

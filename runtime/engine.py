@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -85,6 +86,8 @@ class LLMEngine:
         step_hooks: Sequence[StepHook] = (),
     ) -> None:
         self.model = model
+        #: whether model.forward takes logits_to_keep (read on the first step)
+        self._takes_logits_to_keep: bool | None = None
         self.kv_manager = kv_manager
         self.config = config
         self.vocab_size = vocab_size
@@ -238,6 +241,8 @@ class LLMEngine:
     def _forward(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
     ) -> Tensor:
+        if not self._keeps_logit_rows():
+            return self._forward_all_logits(input_ids, position_ids, logits_indices, md)
         with torch.inference_mode(), forward_context(md):
             out = self.model(
                 input_ids=input_ids,
@@ -245,7 +250,7 @@ class LLMEngine:
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )
-        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+        logits = _logits(out)
         expected = (1, logits_indices.numel())
         if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
             raise RuntimeError(
@@ -254,6 +259,34 @@ class LLMEngine:
                 "logits_to_keep given as an index tensor?)"
             )
         return logits[0].float()
+
+    def _keeps_logit_rows(self) -> bool:
+        """Whether the model's forward takes ``logits_to_keep`` (transformers >= 4.50 models
+        accept an index tensor there); transformers 4.46 models take ``num_logits_to_keep: int``
+        and vendor files often neither. Read once per model from the forward's signature."""
+        if self._takes_logits_to_keep is None:
+            try:
+                params = inspect.signature(self.model.forward).parameters
+            except (TypeError, ValueError):  # a forward without a readable signature
+                params = {}
+            self._takes_logits_to_keep = "logits_to_keep" in params
+        return self._takes_logits_to_keep
+
+    def _forward_all_logits(
+        self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
+    ) -> Tensor:
+        """A forward that cannot keep rows by index computes every position's logits; the
+        rows of the requests' last tokens are picked here."""
+        with torch.inference_mode(), forward_context(md):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        logits = _logits(out)
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(
+                f"the model returned logits of shape {tuple(logits.shape)}; expected "
+                f"[1, {input_ids.shape[-1]}, vocab] (one row per token, as its forward takes "
+                "no logits_to_keep)"
+            )
+        return logits[0, logits_indices].float()
 
     def _sample(self, output: SchedulerOutput, logits: Tensor) -> list[int | None]:
         # Only rows whose step reaches the end of the request's prefill (or decodes) sample;
@@ -300,3 +333,8 @@ class LLMEngine:
         stats.num_generated_tokens += len(sampled) - sampled.count(None)
         stats.num_preemptions += len(output.preempted)
         stats.forward_s += forward_s
+
+
+def _logits(out) -> Tensor:
+    """The logits of a model output (a ModelOutput, a tuple, or the tensor itself)."""
+    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out

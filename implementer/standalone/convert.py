@@ -15,7 +15,7 @@ from kvskill.analyzer.plan import KvMode as PlanKvMode
 from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, source_package
 from kvskill.implementer.pipeline import convert
 from kvskill.implementer.record import StandaloneRecord
-from kvskill.implementer.standalone.runner import render_runner
+from kvskill.implementer.standalone.runner import render_runner, takes_logits_to_keep
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
 
 
@@ -57,7 +57,9 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
             legacy_reason="requested with --kv-mode contiguous (standalone mode 1)",
             input_layout=spec.input_layout,
         )
-    runner = render_runner(plan, spec)
+    runner = render_runner(
+        plan, spec, keeps_logit_rows=takes_logits_to_keep(converted, plan.architecture)
+    )
     record = StandaloneRecord(
         runner=runner.file_name,
         kv_mode=spec.kv_mode.value,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import libcst as cst
+from kvskill.analyzer.gather import is_causal_lm_class, method
 from kvskill.analyzer.plan import Plan
 from kvskill.implementer.snippets import render
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
@@ -30,8 +31,29 @@ def runner_file_name(model_type: str) -> str:
     return f"runner_{safe}.py"
 
 
-def render_runner(plan: Plan, spec: StandaloneSpec) -> RenderedRunner:
-    """The runner for ``plan``'s model in ``spec``'s KV mode, checked to parse."""
+def takes_logits_to_keep(source: str, architecture: str | None) -> bool:
+    """Whether the causal LM's ``forward`` in SOURCE has a ``logits_to_keep`` parameter
+    (transformers >= 4.50 models; 4.46 ones take ``num_logits_to_keep: int``, vendor files
+    often neither). True when the class is not found: the runner then passes it, as always."""
+    module = cst.parse_module(source)
+    classes = [c for c in module.body if isinstance(c, cst.ClassDef)]
+    named = [c for c in classes if c.name.value == architecture]
+    heads = named or [c for c in classes if is_causal_lm_class(c)]
+    forward = method(heads[0], "forward") if heads else None
+    if forward is None:
+        return True
+    params = [*forward.params.params, *forward.params.kwonly_params]
+    return any(p.name.value == "logits_to_keep" for p in params)
+
+
+def render_runner(
+    plan: Plan, spec: StandaloneSpec, *, keeps_logit_rows: bool = True
+) -> RenderedRunner:
+    """The runner for ``plan``'s model in ``spec``'s KV mode, checked to parse.
+
+    KEEPS_LOGIT_ROWS: the model's forward takes ``logits_to_keep`` (:func:`takes_logits_to_keep`);
+    otherwise the runner computes every position's logits and picks the rows itself.
+    """
     name = runner_file_name(plan.model_type)
     if spec.mla:
         mode_name = "Mode 3 (absorbed MLA over paged blocks)"
@@ -50,6 +72,7 @@ def render_runner(plan: Plan, spec: StandaloneSpec) -> RenderedRunner:
         mode_name=mode_name,
         mode_title=title,
         cache_names=caches,
+        keeps_logit_rows=keeps_logit_rows,
     )
     cst.parse_module(text)  # a template that renders broken Python fails here, not later
     return RenderedRunner(file_name=name, text=text)

@@ -4,10 +4,18 @@ Its attention reads the cache through ``past_key_value.update(...)``, repeats K/
 ``scaled_dot_product_attention`` with a YaRN-style softmax scale (``mscale**2``); the model
 builds its mask with ``masking_utils.create_causal_mask``. Nothing here comes from a real
 checkpoint.
+
+The text is written for transformers 5; :func:`for_installed_transformers` adapts the few
+calls whose API differs in the installed version (found by feature detection), so the same
+model runs under every transformers the project supports while its 5.x text, and so its
+golden conversion, stays as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -244,10 +252,63 @@ CONFIG = {
 }
 
 
+#: the mask builder call of MODELING, as transformers 5 spells it
+_MASK_CALL = """\
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=past_key_values,
+            position_ids=position_ids,
+        )
+"""
+_MASK_IMPORT = "from transformers.masking_utils import create_causal_mask\n"
+
+
+def _params(func) -> set[str]:
+    return set(inspect.signature(func).parameters)
+
+
+def for_installed_transformers(modeling: str) -> str:
+    """MODELING adapted to the installed transformers (unchanged under transformers 5)."""
+    from transformers import modeling_outputs
+    from transformers.cache_utils import DynamicCache
+
+    if importlib.util.find_spec("transformers.masking_utils") is None:
+        # before masking_utils (4.46): no mask builder; SDPA's is_causal masks the prompt
+        modeling = modeling.replace(_MASK_IMPORT, "").replace(
+            _MASK_CALL, "        causal_mask = None\n"
+        )
+    else:
+        from transformers.masking_utils import create_causal_mask
+
+        params = _params(create_causal_mask)
+        call = _MASK_CALL
+        if "inputs_embeds" not in params:  # 4.5x: input_embeds, past_key_values, cache_position
+            call = call.replace("inputs_embeds=", "input_embeds=")
+        if "cache" not in params:
+            call = call.replace("cache=past_key_values,", "past_key_values=past_key_values,")
+        if "cache_position" in params:
+            call = call.replace(
+                "position_ids=position_ids,",
+                "cache_position=position_ids[0],\n            position_ids=position_ids,",
+            )
+        modeling = modeling.replace(_MASK_CALL, call)
+    init = inspect.signature(DynamicCache.__init__).parameters
+    if "config" not in init and not any(p.kind is p.VAR_KEYWORD for p in init.values()):
+        modeling = modeling.replace("DynamicCache(config=self.config)", "DynamicCache()")
+    output_fields = {f.name for f in dataclasses.fields(modeling_outputs.CausalLMOutputWithPast)}
+    if "cache" not in output_fields:
+        modeling = modeling.replace("cache=past_key_values)", "past_key_values=past_key_values)")
+    return modeling
+
+
 def write_remote_model(directory: Path, modeling: str = MODELING) -> Path:
-    """Write the tiny remote-code model directory; returns it."""
+    """Write the tiny remote-code model directory (its modeling code adapted to the installed
+    transformers); returns it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "configuration_tiny_remote.py").write_text(CONFIGURATION, encoding="utf-8")
+    modeling = for_installed_transformers(modeling)
     (directory / "modeling_tiny_remote.py").write_text(modeling, encoding="utf-8")
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2), encoding="utf-8")
     return directory

@@ -155,8 +155,11 @@ def test_every_rewrites_refusals_are_collected_before_any_rewrite_runs():
     from kvskill.core.errors import UnsupportedModelError
 
     before = (HERE / "before_paged.py").read_text(encoding="utf-8")
-    # a second text model makes KVR012's own check fail; dropping lm_head fails the model check
-    broken = before.replace("self.lm_head =", "self.head =") + (
+    # a second text model makes KVR012's own check fail; dropping the head (no lm_head, no
+    # Linear to the vocabulary) fails the model check
+    head = "self.lm_head = tnn.Linear(config.hidden_size, config.vocab_size, bias=False)"
+    assert head in before
+    broken = before.replace(head, "self.head = None") + (
         "\n\nclass OtherModel(tnn.Module):\n"
         "    def __init__(self, config):\n"
         "        super().__init__()\n"

@@ -14,7 +14,7 @@ import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts
+from kvskill.implementer.facts import KernelStyle, SeamFacts, attention_facts, seam_forward
 from kvskill.implementer.snippets import methods, statements
 from kvskill.implementer.spec import ConversionSpec
 
@@ -88,7 +88,11 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         seam = attention_facts(original).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
+        body = replace_method(
+            updated,
+            "forward",
+            lambda f: self._convert_forward(seam_forward(updated, f), seam, config),
+        )
         update_cache = [
             f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value == "update_cache"
         ]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import libcst as cst
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
-    CACHE_ENTRIES_ASSIGN,
-    FA_CALL,
     attention_facts,
-    class_assigns,
     is_attention_class,
     is_causal_lm_class,
+    is_converted_attention,
     m,
+    partial_conversion,
 )
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
@@ -43,9 +42,13 @@ def check_attention_module(
     if not heads:
         problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
     for cls in attention:
+        partial = partial_conversion(cls)
+        if partial is not None:
+            problems.append(partial)
+            continue
         facts = attention_facts(cls)
         problems.extend(facts.problems)
-        if facts.converted or m.findall(cls, FA_CALL):
+        if facts.converted:
             continue
         if spec.uniform_attn_type is None and facts.layer_idx_param is None:
             problems.append(
@@ -80,7 +83,11 @@ def check_mla_module(
     if not any(is_causal_lm_class(c) for c in classes.values()):
         problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
     for cls in attention:
-        if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        partial = partial_conversion(cls)
+        if partial is not None:
+            problems.append(partial)
+            continue
+        if is_converted_attention(cls):
             continue
         fused = spec.cache_write is CacheWrite.FUSED
         problems.extend(mla_attention_facts(cls, classes, fused).problems)

@@ -21,7 +21,7 @@ from kvskill.implementer._command import (
 )
 from kvskill.implementer.attn_forward import seam_values
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import SeamFacts
+from kvskill.implementer.facts import SeamFacts, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.model_class import add_cache_info
@@ -96,7 +96,10 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = self.facts(original)
         return with_body(
-            updated, replace_method(updated, "forward", lambda f: self._convert(f, facts))
+            updated,
+            replace_method(
+                updated, "forward", lambda f: self._convert(seam_forward(updated, f), facts)
+            ),
         )
 
     def _convert(self, forward: cst.FunctionDef, facts: MlaAttentionFacts) -> cst.FunctionDef:

@@ -1,0 +1,129 @@
+"""Attention forwards that already carry an NPU branch: ``if <flag>: <fused attention over a
+dense cache> else: <cache write + attention kernel>``.
+
+Ascend vendors ship such a fast path (the flag asks the config and whether ``torch_npu``
+imported). The fused attention there reads this step's keys and values or a dense cache, not
+the paged one, so keeping the branch would leave a path of the converted forward that never
+writes or reads the paged cache. The whole ``if`` is therefore part of the seam: it is
+replaced by the statements of its kernel branch, whose cache write and kernel call the
+forward rewrite then replaces as usual, so every path goes through the paged cache.
+
+Only the clear shape is rewritten: an ``if`` at the top level of ``forward`` with an ``else``
+(no ``elif``), one branch calling the fused operator without ``block_table`` (not paged), the
+other calling an attention kernel and no fused operator. Any other fused-attention call in an
+unconverted forward is a problem, and the conversion is refused naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.analyzer.gather import FA_CALL, INTERFACE_CALL, SDPA_CALL
+
+_EMPTY = cst.Module(body=[])
+#: a fused-attention call on the paged cache (it names its block table)
+PAGED_FA_CALL = FA_CALL & m.Call(
+    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("block_table")), m.ZeroOrMore()]
+)
+KERNEL_CALL = INTERFACE_CALL | SDPA_CALL
+
+
+@dataclass(frozen=True)
+class InlinedForward:
+    """A forward with its NPU branches replaced by their kernel branches."""
+
+    forward: cst.FunctionDef
+    #: the conditions of the NPU branches that were replaced, as written
+    conditions: list[str] = field(default_factory=list)
+    #: why a fused-attention call of the forward cannot be rewritten
+    problems: list[str] = field(default_factory=list)
+
+
+def _statements(branch: cst.BaseSuite) -> list[cst.BaseStatement]:
+    if isinstance(branch, cst.IndentedBlock):
+        return list(branch.body)
+    suite = cst.ensure_type(branch, cst.SimpleStatementSuite)
+    return [cst.SimpleStatementLine(body=suite.body)]
+
+
+def _kernel_branch(node: cst.If, owner: str) -> tuple[list[cst.BaseStatement] | None, str | None]:
+    """(statements of the kernel branch, None) for an NPU branch; (None, why) otherwise."""
+    condition = _EMPTY.code_for_node(node.test)
+    if not isinstance(node.orelse, cst.Else):
+        return None, (
+            f"{owner} calls the fused attention in `if {condition}:` without a plain else "
+            "branch holding the cache write and attention kernel"
+        )
+    branches = (node.body, node.orelse.body)
+    fused = [bool(m.findall(b, FA_CALL)) for b in branches]
+    if all(fused):
+        return None, f"{owner} calls the fused attention in both branches of `if {condition}:`"
+    npu, other = (branches[0], branches[1]) if fused[0] else (branches[1], branches[0])
+    if m.findall(npu, PAGED_FA_CALL):
+        return None, (
+            f"{owner} already calls the paged fused attention (block_table=) under "
+            f"`if {condition}:`, but the class declares no cache_entries for it"
+        )
+    if not m.findall(other, KERNEL_CALL):
+        return None, (
+            f"{owner}: the branch beside the fused attention of `if {condition}:` calls no "
+            "attention kernel, so no cache write and kernel can take its place"
+        )
+    return _statements(other), None
+
+
+def _lead(stmts: list[cst.BaseStatement], node: cst.If, condition: str) -> list[cst.BaseStatement]:
+    """STMTS, the first carrying the ``if``'s own leading lines and a note of what went."""
+    notes = [
+        cst.EmptyLine(comment=cst.Comment(f"# kvskill: `if {condition}:` chose the fused")),
+        cst.EmptyLine(
+            comment=cst.Comment(
+                "# attention over a dense cache; every path now takes the paged cache below."
+            )
+        ),
+    ]
+    first = stmts[0]
+    first = first.with_changes(leading_lines=[*node.leading_lines, *notes, *first.leading_lines])
+    return [first, *stmts[1:]]
+
+
+def inline_npu_branches(owner: str, forward: cst.FunctionDef) -> InlinedForward:
+    """FORWARD with each top-level NPU ``if`` replaced by its kernel branch.
+
+    Args:
+        owner: ``Class.forward``, for messages.
+        forward: the attention forward as written.
+    """
+    block = cst.ensure_type(forward.body, cst.IndentedBlock)
+    body: list[cst.BaseStatement] = []
+    conditions: list[str] = []
+    problems: list[str] = []
+    for stmt in block.body:
+        if not m.findall(stmt, FA_CALL):
+            body.append(stmt)
+            continue
+        if not isinstance(stmt, cst.If):
+            problems.append(
+                f"{owner} calls the fused attention outside an `if <flag>: ... else: ...` "
+                "NPU branch; it cannot tell which cache that call reads"
+            )
+            body.append(stmt)
+            continue
+        kernel, problem = _kernel_branch(stmt, owner)
+        if kernel is None:
+            assert problem is not None
+            problems.append(problem)
+            body.append(stmt)
+            continue
+        condition = _EMPTY.code_for_node(stmt.test)
+        conditions.append(condition)
+        body.extend(_lead(kernel, stmt, condition))
+    if not conditions:
+        return InlinedForward(forward=forward, problems=problems)
+    inlined = forward.with_changes(body=block.with_changes(body=body))
+    return InlinedForward(forward=inlined, conditions=conditions, problems=problems)
+
+
+__all__ = ["InlinedForward", "inline_npu_branches"]

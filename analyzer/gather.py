@@ -171,15 +171,18 @@ def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
 
 
 def is_attention_class(cls: cst.ClassDef) -> bool:
-    """A class whose forward writes a KV cache and calls an attention kernel, or one already
-    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
+    """A class whose forward writes a KV cache and calls an attention kernel (or the fused
+    attention), or one already converted (it declares ``cache_entries`` of per-token caches,
+    not recurrent states)."""
     if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
         return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
     forward = method(cls, "forward")
     if forward is None:
         return False
     has_update = bool(m.findall(forward, CACHE_UPDATE_CALL))
-    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL))
+    # NOTE: the fused attention counts as a kernel too, so a forward that writes a cache and
+    # attends only through an NPU branch is an attention class, converted or refused by name
+    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FA_CALL))
     return has_update and has_kernel
 
 

@@ -91,7 +91,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         body = replace_method(
             updated,
             "forward",
-            lambda f: self._convert_forward(seam_forward(updated, f), seam, config),
+            lambda f: self._convert_forward(*seam_forward(updated, f), seam, config),
         )
         update_cache = [
             f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value == "update_cache"
@@ -99,7 +99,11 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         return with_body(updated, [*body, *update_cache])
 
     def _convert_forward(
-        self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
+        self,
+        forward: cst.FunctionDef,
+        note: list[cst.EmptyLine],
+        seam: SeamFacts,
+        config: cst.PartialParserConfig,
     ) -> cst.FunctionDef:
         new = statements(
             self.SEAM_TEMPLATE,
@@ -108,6 +112,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             op=FA_OPS[self.spec.fa_version],
             kwargs=self.fa_kwargs(seam),
         )
+        new[0] = new[0].with_changes(leading_lines=[*note, *new[0].leading_lines])
         return splice_seam(forward, seam, new)
 
 

@@ -33,7 +33,7 @@ from kvskill.analyzer.gather import (
     is_converted_attention,
 )
 from kvskill.analyzer.gather import method as _method
-from kvskill.implementer.npu_branch import inline_npu_branches
+from kvskill.implementer.npu_branch import inline_npu_branches, npu_note
 
 _EMPTY = cst.Module(body=[])
 
@@ -125,10 +125,14 @@ def partial_conversion(cls: cst.ClassDef) -> str | None:
     return None
 
 
-def seam_forward(cls: cst.ClassDef, forward: cst.FunctionDef) -> cst.FunctionDef:
+def seam_forward(
+    cls: cst.ClassDef, forward: cst.FunctionDef
+) -> tuple[cst.FunctionDef, list[cst.EmptyLine]]:
     """FORWARD as the seam's indices address it: with its NPU branches (if any) replaced by
-    their kernel branches. The forward rewrites splice the seam into this."""
-    return inline_npu_branches(f"{cls.name.value}.forward", forward).forward
+    their kernel branches; and the comment lines that tell the reader so, to lead the seam.
+    The forward rewrites splice the seam into this forward."""
+    inlined = inline_npu_branches(f"{cls.name.value}.forward", forward)
+    return inlined.forward, npu_note(inlined.conditions)
 
 
 def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | None:

@@ -74,19 +74,25 @@ def _kernel_branch(node: cst.If, owner: str) -> tuple[list[cst.BaseStatement] | 
     return _statements(other), None
 
 
-def _lead(stmts: list[cst.BaseStatement], node: cst.If, condition: str) -> list[cst.BaseStatement]:
-    """STMTS, the first carrying the ``if``'s own leading lines and a note of what went."""
-    notes = [
-        cst.EmptyLine(comment=cst.Comment(f"# kvskill: `if {condition}:` chose the fused")),
+def _lead(stmts: list[cst.BaseStatement], node: cst.If) -> list[cst.BaseStatement]:
+    """STMTS, the first carrying the ``if``'s own leading lines (blank lines, comments)."""
+    first = stmts[0].with_changes(leading_lines=[*node.leading_lines, *stmts[0].leading_lines])
+    return [first, *stmts[1:]]
+
+
+def npu_note(conditions: list[str]) -> list[cst.EmptyLine]:
+    """Comment lines that lead the emitted seam: which NPU branches it replaced."""
+    if not conditions:
+        return []
+    branches = ", ".join(f"`if {c}:`" for c in conditions)
+    return [
+        cst.EmptyLine(comment=cst.Comment(f"# kvskill: {branches} chose the fused attention")),
         cst.EmptyLine(
             comment=cst.Comment(
-                "# attention over a dense cache; every path now takes the paged cache below."
+                "# over a dense cache; every path now takes the paged cache written below."
             )
         ),
     ]
-    first = stmts[0]
-    first = first.with_changes(leading_lines=[*node.leading_lines, *notes, *first.leading_lines])
-    return [first, *stmts[1:]]
 
 
 def inline_npu_branches(owner: str, forward: cst.FunctionDef) -> InlinedForward:
@@ -119,11 +125,11 @@ def inline_npu_branches(owner: str, forward: cst.FunctionDef) -> InlinedForward:
             continue
         condition = _EMPTY.code_for_node(stmt.test)
         conditions.append(condition)
-        body.extend(_lead(kernel, stmt, condition))
+        body.extend(_lead(kernel, stmt))
     if not conditions:
         return InlinedForward(forward=forward, problems=problems)
     inlined = forward.with_changes(body=block.with_changes(body=body))
     return InlinedForward(forward=inlined, conditions=conditions, problems=problems)
 
 
-__all__ = ["InlinedForward", "inline_npu_branches"]
+__all__ = ["InlinedForward", "inline_npu_branches", "npu_note"]

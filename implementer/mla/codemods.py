@@ -98,11 +98,13 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         return with_body(
             updated,
             replace_method(
-                updated, "forward", lambda f: self._convert(seam_forward(updated, f), facts)
+                updated, "forward", lambda f: self._convert(*seam_forward(updated, f), facts)
             ),
         )
 
-    def _convert(self, forward: cst.FunctionDef, facts: MlaAttentionFacts) -> cst.FunctionDef:
+    def _convert(
+        self, forward: cst.FunctionDef, note: list[cst.EmptyLine], facts: MlaAttentionFacts
+    ) -> cst.FunctionDef:
         seam = facts.seam
         assert seam is not None
         block = cst.ensure_type(forward.body, cst.IndentedBlock)
@@ -131,7 +133,7 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             # the query is built inside the seam: keep the statements that define it
             new = [*_defining(inside, seam.query), *new]
         new[0] = new[0].with_changes(
-            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
+            leading_lines=[*old[seam.update_index].leading_lines, *note, *new[0].leading_lines]
         )
         before = old[: seam.update_index]
         if fused is not None:

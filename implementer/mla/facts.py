@@ -102,7 +102,7 @@ def mla_attention_facts(
     forward = _method(cls, "forward")
     if init is None or forward is None or facts.seam is None:
         return facts
-    forward = seam_forward(cls, forward)
+    forward, _ = seam_forward(cls, forward)
     modules = _module_assigns(init)
     up = [a for a, c in modules.items() if _is_linear(c) and LATENT_RANK in _positional(c, 0)]
     if len(up) != 1:

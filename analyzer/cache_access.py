@@ -59,9 +59,38 @@ def _cache_name(call: cst.Call) -> cst.BaseExpression | None:
     return positional[0].value if positional else None
 
 
-def _self_attrs(node: cst.CSTNode) -> set[str]:
-    pattern = m.Attribute(value=m.Name("self"), attr=m.Name())
-    return {cst.ensure_type(a, cst.Attribute).attr.value for a in m.findall(node, pattern)}
+#: attributes that describe a tensor without reaching its contents
+_METADATA = frozenset(
+    {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "is_contiguous", "stride"}
+)
+
+
+class _Refs(cst.CSTVisitor):
+    """``self.<attr>`` names and bare local names an expression refers to; ``x.shape`` and
+    the like describe ``x`` without reaching its contents, so they refer to nothing."""
+
+    def __init__(self) -> None:
+        self.self_attrs: set[str] = set()
+        self.names: set[str] = set()
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        if node.attr.value in _METADATA:
+            return False
+        if m.matches(node.value, m.Name("self")):
+            self.self_attrs.add(node.attr.value)
+            return False
+        node.value.visit(self)
+        return False  # the attribute's own name is no local
+
+    def visit_Name(self, node: cst.Name) -> bool:
+        self.names.add(node.value)
+        return False
+
+
+def _refs(node: cst.CSTNode) -> _Refs:
+    found = _Refs()
+    node.visit(found)
+    return found
 
 
 def _names(node: cst.CSTNode) -> set[str]:
@@ -80,8 +109,9 @@ class EntryRefs:
         """Entries NODE refers to, through ``self.<entry>`` or a local alias of one."""
         if ANY_ENTRY in self.entries:
             return self.entries
-        found = _self_attrs(node) & self.entries
-        for name in _names(node) & set(self.aliases):
+        refs = _refs(node)
+        found = refs.self_attrs & self.entries
+        for name in refs.names & set(self.aliases):
             found |= self.aliases[name]
         return frozenset(found)
 

@@ -161,7 +161,7 @@ HALF = MODELING.replace(
         (ELIF, "without a plain else branch"),
         (PAGED_NPU, "already calls the paged fused attention"),
         (UNGUARDED, "calls the fused attention outside an `if <flag>: ... else: ...`"),
-        (NO_KERNEL, "calls no attention kernel"),
+        (NO_KERNEL, "TinyNpuAttention.forward does not write the cache before calling attention"),
         (HALF, "declares cache_entries but its forward does not both write them"),
     ],
     ids=["elif", "paged-npu-branch", "unguarded-fa", "no-kernel", "half-converted"],

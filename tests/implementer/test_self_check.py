@@ -102,6 +102,13 @@ def test_a_write_then_a_read_on_the_only_path_passes():
             f"{WRITE}\nout, _ = torch_npu.npu_fused_infer_attention_score(q, k, v)\nreturn out\n",
             "without reading k_cache, v_cache",
         ),
+        # ... with the block size taken from the cache: describing a cache is not reading it
+        (
+            f"{WRITE}\nnum_blocks, block_size = self.k_cache.shape[:2]\n"
+            "out, _ = torch_npu.npu_fused_infer_attention_score(q, k, v, block_size=block_size)\n"
+            "return out\n",
+            "without reading k_cache, v_cache",
+        ),
     ],
     ids=[
         "early-return",
@@ -112,6 +119,7 @@ def test_a_write_then_a_read_on_the_only_path_passes():
         "write-in-ifexp",
         "write-in-loop",
         "read-of-dense-kv",
+        "read-of-dense-kv-cache-block-size",
     ],
 )
 def test_a_path_that_misses_the_cache_is_a_problem(body, expected):

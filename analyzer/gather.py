@@ -10,13 +10,15 @@ is, so each of those is decided here, once:
 * the matchers (``FA_CALL``, ``CACHE_UPDATE_CALL``, ...) are built from the same names;
 * :func:`matmul_attention` finds hand-written attention (``matmul`` of query and transposed
   keys, a softmax, ``matmul`` with the values), as transformers 4 eager classes write it;
-* :func:`is_attention_class` and :func:`is_causal_lm_class` are the class rules.
+* :func:`is_attention_class`, :func:`is_converted_attention` and :func:`is_causal_lm_class`
+  are the class rules; every rewrite's skip rule is :func:`is_converted_attention`.
 
 A class is recognised by what its methods do, never by its name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 import libcst as cst
@@ -155,6 +157,12 @@ STATE_ENTRIES_ASSIGN = m.Assign(
         elements=[m.Element(value=m.Call(func=m.Name("MambaCacheEntry"))), m.ZeroOrMore()]
     ),
 )
+#: a call of a cache-write operator, through a module attribute or imported by name
+CACHE_WRITE_CALL = m.Call(
+    func=m.Attribute(attr=_names(*CACHE_WRITE_OPS)) | _names(*CACHE_WRITE_OPS)
+)
+#: ``self.<method>(...)``: a call of one of the class's own methods
+SELF_METHOD_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()))
 #: ``self.lm_head = ...``: the language-model head, held by the *ForCausalLM class
 LM_HEAD_ASSIGN = _self_attr_assign("lm_head")
 #: ``self.<head> = nn.Linear(<hidden>, <...vocab...>, ...)``: a head by structure, whatever its
@@ -297,15 +305,114 @@ def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
 
 def is_attention_class(cls: cst.ClassDef) -> bool:
     """A class whose forward writes a KV cache and calls an attention kernel (or computes
-    attention by hand, :func:`matmul_attention`), or one already converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
+    attention by hand, :func:`matmul_attention`, or calls the fused attention), or one already
+    converted (it declares ``cache_entries`` of per-token caches, not recurrent states)."""
     if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
         return not class_assigns(cls, STATE_ENTRIES_ASSIGN)
     forward = method(cls, "forward")
     if forward is None:
         return False
     has_update = bool(m.findall(forward, CACHE_WRITE))
-    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL))
+    # NOTE: the fused attention counts as a kernel too, so a forward that writes a cache and
+    # attends only through an NPU branch is an attention class, converted or refused by name
+    has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL | FA_CALL))
     return has_update and (has_kernel or matmul_attention(forward.body) is not None)
+
+
+#: module classes by name, to resolve methods a class inherits from a class of the same file
+ClassTable = Mapping[str, cst.ClassDef]
+
+
+def class_chain(cls: cst.ClassDef, classes: ClassTable | None = None) -> list[cst.ClassDef]:
+    """CLS, then the base classes defined in the same file (depth first, as far as CLASSES
+    holds them); without CLASSES, CLS alone."""
+    chain = [cls]
+    for entry in chain:  # NOTE: grows while iterated: a breadth of bases, each once
+        for base in entry.bases:
+            name = dotted_name(base.value).split(".")[-1]
+            found = classes.get(name) if classes else None
+            if found is not None and all(found is not seen for seen in chain):
+                chain.append(found)
+    return chain
+
+
+def resolve_method(
+    cls: cst.ClassDef, name: str, classes: ClassTable | None = None
+) -> cst.FunctionDef | None:
+    """The method NAME of CLS, or the one it inherits from a class of the same file."""
+    for entry in class_chain(cls, classes):
+        found = method(entry, name)
+        if found is not None:
+            return found
+    return None
+
+
+def declares_token_caches(cls: cst.ClassDef, classes: ClassTable | None = None) -> bool:
+    """The ``__init__`` CLS runs declares ``cache_entries`` of per-token caches (K/V, latent),
+    not of the recurrent states a gated delta net or Mamba mixer keeps."""
+    init = resolve_method(cls, "__init__", classes)
+    if init is None or not m.findall(init, CACHE_ENTRIES_ASSIGN):
+        return False
+    return not m.findall(init, STATE_ENTRIES_ASSIGN)
+
+
+def self_method_name(call: cst.Call) -> str | None:
+    """``name`` of a ``self.name(...)`` call, else None."""
+    if m.matches(call, SELF_METHOD_CALL):
+        return cst.ensure_type(call.func, cst.Attribute).attr.value
+    return None
+
+
+def class_methods(
+    cls: cst.ClassDef, classes: ClassTable | None = None
+) -> dict[str, cst.FunctionDef]:
+    """Every method CLS has, its own or inherited from a class of the same file."""
+    found: dict[str, cst.FunctionDef] = {}
+    for entry in class_chain(cls, classes):
+        for stmt in entry.body.body:
+            if isinstance(stmt, cst.FunctionDef):
+                found.setdefault(stmt.name.value, stmt)
+    return found
+
+
+def cache_writer_methods(cls: cst.ClassDef, classes: ClassTable | None = None) -> frozenset[str]:
+    """Methods of CLS that call a cache-write operator, directly or through another such
+    method (the generated ``update_cache`` and ``update_latent_cache`` helpers)."""
+    methods = class_methods(cls, classes)
+    called = {
+        name: {self_method_name(c) for c in m.findall(func, SELF_METHOD_CALL)}
+        for name, func in methods.items()
+    }
+    writers = {name for name, func in methods.items() if m.findall(func, CACHE_WRITE_CALL)}
+    grown = True
+    while grown:  # NOTE: a fixpoint, so helpers that call helpers count too
+        more = {name for name in methods if called[name] & writers} - writers
+        writers |= more
+        grown = bool(more)
+    return frozenset(writers)
+
+
+def calls_cache_write(func: cst.CSTNode, writers: frozenset[str]) -> bool:
+    """FUNC calls a cache-write operator, or one of the class's WRITERS methods."""
+    if m.findall(func, CACHE_WRITE_CALL):
+        return True
+    return any(self_method_name(c) in writers for c in m.findall(func, SELF_METHOD_CALL))
+
+
+def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None) -> bool:
+    """Already converted: the class declares per-token ``cache_entries`` AND its forward
+    writes a cache with a cache-write operator (directly or through a helper method) AND
+    calls the fused attention. One of these alone (entries declared but never written, or
+    a fused-attention call on a dense cache) is not a conversion.
+
+    CLASSES (the file's classes by name) resolves what CLS inherits from a class of the
+    same file; without it only CLS's own methods count.
+    """
+    forward = resolve_method(cls, "forward", classes)
+    if forward is None or not declares_token_caches(cls, classes):
+        return False
+    writers = cache_writer_methods(cls, classes)
+    return calls_cache_write(forward, writers) and bool(m.findall(forward, FA_CALL))
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:

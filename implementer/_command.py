@@ -2,7 +2,10 @@
 
 ``FrameworkCommand`` is a libcst command that carries the spec of its conversion path (and the
 dotted package of the source file). ``ClassRewriteCommand`` is the shape most rewrites have:
-pick the classes it serves, skip those already converted, rewrite each whole class.
+pick the classes it serves, skip those already converted, rewrite each whole class. Every
+attention rewrite skips by one rule, ``gather.is_converted_attention`` (declared caches that
+the forward writes and reads), so the ``__init__`` and ``forward`` rewrites never disagree
+about a class; a class that meets only half of it is refused by the checks before any runs.
 """
 
 from __future__ import annotations
@@ -13,11 +16,9 @@ from typing import Any
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import (
-    CACHE_ENTRIES_ASSIGN,
-    FA_CALL,
     causal_lm_classes,
-    class_assigns,
     is_attention_class,
+    is_converted_attention,
 )
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 
@@ -79,18 +80,23 @@ class ClassRewriteCommand(FrameworkCommand):
         return self.rewrite(original_node, updated_node)
 
 
+def selects_attention(cls: cst.ClassDef) -> bool:
+    """The skip rule of every attention rewrite: an attention class not yet converted."""
+    return is_attention_class(cls) and not is_converted_attention(cls)
+
+
 class AttentionInitRewrite(ClassRewriteCommand):
-    """Serves attention classes whose ``__init__`` declares no ``cache_entries`` yet."""
+    """Serves attention classes not yet converted: declares their caches in ``__init__``."""
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return is_attention_class(cls) and not class_assigns(cls, CACHE_ENTRIES_ASSIGN)
+        return selects_attention(cls)
 
 
 class AttentionForwardRewrite(ClassRewriteCommand):
-    """Serves attention classes whose ``forward`` calls no fused-attention operator yet."""
+    """Serves attention classes not yet converted: rewrites their ``forward``."""
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return is_attention_class(cls) and not m.findall(cls, FA_CALL)
+        return selects_attention(cls)
 
 
 class ModelClassRewrite(ClassRewriteCommand):

@@ -20,6 +20,7 @@ from kvskill.implementer.facts import (
     SeamFacts,
     attention_facts,
     module_classes,
+    seam_forward,
 )
 from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
@@ -106,14 +107,22 @@ class AttentionForwardCommand(AttentionForwardRewrite):
         seam = attention_facts(original, self.classes).seam
         assert seam is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, seam, config))
+        body = replace_method(
+            updated,
+            "forward",
+            lambda f: self._convert_forward(*seam_forward(updated, f), seam, config),
+        )
         update_cache = [
             f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value == "update_cache"
         ]
         return with_body(updated, [*body, *update_cache])
 
     def _convert_forward(
-        self, forward: cst.FunctionDef, seam: SeamFacts, config: cst.PartialParserConfig
+        self,
+        forward: cst.FunctionDef,
+        note: list[cst.EmptyLine],
+        seam: SeamFacts,
+        config: cst.PartialParserConfig,
     ) -> cst.FunctionDef:
         new = statements(
             self.SEAM_TEMPLATE,
@@ -122,6 +131,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             op=FA_OPS[self.spec.fa_version],
             kwargs=self.fa_kwargs(seam),
         )
+        new[0] = new[0].with_changes(leading_lines=[*note, *new[0].leading_lines])
         forward, sized = cover_positions(splice_seam(forward, seam, new))
         self.sized_rotary = self.sized_rotary or sized
         return forward

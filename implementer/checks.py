@@ -10,14 +10,13 @@ import libcst as cst
 from kvskill.analyzer.gather import CACHE_WRITE, method
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
-    CACHE_ENTRIES_ASSIGN,
-    FA_CALL,
     attention_facts,
     causal_lm_classes,
-    class_assigns,
     is_attention_class,
+    is_converted_attention,
     m,
     module_classes,
+    partial_conversion,
 )
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
@@ -50,9 +49,13 @@ def check_attention_module(
         )
     in_file = module_classes(module)
     for cls in attention:
+        partial = partial_conversion(cls)
+        if partial is not None:
+            problems.append(partial)
+            continue
         facts = attention_facts(cls, in_file)
         problems.extend(facts.problems)
-        if facts.converted or m.findall(cls, FA_CALL):
+        if facts.converted:
             continue
         if spec.uniform_attn_type is None and facts.layer_idx_param is None:
             problems.append(
@@ -102,7 +105,11 @@ def check_mla_module(
     if not causal_lm_classes(module):
         problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
     for cls in attention:
-        if class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        partial = partial_conversion(cls)
+        if partial is not None:
+            problems.append(partial)
+            continue
+        if is_converted_attention(cls):
             continue
         fused = spec.cache_write is CacheWrite.FUSED
         problems.extend(mla_attention_facts(cls, classes, fused).problems)

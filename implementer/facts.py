@@ -6,7 +6,9 @@ whose ``forward`` writes new keys and values into a cache (``<cache>.update(key,
 self.layer_idx, ...)``) and then calls an attention kernel, through an attention interface
 (``fn(self, q, k, v, mask, ...)``) or ``scaled_dot_product_attention(q, k, v, ...)``. The
 statements from the cache write to the kernel call are the *seam* the forward codemod
-replaces; this module gathers its facts.
+replaces; this module gathers its facts. A forward that already carries an NPU branch
+(``if <flag>: <fused attention> else: <cache write + kernel>``) is read with that ``if``
+replaced by its kernel branch (``npu_branch.py``), so the seam covers every path.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from kvskill.analyzer.gather import (
     cache_cat_growths,
     causal_lm_classes,
     class_assigns,
+    declares_token_caches,
     is_attention_class,
     is_causal_lm_class,
+    is_converted_attention,
     matmul_attention,
     scores_matmul,
 )
 from kvskill.analyzer.gather import method as _method
+from kvskill.implementer.npu_branch import inline_npu_branches, npu_note
 
 _EMPTY = cst.Module(body=[])
 
@@ -177,9 +182,9 @@ def attention_facts(
     take its ``__init__`` facts from the base that owns them (:func:`init_owner`).
     """
     owner = init_owner(cls, classes or {})
-    facts = AttentionFacts(
-        name=cls.name.value, converted=class_assigns(owner or cls, CACHE_ENTRIES_ASSIGN)
-    )
+    # converted only when the entries are declared AND every forward path writes and reads
+    # them (gather.is_converted_attention); declared alone is a half conversion
+    facts = AttentionFacts(name=cls.name.value, converted=is_converted_attention(cls, classes))
     if owner is None:
         facts.problems.append(f"{facts.name} has no __init__")
         return facts
@@ -193,9 +198,38 @@ def attention_facts(
     forward = _method(cls, "forward")
     if forward is None:
         facts.problems.append(f"{facts.name} has no forward")
-    elif not m.findall(forward, FA_CALL):
-        facts.seam = _seam_facts(facts, forward)
+    elif not facts.converted:
+        # NOTE: a class whose __init__ is already rewritten (the forward rewrite runs next)
+        # declares caches its forward does not write yet; the checks refuse that in a source
+        # (partial_conversion), the seam is gathered all the same.
+        inlined = inline_npu_branches(f"{facts.name}.forward", forward)
+        facts.problems.extend(inlined.problems)
+        if not inlined.problems:
+            facts.seam = _seam_facts(facts, inlined.forward)
     return facts
+
+
+def partial_conversion(cls: cst.ClassDef) -> str | None:
+    """Why CLS is half converted (caches declared, forward not writing and reading them),
+    else None. A source in that state is refused: rewriting its forward would pair it with
+    caches declared by someone else's code."""
+    if declares_token_caches(cls) and not is_converted_attention(cls):
+        return (
+            f"{cls.name.value} declares cache_entries but its forward does not both write them "
+            "with a cache-write operator and read them with the fused attention (a partial "
+            "conversion); convert the original modeling file instead"
+        )
+    return None
+
+
+def seam_forward(
+    cls: cst.ClassDef, forward: cst.FunctionDef
+) -> tuple[cst.FunctionDef, list[cst.EmptyLine]]:
+    """FORWARD as the seam's indices address it: with its NPU branches (if any) replaced by
+    their kernel branches; and the comment lines that tell the reader so, to lead the seam.
+    The forward rewrites splice the seam into this forward."""
+    inlined = inline_npu_branches(f"{cls.name.value}.forward", forward)
+    return inlined.forward, npu_note(inlined.conditions)
 
 
 def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | None:
@@ -599,4 +633,7 @@ __all__ = [
     "code",
     "is_attention_class",
     "is_causal_lm_class",
+    "is_converted_attention",
+    "partial_conversion",
+    "seam_forward",
 ]

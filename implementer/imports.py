@@ -68,8 +68,56 @@ class AbsoluteImportsCommand(FrameworkCommand):
         return updated_node.with_changes(relative=[], module=_dotted_expr(module))
 
 
+#: the operators' module name, which vendor files may bind themselves
+OPS_NAME = "torch_npu"
+OPS_IMPORT = cst.parse_statement("from kvskill.runtime.ops import torch_npu\n")
+#: that import, wherever it stands and whatever comments lead into it
+OPS_IMPORT_LINE = m.SimpleStatementLine(
+    body=[
+        m.ImportFrom(
+            module=m.Attribute(
+                value=m.Attribute(value=m.Name("kvskill"), attr=m.Name("runtime")),
+                attr=m.Name("ops"),
+            ),
+            names=[m.ImportAlias(name=m.Name(OPS_NAME), asname=None)],
+        )
+    ]
+)
+OPS_NOTE = [
+    cst.EmptyLine(comment=cst.Comment(line))
+    for line in (
+        "# kvskill: the converted attention calls the operators through kvskill.runtime.ops",
+        "# (the real torch_npu where an NPU is present, the reference operators elsewhere).",
+    )
+]
+
+
+def _binds_ops_name(stmt: cst.BaseStatement) -> bool:
+    """STMT (module level) binds ``torch_npu``: ``import torch_npu``, ``torch_npu = None``..."""
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        return False
+    for alias in m.findall(stmt, m.ImportAlias()):
+        alias = cst.ensure_type(alias, cst.ImportAlias)
+        bound = alias.asname.name if alias.asname else alias.name
+        name = cst.Module(body=[]).code_for_node(bound).split(".")[0]
+        if name == OPS_NAME:
+            return True
+    return bool(m.findall(stmt, m.AssignTarget(target=m.Name(OPS_NAME))))
+
+
+def last_ops_binding(module: cst.Module) -> int | None:
+    """Index of the last module-level statement binding ``torch_npu``, or None."""
+    found = [i for i, stmt in enumerate(module.body) if _binds_ops_name(stmt)]
+    return found[-1] if found else None
+
+
 class RuntimeImportsCommand(FrameworkCommand):
-    """Import the runtime names once, when the file declares paged caches."""
+    """Import the runtime names once, when the file declares paged caches.
+
+    A vendor file may bind ``torch_npu`` itself (``try: import torch_npu`` with ``torch_npu =
+    None`` when it is missing); the runtime's ``torch_npu`` is then imported right after that
+    binding, so the converted code calls the operators kvskill chose on every machine.
+    """
 
     DESCRIPTION = (
         "Import CacheEntry, LayerCacheInfo, ModelCacheInfo, get_forward_metadata, torch_npu."
@@ -77,6 +125,7 @@ class RuntimeImportsCommand(FrameworkCommand):
 
     def visit_Module(self, node: cst.Module) -> bool:
         if m.findall(node, CACHE_ENTRIES_ASSIGN):
+            own = last_ops_binding(node) is not None
             AddImportsVisitor.add_needed_import(self.context, "torch")
             wanted = [RUNTIME_IMPORTS]
             if m.findall(node, m.Call(func=m.Name("MambaCacheEntry"))):
@@ -84,5 +133,16 @@ class RuntimeImportsCommand(FrameworkCommand):
             for imports in wanted:
                 for module, names in imports.items():
                     for name in names:
-                        AddImportsVisitor.add_needed_import(self.context, module, name)
+                        if not (own and name == OPS_NAME):
+                            AddImportsVisitor.add_needed_import(self.context, module, name)
         return False
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        index = last_ops_binding(updated_node)
+        if index is None or not m.findall(updated_node, CACHE_ENTRIES_ASSIGN):
+            return updated_node
+        if m.matches(updated_node.body[index], OPS_IMPORT_LINE):
+            return updated_node
+        body = list(updated_node.body)
+        body.insert(index + 1, OPS_IMPORT.with_changes(leading_lines=[cst.EmptyLine(), *OPS_NOTE]))
+        return updated_node.with_changes(body=body)

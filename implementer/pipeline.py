@@ -2,8 +2,9 @@
 
 One pipeline serves every path (paged, MLA, contiguous): the path picks the module check and
 the rewrites of ``registry.REWRITES`` that serve it. Every class is checked before any rewrite
-runs, so a model the rewrite cannot handle fails with the exact reasons and never yields a
-half-converted file.
+runs, so a model the rewrite cannot handle fails with the exact reasons; the converted module
+is checked again after the rewrites (``self_check.py``), so a file that slipped past the first
+check is refused too and never written half-converted.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvskill.core.errors import BadInputError
 from kvskill.implementer.checks import check_attention_module, check_mla_module
 from kvskill.implementer.mla.spec import MlaSpec
 from kvskill.implementer.registry import ConversionPath, rewrites_for
+from kvskill.implementer.self_check import self_check
 from kvskill.implementer.spec import ConversionSpec
 from libcst.codemod import CodemodContext
 
@@ -80,13 +82,16 @@ _CONVERTED: dict[tuple[Any, ...], str] = {}
 def _convert(
     source: str, spec: Any, path: ConversionPath, package: str | None, filename: str
 ) -> str:
-    module = parse(source, filename)
+    original = module = parse(source, filename)
     rewrites = rewrites_for(path)
     problems = [p for rewrite in rewrites for p in rewrite.command.problems(module, spec)]
     _CHECKS[path](module, spec, filename, problems)
     for rewrite in rewrites:
         command = rewrite.command(CodemodContext(filename=filename), spec, package)
         module = command.transform_module(module)
+    # what was emitted, whatever the rewrites meant: every path of every attention forward
+    # writes and reads the declared caches, or nothing is written
+    self_check(original, module, filename, path.value)
     return module.code
 
 

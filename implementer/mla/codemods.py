@@ -23,7 +23,7 @@ from kvskill.implementer._command import (
 )
 from kvskill.implementer.attn_forward import seam_values
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import SeamFacts
+from kvskill.implementer.facts import SeamFacts, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.model_class import add_cache_info
@@ -122,10 +122,15 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = self.facts(original)
         return with_body(
-            updated, replace_method(updated, "forward", lambda f: self._convert(f, facts))
+            updated,
+            replace_method(
+                updated, "forward", lambda f: self._convert(*seam_forward(updated, f), facts)
+            ),
         )
 
-    def _convert(self, forward: cst.FunctionDef, facts: MlaAttentionFacts) -> cst.FunctionDef:
+    def _convert(
+        self, forward: cst.FunctionDef, note: list[cst.EmptyLine], facts: MlaAttentionFacts
+    ) -> cst.FunctionDef:
         seam = facts.seam
         assert seam is not None
         block = cst.ensure_type(forward.body, cst.IndentedBlock)
@@ -156,7 +161,7 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             # the query is built inside the seam: keep the statements that define it
             new = [*_defining(inside, seam.query), *new]
         new[0] = new[0].with_changes(
-            leading_lines=[*old[seam.update_index].leading_lines, *new[0].leading_lines]
+            leading_lines=[*old[seam.update_index].leading_lines, *note, *new[0].leading_lines]
         )
         before = old[: seam.update_index]
         if fused is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer.facts import SeamFacts, attention_facts, code
+from kvskill.implementer.facts import SeamFacts, attention_facts, code, seam_forward
 
 LATENT_RANK = "kv_lora_rank"
 ROPE_DIM_KEY = "qk_rope_head_dim"
@@ -102,6 +102,7 @@ def mla_attention_facts(
     forward = _method(cls, "forward")
     if init is None or forward is None or facts.seam is None:
         return facts
+    forward, _ = seam_forward(cls, forward)
     modules = _module_assigns(init)
     up = [a for a, c in modules.items() if _is_linear(c) and LATENT_RANK in _positional(c, 0)]
     if len(up) != 1:

@@ -82,3 +82,104 @@ def test_analyze_and_apply_find_the_same_attention_classes(model_type):
         if isinstance(c, cst.ClassDef) and gather.is_attention_class(c)
     ]
     assert analyzed and sorted(analyzed) == sorted(rewritten)
+
+
+# already converted: caches declared, written with a cache-write operator, read with the FA ---
+
+_DECLARE = """\
+    def __init__(self, config):
+        super().__init__()
+        self.k_cache = torch.Tensor([])
+        self.cache_entries = [CacheEntry(cache_name="k_cache", attn_type="FullAttention",
+                                         dim=64, num_head=1, dtype=None, tensor_setter=None)]
+"""
+_HELPER = """\
+    def update_cache(self, slots, key):
+        torch_npu.npu_scatter_nd_update_(self.k_cache, slots, key)
+"""
+_FORWARD = """\
+    def forward(self, q, k, v, cache=None):
+{body}
+"""
+_WRITE = "        self.update_cache(slots, k)\n"
+_DIRECT_WRITE = (
+    "        torch_npu.npu_kv_rmsnorm_rope_cache(kv, w, cos, sin, slots, self.k_cache)\n"
+)
+_READ = "        out = torch_npu.npu_fused_infer_attention_score(q, self.k_cache, self.k_cache)\n"
+_SOURCE_ATTENTION = (
+    "        k, v = cache.update(k, v, self.layer_idx)\n"
+    "        out = F.scaled_dot_product_attention(q, k, v)\n"
+)
+_NPU_BRANCH = (
+    "        if self.use_npu:\n"
+    "            out = torch_npu.npu_fused_infer_attention_score(q, k, v)[0]\n"
+    "        else:\n"
+    "            k, v = cache.update(k, v, self.layer_idx)\n"
+    "            out = F.scaled_dot_product_attention(q, k, v)\n"
+)
+
+
+def _class(*parts: str, body: str = "") -> cst.ClassDef:
+    code = "class A(nn.Module):\n" + "\n".join([*parts, _FORWARD.format(body=body.rstrip("\n"))])
+    return cst.ensure_type(cst.parse_statement(code), cst.ClassDef)
+
+
+@pytest.mark.parametrize(
+    ("cls", "converted"),
+    [
+        (_class(_DECLARE, _HELPER, body=_WRITE + _READ), True),
+        (_class(_DECLARE, body=_DIRECT_WRITE + _READ), True),
+        # entries declared, forward as written: the half conversion of issue 27
+        (_class(_DECLARE, body=_NPU_BRANCH), False),
+        (_class(_DECLARE, _HELPER, body=_SOURCE_ATTENTION), False),
+        # written, never read with the fused attention
+        (_class(_DECLARE, _HELPER, body=_WRITE), False),
+        # the fused attention alone (an NPU branch over a dense cache)
+        (_class(body=_NPU_BRANCH), False),
+        # a write helper that is never called
+        (_class(_DECLARE, _HELPER, body=_READ), False),
+    ],
+    ids=[
+        "helper-write",
+        "fused-write",
+        "entries-and-npu-branch",
+        "entries-and-source",
+        "write-only",
+        "npu-branch-only",
+        "read-only",
+    ],
+)
+def test_a_class_is_converted_only_when_declared_written_and_read(cls, converted):
+    assert gather.is_converted_attention(cls) is converted
+
+
+@pytest.mark.parametrize("body", [_SOURCE_ATTENTION, _NPU_BRANCH], ids=["source", "npu-branch"])
+def test_every_attention_rewrite_skips_by_the_same_rule(body):
+    # the init and forward rewrites must never disagree about a class (issue 27: the init
+    # rewrite served a class the forward rewrite skipped)
+    from kvskill.implementer._command import AttentionForwardRewrite, AttentionInitRewrite
+    from kvskill.implementer.mla.codemods import MlaAttentionForwardCommand, MlaAttentionInitCommand
+
+    classes = [
+        _class(body=body),
+        _class(_DECLARE, body=body),
+        _class(_DECLARE, _HELPER, body=_WRITE + _READ),
+    ]
+    rewrites = [
+        AttentionInitRewrite,
+        AttentionForwardRewrite,
+        MlaAttentionInitCommand,
+        MlaAttentionForwardCommand,
+    ]
+    for cls in classes:
+        picks = {rewrite.selects(None, cls) for rewrite in rewrites}  # type: ignore[arg-type]
+        assert len(picks) == 1
+    assert [AttentionInitRewrite.selects(None, c) for c in classes] == [True, True, False]  # type: ignore[arg-type]
+
+
+def test_an_npu_branch_without_a_kernel_still_makes_an_attention_class():
+    # so a forward that attends only through the fused operator is converted or refused by name
+    body = "        k, v = cache.update(k, v, self.layer_idx)\n" + _READ.replace(
+        "self.k_cache, self.k_cache", "k, v"
+    )
+    assert gather.is_attention_class(_class(body=body))

@@ -148,9 +148,12 @@ CONVERTED_MLA = textwrap.dedent(
         def _set_rope(self, tensor):
             self.rope_cache = tensor
 
-        def forward(self, q_nope, q_pe):
+        def forward(self, q_nope, q_pe, latent, k_pe):
             md = get_forward_metadata()
             nb, bs = self.nope_cache.shape[:2]
+            slots = md.slot_mapping[self.attn_type].view(-1, 1)
+            torch_npu.npu_scatter_nd_update_(self.nope_cache.view(nb * bs, 1, -1), slots, latent)
+            torch_npu.npu_scatter_nd_update_(self.rope_cache.view(nb * bs, 1, -1), slots, k_pe)
             if md.is_prefill:
                 sparse_mode = 3
                 mask = md.attention_mask

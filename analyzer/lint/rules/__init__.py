@@ -15,6 +15,7 @@ from kvskill.analyzer.lint.rules.kv009_num_head_per_rank import NumHeadNotPerRan
 from kvskill.analyzer.lint.rules.kv010_yarn_mscale import YarnScaleMissingMscale
 from kvskill.analyzer.lint.rules.kv011_mla_decode_sparse3 import MlaDecodeSparseMode3
 from kvskill.analyzer.lint.rules.kv012_cache_info_incomplete import CacheInfoIncomplete
+from kvskill.analyzer.lint.rules.kv013_cache_entries_untouched import CacheEntriesUntouched
 
 RULES: tuple[type[Rule], ...] = (
     NoCausalMaskInPrefill,
@@ -29,6 +30,7 @@ RULES: tuple[type[Rule], ...] = (
     YarnScaleMissingMscale,
     MlaDecodeSparseMode3,
     CacheInfoIncomplete,
+    CacheEntriesUntouched,
 )
 
 __all__ = ["RULES"]

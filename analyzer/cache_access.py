@@ -1,0 +1,222 @@
+"""Which declared caches a call writes or reads: the facts behind "the forward touches its
+``cache_entries``", shared by lint (KV013) and the implementer's self-check.
+
+A class declares its caches as ``CacheEntry(cache_name="k_cache", ...)`` in ``__init__`` and
+holds each one as ``self.<cache_name>``. A call *writes* an entry when it is a cache-write
+operator (``npu_scatter_nd_update_``, ``scatter_update_``, ``npu_kv_rmsnorm_rope_cache``)
+whose arguments reach ``self.<entry>``, or a call of a helper method that writes it (the
+generated ``self.update_cache(...)``); a call *reads* an entry when it is the fused attention
+and its arguments reach ``self.<entry>``. "Reach" follows local names bound from it
+(``nope_nz = self.nz_view(self.nope_cache)``, ``for cache, value in ((self.k_cache, k), ...)``).
+
+Everything here is per call; whether every path of a forward writes and reads is the
+self-check's question (``implementer/self_check.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.analyzer.gather import (
+    CACHE_ENTRIES_ASSIGN,
+    CACHE_WRITE_CALL,
+    FA_CALL,
+    ClassTable,
+    class_methods,
+    resolve_method,
+    self_method_name,
+)
+
+#: stands for every entry when a class's cache names are not string literals
+ANY_ENTRY = "*"
+#: ``CacheEntry(...)`` / ``kvskill.runtime.CacheEntry(...)`` (not a recurrent-state entry)
+_ENTRY_CALL = m.Call(func=m.Name("CacheEntry") | m.Attribute(attr=m.Name("CacheEntry")))
+
+
+def cache_entry_names(cls: cst.ClassDef, classes: ClassTable | None = None) -> frozenset[str]:
+    """The ``cache_name`` of every entry CLS declares in ``__init__``; ``{ANY_ENTRY}`` when one
+    is not a string literal (then any write or fused-attention call counts for all)."""
+    init = resolve_method(cls, "__init__", classes)
+    names: set[str] = set()
+    for assign in m.findall(init, CACHE_ENTRIES_ASSIGN) if init is not None else ():
+        for node in m.findall(assign, _ENTRY_CALL):
+            value = _cache_name(cst.ensure_type(node, cst.Call))
+            if not isinstance(value, cst.SimpleString):
+                return frozenset({ANY_ENTRY})
+            names.add(str(value.evaluated_value))
+    return frozenset(names)
+
+
+def _cache_name(call: cst.Call) -> cst.BaseExpression | None:
+    """The ``cache_name`` argument of ``CacheEntry(...)``: by keyword or first positional."""
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == "cache_name":
+            return arg.value
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    return positional[0].value if positional else None
+
+
+#: attributes that describe a tensor without reaching its contents
+_METADATA = frozenset(
+    {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "is_contiguous", "stride"}
+)
+
+
+class _Refs(cst.CSTVisitor):
+    """``self.<attr>`` names and bare local names an expression refers to; ``x.shape`` and
+    the like describe ``x`` without reaching its contents, so they refer to nothing."""
+
+    def __init__(self) -> None:
+        self.self_attrs: set[str] = set()
+        self.names: set[str] = set()
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        if node.attr.value in _METADATA:
+            return False
+        if m.matches(node.value, m.Name("self")):
+            self.self_attrs.add(node.attr.value)
+            return False
+        node.value.visit(self)
+        return False  # the attribute's own name is no local
+
+    def visit_Name(self, node: cst.Name) -> bool:
+        self.names.add(node.value)
+        return False
+
+
+def _refs(node: cst.CSTNode) -> _Refs:
+    found = _Refs()
+    node.visit(found)
+    return found
+
+
+def _names(node: cst.CSTNode) -> set[str]:
+    return {cst.ensure_type(n, cst.Name).value for n in m.findall(node, m.Name())}
+
+
+@dataclass(frozen=True)
+class EntryRefs:
+    """How the expressions of one function reach the declared entries."""
+
+    entries: frozenset[str]
+    #: local name -> entries its value was built from
+    aliases: Mapping[str, frozenset[str]]
+
+    def reached(self, node: cst.CSTNode) -> frozenset[str]:
+        """Entries NODE refers to, through ``self.<entry>`` or a local alias of one."""
+        if ANY_ENTRY in self.entries:
+            return self.entries
+        refs = _refs(node)
+        found = refs.self_attrs & self.entries
+        for name in refs.names & set(self.aliases):
+            found |= self.aliases[name]
+        return frozenset(found)
+
+
+def _bindings(func: cst.FunctionDef) -> list[tuple[set[str], cst.CSTNode]]:
+    """(names bound, the expression they are bound from) for every binding in FUNC."""
+    out: list[tuple[set[str], cst.CSTNode]] = []
+    for node in m.findall(func, m.Assign() | m.AnnAssign() | m.For() | m.WithItem()):
+        if isinstance(node, cst.Assign):
+            targets = set().union(*(_names(t.target) for t in node.targets))
+            out.append((targets, node.value))
+        elif isinstance(node, cst.AnnAssign) and node.value is not None:
+            out.append((_names(node.target), node.value))
+        elif isinstance(node, cst.For):
+            out.append((_names(node.target), node.iter))
+        elif isinstance(node, cst.WithItem) and node.asname is not None:
+            out.append((_names(node.asname.name), node.item))
+    return out
+
+
+def entry_refs(func: cst.FunctionDef, entries: frozenset[str]) -> EntryRefs:
+    """The aliases of ENTRIES among FUNC's local names (a fixpoint over its bindings)."""
+    bindings = _bindings(func)
+    refs = EntryRefs(entries=entries, aliases={})
+    while True:
+        aliases: dict[str, frozenset[str]] = dict(refs.aliases)
+        for targets, value in bindings:
+            reached = refs.reached(value)
+            for name in targets if reached else ():
+                aliases[name] = aliases.get(name, frozenset()) | reached
+        if aliases == refs.aliases:
+            return refs
+        refs = EntryRefs(entries=entries, aliases=aliases)
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one call does to the declared caches."""
+
+    writes: frozenset[str] = frozenset()
+    reads: frozenset[str] = frozenset()
+
+
+NO_ACCESS = Access()
+
+
+def call_access(
+    call: cst.Call, refs: EntryRefs, helper_writes: Mapping[str, frozenset[str]]
+) -> Access:
+    """The entries CALL writes (a cache-write operator on them, or a helper in HELPER_WRITES)
+    and reads (the fused attention over them)."""
+    if m.matches(call, CACHE_WRITE_CALL):
+        return Access(writes=refs.reached(_args(call)))
+    if m.matches(call, FA_CALL):
+        return Access(reads=refs.reached(_args(call)))
+    helper = self_method_name(call)
+    if helper is not None and helper in helper_writes:
+        return Access(writes=helper_writes[helper])
+    return NO_ACCESS
+
+
+def may_touch(
+    func: cst.FunctionDef, entries: frozenset[str], helper_writes: Mapping[str, frozenset[str]]
+) -> Access:
+    """Every entry some call of FUNC writes or reads, on any path."""
+    refs = entry_refs(func, entries)
+    writes: frozenset[str] = frozenset()
+    reads: frozenset[str] = frozenset()
+    for node in m.findall(func, m.Call()):
+        access = call_access(cst.ensure_type(node, cst.Call), refs, helper_writes)
+        writes, reads = writes | access.writes, reads | access.reads
+    return Access(writes=writes, reads=reads)
+
+
+def helper_may_writes(
+    cls: cst.ClassDef, entries: frozenset[str], classes: ClassTable | None = None
+) -> dict[str, frozenset[str]]:
+    """Method name -> entries it may write (directly or through other helpers), for every
+    method of CLS that writes any."""
+    methods = class_methods(cls, classes)
+    writes: dict[str, frozenset[str]] = {}
+    while True:  # NOTE: a fixpoint, so helpers that call helpers count too
+        grown = {
+            name: found
+            for name, func in methods.items()
+            if (found := may_touch(func, entries, writes).writes)
+        }
+        if grown == writes:
+            return writes
+        writes = grown
+
+
+def _args(call: cst.Call) -> cst.CSTNode:
+    """The call's arguments as one node (the callee's own name is no reference)."""
+    return cst.Tuple(elements=[cst.Element(value=a.value) for a in call.args])
+
+
+__all__ = [
+    "ANY_ENTRY",
+    "NO_ACCESS",
+    "Access",
+    "EntryRefs",
+    "cache_entry_names",
+    "call_access",
+    "entry_refs",
+    "helper_may_writes",
+    "may_touch",
+]

@@ -71,7 +71,7 @@ class AbsoluteImportsCommand(FrameworkCommand):
 #: the operators' module name, which vendor files may bind themselves
 OPS_NAME = "torch_npu"
 OPS_IMPORT = cst.parse_statement("from kvskill.runtime.ops import torch_npu\n")
-#: that import, wherever it stands and whatever comments lead into it
+#: ``from kvskill.runtime.ops import ..., torch_npu, ...``: the runtime's operators
 OPS_IMPORT_LINE = m.SimpleStatementLine(
     body=[
         m.ImportFrom(
@@ -79,7 +79,11 @@ OPS_IMPORT_LINE = m.SimpleStatementLine(
                 value=m.Attribute(value=m.Name("kvskill"), attr=m.Name("runtime")),
                 attr=m.Name("ops"),
             ),
-            names=[m.ImportAlias(name=m.Name(OPS_NAME), asname=None)],
+            names=[
+                m.ZeroOrMore(),
+                m.ImportAlias(name=m.Name(OPS_NAME), asname=None),
+                m.ZeroOrMore(),
+            ],
         )
     ]
 )
@@ -93,8 +97,9 @@ OPS_NOTE = [
 
 
 def _binds_ops_name(stmt: cst.BaseStatement) -> bool:
-    """STMT (module level) binds ``torch_npu``: ``import torch_npu``, ``torch_npu = None``..."""
-    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+    """STMT (module level) binds ``torch_npu`` itself (``import torch_npu``, ``torch_npu =
+    None``...), not through the runtime's import."""
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or m.matches(stmt, OPS_IMPORT_LINE):
         return False
     for alias in m.findall(stmt, m.ImportAlias()):
         alias = cst.ensure_type(alias, cst.ImportAlias)
@@ -106,7 +111,7 @@ def _binds_ops_name(stmt: cst.BaseStatement) -> bool:
 
 
 def last_ops_binding(module: cst.Module) -> int | None:
-    """Index of the last module-level statement binding ``torch_npu``, or None."""
+    """Index of the last module-level statement binding ``torch_npu`` itself, or None."""
     found = [i for i, stmt in enumerate(module.body) if _binds_ops_name(stmt)]
     return found[-1] if found else None
 
@@ -141,8 +146,8 @@ class RuntimeImportsCommand(FrameworkCommand):
         index = last_ops_binding(updated_node)
         if index is None or not m.findall(updated_node, CACHE_ENTRIES_ASSIGN):
             return updated_node
-        if m.matches(updated_node.body[index], OPS_IMPORT_LINE):
-            return updated_node
+        if any(m.matches(stmt, OPS_IMPORT_LINE) for stmt in updated_node.body[index + 1 :]):
+            return updated_node  # already rebound after the file's own binding
         body = list(updated_node.body)
         body.insert(index + 1, OPS_IMPORT.with_changes(leading_lines=[cst.EmptyLine(), *OPS_NOTE]))
         return updated_node.with_changes(body=body)

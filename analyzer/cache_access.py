@@ -26,7 +26,7 @@ from kvskill.analyzer.gather import (
     FA_CALL,
     ClassTable,
     class_methods,
-    resolve_method,
+    method_chain,
     self_method_name,
 )
 
@@ -39,9 +39,9 @@ _ENTRY_CALL = m.Call(func=m.Name("CacheEntry") | m.Attribute(attr=m.Name("CacheE
 def cache_entry_names(cls: cst.ClassDef, classes: ClassTable | None = None) -> frozenset[str]:
     """The ``cache_name`` of every entry CLS declares in ``__init__``; ``{ANY_ENTRY}`` when one
     is not a string literal (then any write or fused-attention call counts for all)."""
-    init = resolve_method(cls, "__init__", classes)
     names: set[str] = set()
-    for assign in m.findall(init, CACHE_ENTRIES_ASSIGN) if init is not None else ():
+    inits = method_chain(cls, "__init__", classes)
+    for assign in (a for init in inits for a in m.findall(init, CACHE_ENTRIES_ASSIGN)):
         for node in m.findall(assign, _ENTRY_CALL):
             value = _cache_name(cst.ensure_type(node, cst.Call))
             if not isinstance(value, cst.SimpleString):

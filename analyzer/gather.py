@@ -347,13 +347,37 @@ def resolve_method(
     return None
 
 
+def super_call(name: str) -> m.Call:
+    """``super().<name>(...)`` (also ``super(Cls, self).<name>(...)``)."""
+    return m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name(name)))
+
+
+def method_chain(
+    cls: cst.ClassDef, name: str, classes: ClassTable | None = None
+) -> list[cst.FunctionDef]:
+    """The NAME methods a call on CLS may run: the one it resolves to, then, while each calls
+    ``super().NAME(...)``, the next one up the chain of same-file bases (transformers 4's
+    ``XFlashAttention2.__init__`` calls ``super().__init__``; ``XSdpaAttention.forward`` falls
+    back to ``super().forward``)."""
+    found: list[cst.FunctionDef] = []
+    for entry in class_chain(cls, classes):
+        func = method(entry, name)
+        if func is None:
+            continue
+        found.append(func)
+        if not m.findall(func, super_call(name)):
+            break
+    return found
+
+
 def declares_token_caches(cls: cst.ClassDef, classes: ClassTable | None = None) -> bool:
-    """The ``__init__`` CLS runs declares ``cache_entries`` of per-token caches (K/V, latent),
-    not of the recurrent states a gated delta net or Mamba mixer keeps."""
-    init = resolve_method(cls, "__init__", classes)
-    if init is None or not m.findall(init, CACHE_ENTRIES_ASSIGN):
+    """The ``__init__`` CLS runs (with those it reaches through ``super().__init__``)
+    declares ``cache_entries`` of per-token caches (K/V, latent), not of the recurrent states
+    a gated delta net or Mamba mixer keeps."""
+    inits = method_chain(cls, "__init__", classes)
+    if not any(m.findall(init, CACHE_ENTRIES_ASSIGN) for init in inits):
         return False
-    return not m.findall(init, STATE_ENTRIES_ASSIGN)
+    return not any(m.findall(init, STATE_ENTRIES_ASSIGN) for init in inits)
 
 
 def self_method_name(call: cst.Call) -> str | None:

@@ -38,7 +38,9 @@ from kvskill.analyzer.gather import (
     declares_token_caches,
     is_attention_class,
     is_converted_attention,
+    method_chain,
     resolve_method,
+    super_call,
 )
 from kvskill.core.errors import UnsupportedModelError
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -108,6 +110,9 @@ class _Paths:
 
     refs: EntryRefs
     helper_writes: Mapping[str, frozenset[str]]
+    #: what a ``super().forward(...)`` call surely does: the base forward's state at every
+    #: exit (transformers 4's ``XSdpaAttention`` falls back to the eager base that way)
+    super_forward: PathState | None = None
     #: (the return statement, or None for the end of the function; the state there)
     exits: list[tuple[cst.CSTNode | None, PathState]] = field(default_factory=list)
     #: per enclosing loop, the states at its ``break`` / ``continue`` statements
@@ -124,6 +129,10 @@ class _Paths:
         calls = _Calls()
         node.visit(calls)
         for call in calls.calls:
+            if self.super_forward is not None and m.matches(call, super_call("forward")):
+                done = self.super_forward
+                state = PathState(written=state.written | done.written, read=state.read | done.read)
+                continue
             access = call_access(call, self.refs, self.helper_writes)
             written = state.written | access.writes
             state = PathState(written=written, read=state.read | (access.reads & written))
@@ -222,11 +231,29 @@ def _non_empty_literal(node: cst.BaseExpression) -> bool:
 
 
 def _analyse(
-    func: cst.FunctionDef, entries: frozenset[str], helper_writes: Mapping[str, frozenset[str]]
+    func: cst.FunctionDef,
+    entries: frozenset[str],
+    helper_writes: Mapping[str, frozenset[str]],
+    super_forward: PathState | None = None,
 ) -> list[tuple[cst.CSTNode | None, PathState]]:
-    paths = _Paths(refs=entry_refs(func, entries), helper_writes=helper_writes)
+    paths = _Paths(
+        refs=entry_refs(func, entries), helper_writes=helper_writes, super_forward=super_forward
+    )
     paths.run(func)
     return paths.exits
+
+
+def _base_forward_state(
+    bases: Sequence[cst.FunctionDef],
+    entries: frozenset[str],
+    helper_writes: Mapping[str, frozenset[str]],
+) -> PathState | None:
+    """What the base forwards reached by ``super().forward(...)`` surely do (BASES from the
+    nearest base up; each may delegate to the next), or None when there is none."""
+    state = None
+    for func in reversed(bases):
+        state = _meet([s for _, s in _analyse(func, entries, helper_writes, state)])
+    return state
 
 
 def helper_must_writes(
@@ -261,12 +288,13 @@ class Gap:
 def forward_gaps(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list[Gap]:
     """The exits of CLS's forward at which a declared entry is not written, or not read
     with the fused attention after its write."""
-    forward = resolve_method(cls, "forward", classes)
-    assert forward is not None, "the caller checks the forward exists"
+    forward, *bases = method_chain(cls, "forward", classes)
     entries = cache_entry_names(cls, classes)
     writes = helper_must_writes(class_methods(cls, classes), entries)
     gaps = []
-    for node, state in _analyse(forward, entries, writes):
+    for node, state in _analyse(
+        forward, entries, writes, _base_forward_state(bases, entries, writes)
+    ):
         missing_writes = entries - state.written
         # an entry never written is reported as such, not also as unread
         missing_reads = entries - state.read - missing_writes

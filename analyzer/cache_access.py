@@ -16,7 +16,7 @@ self-check's question (``implementer/self_check.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
@@ -104,13 +104,19 @@ class EntryRefs:
     entries: frozenset[str]
     #: local name -> entries its value was built from
     aliases: Mapping[str, frozenset[str]]
+    #: method name -> entries its body reads (``reader_methods``): what ``self.<method>(...)``
+    #: returns is built from them (the MLA prefill gathers the cached latent that way)
+    readers: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def reached(self, node: cst.CSTNode) -> frozenset[str]:
-        """Entries NODE refers to, through ``self.<entry>`` or a local alias of one."""
+        """Entries NODE refers to, through ``self.<entry>``, a local alias of one, or a call
+        of a method that reads them."""
         if ANY_ENTRY in self.entries:
             return self.entries
         refs = _refs(node)
         found = refs.self_attrs & self.entries
+        for name in refs.self_attrs & set(self.readers):
+            found |= self.readers[name]
         for name in refs.names & set(self.aliases):
             found |= self.aliases[name]
         return frozenset(found)
@@ -132,10 +138,16 @@ def _bindings(func: cst.FunctionDef) -> list[tuple[set[str], cst.CSTNode]]:
     return out
 
 
-def entry_refs(func: cst.FunctionDef, entries: frozenset[str]) -> EntryRefs:
-    """The aliases of ENTRIES among FUNC's local names (a fixpoint over its bindings)."""
+def entry_refs(
+    func: cst.FunctionDef,
+    entries: frozenset[str],
+    readers: Mapping[str, frozenset[str]] | None = None,
+) -> EntryRefs:
+    """The aliases of ENTRIES among FUNC's local names (a fixpoint over its bindings);
+    READERS are the class's methods that read entries (``reader_methods``)."""
     bindings = _bindings(func)
-    refs = EntryRefs(entries=entries, aliases={})
+    readers = dict(readers or {})
+    refs = EntryRefs(entries=entries, aliases={}, readers=readers)
     while True:
         aliases: dict[str, frozenset[str]] = dict(refs.aliases)
         for targets, value in bindings:
@@ -144,7 +156,23 @@ def entry_refs(func: cst.FunctionDef, entries: frozenset[str]) -> EntryRefs:
                 aliases[name] = aliases.get(name, frozenset()) | reached
         if aliases == refs.aliases:
             return refs
-        refs = EntryRefs(entries=entries, aliases=aliases)
+        refs = EntryRefs(entries=entries, aliases=aliases, readers=readers)
+
+
+def reader_methods(
+    cls: cst.ClassDef, entries: frozenset[str], classes: ClassTable | None = None
+) -> dict[str, frozenset[str]]:
+    """Method name -> the entries its body reaches (beyond their shape or dtype), for every
+    method of CLS but ``forward`` and ``__init__`` that reaches any; a value such a method
+    returns is read from those caches."""
+    found: dict[str, frozenset[str]] = {}
+    for name, func in class_methods(cls, classes).items():
+        if name in ("forward", "__init__"):
+            continue
+        reached = entry_refs(func, entries).reached(func.body)
+        if reached:
+            found[name] = reached
+    return found
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from kvskill.analyzer.cache_access import (
     cache_entry_names,
     call_access,
     entry_refs,
+    reader_methods,
 )
 from kvskill.analyzer.gather import (
     class_methods,
@@ -235,9 +236,12 @@ def _analyse(
     entries: frozenset[str],
     helper_writes: Mapping[str, frozenset[str]],
     super_forward: PathState | None = None,
+    readers: Mapping[str, frozenset[str]] | None = None,
 ) -> list[tuple[cst.CSTNode | None, PathState]]:
     paths = _Paths(
-        refs=entry_refs(func, entries), helper_writes=helper_writes, super_forward=super_forward
+        refs=entry_refs(func, entries, readers),
+        helper_writes=helper_writes,
+        super_forward=super_forward,
     )
     paths.run(func)
     return paths.exits
@@ -247,12 +251,13 @@ def _base_forward_state(
     bases: Sequence[cst.FunctionDef],
     entries: frozenset[str],
     helper_writes: Mapping[str, frozenset[str]],
+    readers: Mapping[str, frozenset[str]],
 ) -> PathState | None:
     """What the base forwards reached by ``super().forward(...)`` surely do (BASES from the
     nearest base up; each may delegate to the next), or None when there is none."""
     state = None
     for func in reversed(bases):
-        state = _meet([s for _, s in _analyse(func, entries, helper_writes, state)])
+        state = _meet([s for _, s in _analyse(func, entries, helper_writes, state, readers)])
     return state
 
 
@@ -291,10 +296,10 @@ def forward_gaps(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list
     forward, *bases = method_chain(cls, "forward", classes)
     entries = cache_entry_names(cls, classes)
     writes = helper_must_writes(class_methods(cls, classes), entries)
+    readers = reader_methods(cls, entries, classes)
+    base_state = _base_forward_state(bases, entries, writes, readers)
     gaps = []
-    for node, state in _analyse(
-        forward, entries, writes, _base_forward_state(bases, entries, writes)
-    ):
+    for node, state in _analyse(forward, entries, writes, base_state, readers):
         missing_writes = entries - state.written
         # an entry never written is reported as such, not also as unread
         missing_reads = entries - state.read - missing_writes

@@ -92,6 +92,11 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    #: prefix caching: group key -> hashes of the request's full blocks so far (see
+    #: ``prefix_hash.block_hashes``); kept across preemption, the tokens do not change
+    block_hashes: dict[str, list[bytes]] = field(default_factory=dict)
+    #: tokens of the last admission served from the prefix cache (0 = none)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,13 @@ Policy (one step is either all-prefill or all-decode, ``ForwardMetaData.is_prefi
    KV manager cannot grow a request, the most recently admitted running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue to
    recompute prompt + generated tokens later (its tokens are unchanged by this).
+
+Prefix caching (when the KV manager has it on): a request being admitted first takes the
+longest prefix of its tokens whose full blocks are cached in every group
+(``KVCacheManager.get_computed_blocks``) and prefills only the rest, from that position; at
+least its last token is always computed. After each step the blocks its computed tokens
+filled are offered to the cache. A preempted request's blocks keep their hashes in the free
+queue, so its readmission finds whatever was not evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -74,6 +81,11 @@ class Scheduler:
         #: in admission order; preemption takes from the end
         self.running: list[Request] = []
         self.num_preemptions = 0
+        #: prefix caching: tokens of every admission (readmissions included) looked up in
+        #: the cache, and of those the tokens found
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self._caching = kv_manager.enable_prefix_caching
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,15 +127,22 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request.num_tokens, budget, output)
-            if num_new == 0 or not self._allocate(request, num_new):
+            hit, hit_blocks = (
+                self.kv_manager.get_computed_blocks(request) if self._caching else (0, None)
+            )
+            num_new = self._num_new_tokens(request.num_tokens - hit, budget, output)
+            if num_new == 0 or not self._allocate(request, num_new, hit, hit_blocks):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_prefill_tokens = request.num_tokens
+            request.num_computed_tokens = request.num_cached_tokens = hit
+            if self._caching:
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += hit
             self.running.append(request)
             budget -= num_new
-            output.scheduled.append(ScheduledRequest(request, num_new, 0))
+            output.scheduled.append(ScheduledRequest(request, num_new, hit))
         return output
 
     def _num_new_tokens(self, remaining: int, budget: int, output: SchedulerOutput) -> int:
@@ -161,12 +180,24 @@ class Scheduler:
                 output.scheduled.append(ScheduledRequest(request, 1, request.num_computed_tokens))
         return output
 
-    def _allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now)."""
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        start: int | None = None,
+        hit_blocks: dict[str, list[int]] | None = None,
+    ) -> bool:
+        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now).
+
+        ``start`` and ``hit_blocks``: a request being admitted with a prefix-cache hit of
+        ``start`` tokens (it holds no block yet and nothing is computed).
+        """
+        computed = request.num_computed_tokens if start is None else start
         blocks = self.kv_manager.allocate_slots(
             request.request_id,
-            request.num_computed_tokens + num_new_tokens,
-            num_computed_tokens=request.num_computed_tokens,
+            computed + num_new_tokens,
+            num_computed_tokens=computed,
+            computed_blocks=hit_blocks,
         )
         return blocks is not None
 
@@ -195,9 +226,13 @@ class Scheduler:
         """
         step_outputs: list[StepOutput] = []
         finished: list[Request] = []
+        caching, cache_blocks = self._caching, self.kv_manager.cache_blocks
         for item, token in zip(output.scheduled, sampled, strict=True):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            if caching:
+                # Before a finish frees them: freed blocks keep their hashes.
+                cache_blocks(request, request.num_computed_tokens)
             if token is None:
                 step_outputs.append(StepOutput(request.request_id, [], None))
                 continue

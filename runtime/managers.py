@@ -178,8 +178,17 @@ class SingleTypeKVCacheManager:
         """
         held = len(self.req_to_blocks.get(request_id, ())) + len(computed_blocks)
         new = max(0, self.num_blocks_for(num_tokens) - held)
-        _, releasable = self._num_releasable(request_id, num_computed_tokens)
+        first_needed, releasable = self._num_releasable(request_id, num_computed_tokens)
         pool = self.block_pool
+        if releasable and self.enable_caching:
+            # A block another request shares stays held when this one lets go of it.
+            start = self._req_to_num_released.get(request_id, 0)
+            ref_cnt = pool.ref_cnt
+            releasable = sum(
+                1
+                for b in self.req_to_blocks[request_id][start:first_needed]
+                if b != NULL_BLOCK_ID and ref_cnt[b] == 1
+            )
         revived = sum(1 for b in computed_blocks if pool.is_free(b))
         return new - releasable + revived
 

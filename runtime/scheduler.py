@@ -15,8 +15,9 @@ Policy (one step is either all-prefill or all-decode, ``ForwardMetaData.is_prefi
 Prefix caching (when the KV manager has it on): a request being admitted first takes the
 longest prefix of its tokens whose full blocks are cached in every group
 (``KVCacheManager.get_computed_blocks``) and prefills only the rest, from that position; at
-least its last token is always computed. After each step the blocks its computed tokens
-filled are offered to the cache. A preempted request's blocks keep their hashes in the free
+least its last token is always computed. The full blocks a prefill step will fill are
+offered to the cache when it is scheduled (so later requests of the same step share them:
+every layer writes the step's K/V before reading), those a decode step fills after it ran. A preempted request's blocks keep their hashes in the free
 queue, so its readmission finds whatever was not evicted meanwhile.
 """
 
@@ -124,6 +125,8 @@ class Scheduler:
                 # NOTE: admitting newcomers now would take the blocks this request waits for.
                 return output
             budget -= num_new
+            if self._caching:
+                self.kv_manager.cache_blocks(request, request.num_computed_tokens + num_new)
             output.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -140,6 +143,11 @@ class Scheduler:
             if self._caching:
                 self.num_prefix_query_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += hit
+                # NOTE: cached now, before the step computes them, so a request admitted
+                # after this one in the same step already shares them: every layer writes
+                # the whole step's K/V before it reads any (a hit block is never read
+                # before this step has written it). A prefill step is never preempted.
+                self.kv_manager.cache_blocks(request, hit + num_new)
             self.running.append(request)
             budget -= num_new
             output.scheduled.append(ScheduledRequest(request, num_new, hit))

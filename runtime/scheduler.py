@@ -87,6 +87,9 @@ class Scheduler:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self._caching = kv_manager.enable_prefix_caching
+        #: block sizes of the cache groups: a decode step fills a block only when a request's
+        #: computed tokens reach a multiple of one of them
+        self._block_sizes = sorted({kv_manager.block_size_of(k) for k in kv_manager.group_keys})
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -235,10 +238,14 @@ class Scheduler:
         step_outputs: list[StepOutput] = []
         finished: list[Request] = []
         caching, cache_blocks = self._caching, self.kv_manager.cache_blocks
+        sizes = self._block_sizes
         for item, token in zip(output.scheduled, sampled, strict=True):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if caching:
+            if caching and (
+                # (a prefill chunk's blocks were offered when it was scheduled)
+                item.num_new_tokens > 1 or any(request.num_computed_tokens % b == 0 for b in sizes)
+            ):
                 # Before a finish frees them: freed blocks keep their hashes.
                 cache_blocks(request, request.num_computed_tokens)
             if token is None:

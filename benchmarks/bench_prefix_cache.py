@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="qwen3-4l-h256", choices=sorted(MODELS))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "bench_prefix_cache.json")
     args = parser.parse_args(argv)
     set_threads(args.threads)

@@ -143,6 +143,8 @@ class RequestOutput:
     #: generated tokens per second over the request's whole life (submission to finish)
     tokens_per_s: float | None
     num_preemptions: int = 0
+    #: tokens its last admission found in the prefix cache (their prefill was skipped)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -158,6 +160,7 @@ class RequestOutput:
             "latency_s": self.latency_s,
             "tokens_per_s": self.tokens_per_s,
             "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
     @classmethod
@@ -178,6 +181,7 @@ class RequestOutput:
             latency_s=latency,
             tokens_per_s=rate,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
 

@@ -81,10 +81,12 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(toy_dir):
     prompt = list(range(1, 17))  # four full blocks of 4
     llm = LLM(toy_dir, trust_remote_code=True, block_size=4, num_blocks=32)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    first = llm.generate([prompt], params)[0].token_ids
+    first = llm.generate([prompt], params)[0]
     computed = llm.stats.num_prompt_tokens
-    again = llm.generate([prompt], params)[0].token_ids
-    assert again == first
+    again = llm.generate([prompt], params)[0]
+    assert again.token_ids == first.token_ids
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 12)
+    assert again.to_dict()["num_cached_tokens"] == 12
     # 12 tokens hit (three blocks); the last block's 4 tokens are computed again.
     assert llm.stats.num_prefix_hit_tokens == 12
     assert llm.stats.num_prompt_tokens - computed == 4

@@ -389,10 +389,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """The longest hit whose window is cached: older blocks are not needed (null).
 
         A hit of L tokens lets the request compute from position L, whose query sees keys
-        from ``L - W + 1`` on: only the blocks holding those must be cached. Scanning from
-        the longest candidate down, the first L whose needed blocks are a run of cached
-        blocks wins (its window blocks survive; freed out-of-window blocks of the request
-        that made them may have been evicted, which costs nothing here).
+        from ``L - W + 1`` on: only the blocks holding those must be cached. The longest L
+        (in whole blocks) whose needed blocks are all cached wins, found in one pass that
+        tracks the run of cached blocks ending at each candidate (blocks that slid out of
+        the window of the request that made them may have been evicted since: they are not
+        needed, and the hit holds null there, as the request's own table would).
         """
         pool = self.block_pool
         bs = self.block_size

@@ -147,6 +147,9 @@ class KvskillRuntime:
 
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in workload.max_tokens]
         stats = self.llm.engine.stats
+        # Repeats of a workload must not find the previous run's prompts in the prefix
+        # cache (the other systems recompute them); sharing inside one run stays.
+        self.llm.kv_manager.reset_prefix_cache()
         before = stats.to_dict()
         self.probe.reset()
         started = time.perf_counter()

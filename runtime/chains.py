@@ -6,8 +6,10 @@
    a request's first decode step sees ``actual_seq_lengths_kv == prompt_len + 1`` (in
    general, every decode step sees ``prompt_len + tokens generated so far``).
 3. release: once every request has finished, every pool is back to its initial free count
-   and no manager tracks a request; running the same prompts again on the reused (dirty)
-   blocks gives identical tokens.
+   (a block nobody holds is free, whether or not it still carries a prefix-cache hash) and
+   no manager tracks a request; running the same prompts again gives identical tokens: with
+   prefix caching on, once served from the cache (every full block of each prompt but the
+   last hit), then once more after the cache is reset, on the reused (dirty) blocks.
 
 ``run_three_chains`` drives all three through an ``LLM``; the pieces are usable alone.
 """
@@ -271,22 +273,35 @@ def check_release_chain(
 ) -> ChainResult:
     """Pools are back to their initial counts, and a rerun on dirty blocks repeats the tokens.
 
-    Only meaningful for reproducible sampling (greedy, or seeded).
+    With prefix caching on, the first rerun reads the prompts' cached blocks (the hit path
+    must repeat the tokens too) and a second one runs after ``reset_prefix_cache`` on
+    reused, uncached blocks. Only meaningful for reproducible sampling (greedy, or seeded).
     """
-    failures = check_pools_released(llm.kv_manager)
-    rerun = llm.generate(prompts, sampling_params)
-    for i, (a, b) in enumerate(zip(first_outputs, rerun, strict=True)):
-        if a.token_ids != b.token_ids:
-            failures.append(
-                f"prompt {i}: rerun on reused blocks gave {b.token_ids[:8]}... instead of "
-                f"{a.token_ids[:8]}..."
-            )
-    failures += [f"after rerun: {f}" for f in check_pools_released(llm.kv_manager)]
-    return chain_result(
-        "release",
-        f"pools back to initial free counts; rerun of {len(prompts)} prompt(s) on reused blocks",
-        failures,
+    manager = llm.kv_manager
+    failures = check_pools_released(manager)
+    reruns = [("rerun on reused blocks", None)]
+    if manager.enable_prefix_caching:
+        reruns = [("rerun from the prefix cache", None), ("rerun after a cache reset", "reset")]
+    hits = 0
+    for label, action in reruns:
+        if action == "reset":
+            manager.reset_prefix_cache()
+        hits_before = llm.stats.num_prefix_hit_tokens
+        rerun = llm.generate(prompts, sampling_params)
+        if action is None:
+            hits = llm.stats.num_prefix_hit_tokens - hits_before
+        for i, (a, b) in enumerate(zip(first_outputs, rerun, strict=True)):
+            if a.token_ids != b.token_ids:
+                failures.append(
+                    f"prompt {i}: {label} gave {b.token_ids[:8]}... instead of {a.token_ids[:8]}..."
+                )
+        failures += [f"after {label}: {f}" for f in check_pools_released(manager)]
+    summary = (
+        f"pools back to initial free counts; rerun of {len(prompts)} prompt(s) on reused blocks"
     )
+    if manager.enable_prefix_caching:
+        summary += f", once from the prefix cache ({hits} tokens hit) and once after a reset"
+    return chain_result("release", summary, failures)
 
 
 @dataclass(frozen=True, slots=True)

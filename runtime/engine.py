@@ -50,6 +50,21 @@ class EngineStats:
     peak_blocks_used: dict[str, int] = field(default_factory=dict)
     step_s: float = 0.0  #: wall time inside ``step()``, step hooks excluded
     forward_s: float = 0.0  #: of which inside the model forward
+    #: prefix caching on for this engine (see ``KVCacheManager.prefix_caching_disabled_reason``)
+    prefix_caching: bool = False
+    #: tokens of every admission looked up in the prefix cache (readmissions included)
+    num_prefix_query_tokens: int = 0
+    #: of which found cached (their prefill was skipped)
+    num_prefix_hit_tokens: int = 0
+    #: blocks carrying a prefix-cache hash after the last step (held or free)
+    num_cached_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Tokens hit / tokens looked up (0.0 before any lookup)."""
+        if not self.num_prefix_query_tokens:
+            return 0.0
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens
 
     def to_dict(self) -> dict:
         return {
@@ -62,6 +77,11 @@ class EngineStats:
             "peak_blocks_used": dict(self.peak_blocks_used),
             "step_s": self.step_s,
             "forward_s": self.forward_s,
+            "prefix_caching": self.prefix_caching,
+            "num_prefix_query_tokens": self.num_prefix_query_tokens,
+            "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "num_cached_blocks": self.num_cached_blocks,
         }
 
 
@@ -97,7 +117,10 @@ class LLMEngine:
         self.scheduler = Scheduler(kv_manager, config, frozenset(int(t) for t in eos_token_ids))
         self.sampler = Sampler()
         self.step_hooks: list[StepHook] = list(step_hooks)
-        self.stats = EngineStats(peak_blocks_used=dict.fromkeys(kv_manager.group_keys, 0))
+        self.stats = EngineStats(
+            peak_blocks_used=dict.fromkeys(kv_manager.group_keys, 0),
+            prefix_caching=kv_manager.enable_prefix_caching,
+        )
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._counter = itertools.count()
@@ -333,6 +356,11 @@ class LLMEngine:
         stats.num_generated_tokens += len(sampled) - sampled.count(None)
         stats.num_preemptions += len(output.preempted)
         stats.forward_s += forward_s
+        if stats.prefix_caching:
+            scheduler = self.scheduler
+            stats.num_prefix_query_tokens = scheduler.num_prefix_query_tokens
+            stats.num_prefix_hit_tokens = scheduler.num_prefix_hit_tokens
+            stats.num_cached_blocks = self.kv_manager.num_cached_blocks
 
 
 def _logits(out) -> Tensor:

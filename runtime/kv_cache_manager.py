@@ -15,6 +15,7 @@ from kvskill.runtime.managers import (
     FIXED_BLOCK_ATTN_TYPES,
     SingleTypeKVCacheManager,
 )
+from kvskill.runtime.prefix_hash import HashableRequest, block_hashes
 from kvskill.runtime.tables import StepTables
 from torch import Tensor
 
@@ -60,8 +61,14 @@ class KVCacheManager:
         page_alignment_bytes: int = 128,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         """
+        Args:
+            enable_prefix_caching: share the K/V of full blocks between requests with the
+                same prefix (see ``get_computed_blocks``); refused for a model with a group
+                that cannot share blocks, the reason in ``prefix_caching_disabled_reason``.
+
         Raises:
             CacheInfoError: an entry's attn_type has no registered manager, or the
                 declarations changed into something invalid since they were built.
@@ -101,8 +108,28 @@ class KVCacheManager:
             )
             for key, g in self.groups.items()
         }
+        #: why prefix caching is off although it was asked for (None: on, or not asked)
+        self.prefix_caching_disabled_reason: str | None = None
+        if enable_prefix_caching:
+            self.prefix_caching_disabled_reason = self._prefix_caching_refusal()
+        self.enable_prefix_caching = (
+            enable_prefix_caching and self.prefix_caching_disabled_reason is None
+        )
+        for mgr in self.managers.values():
+            mgr.enable_caching = self.enable_prefix_caching
         self.initial_free_blocks = self.num_free_blocks
         self.layout: CacheLayout | None = None  # set by allocate_cache_tensors
+
+    def _prefix_caching_refusal(self) -> str | None:
+        # NOTE: a hit must hold in every group (each layer reads its own cache), so one group
+        # that cannot share blocks turns prefix caching off for the whole model.
+        for key, mgr in self.managers.items():
+            if mgr.prefix_caching_unsupported:
+                return (
+                    f"group {key!r} ({self.groups[key].attn_type}) cannot reuse a prefix: "
+                    f"{mgr.prefix_caching_unsupported}"
+                )
+        return None
 
     def _build_pools(self, seed: int | None) -> dict[str, BlockPool]:
         if self.use_hybrid_blocks:
@@ -163,7 +190,11 @@ class KVCacheManager:
         return self.groups[group_key].block_size
 
     def _blocks_needed_per_pool(
-        self, request_id: str, num_tokens: int, num_computed_tokens: int | None
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int | None,
+        computed_blocks: Mapping[str, Sequence[int]] | None = None,
     ) -> dict[int, tuple[BlockPool, int]]:
         needed: dict[int, tuple[BlockPool, int]] = {}
         for key, mgr in self.managers.items():
@@ -171,19 +202,84 @@ class KVCacheManager:
                 mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
             )
             pool = self.pools[key]
-            net = mgr.get_num_blocks_to_allocate(request_id, num_tokens, computed)
+            hit = computed_blocks.get(key, ()) if computed_blocks else ()
+            net = mgr.get_num_blocks_to_allocate(request_id, num_tokens, computed, hit)
             needed[id(pool)] = (pool, needed.get(id(pool), (pool, 0))[1] + net)
         return needed
 
     def can_allocate(
-        self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int | None = None,
+        computed_blocks: Mapping[str, Sequence[int]] | None = None,
     ) -> bool:
         """Whether ``allocate_slots`` with the same arguments would succeed now."""
-        needed = self._blocks_needed_per_pool(request_id, num_tokens, num_computed_tokens)
+        needed = self._blocks_needed_per_pool(
+            request_id, num_tokens, num_computed_tokens, computed_blocks
+        )
         return all(net <= pool.num_free_blocks for pool, net in needed.values())
 
+    # ---- prefix caching ----------------------------------------------------------------
+    def get_computed_blocks(self, request: HashableRequest) -> tuple[int, dict[str, list[int]]]:
+        """The longest prefix of the request's tokens cached in every group, and its blocks.
+
+        The hit is whole blocks of every group and never the whole request: at least one
+        token is computed, so the step has a last position to sample from (a request whose
+        tokens are all cached recomputes the last one, in a block of its own). Groups are
+        asked in turn with the shortest length so far until all agree (a window group may
+        accept only a shorter hit; full attention accepts any prefix of its own).
+
+        Returns:
+            (tokens hit, group key -> block ids of logical blocks 0.. of the hit); (0, {})
+            with prefix caching off or on a miss. Nothing is touched: pass the blocks to
+            ``allocate_slots`` to take them.
+        """
+        if not self.enable_prefix_caching or any(
+            request.request_id in mgr.req_to_blocks for mgr in self.managers.values()
+        ):
+            return 0, {}
+        length = request.num_tokens - 1
+        hits: dict[str, list[int]] = {}
+        while length > 0:
+            agreed = True
+            for key, mgr in self.managers.items():
+                bs = mgr.block_size
+                hashes = block_hashes(request, key, bs, length // bs)
+                blocks = mgr.find_longest_cache_hit(hashes, length)
+                hits[key] = blocks
+                if len(blocks) * bs < length:
+                    length = len(blocks) * bs
+                    agreed = False
+            if agreed:
+                break
+        if length <= 0:
+            return 0, {}
+        return length, {
+            key: blocks[: length // self.managers[key].block_size] for key, blocks in hits.items()
+        }
+
+    def cache_blocks(self, request: HashableRequest, num_computed_tokens: int) -> None:
+        """Offer every full block the request's computed tokens fill to the prefix cache."""
+        if self.enable_prefix_caching:
+            for mgr in self.managers.values():
+                mgr.cache_blocks(request, num_computed_tokens)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks carrying a prefix-cache hash, over every pool (held or free)."""
+        return sum(p.num_cached_blocks for p in {id(p): p for p in self.pools.values()}.values())
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of every free block; returns how many were dropped."""
+        return sum(p.reset_prefix_cache() for p in {id(p): p for p in self.pools.values()}.values())
+
     def allocate_slots(
-        self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int | None = None,
+        computed_blocks: Mapping[str, Sequence[int]] | None = None,
     ) -> KVCacheBlocks | None:
         """Make every group cover ``num_tokens`` tokens of the request, or change nothing.
 
@@ -197,6 +293,9 @@ class KVCacheManager:
             num_computed_tokens: tokens whose KV is already in the cache; defaults to the
                 total of the previous allocation (the engine computes what it allocated).
                 Windowed groups release the blocks no query from there on can see.
+            computed_blocks: a prefix-cache hit from ``get_computed_blocks`` for a request
+                that holds no block yet (its ``num_computed_tokens`` is the hit length):
+                the request starts by sharing these blocks.
 
         Returns:
             the blocks added per group on success; None (nothing changed) when some pool
@@ -210,8 +309,12 @@ class KVCacheManager:
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens} exceeds "
                 f"num_tokens={num_tokens} (num_tokens counts computed + new tokens)"
             )
-        if not self.can_allocate(request_id, num_tokens, num_computed_tokens):
+        if not self.can_allocate(request_id, num_tokens, num_computed_tokens, computed_blocks):
             return None
+        if computed_blocks:
+            # NOTE: before any new block is taken, so the hit cannot be evicted under it.
+            for key, mgr in self.managers.items():
+                mgr.add_computed_blocks(request_id, computed_blocks[key])
         for mgr in self.managers.values():
             computed = (
                 mgr.num_tokens(request_id) if num_computed_tokens is None else num_computed_tokens
@@ -364,6 +467,9 @@ class KVCacheManager:
         report = {
             "layout": "page_pool" if self.use_hybrid_blocks else "contiguous",
             "groups": groups,
+            "prefix_caching": self.enable_prefix_caching,
+            "prefix_caching_disabled_reason": self.prefix_caching_disabled_reason,
+            "num_cached_blocks": self.num_cached_blocks,
         }
         if self.layout is not None:
             report["memory"] = self.layout.summary()

@@ -64,6 +64,7 @@ def prepare_kv_cache(
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     log_layout: bool = False,
+    enable_prefix_caching: bool = False,
 ) -> KVCacheSetup:
     """Ask the model for its cache declarations, size the pools and inject the tensors.
 
@@ -75,6 +76,7 @@ def prepare_kv_cache(
             ``default_kv_budget``.
         max_model_len: longest request expected; only sizes the default budget.
         log_layout: log every cache view built (``[non-contiguous-kv-cache]`` lines).
+        enable_prefix_caching: see ``KVCacheManager``.
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -136,6 +138,7 @@ def prepare_kv_cache(
         free_block_order_seed=free_block_order_seed,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager, budget)

@@ -44,6 +44,13 @@ class LLM:
     full garbage collections otherwise walk all of it, about 0.2 s each, and a generation of a
     few thousand steps triggers several; frozen objects are skipped. They are still freed when
     their reference count drops; only reference cycles among them are never collected.
+
+    Prefix caching (``enable_prefix_caching``, on by default): the K/V of every full block
+    computed stays in the pool under a hash of its tokens and of all tokens before it, until
+    the block is needed for something else (least recently freed first); a new request with
+    the same leading tokens shares those blocks and prefills only the rest. Greedy outputs
+    are the same with it on or off. A model with a recurrent-state group (Mamba, gated delta
+    nets) keeps it off: ``prefix_caching_disabled_reason`` says why.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class LLM:
         eos_token_id: int | Sequence[int] | None = None,
         step_hooks: Sequence[StepHook] = (),
         freeze_startup_heap: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if freeze_startup_heap:
             _freeze_startup_heap()
@@ -96,6 +104,7 @@ class LLM:
             max_model_len=max_model_len
             or getattr(self.text_config, "max_position_embeddings", None),
             log_layout=log_layout,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
@@ -180,6 +189,16 @@ class LLM:
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (asked for, and the model's groups allow it)."""
+        return self.kv_manager.enable_prefix_caching
+
+    @property
+    def prefix_caching_disabled_reason(self) -> str | None:
+        """Why prefix caching is off although it was asked for; None otherwise."""
+        return self.kv_manager.prefix_caching_disabled_reason
 
     @property
     def max_model_len(self) -> int:

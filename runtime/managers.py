@@ -22,6 +22,7 @@ from typing import ClassVar
 
 from kvskill.core.attn_types import AttnType
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
+from kvskill.runtime.prefix_hash import BlockHash, HashableRequest, block_hashes
 from kvskill.runtime.tables import (
     GroupStepTables,
     int64_tensor,
@@ -53,6 +54,9 @@ class SingleTypeKVCacheManager:
     #: True when blocks hold tokens (slot mapping applies); False for per-request state
     #: blocks, whose block table row is the request's state index instead
     is_token_addressed: ClassVar[bool] = True
+    #: why a request of this type cannot reuse another's blocks, None when it can (a state
+    #: block holds a snapshot of the whole prefix, not the K/V of one block's tokens)
+    prefix_caching_unsupported: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -79,6 +83,10 @@ class SingleTypeKVCacheManager:
         )
         #: whether ``num_blocks_for`` is the plain ceil(n / block_size)
         self._standard_blocks = type(self).num_blocks_for is SingleTypeKVCacheManager.num_blocks_for
+        #: prefix caching on (set by the KV manager): full blocks get hashes, hits are shared
+        self.enable_caching = False
+        #: leading logical blocks of each request already offered to the prefix cache
+        self._req_to_num_cached: dict[str, int] = {}
 
     # ---- hooks -------------------------------------------------------------------------
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -156,13 +164,33 @@ class SingleTypeKVCacheManager:
                 counts[rid] = n
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, num_computed_tokens: int
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int,
+        computed_blocks: Sequence[int] = (),
     ) -> int:
-        """Net blocks this allocation takes from the pool (new blocks minus released ones)."""
-        held = len(self.req_to_blocks.get(request_id, ()))
+        """Net blocks this allocation takes from the pool (new blocks minus released ones).
+
+        ``computed_blocks`` (a prefix-cache hit of a request that holds nothing yet) cost
+        nothing new, except those nobody holds: taking them out of the free queue uses it up
+        as much as a new block does.
+        """
+        held = len(self.req_to_blocks.get(request_id, ())) + len(computed_blocks)
         new = max(0, self.num_blocks_for(num_tokens) - held)
-        _, releasable = self._num_releasable(request_id, num_computed_tokens)
-        return new - releasable
+        first_needed, releasable = self._num_releasable(request_id, num_computed_tokens)
+        pool = self.block_pool
+        if releasable and self.enable_caching:
+            # A block another request shares stays held when this one lets go of it.
+            start = self._req_to_num_released.get(request_id, 0)
+            ref_cnt = pool.ref_cnt
+            releasable = sum(
+                1
+                for b in self.req_to_blocks[request_id][start:first_needed]
+                if b != NULL_BLOCK_ID and ref_cnt[b] == 1
+            )
+        revived = sum(1 for b in computed_blocks if pool.is_free(b))
+        return new - releasable + revived
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release blocks wholly before the first token a future query can see."""
@@ -193,12 +221,66 @@ class SingleTypeKVCacheManager:
         return new
 
     def free(self, request_id: str) -> None:
-        """Release every block the request holds (unknown ids are a no-op)."""
+        """Release every block the request holds (unknown ids are a no-op).
+
+        With prefix caching the blocks are freed last block first: the free queue is the
+        eviction order, and a prefix's tail is the part least likely to be shared.
+        """
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_num_tokens.pop(request_id, None)
         self._req_to_num_released.pop(request_id, None)
+        self._req_to_num_cached.pop(request_id, None)
         if blocks:
-            self.block_pool.free_blocks(blocks.tolist())
+            ids = blocks.tolist()
+            if self.enable_caching:
+                ids.reverse()
+            self.block_pool.free_blocks(ids)
+
+    # ---- prefix caching ----------------------------------------------------------------
+    def find_longest_cache_hit(self, hashes: Sequence[BlockHash], max_length: int) -> list[int]:
+        """The blocks of the longest cached prefix of at most ``max_length`` tokens.
+
+        Returns the block ids of logical blocks 0..k-1 (the hit is ``k * block_size``
+        tokens); a type that does not need every block of the prefix (a window) may put the
+        null block where a block is not needed. Full attention: the leading run of hashes
+        that are cached.
+        """
+        pool = self.block_pool
+        hit: list[int] = []
+        for block_hash in hashes[: max_length // self.block_size]:
+            block_id = pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def add_computed_blocks(self, request_id: str, blocks: Sequence[int]) -> None:
+        """Start a request that holds nothing with a prefix-cache hit (shared, touched)."""
+        assert request_id not in self.req_to_blocks, "a hit only starts a request"
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[request_id] = array("i", blocks)
+        leading_null = next((i for i, b in enumerate(blocks) if b != NULL_BLOCK_ID), len(blocks))
+        if leading_null:
+            self._req_to_num_released[request_id] = leading_null
+        self._req_to_num_cached[request_id] = len(blocks)
+        self.req_to_num_tokens[request_id] = len(blocks) * self.block_size
+
+    def cache_blocks(self, request: HashableRequest, num_computed_tokens: int) -> None:
+        """Offer the request's blocks that ``num_computed_tokens`` filled to the cache."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        done = self._req_to_num_cached.get(request_id, 0)
+        if num_full <= done:
+            return
+        hashes = block_hashes(request, self.group_key, self.block_size, num_full)
+        pool = self.block_pool
+        for i in range(done, num_full):
+            if blocks[i] != NULL_BLOCK_ID:
+                pool.cache_block(blocks[i], hashes[i])
+        self._req_to_num_cached[request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
         blocks = self.req_to_blocks.get(request_id)
@@ -303,6 +385,35 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         assert self.sliding_window is not None, "SlidingWindow group built without a window"
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
+    def find_longest_cache_hit(self, hashes: Sequence[BlockHash], max_length: int) -> list[int]:
+        """The longest hit whose window is cached: older blocks are not needed (null).
+
+        A hit of L tokens lets the request compute from position L, whose query sees keys
+        from ``L - W + 1`` on: only the blocks holding those must be cached. The longest L
+        (in whole blocks) whose needed blocks are all cached wins, found in one pass that
+        tracks the run of cached blocks ending at each candidate (blocks that slid out of
+        the window of the request that made them may have been evicted since: they are not
+        needed, and the hit holds null there, as the request's own table would).
+        """
+        pool = self.block_pool
+        bs = self.block_size
+        num_blocks = min(max_length // bs, len(hashes))
+        found = [pool.get_cached_block(h) for h in hashes[:num_blocks]]
+        run = 0  # cached blocks in a row ending just before candidate k
+        best = 0
+        # candidate k = hit of k blocks; needs blocks from (k*bs - W + 1) // bs to k - 1
+        for k in range(1, num_blocks + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            first_needed = max(0, k * bs - self.sliding_window + 1) // bs
+            if run >= k - first_needed:
+                best = k
+        if best == 0:
+            return []
+        first_needed = max(0, best * bs - self.sliding_window + 1) // bs
+        return [NULL_BLOCK_ID] * first_needed + [
+            b for b in found[first_needed:best] if b is not None
+        ]
+
     @classmethod
     def max_blocks_per_request(
         cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
@@ -317,6 +428,10 @@ class MambaManager(SingleTypeKVCacheManager):
 
     attn_type = AttnType.MAMBA.value
     is_token_addressed = False
+    prefix_caching_unsupported = (
+        "its state block is a snapshot of the whole prefix, overwritten in place (no "
+        "per-block K/V to share; snapshots at block boundaries are not kept)"
+    )
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return 1

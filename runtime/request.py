@@ -92,6 +92,11 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    #: prefix caching: group key -> hashes of the request's full blocks so far (see
+    #: ``prefix_hash.block_hashes``); kept across preemption, the tokens do not change
+    block_hashes: dict[str, list[bytes]] = field(default_factory=dict)
+    #: tokens of the last admission served from the prefix cache (0 = none)
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -138,6 +143,8 @@ class RequestOutput:
     #: generated tokens per second over the request's whole life (submission to finish)
     tokens_per_s: float | None
     num_preemptions: int = 0
+    #: tokens its last admission found in the prefix cache (their prefill was skipped)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -153,6 +160,7 @@ class RequestOutput:
             "latency_s": self.latency_s,
             "tokens_per_s": self.tokens_per_s,
             "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
     @classmethod
@@ -173,6 +181,7 @@ class RequestOutput:
             latency_s=latency,
             tokens_per_s=rate,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
 

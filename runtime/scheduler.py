@@ -11,6 +11,14 @@ Policy (one step is either all-prefill or all-decode, ``ForwardMetaData.is_prefi
    KV manager cannot grow a request, the most recently admitted running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue to
    recompute prompt + generated tokens later (its tokens are unchanged by this).
+
+Prefix caching (when the KV manager has it on): a request being admitted first takes the
+longest prefix of its tokens whose full blocks are cached in every group
+(``KVCacheManager.get_computed_blocks``) and prefills only the rest, from that position; at
+least its last token is always computed. The full blocks a prefill step will fill are
+offered to the cache when it is scheduled (so later requests of the same step share them:
+every layer writes the step's K/V before reading), those a decode step fills after it ran. A preempted request's blocks keep their hashes in the free
+queue, so its readmission finds whatever was not evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -74,6 +82,14 @@ class Scheduler:
         #: in admission order; preemption takes from the end
         self.running: list[Request] = []
         self.num_preemptions = 0
+        #: prefix caching: tokens of every admission (readmissions included) looked up in
+        #: the cache, and of those the tokens found
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self._caching = kv_manager.enable_prefix_caching
+        #: block sizes of the cache groups: a decode step fills a block only when a request's
+        #: computed tokens reach a multiple of one of them
+        self._block_sizes = sorted({kv_manager.block_size_of(k) for k in kv_manager.group_keys})
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -112,18 +128,32 @@ class Scheduler:
                 # NOTE: admitting newcomers now would take the blocks this request waits for.
                 return output
             budget -= num_new
+            if self._caching:
+                self.kv_manager.cache_blocks(request, request.num_computed_tokens + num_new)
             output.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request.num_tokens, budget, output)
-            if num_new == 0 or not self._allocate(request, num_new):
+            hit, hit_blocks = (
+                self.kv_manager.get_computed_blocks(request) if self._caching else (0, None)
+            )
+            num_new = self._num_new_tokens(request.num_tokens - hit, budget, output)
+            if num_new == 0 or not self._allocate(request, num_new, hit, hit_blocks):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_prefill_tokens = request.num_tokens
+            request.num_computed_tokens = request.num_cached_tokens = hit
+            if self._caching:
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += hit
+                # NOTE: cached now, before the step computes them, so a request admitted
+                # after this one in the same step already shares them: every layer writes
+                # the whole step's K/V before it reads any (a hit block is never read
+                # before this step has written it). A prefill step is never preempted.
+                self.kv_manager.cache_blocks(request, hit + num_new)
             self.running.append(request)
             budget -= num_new
-            output.scheduled.append(ScheduledRequest(request, num_new, 0))
+            output.scheduled.append(ScheduledRequest(request, num_new, hit))
         return output
 
     def _num_new_tokens(self, remaining: int, budget: int, output: SchedulerOutput) -> int:
@@ -161,12 +191,24 @@ class Scheduler:
                 output.scheduled.append(ScheduledRequest(request, 1, request.num_computed_tokens))
         return output
 
-    def _allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now)."""
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        start: int | None = None,
+        hit_blocks: dict[str, list[int]] | None = None,
+    ) -> bool:
+        """Whether the KV manager grew the request by ``num_new_tokens`` (None = not now).
+
+        ``start`` and ``hit_blocks``: a request being admitted with a prefix-cache hit of
+        ``start`` tokens (it holds no block yet and nothing is computed).
+        """
+        computed = request.num_computed_tokens if start is None else start
         blocks = self.kv_manager.allocate_slots(
             request.request_id,
-            request.num_computed_tokens + num_new_tokens,
-            num_computed_tokens=request.num_computed_tokens,
+            computed + num_new_tokens,
+            num_computed_tokens=computed,
+            computed_blocks=hit_blocks,
         )
         return blocks is not None
 
@@ -195,9 +237,17 @@ class Scheduler:
         """
         step_outputs: list[StepOutput] = []
         finished: list[Request] = []
+        caching, cache_blocks = self._caching, self.kv_manager.cache_blocks
+        sizes = self._block_sizes
         for item, token in zip(output.scheduled, sampled, strict=True):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
+            if caching and (
+                # (a prefill chunk's blocks were offered when it was scheduled)
+                item.num_new_tokens > 1 or any(request.num_computed_tokens % b == 0 for b in sizes)
+            ):
+                # Before a finish frees them: freed blocks keep their hashes.
+                cache_blocks(request, request.num_computed_tokens)
             if token is None:
                 step_outputs.append(StepOutput(request.request_id, [], None))
                 continue

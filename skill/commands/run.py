@@ -160,6 +160,13 @@ class _Progress:
     help="Tokens per step at most (longer prompts are chunked).",
 )
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV of full blocks of prompt prefixes already computed (shared by "
+    "requests, evicted least recently used). Off by itself for models with state layers.",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
 @kv_layout_option
@@ -210,6 +217,7 @@ def run(directory: Path, **options) -> None:
         max_num_seqs=options["max_num_seqs"],
         log_layout=options["log_layout"],
         use_hybrid_blocks=options["kv_layout"] == "page_pool",
+        enable_prefix_caching=options["prefix_caching"],
     )
     prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
     params = SamplingParams(
@@ -334,8 +342,34 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
             "reason": llm.kv_budget.reason,
         },
         "kv_cache": kv,
+        "prefix_cache": _prefix_cache_report(llm),
         "requests": [o.to_dict() for o in outputs],
     }
+
+
+def _prefix_cache_report(llm) -> dict:
+    """On or off and why; the hit rate is tokens found cached / tokens looked up at every
+    admission (a preempted request's readmission looks its tokens up again)."""
+    stats = llm.stats
+    return {
+        "enabled": llm.prefix_caching,
+        "disabled_reason": llm.prefix_caching_disabled_reason,
+        "query_tokens": stats.num_prefix_query_tokens,
+        "hit_tokens": stats.num_prefix_hit_tokens,
+        "hit_rate": stats.prefix_cache_hit_rate,
+        "cached_blocks": stats.num_cached_blocks,
+    }
+
+
+def _prefix_cache_line(prefix: dict) -> str:
+    if prefix["enabled"]:
+        return (
+            f"on: hit rate {prefix['hit_rate']:.1%} ({prefix['hit_tokens']}/"
+            f"{prefix['query_tokens']} tokens), {prefix['cached_blocks']} cached blocks"
+        )
+    if prefix["disabled_reason"]:
+        return f"off: {prefix['disabled_reason']}"
+    return "off (--no-prefix-caching)"
 
 
 def _kernel_note(report: dict) -> str:
@@ -361,6 +395,7 @@ def _render_table(report: dict) -> str:
         ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
     ]
     rows.append(("KV budget", report["kv_budget"]["reason"]))
+    rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     for key, kv in report["kv_cache"].items():
         rows.append(
             (

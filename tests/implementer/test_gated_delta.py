@@ -262,3 +262,28 @@ def test_other_delta_layers_convert_token_exact(tmp_path, model_type, expected, 
     again = tmp_path / "again"
     apply_model(str(out), again, ApplyOptions())
     assert (again / f"modeling_{model_type}.py").read_text() == code
+
+
+def test_prefix_caching_is_off_for_state_layers_with_the_reason_in_the_run_report(
+    small_qwen3_next, capsys
+):
+    # A gated delta layer's state is a snapshot of the whole prefix, overwritten in place:
+    # no block of it can be shared, so the model runs without prefix caching, and says why.
+    llm = _llm(small_qwen3_next, num_blocks=200, max_num_batched_tokens=12)
+    assert not llm.prefix_caching
+    assert "Mamba" in llm.prefix_caching_disabled_reason
+    shared = [list(range(1, 30)) + [40 + i] for i in range(3)]
+    first = _tokens(llm, shared)
+    assert _tokens(llm, shared) == first
+    assert llm.stats.num_prefix_hit_tokens == 0 and llm.stats.num_cached_blocks == 0
+    from kvskill.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(
+            ["run", str(small_qwen3_next), "--random-weights", "--prompt-ids", "1,2,3,4,5,6",
+             "--max-tokens", "2", "--num-blocks", "40", "--block-size", "4"]
+        )  # fmt: skip
+    out = capsys.readouterr().out
+    assert exc.value.code == 0, out
+    assert "prefix cache" in out and "off: group 'Mamba'" in out
+    assert "snapshot of the whole prefix" in out

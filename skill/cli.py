@@ -17,6 +17,7 @@ import click
 from kvskill import __version__
 from kvskill.commands import COMMANDS
 from kvskill.core.errors import ExitCode, KvskillError
+from kvskill.entry import sigint_seen
 
 #: Ctrl-C (128 + SIGINT), as shells report it
 EXIT_INTERRUPTED = 130
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _interrupted(as_json)
     except Exception as exc:  # a bug: say so in one line, keep the traceback behind -v
+        if sigint_seen():  # Ctrl-C that a library turned into another error
+            _interrupted(as_json)
         if verbose:
             traceback.print_exc()
         if is_operator_rejection(exc):

@@ -23,6 +23,23 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+#: whether a SIGINT arrived in this process (``sigint_seen``)
+_sigint = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _sigint
+    _sigint = True
+    raise KeyboardInterrupt
+
+
+def sigint_seen() -> bool:
+    """Whether Ctrl-C reached this process. A library may turn the KeyboardInterrupt into an
+    error of its own (numpy's extension loader, interrupted mid-import, raises ImportError
+    "cannot load module more than once per process"); such an error is still an interrupt."""
+    return _sigint
+
+
 def interrupted(code: int = INTERRUPTED) -> None:
     """Report an interrupt on one line and exit, ignoring a second Ctrl-C meanwhile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -37,6 +54,7 @@ def interrupted(code: int = INTERRUPTED) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
+        signal.signal(signal.SIGINT, _on_sigint)
         signal.signal(signal.SIGTERM, _on_sigterm)
         from kvskill.cli import main as cli_main
 
@@ -45,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         interrupted(INTERRUPTED)
     except Terminated:
         interrupted(TERMINATED)
+    except Exception:
+        if sigint_seen():  # the interrupt came back as another error (see sigint_seen)
+            interrupted(INTERRUPTED)
+        raise
 
 
 if __name__ == "__main__":

@@ -99,3 +99,30 @@ def test_apply_refuses_an_mla_absorb_choice_it_cannot_honour(
     assert got == code
     assert message in err and len(err.strip().splitlines()) == 1
     assert not out_dir.exists()
+
+
+def test_an_interrupt_a_library_turns_into_another_error_is_still_exit_130(monkeypatch, capsys):
+    """numpy's extension loader, interrupted mid-import, raises ImportError instead of
+    KeyboardInterrupt; the CLI still ends as one line and exit 130."""
+    import signal
+
+    import kvskill.cli as cli_module
+    from kvskill import entry
+
+    def import_interrupted(argv):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise ImportError("cannot load module more than once per process") from None
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli_module, "main", import_interrupted)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            entry.main([])
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+        monkeypatch.setattr(entry, "_sigint", False)
+    assert exc.value.code == 130
+    assert capsys.readouterr().err == "kvskill: interrupted\n"

@@ -408,10 +408,11 @@ def _verify(
 ) -> None:
     # before any model is built: a bad prompts file is refused at once (when the config
     # names the vocabulary; else the original's output head gives it, once built)
-    vocab = vocabulary_size(config, config_names(converted_dir))
+    names = config_names(converted_dir)  # parses a remote config class: once per verify
+    vocab = vocabulary_size(config, names)
     prompts = None
     if vocab is not None:
-        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab)
+        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab, names)
     if report.checked is Checked.REAL_WEIGHTS:
         pair = load_real_pair(converted_dir, workdir, options, report)
     else:
@@ -419,9 +420,9 @@ def _verify(
     if pair is None:
         return
     if prompts is None:
-        vocab = vocabulary_size(config, config_names(converted_dir), pair.reference)
+        vocab = vocabulary_size(config, names, pair.reference)
         assert vocab is not None, "vocabulary_size raises when the head names none"
-        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab)
+        prompts = prompts_for(converted_dir, config, options, report.block_size, vocab, names)
     driver = driver_for(converted_dir, pair.converted_dir, options)
     drive = (
         tuple_cache_generate
@@ -513,9 +514,10 @@ def prompts_for(
     options: VerifyOptions,
     block_size: int,
     vocab: int,
+    names: dict[str, str],
 ) -> list[list[int]]:
-    """The prompts of ``--prompts FILE``, else generated ones of varied lengths."""
-    names = config_names(converted)
+    """The prompts of ``--prompts FILE``, else generated ones of varied lengths (NAMES: the
+    config's key aliases, ``config_names``)."""
     if options.prompts_file is None:
         lengths = prompt_lengths_for(converted.plan, config, options, block_size, names)
         return make_prompts(lengths, vocab, options.seed)

@@ -1,9 +1,12 @@
-"""Every bad input is a clean error: the CLI in a subprocess, attacked as issue #30 did.
+"""Every bad input is a clean error: the CLI in a child process, attacked as issue #30 did.
 
 Each case asserts the exit code, one ``kvskill: error:`` line on stderr and no traceback, that
 the inputs are unchanged, and that nothing outside the scratch folders (MODEL, --out, the
-skill folder) was written or deleted: every subprocess runs with an empty working directory
-and HOME of its own, and a folder of victim files sits beside the inputs.
+skill folder) was written or deleted: every child runs with an empty working directory and
+HOME of its own, and a folder of victim files sits beside the inputs.
+
+The children are forked from a process that has imported kvskill already (``cli_fork``);
+the signal tests at the end start real ``python -m kvskill`` processes instead.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "implementer"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli_fork import CliResult as Result  # noqa: E402
+from cli_fork import ForkedCli  # noqa: E402
 from remote_model import write_remote_model  # noqa: E402
 
 #: the shrunk Qwen3 of scripts/demo.sh
@@ -35,18 +40,12 @@ SMALL = (
 CRASH_CODES = {70, 134, 137, 139, -6, -9, -11}
 
 
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-
 class Sandbox:
     """Scratch folders for one test: inputs, an empty cwd and HOME, and victim files."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, cli: ForkedCli) -> None:
         self.root = root
+        self.cli = cli
         self.cwd = root / "cwd"
         self.home = root / "home"
         self.victims = root / "victims"
@@ -56,30 +55,12 @@ class Sandbox:
         self.watched: dict[Path, dict[str, str]] = {}
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            HOME=str(self.home),
-            KVSKILL_OPS="reference",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            OMP_NUM_THREADS="1",
-            # the compiled CPU kernel is a cache of kvskill's own; keep it out of HOME
-            KVSKILL_KERNEL_CACHE=os.environ.get(
-                "KVSKILL_KERNEL_CACHE", str(Path.home() / ".cache" / "kvskill" / "cpu_kernels")
-            ),
-        )
+        env = base_env()
+        env["HOME"] = str(self.home)
         return env
 
     def kvskill(self, *args: str, timeout: float = 300) -> Result:
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvskill", *map(str, args)],
-            cwd=self.cwd,
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        return Result(proc.returncode, proc.stdout, proc.stderr)
+        return self.cli.run(list(args), cwd=self.cwd, env=self.env(), timeout=timeout)
 
     def watch(self, *paths: Path) -> None:
         """Record a tree's content; ``check_untouched`` asserts it is the same afterwards."""
@@ -93,6 +74,22 @@ class Sandbox:
         assert sorted(p.name for p in self.victims.iterdir()) == ["victim.txt"]
         for path, digest in self.watched.items():
             assert tree_digest(path) == digest, f"{path} changed"
+
+
+def base_env() -> dict[str, str]:
+    """The environment of every CLI call of this module (HOME is each sandbox's own)."""
+    env = dict(os.environ)
+    env.update(
+        KVSKILL_OPS="reference",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        # the compiled CPU kernel is a cache of kvskill's own; keep it out of HOME
+        KVSKILL_KERNEL_CACHE=os.environ.get(
+            "KVSKILL_KERNEL_CACHE", str(Path.home() / ".cache" / "kvskill" / "cpu_kernels")
+        ),
+    )
+    return env
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -124,18 +121,25 @@ def assert_clean_error(result: Result, code: int = 2, *, contains: str | None = 
         assert contains in lines[0], lines[0]
 
 
+@pytest.fixture(scope="module")
+def cli() -> ForkedCli:
+    server = ForkedCli(base_env())
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def box(tmp_path) -> Sandbox:
-    sandbox = Sandbox(tmp_path)
+def box(tmp_path, cli) -> Sandbox:
+    sandbox = Sandbox(tmp_path, cli)
     yield sandbox
     sandbox.check_untouched()
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
+def converted(tmp_path_factory, cli) -> Path:
     """``kvskill apply qwen3`` of a small config: a directory kvskill wrote itself."""
     root = tmp_path_factory.mktemp("converted")
-    box = Sandbox(root)
+    box = Sandbox(root, cli)
     out = root / "qwen3"
     result = box.kvskill("apply", "qwen3", "--config-overrides", SMALL, "--out", out)
     assert result.code == 0, result.err

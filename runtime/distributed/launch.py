@@ -16,6 +16,7 @@ rank still alive.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -383,10 +384,8 @@ def _worker_main(rank, world_size, backend, port, spec, queue, timeout_s) -> Non
         os._exit(1)
     finally:
         if group is not None:
-            try:
+            with contextlib.suppress(Exception):
                 group.close()
-            except Exception:  # noqa: BLE001
-                pass
 
 
 def serve(model: nn.Module, group: TPGroup, queue, device) -> None:

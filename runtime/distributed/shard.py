@@ -175,9 +175,9 @@ def _enclosing(name: str, blocks: set[str]) -> str | None:
     """The nearest MoE block (a module with an ``experts`` child) containing NAME."""
     best = None
     for block in blocks:
-        if name == block or name.startswith(f"{block}."):
-            if best is None or len(block) > len(best):
-                best = block
+        inside = name == block or name.startswith(f"{block}.")
+        if inside and (best is None or len(block) > len(best)):
+            best = block
     return best
 
 

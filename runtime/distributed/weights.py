@@ -29,7 +29,7 @@ def load_sharded_checkpoint(model: nn.Module, files: list[Path], plan: ShardPlan
     for path in files:
         check_safetensors(path)
         with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 where[key] = path
     targets = dict(model.named_parameters())  # tied parameters appear once
     targets.update(

@@ -245,7 +245,9 @@ def _generate_and_report(llm, directory: Path, options: dict) -> None:
     report = _report(llm, outputs, wall_s, directory, backend().name)
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
     if llm.tensor_parallel is not None:
-        report["tensor_parallel"] = tensor_parallel_report(llm)
+        from kvskill.runtime.distributed.report import tensor_parallel_summary
+
+        report["tensor_parallel"] = tensor_parallel_summary(llm)
     if options["output_format"] == "json":
         click.echo(json.dumps(report))
     else:
@@ -263,33 +265,6 @@ def tp_size_for(plan_tp: int, requested: int | None, directory: Path) -> int:
             "(or convert with --attn-tp-size 1 to choose the size at run time)"
         )
     return requested
-
-
-def tensor_parallel_report(llm) -> dict:
-    """Sizes, split and rank 0's communication, plus the KV bytes per token of one rank
-    against the whole model's."""
-    report = llm.tensor_parallel.report(llm.stats.num_steps)
-    per_rank = kv_bytes_per_token(llm.cache_info)
-    report["kv_bytes_per_token_per_rank"] = per_rank
-    report["kv_bytes_per_token_unsplit"] = kv_bytes_unsplit(llm)
-    return report
-
-
-def kv_bytes_per_token(cache_info) -> int:
-    import torch
-
-    return sum(
-        entry.num_head * entry.dim * torch.empty((), dtype=entry.dtype).element_size()
-        for layer in cache_info.layer_infos
-        for entry in layer.caches
-    )
-
-
-def kv_bytes_unsplit(llm) -> int:
-    """What one process would cache per token: per-rank heads back to the model's heads."""
-    plan = llm.tensor_parallel.shard.plan
-    factor = 1 if plan.mla else plan.num_kv_heads / plan.kv_heads_per_rank
-    return int(kv_bytes_per_token(llm.cache_info) * factor)
 
 
 def _run_standalone(directory: Path, options: dict) -> None:

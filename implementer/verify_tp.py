@@ -95,6 +95,8 @@ def _note(summary: dict) -> str:
         f"rank{' (KV heads replicated)' if summary['kv_replicated'] else ''}"
         f"{' (MLA latent replicated)' if summary['mla_latent_replicated'] else ''}, KV "
         f"{summary['kv_bytes_per_token_per_rank']} B/token per rank of "
-        f"{summary['kv_bytes_per_token_unsplit']} unsplit, weights read as "
-        f"{summary['weights']}"
+        f"{summary['kv_bytes_per_token_unsplit']} unsplit; {summary['mlps_split']} MLP(s) "
+        f"and {summary['expert_modules_split']} expert module(s) split by width "
+        f"({summary['moe_blocks']} MoE block(s)), {summary['all_reduces_per_forward']} "
+        f"all-reduces per forward; weights read as {summary['weights']}"
     )

@@ -72,6 +72,11 @@ class ShardPlan:
     reduced: list[str] = field(default_factory=list)
     #: attention module names and the role each of their projections got
     attention_roles: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: dense MLPs (shared experts included) and fused expert modules split by width
+    mlps: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)
+    #: MoE blocks (modules with an ``experts`` child) summed over ranks as a whole
+    moe_blocks: list[str] = field(default_factory=list)
     kv_heads_per_rank: int = 1
     mla: bool = False
 
@@ -84,6 +89,9 @@ class ShardPlan:
             "kv_replicated": (not self.mla) and self.world_size > self.num_kv_heads,
             "mla_latent_replicated": self.mla,
             "sharded_tensors": len(self.slices),
+            "mlps_split": len(self.mlps),
+            "expert_modules_split": len(self.experts),
+            "moe_blocks": len(self.moe_blocks),
             "all_reduces_per_forward": len(self.reduced),
         }
 
@@ -154,12 +162,36 @@ def plan_shards(model: nn.Module, rank: int, tp: int) -> ShardPlan:
     for name, module in modules.items():
         if name in attention or name.startswith(inside_attention):
             continue
-        if _plan_mlp(plan, name, module, hidden) or _plan_fused_experts(plan, name, module, hidden):
-            block = _enclosing(name, moe_blocks)
-            target = block if block is not None else name
-            if target not in plan.reduced:
-                plan.reduced.append(target)
+        if _plan_mlp(plan, name, module, hidden):
+            plan.mlps.append(name)
+        elif _plan_fused_experts(plan, name, module, hidden):
+            plan.experts.append(name)
+        else:
+            continue
+        block = _enclosing(name, moe_blocks)
+        target = block if block is not None else name
+        if target not in plan.reduced:
+            plan.reduced.append(target)
+            if block is not None:
+                plan.moe_blocks.append(block)
+    for block in plan.moe_blocks:
+        _check_experts_split(plan, block, modules)
     return plan
+
+
+def _check_experts_split(plan: ShardPlan, block: str, modules: dict[str, nn.Module]) -> None:
+    """A block summed over ranks must have ALL its experts split, or the replicated ones
+    would be counted once per rank."""
+    experts = f"{block}.experts"
+    split = set(plan.mlps) | set(plan.experts)
+    children = [f"{experts}.{n}" for n, _ in modules[experts].named_children()]
+    if experts in split or (children and all(c in split for c in children)):
+        return
+    raise UnsupportedModelError(
+        f"{experts}: the experts' layout ({type(modules[experts]).__name__}) is not one "
+        "tensor parallelism recognises (3-D [E, k*I, hidden] / [E, hidden, I] tensors or one "
+        "MLP per expert); run with --tp 1"
+    )
 
 
 def _check_attention_kind(name: str, module: nn.Module) -> None:
@@ -268,17 +300,25 @@ def _plan_mlp(plan: ShardPlan, name: str, module: nn.Module, hidden: int) -> boo
 def _plan_fused_experts(plan: ShardPlan, name: str, module: nn.Module, hidden: int) -> bool:
     """Experts stored as 3-D parameters: up [E, k*I, hidden] and down [E, hidden, I]."""
     params = dict(module.named_parameters(recurse=False))
-    downs = [n for n, p in params.items() if p.dim() == 3 and p.shape[1] == hidden]
-    if len(downs) != 1:
-        return False
-    down = downs[0]
-    inter = params[down].shape[2]
-    ups = [
-        n
-        for n, p in params.items()
-        if p.dim() == 3 and n != down and p.shape[2] == hidden and p.shape[1] in (inter, 2 * inter)
-    ]
-    if not ups:
+    down, ups, inter = None, [], 0
+    # the down projection [E, hidden, I] is the one some up projection [E, k*I, hidden] feeds
+    # (shapes alone: with 2*I == hidden both 3-D tensors have hidden in dim 1)
+    for candidate, p in params.items():
+        if p.dim() != 3 or p.shape[1] != hidden:
+            continue
+        width = p.shape[2]
+        found = [
+            n
+            for n, q in params.items()
+            if q.dim() == 3
+            and n != candidate
+            and q.shape[2] == hidden
+            and q.shape[1] in (width, 2 * width)
+        ]
+        if found:
+            down, ups, inter = candidate, found, width
+            break
+    if down is None:
         return False
     tp, rank = plan.world_size, plan.rank
     start, stop = _even(rank, tp, inter, f"{name}: expert intermediate size")

@@ -16,8 +16,22 @@ import torch
 from kvskill.core.errors import BadInputError
 from torch import Tensor
 
-#: seconds a rank waits on a peer (rendezvous, a collective) before giving up
-DEFAULT_TIMEOUT_S = float(os.environ.get("KVSKILL_TP_TIMEOUT_S", "120"))
+#: seconds a rank waits on a peer (rendezvous, a collective) before giving up, unless
+#: ``KVSKILL_TP_TIMEOUT_S`` says otherwise (read when a group starts)
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_s() -> float:
+    """``KVSKILL_TP_TIMEOUT_S`` when set to a positive number, else DEFAULT_TIMEOUT_S."""
+    try:
+        value = float(os.environ.get("KVSKILL_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        raise BadInputError("KVSKILL_TP_TIMEOUT_S must be a number of seconds") from None
+    if not value > 0:
+        raise BadInputError("KVSKILL_TP_TIMEOUT_S must be a positive number of seconds")
+    return value
+
+
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("auto", "gloo", "hccl", "nccl")
 
@@ -97,7 +111,7 @@ class TPGroup:
         world_size: int,
         backend: str,
         port: int | None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float,
     ) -> TPGroup:
         """Join the default process group: over ``127.0.0.1:PORT``, or from torchrun's
         environment (``MASTER_ADDR``/``MASTER_PORT``) when PORT is None."""

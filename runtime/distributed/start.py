@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from kvskill.core.errors import BadInputError
-from kvskill.runtime.distributed.group import DEFAULT_TIMEOUT_S
 from kvskill.runtime.distributed.launch import LoadSpec, TensorParallel
 from torch import nn
 
@@ -21,7 +20,7 @@ def start_tensor_parallel(
     seed: int,
     random_weights: bool,
     trust_remote_code: bool,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> TensorParallel:
     """Spawn ranks 1..N-1 and load rank 0's shard of the converted model in MODEL.
 

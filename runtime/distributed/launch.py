@@ -144,9 +144,11 @@ class DriverModel(nn.Module):
                 ("step", args, kwargs, light, md.attention_mask is not None)
             )
             return self.inner(*args, **kwargs)
-        except RuntimeError as exc:
-            self._check()  # a rank that died is the cause: say so
-            raise RankFailedError(f"tensor-parallel collective failed: {exc}") from exc
+        except RuntimeError:
+            # a rank that died or failed is the cause: raise its report instead; otherwise
+            # the error is rank 0's own (the converted code, an operator) and stands
+            self._check()
+            raise
 
     def get_cache_info(self):
         return self.inner.get_cache_info()

@@ -119,7 +119,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             )
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     def _set_up(
@@ -353,16 +353,17 @@ class LLM:
         return ids
 
     # ---- tensor parallelism -------------------------------------------------------------
-    def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do in one process); idempotent."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the tensor-parallel ranks (nothing to do in one process); idempotent.
+        ``graceful=False`` (after an error or Ctrl-C) terminates them without a goodbye."""
         if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
+            self.tensor_parallel.close(graceful=graceful)
 
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(graceful=exc_type is None)
 
     # ---- hooks --------------------------------------------------------------------------
     @contextmanager

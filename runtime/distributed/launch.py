@@ -213,7 +213,7 @@ class TensorParallel:
             self._await("loaded")
             self.model = DriverModel(self.shard.model, self.group, self.check_ranks)
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     # ---- start-up -----------------------------------------------------------------------
@@ -288,23 +288,20 @@ class TensorParallel:
         }
 
     # ---- shutdown -----------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop every rank: 'stop' when the group still works, then terminate, then kill."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop every rank: 'stop' when the group still works (GRACEFUL: not after an error
+        or Ctrl-C, which may have left the ranks inside a collective), then terminate, then
+        kill."""
         if self._closed:
             return
         self._closed = True
-        if self.group is not None:
-            if all(p.is_alive() for p in self.procs):
-                try:
-                    _with_timeout(lambda: self.group.broadcast_object(("stop",)), 10.0)
-                except Exception as exc:  # noqa: BLE001 - shutting down anyway
-                    logger.debug("tensor parallel: stop not delivered: %s", exc)
+        if self.group is not None and graceful and all(p.is_alive() for p in self.procs):
             try:
-                self.group.close()
-            except Exception as exc:  # noqa: BLE001
-                logger.debug("tensor parallel: destroy_process_group: %s", exc)
+                _with_timeout(lambda: self.group.broadcast_object(("stop",)), 10.0)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                logger.debug("tensor parallel: stop not delivered: %s", exc)
         for proc in self.procs:
-            proc.join(timeout=10.0)
+            proc.join(timeout=10.0 if graceful else 0.1)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
@@ -312,6 +309,11 @@ class TensorParallel:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
+        if self.group is not None:  # after the ranks are gone: nothing left to wait for
+            try:
+                _with_timeout(self.group.close, 5.0)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                logger.debug("tensor parallel: destroy_process_group: %s", exc)
         torch.set_num_threads(self._threads)
         atexit.unregister(self.close)
 

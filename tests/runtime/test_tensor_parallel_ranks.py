@@ -40,8 +40,17 @@ def single(toy_dir):
 
 @pytest.fixture(scope="module")
 def group(toy_dir):
-    os.environ["KVSKILL_TP_TIMEOUT_S"] = "60"
-    llm = LLM(toy_dir, trust_remote_code=True, num_blocks=40, block_size=4, tensor_parallel_size=2)
+    before = os.environ.get("KVSKILL_TP_TIMEOUT_S")
+    os.environ["KVSKILL_TP_TIMEOUT_S"] = "60"  # bound every wait of this group
+    try:
+        llm = LLM(
+            toy_dir, trust_remote_code=True, num_blocks=40, block_size=4, tensor_parallel_size=2
+        )
+    finally:
+        if before is None:
+            del os.environ["KVSKILL_TP_TIMEOUT_S"]
+        else:
+            os.environ["KVSKILL_TP_TIMEOUT_S"] = before
     yield llm
     llm.close()
 

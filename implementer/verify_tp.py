@@ -78,14 +78,22 @@ class TensorParallelDriver:
 
 def _stage(model: nn.Module, code_dir: Path, target: Path) -> None:
     """CODE_DIR's Python files and config.json, and MODEL's weights as safetensors."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     for path in code_dir.glob("*.py"):
         shutil.copy2(path, target / path.name)
     config = json.loads((code_dir / "config.json").read_text(encoding="utf-8"))
     (target / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    # save_model drops the duplicate name of a tied tensor; the loader ties it back
-    save_model(model, str(target / "model.safetensors"))
+    # one entry per tensor, under its first name (a tied LM head is saved as the embedding,
+    # which the loader ties back), as transformers saves a checkpoint
+    state = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    persistent = model.state_dict(keep_vars=True)
+    state.update(
+        (name, b.detach().contiguous())
+        for name, b in model.named_buffers()
+        if name in persistent and name not in state
+    )
+    save_file(state, str(target / "model.safetensors"))
 
 
 def _note(summary: dict) -> str:

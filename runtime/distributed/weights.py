@@ -26,12 +26,23 @@ def load_sharded_checkpoint(model: nn.Module, files: list[Path], plan: ShardPlan
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
+    renamed: dict[str, str] = {}
     for path in files:
         check_safetensors(path)
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 where[key] = path
     targets = dict(model.named_parameters())  # tied parameters appear once
+    # a tied tensor saved under another of its names (an LM head for the embedding)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for name, param in targets.items():
+        if name not in where:
+            saved = next((a for a in aliases[id(param)] if a in where), None)
+            if saved is not None:
+                where[name] = where[saved]
+                renamed[name] = saved
     targets.update(
         (name, buf) for name, buf in model.named_buffers() if name in where and name not in targets
     )
@@ -47,7 +58,7 @@ def load_sharded_checkpoint(model: nn.Module, files: list[Path], plan: ShardPlan
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
             for name in names:
-                value = _read(handle, name, plan.slices.get(name))
+                value = _read(handle, renamed.get(name, name), plan.slices.get(name))
                 target = targets[name]
                 if tuple(value.shape) != tuple(target.shape):
                     raise NamesDiffer(

@@ -100,6 +100,10 @@ class VerifyOptions:
     prompts_file: Path | None = None
     #: float16 / bfloat16: the conversion's drift may be this many times the original's
     drift_ratio: float = DRIFT_RATIO
+    #: tensor-parallel ranks the converted model runs on (None: the size it was converted
+    #: for); the reference is always one process
+    tensor_parallel_size: int | None = None
+    tp_backend: str = "auto"
 
 
 def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
@@ -219,11 +223,14 @@ def check_verifiable(converted: ConvertedDir, options: VerifyOptions) -> None:
     """Refuse a tensor-parallel conversion (one process runs it), an unknown dtype or layout,
     MLA on the page pool, and any layout but the default for a standalone runner."""
     directory, plan = converted.directory, converted.plan
-    if plan.attn_tp_size != 1:
+    tp = options.tensor_parallel_size
+    if tp is not None and plan.attn_tp_size not in (1, tp):
         raise BadInputError(
-            f"{directory} was converted for attn_tp_size={plan.attn_tp_size}; a single "
-            "process cannot run a tensor-parallel split, convert with --attn-tp-size 1 to verify"
+            f"{directory} was converted for attn_tp_size={plan.attn_tp_size}; verify it with "
+            f"--tp {plan.attn_tp_size}"
         )
+    if (tp or plan.attn_tp_size) > 1 and converted.is_standalone:
+        raise BadInputError("--tp runs the bundled runtime; a standalone runner is one process")
     if options.dtype not in DEFAULT_ATOL:
         raise BadInputError(f"dtype {options.dtype!r} is not one of {sorted(DEFAULT_ATOL)}")
     if options.kv_layout not in KV_LAYOUTS:
@@ -365,6 +372,9 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
     check_verifiable(converted, options)
+    options = replace(
+        options, tensor_parallel_size=options.tensor_parallel_size or plan.attn_tp_size
+    )
     names = config_names(converted)
     checked, checked_note = choose_checked(directory, options.shrink, options.dtype)
     options = replace(options, shrink=checked is Checked.SHRUNK_TWIN)
@@ -394,6 +404,17 @@ def driver_for(
         from kvskill.implementer.standalone.verify import RunnerDriver
 
         return RunnerDriver(converted_dir=converted_dir, record=standalone)
+    if (options.tensor_parallel_size or 1) > 1:
+        from kvskill.implementer.verify_tp import TensorParallelDriver
+
+        return TensorParallelDriver(
+            seed=options.seed,
+            use_hybrid_blocks=options.kv_layout == "page_pool",
+            tensor_parallel_size=options.tensor_parallel_size,
+            backend=options.tp_backend,
+            code_dir=converted_dir,
+            dtype=options.dtype,
+        )
     from kvskill.implementer.verify_engine import EngineDriver
 
     return EngineDriver(seed=options.seed, use_hybrid_blocks=options.kv_layout == "page_pool")
@@ -449,6 +470,7 @@ def _verify(
         report.error = f"{driver.failure}: {type(exc).__name__}: {exc}"
         return
     report.notes += run.notes
+    report.tensor_parallel = run.tensor_parallel
     report.chains = [c.to_dict() for c in run.chains]
     if options.dtype in LOW_PRECISION:
         report.low_precision = low_precision_verdict(

@@ -28,6 +28,8 @@ class DriverRun:
     #: the init, runtime and release chains, in that order
     chains: list[ChainResult]
     notes: list[str] = field(default_factory=list)
+    #: the split and each rank's KV bytes when the driver ran tensor-parallel ranks
+    tensor_parallel: dict | None = None
 
 
 class VerifyDriver(Protocol):

@@ -73,6 +73,8 @@ class VerifyReport:
     checked: Checked = Checked.SHRUNK_TWIN
     #: float16 / bfloat16: the noise-floor verdict, which replaces the exact logit check
     low_precision: LowPrecisionVerdict | None = None
+    #: --tp N: the split, rank 0's communication and the KV bytes per token per rank
+    tensor_parallel: dict[str, Any] | None = None
 
     @property
     def max_logit_diff(self) -> float:
@@ -171,4 +173,4 @@ class VerifyReport:
             "failures": self.failures(),
             "notes": self.notes,
             "low_precision": self.low_precision.to_dict() if self.low_precision else None,
-        }
+        } | ({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel else {})

@@ -76,28 +76,99 @@ class LLM:
         step_hooks: Sequence[StepHook] = (),
         freeze_startup_heap: bool = True,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        tp_backend: str = "auto",
     ) -> None:
         if freeze_startup_heap:
             _freeze_startup_heap()
-        self.model, self.config, self.model_dir = _acquire_model(
-            model,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            random_weights=random_weights,
-            trust_remote_code=trust_remote_code,
-        )
+        #: rank 0's handle on the tensor-parallel ranks (None in one process)
+        self.tensor_parallel = None
+        if tensor_parallel_size != 1:
+            from kvskill.runtime.distributed.start import start_tensor_parallel
+
+            self.tensor_parallel = start_tensor_parallel(
+                model,
+                tensor_parallel_size,
+                backend=tp_backend,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                random_weights=random_weights,
+                trust_remote_code=trust_remote_code,
+            )
+        try:
+            self._set_up(
+                model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                random_weights=random_weights,
+                trust_remote_code=trust_remote_code,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_memory_bytes=kv_memory_bytes,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+                free_block_order_seed=free_block_order_seed,
+                use_hybrid_blocks=use_hybrid_blocks,
+                log_layout=log_layout,
+                eos_token_id=eos_token_id,
+                step_hooks=step_hooks,
+                enable_prefix_caching=enable_prefix_caching,
+            )
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _set_up(
+        self,
+        model,
+        *,
+        dtype,
+        device,
+        seed,
+        random_weights,
+        trust_remote_code,
+        block_size,
+        num_blocks,
+        kv_memory_bytes,
+        max_model_len,
+        max_num_batched_tokens,
+        max_num_seqs,
+        enable_chunked_prefill,
+        free_block_order_seed,
+        use_hybrid_blocks,
+        log_layout,
+        eos_token_id,
+        step_hooks,
+        enable_prefix_caching,
+    ) -> None:
+        if self.tensor_parallel is not None:
+            shard = self.tensor_parallel.shard
+            self.model, self.config, self.model_dir = (
+                self.tensor_parallel.model,
+                shard.config,
+                shard.model_dir,
+            )
+        else:
+            self.model, self.config, self.model_dir = _acquire_model(
+                model,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                random_weights=random_weights,
+                trust_remote_code=trust_remote_code,
+            )
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
         self.device = param.device if param is not None else select_device(device)
-        setup = prepare_kv_cache(
-            self.model,
-            device=self.device,
+        kv_kwargs = dict(
             block_size=block_size,
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
-            free_block_order_seed=free_block_order_seed,
             use_hybrid_blocks=use_hybrid_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -106,6 +177,15 @@ class LLM:
             log_layout=log_layout,
             enable_prefix_caching=enable_prefix_caching,
         )
+        setup = prepare_kv_cache(
+            self.model,
+            device=self.device,
+            free_block_order_seed=free_block_order_seed,
+            **kv_kwargs,
+        )
+        if self.tensor_parallel is not None:
+            # every rank builds its own pool (its heads) with rank 0's block count
+            self.tensor_parallel.share_kv_setup(kv_kwargs, setup)
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
         self.kv_budget = setup.budget
@@ -271,6 +351,19 @@ class LLM:
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.engine.add_request(prompt, p, request_id=rid)
         return ids
+
+    # ---- tensor parallelism -------------------------------------------------------------
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the tensor-parallel ranks (nothing to do in one process); idempotent.
+        ``graceful=False`` (after an error or Ctrl-C) terminates them without a goodbye."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close(graceful=graceful)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(graceful=exc_type is None)
 
     # ---- hooks --------------------------------------------------------------------------
     @contextmanager

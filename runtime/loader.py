@@ -63,6 +63,7 @@ def load_model(
     seed: int = 0,
     random_weights: bool = False,
     trust_remote_code: bool = False,
+    read_weights: bool = True,
 ) -> LoadedModel:
     """Import the converted modeling code in ``model_dir`` and build its ``*ForCausalLM``.
 
@@ -72,6 +73,8 @@ def load_model(
         trust_remote_code: required unless every Python file in ``model_dir`` is one
             ``kvskill apply`` wrote from the installed transformers' own code (see
             ``kvskill.core.trust``); checked before anything in the directory is imported.
+        read_weights: False builds the model (seeded random weights) without reading the
+            checkpoint, for a caller that reads only its slice of it (tensor parallelism).
 
     Raises:
         BadInputError: missing/malformed files, weights missing or mismatched, no memory.
@@ -108,14 +111,16 @@ def load_model(
     _check_fits_in_memory(model_cls, config, torch_dtype, device)
     torch.manual_seed(seed)
     model = _build(model_cls, config, model_dir)
-    if weight_files:
+    if weight_files and read_weights:
         try:
             _load_safetensors(model, weight_files)
         except WeightsMismatchError as mismatch:
             del model  # the retry builds its own; do not hold two copies
             model = _load_with_transformers_conversions(model_cls, config, model_dir, mismatch)
     model = model.to(device=device, dtype=torch_dtype).eval()
-    return LoadedModel(model, config, model_dir, module, weights_loaded=bool(weight_files))
+    return LoadedModel(
+        model, config, model_dir, module, weights_loaded=bool(weight_files) and read_weights
+    )
 
 
 def _read_config(model_dir: Path) -> dict:

@@ -88,3 +88,19 @@ kv_layout_option = click.option(
 
 
 existing_dir = click.Path(exists=True, file_okay=False, dir_okay=True, path_type=Path)
+
+tp_option = click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tensor-parallel ranks (processes) to split the model over; default: the "
+    "--attn-tp-size it was converted for (1). One process per rank, each with its own KV pool.",
+)
+
+tp_backend_option = click.option(
+    "--tp-backend",
+    type=click.Choice(["auto", "gloo", "hccl", "nccl"]),
+    default="auto",
+    show_default=True,
+    help="torch.distributed backend of --tp > 1: auto is gloo on the CPU, hccl on an NPU.",
+)

@@ -25,6 +25,8 @@ from kvskill.options import (
     kv_layout_option,
     log_layout_option,
     seed_option,
+    tp_backend_option,
+    tp_option,
     trust_remote_code_option,
 )
 
@@ -169,6 +171,8 @@ class _Progress:
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
+@tp_option
+@tp_backend_option
 @kv_layout_option
 @log_layout_option
 @dtype_option
@@ -181,8 +185,7 @@ def run(directory: Path, **options) -> None:
     A standalone output (it holds runner_<model>.py) is run by its own runner instead: one
     static batch, greedy."""
     from kvskill.implementer.record import PLAN_FILE, ConvertedDir
-    from kvskill.runtime import LLM, SamplingParams
-    from kvskill.runtime.ops import backend
+    from kvskill.runtime import LLM
 
     # a directory apply wrote says who runs it; one without a record is framework code
     if (directory / PLAN_FILE).is_file():
@@ -193,12 +196,7 @@ def run(directory: Path, **options) -> None:
         if converted.is_standalone:
             _run_standalone(directory, options)
             return
-        tp_size = converted.plan.attn_tp_size
-        if tp_size != 1:
-            raise BadInputError(
-                f"{directory} was converted for attn_tp_size={tp_size!r}; the bundled runtime "
-                "runs one process, convert with --attn-tp-size 1 to run it"
-            )
+        options["tp"] = tp_size_for(converted.plan.attn_tp_size, options["tp"], directory)
         check_layout_fits(converted.plan, options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
@@ -218,7 +216,17 @@ def run(directory: Path, **options) -> None:
         log_layout=options["log_layout"],
         use_hybrid_blocks=options["kv_layout"] == "page_pool",
         enable_prefix_caching=options["prefix_caching"],
+        tensor_parallel_size=options["tp"] or 1,
+        tp_backend=options["tp_backend"],
     )
+    with llm:
+        _generate_and_report(llm, directory, options)
+
+
+def _generate_and_report(llm, directory: Path, options: dict) -> None:
+    from kvskill.runtime import SamplingParams
+    from kvskill.runtime.ops import backend
+
     prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
     params = SamplingParams(
         max_tokens=options["max_tokens"],
@@ -236,10 +244,27 @@ def run(directory: Path, **options) -> None:
     wall_s = time.perf_counter() - started
     report = _report(llm, outputs, wall_s, directory, backend().name)
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
+    if llm.tensor_parallel is not None:
+        from kvskill.runtime.distributed.report import tensor_parallel_summary
+
+        report["tensor_parallel"] = tensor_parallel_summary(llm)
     if options["output_format"] == "json":
         click.echo(json.dumps(report))
     else:
         click.echo(_render_table(report))
+
+
+def tp_size_for(plan_tp: int, requested: int | None, directory: Path) -> int:
+    """--tp, defaulting to the size the directory was converted for; the two must agree
+    unless the conversion kept one rank's view (attn_tp_size 1), which any size can split."""
+    if requested is None:
+        return plan_tp
+    if plan_tp not in (1, requested):
+        raise BadInputError(
+            f"{directory} was converted for attn_tp_size={plan_tp}; run it with --tp {plan_tp} "
+            "(or convert with --attn-tp-size 1 to choose the size at run time)"
+        )
+    return requested
 
 
 def _run_standalone(directory: Path, options: dict) -> None:
@@ -379,6 +404,16 @@ def _kernel_note(report: dict) -> str:
     return " (decode in the CPU kernel)" if kernel["in_use"] else " (decode in PyTorch)"
 
 
+def _tp_line(tp: dict) -> str:
+    per_step = tp["comm_s_per_step"]
+    comm = f"{per_step * 1e3:.1f} ms/step" if per_step is not None else "n/a"
+    return (
+        f"{tp['size']} ranks ({tp['backend']}), {tp['kv_heads_per_rank']} KV head(s) per rank, "
+        f"KV {tp['kv_bytes_per_token_per_rank']} B/token per rank (unsplit "
+        f"{tp['kv_bytes_per_token_unsplit']}), rank-0 communication {comm}"
+    )
+
+
 def _render_table(report: dict) -> str:
     s = report["summary"]
     rows = [
@@ -396,6 +431,8 @@ def _render_table(report: dict) -> str:
     ]
     rows.append(("KV budget", report["kv_budget"]["reason"]))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
+    if "tensor_parallel" in report:
+        rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     for key, kv in report["kv_cache"].items():
         rows.append(
             (

@@ -18,6 +18,8 @@ from kvskill.options import (
     format_option,
     kv_layout_option,
     seed_option,
+    tp_backend_option,
+    tp_option,
     trust_remote_code_option,
 )
 
@@ -71,6 +73,8 @@ float16/bfloat16: drift within the noise-floor rule) and the three chains hold,
     "many times the original's own drift in that dtype (plus the floor).",
 )
 @kv_layout_option
+@tp_option
+@tp_backend_option
 @block_size_option
 @dtype_option
 @seed_option
@@ -95,6 +99,8 @@ def verify(directory: Path, output_format: str, **options) -> int:
         kv_layout=options["kv_layout"],
         prompts_file=options["prompts_file"],
         drift_ratio=options["drift_ratio"],
+        tensor_parallel_size=options["tp"],
+        tp_backend=options["tp_backend"],
     )
     # one verify: a standalone output's record names its runner, which drives the model
     report = verify_directory(directory, verify_options)

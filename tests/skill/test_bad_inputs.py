@@ -511,12 +511,13 @@ def test_apply_refuses_kv_mode_in_framework_mode(box):
     assert_clean_error(result, 2, contains="--mode standalone")
 
 
-def test_run_refuses_a_tensor_parallel_conversion(box):
+def test_run_refuses_a_tensor_parallel_conversion_at_another_size(box):
+    # converted for 2 ranks: `run` defaults to --tp 2; one rank cannot hold that split
     out = box.root / "tp2"
     result = box.kvskill("apply", "qwen3", "--config-overrides", SMALL, "--attn-tp-size", "2",
                          "--out", out)  # fmt: skip
     assert result.code == 0, result.err
-    result = box.kvskill("run", out, "--random-weights", "--num-requests", "1")
+    result = box.kvskill("run", out, "--random-weights", "--num-requests", "1", "--tp", "1")
     assert_clean_error(result, 2, contains="attn_tp_size=2")
 
 

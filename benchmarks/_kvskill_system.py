@@ -124,6 +124,7 @@ class KvskillRuntime:
         *,
         kv_capacity_tokens: int,
         enable_prefix_caching: bool = True,
+        prepack_linear: bool = False,
     ):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
@@ -143,6 +144,7 @@ class KvskillRuntime:
             max_num_batched_tokens=TOKEN_BUDGET,
             max_num_seqs=256,
             enable_prefix_caching=enable_prefix_caching,
+            prepack_linear=prepack_linear,
         )
         self.probe = _StepProbe(self.llm.engine)
 

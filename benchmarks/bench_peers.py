@@ -6,6 +6,8 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
 
 - `kvskill`: the runtime (`LLM`, paged KV, prefix caching on); on W5 also `kvskill_nopc`
   (prefix caching off);
+- `kvskill_prepack`: the same with `prepack_linear=True` (oneDNN linear layers with weights
+  reordered at load time, not bit-exact against the default MKL path);
 - `hf_padded`: transformers' padded `generate`, all requests in one batch;
 - `hf_cb`: transformers' continuous batching, when the installed transformers has it;
 - `vllm`: vLLM's CPU build, in its own venv and process (`_vllm_runner.py`, built by
@@ -59,7 +61,15 @@ RESULTS_DIR = HERE / "results"
 ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
 PEER_MODELS = ("qwen3-4l-h256", "qwen3-0.6b-8l")
 PEER_WORKLOADS = ("W1", "W2", "W5")
-SYSTEMS = ("kvskill", "kvskill_nopc", "hf_padded", "hf_cb", "vllm", "vllm_nopc")
+SYSTEMS = (
+    "kvskill",
+    "kvskill_nopc",
+    "kvskill_prepack",
+    "hf_padded",
+    "hf_cb",
+    "vllm",
+    "vllm_nopc",
+)
 #: Systems that only differ from another one by prefix caching run on W5 only.
 _W5_ONLY = ("kvskill_nopc", "vllm_nopc")
 
@@ -232,14 +242,15 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
     bpt = kv_bytes_per_token(spec)
     for name in systems:
         try:
-            if name in ("kvskill", "kvskill_nopc"):
+            if name in ("kvskill", "kvskill_nopc", "kvskill_prepack"):
                 from _kvskill_system import KvskillRuntime
 
                 rt = KvskillRuntime(
                     spec,
                     reference,
                     kv_capacity_tokens=workload.kv_capacity_tokens,
-                    enable_prefix_caching=name == "kvskill",
+                    enable_prefix_caching=name != "kvskill_nopc",
+                    prepack_linear=name == "kvskill_prepack",
                 )
                 runners[name] = ((lambda wl, rt=rt: _in_process(rt.run, wl)), rt.close)
             elif name == "hf_padded":

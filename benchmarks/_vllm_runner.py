@@ -1,6 +1,6 @@
 """vLLM's CPU build as a peer of the benchmark: runs inside the vLLM venv, never in kvskill's.
 
-Started by bench_peers.py with the venv's python. It builds one `vllm.LLM` for a checkpoint
+Started by peers_bench.py with the venv's python. It builds one `vllm.LLM` for a checkpoint
 directory (the job given as JSON in argv[1]), then serves runs: it reads one JSON line per run
 on stdin ({"prompts", "max_tokens", "share_prefix"}) and answers one JSON line per run (tokens,
 wall time, per-request TTFT, CPU seconds and peak RSS of its process tree) on the file

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import bench_peers  # noqa: E402
+import peers_bench as bench_peers  # noqa: E402
 import vllm_venv  # noqa: E402
 
 

@@ -22,8 +22,10 @@ system time), peak RSS (this process's high-water mark for the in-process system
 includes the reference weights they share; the sum over vLLM's processes for vLLM) and
 requests whose tokens equal kvskill's.
 
-    python benchmarks/bench_peers.py                            # default plan
-    python benchmarks/bench_peers.py --models qwen3-0.6b-8l --threads 2 --workloads W2 --rounds 1
+Not a `bench_*` script: `make bench` (run_all.py) does not run it; `make bench-peers` does.
+
+    python benchmarks/peers_bench.py                            # default plan
+    python benchmarks/peers_bench.py --models qwen3-0.6b-8l --threads 2 --workloads W2 --rounds 1
 """
 
 from __future__ import annotations
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["error"] = vllm_skip
     env_info = environment()
     result = {
-        "benchmark": "bench_peers",
+        "benchmark": "peers_bench",
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "load_average_before": load_before,
         "load_average_after": load_average(),
@@ -539,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stamp = started.strftime("%Y%m%d-%H%M%S")
-    (args.out_dir / f"bench_peers-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / "bench_peers.md").write_text(markdown(result))
+    (args.out_dir / f"peers_bench-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / "peers_bench.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 

@@ -291,7 +291,11 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
     return runners, errors
 
 
-def run_cell(model: str, threads: int, workloads, systems, rounds: int, vllm_python) -> dict:
+def run_cell(
+    model: str, threads: int, workloads, systems, rounds: int, vllm_python, save=None
+) -> dict:
+    """Run the cell; ``save(result)`` is called after every timed run with what is measured
+    so far, so a cell stopped early still leaves its finished runs."""
     import torch
 
     warnings.filterwarnings("ignore")
@@ -344,6 +348,10 @@ def run_cell(model: str, threads: int, workloads, systems, rounds: int, vllm_pyt
                             continue
                         m.update(round=r, load_average=load)
                         runs[name].append(m)
+                        if save is not None:
+                            partial = _summarise(wl, model, threads, chosen, runs, errors)
+                            done = [p for p in partial if "error" not in p]
+                            save({"records": records + done, "vllm": vllm and vllm.version})
                         print(
                             f"[{model} t={threads} {wl.name} r{r}] {name:13s} "
                             f"{wl.useful_tokens / m['wall_s']:7.1f} tok/s  load {load}",
@@ -469,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cell:
         model, threads = args.cell.split(":")
-        result = run_cell(model, int(threads), workloads, systems, args.rounds, args.vllm_python)
-        args.cell_out.write_text(json.dumps(result))
+
+        def save(result: dict) -> None:
+            args.cell_out.write_text(json.dumps(result))
+
+        result = run_cell(
+            model, int(threads), workloads, systems, args.rounds, args.vllm_python, save
+        )
+        save(result)
         return 0
 
     import vllm_venv
@@ -501,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
             env.setdefault("HF_HUB_OFFLINE", "1")
             env.setdefault("TRANSFORMERS_OFFLINE", "1")
             proc = subprocess.run(cmd, env=env)
+            if proc.returncode != 0 and out.stat().st_size:
+                # Stopped early: keep the runs it finished, mark it.
+                cell = json.loads(out.read_text())
+                for r in cell["records"]:
+                    r["cell_stopped_early"] = proc.returncode
+                records += cell["records"]
+                vllm_version = vllm_version or cell["vllm"]
+                continue
             if proc.returncode != 0 or not out.stat().st_size:
                 records += [
                     {

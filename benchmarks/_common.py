@@ -134,6 +134,30 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+#: Models only the peer benchmark runs (peers_bench.py): too slow for serve_bench's plan.
+PEER_ONLY_MODELS: dict[str, ModelSpec] = {
+    # Qwen3-0.6B's shape (its config's widths, heads, vocabulary and tied embeddings) cut to
+    # 8 of its 28 layers: the peer benchmark's model (peers_bench.py), where linear layers and
+    # the LM head dominate a step as in a real small model.
+    "qwen3-0.6b-8l": ModelSpec(
+        name="qwen3-0.6b-8l",
+        overrides={
+            **_SHARED,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        },
+        note="Qwen3-0.6B shape (hidden 1024, GQA 16/8 heads of 128, vocab 151936, tied) cut "
+        "to 8 layers",
+    ),
+}
+
+
 def build_reference_model(spec: ModelSpec):
     """The transformers model for `spec`: fp32, eval, sdpa, weights from `spec.seed`."""
     from transformers import AutoModelForCausalLM

@@ -117,7 +117,15 @@ def converted_dir(spec: ModelSpec) -> Path:
 
 
 class KvskillRuntime:
-    def __init__(self, spec: ModelSpec, reference, *, kv_capacity_tokens: int):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        reference,
+        *,
+        kv_capacity_tokens: int,
+        enable_prefix_caching: bool = True,
+        prepack_linear: bool = False,
+    ):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
 
@@ -135,6 +143,8 @@ class KvskillRuntime:
             num_blocks=kv_capacity_tokens // BLOCK_SIZE + 1,
             max_num_batched_tokens=TOKEN_BUDGET,
             max_num_seqs=256,
+            enable_prefix_caching=enable_prefix_caching,
+            prepack_linear=prepack_linear,
         )
         self.probe = _StepProbe(self.llm.engine)
 

@@ -1,7 +1,17 @@
-"""Where the kvskill runtime spends its time on one workload: torch.profiler op table plus a
-cProfile table of Python functions (the host side).
+"""Where the kvskill runtime spends its time on one workload.
 
-    .venv/bin/python benchmarks/profile_kvskill.py --workload W1 --model qwen3-4l-h256
+Three views of the same workload, each from its own run after a warm-up:
+
+1. stages of a step, timed around the engine's own calls: scheduling (with KV allocation),
+   building the step's inputs (block tables, slot mappings), the model forward, sampling,
+   the scheduler's update; the rest of the step is bookkeeping;
+2. the forward's operators by category (torch.profiler self CPU time): linear layers
+   (matmuls), attention (the reference fused attention and the paged-decode kernel), the KV
+   write, norms / rope / activations, and the rest;
+3. the process's CPU time over its wall time (at 2 threads: how much of the second core the
+   run used), and cProfile's Python functions by cumulative time (``--cprofile``).
+
+    .venv/bin/python benchmarks/profile_kvskill.py --workload W2 --model qwen3-0.6b-8l --threads 2
 """
 
 from __future__ import annotations
@@ -9,23 +19,102 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
+import resource
 import sys
+import time
 import warnings
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MODELS, build_reference_model, make_workload, set_threads  # noqa: E402
+from _common import (  # noqa: E402
+    MODELS,
+    PEER_ONLY_MODELS,
+    build_reference_model,
+    load_average,
+    make_workload,
+    set_threads,
+)
 from _kvskill_system import KvskillRuntime  # noqa: E402
+
+ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
+
+#: Operator name fragments by category, first match wins (lower-case names).
+CATEGORIES = (
+    ("linear (matmul)", ("addmm", "aten::mm", "aten::bmm", "aten::linear", "matmul")),
+    ("attention", ("fused_infer_attention", "scaled_dot_product", "softmax", "paged_decode")),
+    ("KV write (scatter)", ("scatter", "index_put", "index_copy")),
+    ("norm / rope / activation", ("rsqrt", "pow", "mean", "silu", "aten::mul", "aten::add", "neg", "cat")),
+    ("embedding / gather", ("embedding", "index_select", "aten::index")),
+    ("copies / layout", ("copy_", "contiguous", "clone", "to", "view", "reshape", "transpose")),
+)  # fmt: skip
+
+
+def _category(op: str) -> str:
+    low = op.lower()
+    for name, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return name
+    return "other ops"
+
+
+class StageTimer:
+    """Wall time of each stage of the engine's step, by wrapping the engine's own calls."""
+
+    def __init__(self, engine) -> None:
+        import kvskill.runtime.engine as engine_mod
+
+        self.totals: dict[str, float] = defaultdict(float)
+        self.engine = engine
+        self._undo = []
+        self._wrap(engine.scheduler, "schedule", "schedule + KV allocation")
+        self._wrap(engine_mod, "build_step_inputs", "step inputs (tables, slots)")
+        self._wrap(engine, "_forward", "model forward")
+        self._wrap(engine, "_sample", "sampling")
+        self._wrap(engine.scheduler, "update_from_output", "scheduler update")
+        self._wrap(engine, "step", "whole step")
+
+    def _wrap(self, owner, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def close(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+    def report(self) -> dict[str, float]:
+        out = dict(self.totals)
+        step = out.get("whole step", 0.0)
+        inner = sum(v for k, v in out.items() if k != "whole step")
+        out["bookkeeping (rest of step)"] = max(0.0, step - inner)
+        return out
+
+
+def _cpu_s() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W1")
-    parser.add_argument("--model", default="qwen3-4l-h256", choices=sorted(MODELS))
+    parser.add_argument("--model", default="qwen3-4l-h256", choices=sorted(ALL_MODELS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cprofile", action="store_true", help="also a cProfile run")
+    parser.add_argument("--json", type=Path, help="write the breakdown here")
     args = parser.parse_args(argv)
 
     import torch
@@ -33,34 +122,73 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
-    spec = MODELS[args.model]
+    spec = ALL_MODELS[args.model]
     workload = make_workload(args.workload, spec.vocab_size)
     reference = build_reference_model(spec)
     rt = KvskillRuntime(spec, reference, kv_capacity_tokens=workload.kv_capacity_tokens)
     try:
         rt.run(workload.warmup())
+        load = load_average()
+        cpu0 = _cpu_s()
         plain = rt.run(workload)
+        cpu_plain = _cpu_s() - cpu0
+        timer = StageTimer(rt.llm.engine)
+        try:
+            staged = rt.run(workload)
+        finally:
+            timer.close()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             profiled = rt.run(workload)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        rt.run(workload)
-        profiler.disable()
+        profiler = None
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            rt.run(workload)
+            profiler.disable()
     finally:
         rt.close()
 
+    stages = timer.report()
+    ops = defaultdict(float)
+    for evt in prof.key_averages():
+        ops[_category(evt.key)] += evt.self_cpu_time_total / 1e6
+    total_ops = sum(ops.values())
     print(
-        f"{args.workload} {args.model} threads={args.threads}: wall {plain.wall_s:.2f} s "
-        f"unprofiled, {profiled.wall_s:.2f} s under torch.profiler; host overhead "
-        f"{plain.extra['host_overhead']:.3f} (all), decode at full batch "
-        f"{plain.extra['host_overhead_full_batch']}"
+        f"{args.workload} {args.model} threads={args.threads} (load average {load}): wall "
+        f"{plain.wall_s:.2f} s, CPU {cpu_plain:.2f} s (CPU/wall {cpu_plain / plain.wall_s:.2f}); "
+        f"{staged.wall_s:.2f} s with stage timers, {profiled.wall_s:.2f} s under torch.profiler"
     )
+    print("\n== stages of a step (wall s, share of the run) ==")
+    for k, v in sorted(stages.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:30s} {v:8.3f}  {v / staged.wall_s:6.1%}")
+    print("\n== forward operators by category (self CPU s summed over threads) ==")
+    for k, v in sorted(ops.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:30s} {v:8.3f}  {v / total_ops:6.1%}")
     print("\n== torch.profiler: ops by self CPU time ==")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    print("== cProfile: Python functions by cumulative time ==")
-    buf = io.StringIO()
-    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(args.top)
-    print(buf.getvalue())
+    if profiler is not None:
+        print("== cProfile: Python functions by cumulative time ==")
+        buf = io.StringIO()
+        pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(args.top)
+        print(buf.getvalue())
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "workload": args.workload,
+                    "model": args.model,
+                    "threads": args.threads,
+                    "load_average": load,
+                    "wall_s": plain.wall_s,
+                    "cpu_s": cpu_plain,
+                    "stages_s": stages,
+                    "staged_wall_s": staged.wall_s,
+                    "op_categories_cpu_s": dict(ops),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     torch.set_num_threads(args.threads)
     return 0
 

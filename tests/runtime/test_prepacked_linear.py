@@ -1,0 +1,57 @@
+"""The opt-in oneDNN prepacked linear layers: close to nn.Linear (not bit-exact), the weights
+and state dict untouched, and the toy model's greedy tokens unchanged with it on."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+
+from kvskill.runtime import LLM, SamplingParams  # noqa: E402
+from kvskill.runtime.prepacked_linear import prepack_linears, unavailable_reason  # noqa: E402
+from toy_factory import toy_prompts, write_toy_dir  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def test_packed_linear_matches_nn_linear_within_rounding_and_keeps_the_state_dict():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 32, bias=False))
+    x = torch.randn(3, 5, 48)
+    with torch.inference_mode():
+        expected = model(x)
+    keys_before = set(model.state_dict())
+    assert prepack_linears(model) == 2
+    with torch.inference_mode():
+        got = model(x)
+        got_2d = model(x[0])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_2d, expected[0], rtol=1e-5, atol=1e-5)
+    assert set(model.state_dict()) == keys_before
+
+
+def test_a_non_fp32_input_falls_back_to_nn_linear():
+    layer = nn.Linear(8, 4)
+    prepack_linears(layer)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    expected = nn.functional.linear(x, layer.weight.double(), layer.bias.double())
+    with torch.inference_mode():
+        layer.double()
+        torch.testing.assert_close(layer(x), expected)
+
+
+@pytest.mark.slow
+def test_toy_model_greedy_tokens_are_the_same_with_prepacked_linear(tmp_path):
+    toy_dir = write_toy_dir(tmp_path / "model", seed=7)
+    prompts = toy_prompts(random.Random(3), 4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, prepack_linear=on)
+        outs[on] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]

@@ -186,7 +186,20 @@ def attention_facts(
     # them (gather.is_converted_attention); declared alone is a half conversion
     facts = AttentionFacts(name=cls.name.value, converted=is_converted_attention(cls, classes))
     if owner is None:
-        facts.problems.append(f"{facts.name} has no __init__")
+        outside = [
+            code(b.value)
+            for b in cls.bases
+            if code(b.value) not in (*(classes or {}), "nn.Module", "torch.nn.Module", "Module")
+        ]
+        facts.problems.append(
+            f"{facts.name} has no __init__"
+            + (
+                f" (it inherits {outside[0]}'s, defined outside the file: give it one that "
+                "calls super().__init__(...) so the rewrite can declare its caches there)"
+                if outside
+                else ""
+            )
+        )
         return facts
     init = _method(owner, "__init__")
     assert init is not None, "init_owner returns a class with an __init__"

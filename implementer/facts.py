@@ -40,6 +40,7 @@ from kvskill.analyzer.gather import (
 )
 from kvskill.analyzer.gather import method as _method
 from kvskill.implementer.npu_branch import inline_npu_branches, npu_note
+from kvskill.implementer.tail_rotary import tail_rotary_problem
 
 _EMPTY = cst.Module(body=[])
 
@@ -219,6 +220,10 @@ def attention_facts(
         facts.problems.extend(inlined.problems)
         if not inlined.problems:
             facts.seam = _seam_facts(facts, inlined.forward)
+        if facts.seam is not None:
+            tail = tail_rotary_problem(facts.name, inlined.forward, facts.seam.update_index)
+            if tail is not None:
+                facts.problems.append(tail)
     return facts
 
 

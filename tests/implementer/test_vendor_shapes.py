@@ -238,6 +238,11 @@ def test_attention_run_by_another_module_is_refused_naming_the_class(tmp_path):
         "VendorGlmSelfAttention.forward writes the KV cache but calls no attention kernel "
         "itself" in message
     )
+    # the module the kernel runs in is named (the fixture builds no core_attention, so its
+    # class is unknown and only the attribute is)
+    assert "it hands query, key and value to self.core_attention, which runs the kernel" in (
+        message
+    )
     assert not out.exists()
 
 

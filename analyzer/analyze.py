@@ -15,6 +15,7 @@ from kvskill.analyzer.config import ModelSpec, normalise
 from kvskill.analyzer.config_keys import attribute_map_for, cite_vendor_keys
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.inherited import inherited_attention_reason
 from kvskill.analyzer.inputs import (
     ModelSource,
     build_config,
@@ -164,7 +165,8 @@ def plan_for_source(
         if inner is not None:
             return plan_for_source(inner, **options)
         raise UnsupportedModelError(
-            f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
+            inherited_attention_reason(facts)
+            or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
     remote = source.kind == "remote_code"
     attribute_map = attribute_map_for(

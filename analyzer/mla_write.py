@@ -75,6 +75,17 @@ def decide_mla_cache_write(source: str, config: dict[str, Any], file_name: str) 
     assert forward is not None
     update = cst.ensure_type(m.findall(forward, _UPDATE)[0], cst.Call)
     latent, rope_key = _name_of(update.args[0].value), _name_of(update.args[1].value)
+    decompress = _decompressed_before_cache(attention, forward)
+    if decompress is not None:
+        return MlaCacheWrite(
+            mode=SCATTER,
+            reason=f"the source caches per-head keys and values that self.{decompress[0]} "
+            "decompresses from the latent before its cache write (DeepSeek-V2/V3 hub code): the "
+            "converted layer caches that normalised latent and the rotated rope key with "
+            "npu_scatter_nd_update_ (NZ layout); the fused write replaces a source that caches "
+            "the latent itself",
+            source=where(decompress[1]),
+        )
     rope_dim = config.get("qk_rope_head_dim")
     if rope_dim != ROPE_DIM:
         return MlaCacheWrite(
@@ -147,6 +158,35 @@ def _mla_attention(classes: dict[str, cst.ClassDef]) -> cst.ClassDef | None:
             continue
         if "kv_lora_rank" in _EMPTY.code_for_node(init) and m.findall(forward, _UPDATE):
             return cls
+    return None
+
+
+def _decompressed_before_cache(
+    attention: cst.ClassDef, forward: cst.FunctionDef
+) -> tuple[str, cst.Call] | None:
+    """(attribute, call) of the Linear over the latent (in-features from kv_lora_rank) when
+    forward calls it before the cache write, else None."""
+    init = _method(attention, "__init__")
+    assert init is not None
+    up = set()
+    for node in m.findall(
+        init, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])
+    ):
+        assign = cst.ensure_type(node, cst.Assign)
+        value = assign.value
+        if not isinstance(value, cst.Call) or _code(value.func).split(".")[-1] != "Linear":
+            continue
+        positional = [a for a in value.args if a.keyword is None]
+        if positional and "kv_lora_rank" in _code(positional[0].value):
+            up.add(cst.ensure_type(assign.targets[0].target, cst.Attribute).attr.value)
+    for stmt in cst.ensure_type(forward.body, cst.IndentedBlock).body:
+        if m.findall(stmt, _UPDATE):
+            return None
+        for node in m.findall(stmt, m.Call(func=m.Attribute(value=m.Name("self")))):
+            call = cst.ensure_type(node, cst.Call)
+            attr = cst.ensure_type(call.func, cst.Attribute).attr.value
+            if attr in up:
+                return attr, call
     return None
 
 

@@ -51,7 +51,10 @@ def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> ScaleDecisi
     scale = dim**-0.5 if dim else 1.0
     rope = spec.rope_parameters
     mscale_all_dim = rope.get("mscale_all_dim") or 0
-    applies_mscale = "yarn_get_mscale" in code.facts.functions
+    # the file's YaRN helper, or an attention class reading mscale_all_dim itself
+    applies_mscale = "yarn_get_mscale" in code.facts.functions or (
+        cls is not None and "mscale_all_dim" in cls.names_used
+    )
     if (
         applies_mscale
         and mscale_all_dim

@@ -365,7 +365,11 @@ class _CalledNames(cst.CSTVisitor):
 #: model / head classes: the analyzer needs their ``__init__`` only
 _CONTAINER_CLASS = re.compile(r"(Model|For[A-Z]\w*)$")
 
-_WATCHED_NAMES = frozenset(_SINK_NAMES + _SOFTCAP_NAMES + ("cache_unit", "cache_entries"))
+#: ``mscale_all_dim`` read in an attention class: the class applies YaRN's attention
+#: temperature to its softmax scale itself (DeepSeek's hub files)
+_WATCHED_NAMES = frozenset(
+    _SINK_NAMES + _SOFTCAP_NAMES + ("cache_unit", "cache_entries", "mscale_all_dim")
+)
 
 
 _SLIDING_WORDS = ("swa", "sliding")

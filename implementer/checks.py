@@ -82,8 +82,48 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
             found.append(
                 f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
                 "itself (attention run in another method or module is not rewritten)"
+                + _kernel_elsewhere(cls, forward)
             )
     return found
+
+
+def _kernel_elsewhere(cls: cst.ClassDef, forward: cst.FunctionDef) -> str:
+    """``: it hands ... to self.core_attention (CoreAttention) ...`` naming the module or
+    method the grown cache goes to, when one ``self.<x>(...)`` call after the write reads it."""
+    body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+    start = next(i for i, stmt in enumerate(body) if m.findall(stmt, CACHE_WRITE))
+    built = {}
+    init = method(cls, "__init__")
+    for node in m.findall(init, m.Assign()) if init is not None else []:
+        assign = cst.ensure_type(node, cst.Assign)
+        target = assign.targets[0].target
+        if m.matches(target, m.Attribute(value=m.Name("self"))) and isinstance(
+            assign.value, cst.Call
+        ):
+            attr = cst.ensure_type(target, cst.Attribute).attr.value
+            built[attr] = _EMPTY.code_for_node(assign.value.func)
+    callees = []
+    for stmt in body[start + 1 :]:
+        for node in m.findall(stmt, m.Call(func=m.Attribute(value=m.Name("self")))):
+            call = cst.ensure_type(node, cst.Call)
+            attr = cst.ensure_type(call.func, cst.Attribute).attr.value
+            if len(call.args) >= 3 and attr not in callees:
+                callees.append(attr)
+    if len(callees) != 1:
+        return ""
+    kind = (
+        f"self.{callees[0]} ({built[callees[0]]})"
+        if callees[0] in built
+        else (f"self.{callees[0]}")
+    )
+    return (
+        f": it hands query, key and value to {kind}, which runs the kernel; the seam (the "
+        "cache write through the kernel) must lie in one forward, here it would span the "
+        "call, with the kernel's output layout set by that module"
+    )
+
+
+_EMPTY = cst.Module(body=[])
 
 
 def check_mla_module(

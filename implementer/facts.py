@@ -40,6 +40,7 @@ from kvskill.analyzer.gather import (
 )
 from kvskill.analyzer.gather import method as _method
 from kvskill.implementer.npu_branch import inline_npu_branches, npu_note
+from kvskill.implementer.tail_rotary import tail_rotary_problem
 
 _EMPTY = cst.Module(body=[])
 
@@ -186,7 +187,20 @@ def attention_facts(
     # them (gather.is_converted_attention); declared alone is a half conversion
     facts = AttentionFacts(name=cls.name.value, converted=is_converted_attention(cls, classes))
     if owner is None:
-        facts.problems.append(f"{facts.name} has no __init__")
+        outside = [
+            code(b.value)
+            for b in cls.bases
+            if code(b.value) not in (*(classes or {}), "nn.Module", "torch.nn.Module", "Module")
+        ]
+        facts.problems.append(
+            f"{facts.name} has no __init__"
+            + (
+                f" (it inherits {outside[0]}'s, defined outside the file: give it one that "
+                "calls super().__init__(...) so the rewrite can declare its caches there)"
+                if outside
+                else ""
+            )
+        )
         return facts
     init = _method(owner, "__init__")
     assert init is not None, "init_owner returns a class with an __init__"
@@ -206,6 +220,10 @@ def attention_facts(
         facts.problems.extend(inlined.problems)
         if not inlined.problems:
             facts.seam = _seam_facts(facts, inlined.forward)
+        if facts.seam is not None:
+            tail = tail_rotary_problem(facts.name, inlined.forward, facts.seam.update_index)
+            if tail is not None:
+                facts.problems.append(tail)
     return facts
 
 

@@ -27,6 +27,7 @@ from kvskill.implementer.facts import SeamFacts, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.model_class import add_cache_info
+from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
 
 
@@ -37,6 +38,8 @@ class MlaCommand(ClassRewriteCommand):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.classes = {c.name.value: c for c in node.body if isinstance(c, cst.ClassDef)}
+        #: whether a converted forward sizes a rotary table with seq_len= (rotary.py)
+        self.sized_rotary = False
         return True
 
     def facts(self, cls: cst.ClassDef) -> MlaAttentionFacts:
@@ -119,6 +122,11 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         "absorbed."
     )
 
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        if not self.sized_rotary:
+            return updated_node
+        return with_helper(updated_node, self.parser_config())
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = self.facts(original)
         return with_body(
@@ -137,14 +145,18 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         old = list(block.body)
         inside = old[seam.update_index : seam.kernel_index]
         fused = facts.fused
+        decompressed = facts.decompressed
         values = {
             **seam_values(seam),
             "query_parts": facts.query_parts is not None,
             "q_nope": facts.query_parts[0] if facts.query_parts else "",
             "q_rope": facts.query_parts[1] if facts.query_parts else "",
             "scatter": fused is None,
-            "latent": seam.key,
-            "rope_key": seam.value,
+            # the source's cache write takes the latent, or it caches decompressed K/V and the
+            # latent it fed kv_b_proj is named here (evaluated once)
+            "latent_expr": decompressed.latent if decompressed else "",
+            "latent": "mla_latent" if decompressed else seam.key,
+            "rope_key": decompressed.rope_key if decompressed else seam.value,
             "raw": fused.raw_latent if fused else "",
             "norm": fused.norm if fused else "",
             "norm_weight": fused.norm_weight if fused else "",
@@ -167,7 +179,9 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         if fused is not None:
             before = _drop_latent_norm(before, fused.norm, old[seam.kernel_index + 1 :])
         body = [*before, *new, *old[seam.kernel_index + 1 :]]
-        return forward.with_changes(body=block.with_changes(body=body))
+        converted, sized = cover_positions(forward.with_changes(body=block.with_changes(body=body)))
+        self.sized_rotary = self.sized_rotary or sized
+        return converted
 
 
 def _drop_latent_norm(

@@ -9,6 +9,11 @@ the latent:
   ``[qk_nope_head_dim + v_head_dim, kv_lora_rank]``.
 * the query parts: ``query = torch.cat((q_nope, q_rope), dim=-1)`` gives the two names; any
   other query expression is split by the rope head dim.
+* what the paged caches take: the source's own cache write when it caches the latent and the
+  rope key (transformers 5), else - when the source decompresses the latent with ``kv_b_proj``
+  *before* its cache write and caches per-head keys and values (DeepSeek-V2/V3's hub files,
+  transformers 4.3x) - the normalised latent it feeds ``kv_b_proj`` and the rope part of the
+  down-projection's split, as rotated where the cache is written.
 * for the fused write only: the down-projection (out-features ``kv_lora_rank +
   qk_rope_head_dim``) and the name of its raw output, the latent RMSNorm module and its
   epsilon attribute, and the ``cos, sin`` tables.
@@ -43,6 +48,16 @@ class FusedWriteFacts:
     sin: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecompressedFacts:
+    """A source that caches per-head keys and values decompressed from the latent."""
+
+    #: the normalised latent, as the source passes it to kv_b_proj (an expression)
+    latent: str
+    #: the rope part of the down-projection's split, rotated by the time the cache is written
+    rope_key: str
+
+
 @dataclass(kw_only=True)
 class MlaAttentionFacts:
     """One MLA attention class."""
@@ -53,6 +68,10 @@ class MlaAttentionFacts:
     kv_b_proj: str | None = None
     #: (q_nope, q_rope) names when the query is a concatenation of the two, else None
     query_parts: tuple[str, str] | None = None
+    #: what the latent cache takes when the source caches decompressed keys and values: the
+    #: expression ``kv_b_proj`` reads (``self.kv_a_layernorm(compressed_kv)``) and the name of
+    #: the rotated rope key; None when the source's cache write takes the latent itself
+    decompressed: DecompressedFacts | None = None
     fused: FusedWriteFacts | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -113,9 +132,112 @@ def mla_attention_facts(
     else:
         facts.kv_b_proj = up[0]
     facts.query_parts = _query_parts(forward, facts.seam)
+    if facts.kv_b_proj is not None:
+        facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
         facts.fused = _fused_facts(facts, forward, modules, classes)
     return facts
+
+
+def _decompressed_facts(
+    facts: MlaAttentionFacts, forward: cst.FunctionDef, kv_b_proj: str
+) -> DecompressedFacts | None:
+    """The latent and rope key to cache when ``self.<kv_b_proj>(x)`` runs before the cache write
+    (the source caches its output); None when it does not (the source caches the latent)."""
+    assert facts.seam is not None
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    before = body[: facts.seam.update_index]
+    call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(kv_b_proj)), args=[m.Arg()])
+    found = [
+        (index, cst.ensure_type(node, cst.Call))
+        for index, stmt in enumerate(before)
+        for node in m.findall(stmt, call)
+    ]
+    if not found:
+        return None
+    if len(found) != 1:
+        facts.problems.append(
+            f"{facts.name}.forward calls self.{kv_b_proj} {len(found)} times before its cache "
+            "write; the latent to cache must be the one input it decompresses"
+        )
+        return None
+    index, node = found[0]
+    latent = node.args[0].value
+    read = {cst.ensure_type(n, cst.Name).value for n in m.findall(latent, m.Name())}
+    rebound = _assigned_in(before[index + 1 :]) & read
+    if rebound:
+        facts.problems.append(
+            f"{facts.name}.forward rebinds {sorted(rebound)} between self.{kv_b_proj}(...) and "
+            "the cache write; the latent it decompressed is no longer at hand to cache"
+        )
+        return None
+    rope_key = _rope_split_target(before)
+    if rope_key is None or not _rotated(before, rope_key):
+        facts.problems.append(
+            f"{facts.name}.forward caches keys decompressed by self.{kv_b_proj}, but no "
+            f"`latent, rope_key = torch.split(x, [...{LATENT_RANK}, ...{ROPE_DIM_KEY}], ...)` "
+            "whose rope key is then rotated under the same name: the shared rope key to cache "
+            "is unknown"
+        )
+        return None
+    return DecompressedFacts(latent=code(latent), rope_key=rope_key)
+
+
+def _assigned_in(stmts: list[cst.BaseStatement]) -> set[str]:
+    """Names (re)bound by assignments in STMTS (``x[...] = ...`` writes into x, binds none)."""
+    names: set[str] = set()
+    for stmt in stmts:
+        for target in m.findall(stmt, m.AssignTarget()):
+            node = cst.ensure_type(target, cst.AssignTarget).target
+            bound = node.elements if isinstance(node, (cst.Tuple, cst.List)) else [node]
+            for element in bound:
+                value = element.value if isinstance(element, cst.BaseElement) else element
+                if isinstance(value, cst.Name):
+                    names.add(value.value)
+    return names
+
+
+#: ``a, b = torch.split(x, [sizes], ...)`` / ``x.split([sizes], ...)``
+_SPLIT_ASSIGN = m.Assign(
+    targets=[m.AssignTarget(target=m.Tuple(elements=[m.Element(m.Name()), m.Element(m.Name())]))],
+    value=m.Call(func=m.Attribute(attr=m.Name("split"))),
+)
+
+
+def _rope_split_target(stmts: list[cst.BaseStatement]) -> str | None:
+    """The name the down-projection's split gives its rope part: of ``a, b = split(x,
+    [<kv_lora_rank>, <qk_rope_head_dim>])`` the target sized by the rope head dim."""
+    for stmt in stmts:
+        for node in m.findall(stmt, _SPLIT_ASSIGN):
+            assign = cst.ensure_type(node, cst.Assign)
+            sizes = next(
+                (a.value for a in cst.ensure_type(assign.value, cst.Call).args if _is_list(a)),
+                None,
+            )
+            if not isinstance(sizes, (cst.List, cst.Tuple)) or len(sizes.elements) != 2:
+                continue
+            texts = [code(e.value) for e in sizes.elements]
+            if LATENT_RANK in texts[0] and ROPE_DIM_KEY in texts[1]:
+                target = cst.ensure_type(assign.targets[0].target, cst.Tuple)
+                return cst.ensure_type(target.elements[1].value, cst.Name).value
+    return None
+
+
+def _is_list(arg: cst.Arg) -> bool:
+    return isinstance(arg.value, (cst.List, cst.Tuple))
+
+
+def _rotated(stmts: list[cst.BaseStatement], name: str) -> bool:
+    """Whether NAME is reassigned from a call that reads the rotary tables (``cos``/``sin``)."""
+    for stmt in stmts:
+        for node in m.findall(stmt, m.Assign(value=m.Call())):
+            assign = cst.ensure_type(node, cst.Assign)
+            if name not in _assigned_in([cst.SimpleStatementLine(body=[assign])]):
+                continue
+            args = " ".join(code(a.value) for a in cst.ensure_type(assign.value, cst.Call).args)
+            if "cos" in args and "sin" in args:
+                return True
+    return False
 
 
 def _query_parts(forward: cst.FunctionDef, seam: SeamFacts) -> tuple[str, str] | None:

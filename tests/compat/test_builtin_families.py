@@ -18,7 +18,18 @@ pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
 #: families with a causal LM in every supported transformers (qwen3 from 4.51 on); a family
 #: missing from the installed version is skipped, and at least six must run
-FAMILIES = ("llama", "mistral", "qwen2", "phi3", "starcoder2", "olmo", "granite", "gemma", "qwen3")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "phi3",
+    "starcoder2",
+    "olmo",
+    "granite",
+    "gemma",
+    "qwen3",
+)
 PRESENT = [f for f in FAMILIES if family_exists(f)]
 #: standalone mode 1 (contiguous BSH caches) on one family, to keep the suite short
 STANDALONE = ("llama",)

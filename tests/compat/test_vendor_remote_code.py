@@ -16,7 +16,7 @@ from tests.compat.roundtrip import MODES, assert_token_exact, round_trip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-from vendor_fixtures import VENDOR_FIXTURES, VENDOR_ROOT  # noqa: E402
+from vendor_fixtures import MLA_VENDOR_FIXTURES, VENDOR_FIXTURES, VENDOR_ROOT  # noqa: E402
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
@@ -25,4 +25,12 @@ pytestmark = [pytest.mark.compat, pytest.mark.slow]
 @pytest.mark.parametrize("name", sorted(VENDOR_FIXTURES))
 def test_vendor_shape_is_token_exact(name, mode, tmp_path):
     report = round_trip(str(VENDOR_ROOT / name), tmp_path / mode, mode, trust_remote_code=True)
+    assert_token_exact(report)
+
+
+@pytest.mark.parametrize("name", sorted(MLA_VENDOR_FIXTURES))
+def test_mla_vendor_shape_is_token_exact(name, tmp_path):
+    # framework mode only: the absorbed MLA path has no standalone mode 1 (refused), and its
+    # standalone mode 3 runs the same attention code (checked in the main suite)
+    report = round_trip(str(VENDOR_ROOT / name), tmp_path / "framework", trust_remote_code=True)
     assert_token_exact(report)

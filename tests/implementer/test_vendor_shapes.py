@@ -238,6 +238,11 @@ def test_attention_run_by_another_module_is_refused_naming_the_class(tmp_path):
         "VendorGlmSelfAttention.forward writes the KV cache but calls no attention kernel "
         "itself" in message
     )
+    # the module the kernel runs in is named (the fixture builds no core_attention, so its
+    # class is unknown and only the attribute is)
+    assert "it hands query, key and value to self.core_attention, which runs the kernel" in (
+        message
+    )
     assert not out.exists()
 
 
@@ -343,3 +348,36 @@ def test_the_43x_mask_builders_are_skipped_under_the_runtime():
         "return (None if _in_paged_runtime() else "
         "_prepare_4d_causal_attention_mask(mask, shape, embeds, past))" in converted
     )
+
+
+def test_rotary_angles_cut_from_the_tail_of_a_cache_sized_table_are_refused(tmp_path):
+    """Qwen-7B's real rotary: the model builds the table for kv_seq_len and the attention keeps
+    its last cur_len rows; with no position_ids the packed step's rows are not the tokens'
+    positions. Refused with that reason, nothing written."""
+    import shutil
+
+    model = tmp_path / "tail_rotary"
+    shutil.copytree(VENDOR_ROOT / "c_attn_bshd", model)
+    modeling = model / "modeling_vendor_cattn.py"
+    text = modeling.read_text(encoding="utf-8")
+    rotate = "        query = apply_rotary_pos_emb(query, rotary_pos_emb)\n"
+    assert rotate in text
+    text = text.replace(
+        rotate,
+        "        cur_len = query.shape[1]\n"
+        "        rotary_pos_emb = [t[:, -cur_len:] for t in rotary_pos_emb]\n" + rotate,
+    )
+    modeling.write_text(text, encoding="utf-8")
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedModelError) as refused:
+        apply_model(str(model), out, ApplyOptions())
+    message = str(refused.value)
+    assert "\n" not in message
+    assert (
+        "VendorCattnAttention.forward takes its rotary angles as the last rows of a table "
+        "sized by the cache length (`t[:, -cur_len:]`), not by position ids" in message
+    )
+    assert not out.exists()

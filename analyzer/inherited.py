@@ -1,0 +1,64 @@
+"""Attention that a remote file takes from transformers instead of writing it.
+
+Some vendor files import an attention or decoder-layer class from transformers and subclass it
+(``class FooAttention(LlamaAttention)`` overriding ``__init__``, or nothing) or use it as it is
+(``nn.ModuleList([LlamaDecoderLayer(config, i) ...])``). The cache write and the attention
+kernel then run in transformers' own modeling file, which ``apply`` does not rewrite for a
+model directory: the rewrite converts the code of the file it is given. When the file has no
+attention class of its own, the refusal names those classes and where they come from, so the
+user knows what to bring into the file (the inherited ``forward`` and ``__init__``).
+"""
+
+from __future__ import annotations
+
+from kvskill.analyzer.scan import ModuleFacts
+
+#: suffixes of the class names that carry a KV cache write (directly or in a submodule)
+_ATTENTION_SUFFIXES = ("Attention", "Attention2", "DecoderLayer", "Block")
+
+
+def _transformers_origin(facts: ModuleFacts, name: str) -> str | None:
+    """The transformers module NAME was imported from (``from transformers.x import NAME``)."""
+    for dotted in facts.imported_names:
+        module, _, imported = dotted.rpartition(".")
+        if imported == name and (module == "transformers" or module.startswith("transformers.")):
+            return module
+    return None
+
+
+def _carries_attention(name: str) -> bool:
+    return any(name.endswith(suffix) for suffix in _ATTENTION_SUFFIXES)
+
+
+def inherited_attention(facts: ModuleFacts) -> list[str]:
+    """``"FooAttention subclasses LlamaAttention from transformers.models.llama.modeling_llama"``
+    and ``"FooModel builds LlamaDecoderLayer from ..."`` for every attention-carrying class the
+    file takes from transformers; [] when it takes none."""
+    found: list[str] = []
+    for cls in facts.classes.values():
+        for base in cls.bases:
+            origin = _transformers_origin(facts, base)
+            if origin is not None and _carries_attention(base):
+                found.append(f"{cls.name} subclasses {base} from {origin}")
+        for built in sorted({n for names in cls.attr_classes.values() for n in names}):
+            origin = _transformers_origin(facts, built)
+            if origin is not None and _carries_attention(built):
+                found.append(f"{cls.name} builds {built} from {origin}")
+    return found
+
+
+def inherited_attention_reason(facts: ModuleFacts) -> str | None:
+    """The one-line refusal for a file whose attention comes from transformers, else None."""
+    found = inherited_attention(facts)
+    if not found:
+        return None
+    return (
+        f"{facts.file_name}: no attention class of the file writes a KV cache: "
+        + "; ".join(found)
+        + ": their cache write and attention run in transformers' own modeling file, which "
+        "apply does not rewrite for a model directory; copy the inherited forward (and the "
+        "__init__ it reads) into the file's class so the rewrite can convert it"
+    )
+
+
+__all__ = ["inherited_attention", "inherited_attention_reason"]

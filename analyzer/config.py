@@ -36,6 +36,10 @@ _LAYER_KIND = {
 }
 
 
+#: model types whose every layer is a state-space mixer (no attention at all)
+STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Normalised facts of a model config. ``sources`` maps each field to its config key."""
@@ -245,6 +249,9 @@ def _layer_kinds(
             kinds = [_LAYER_KIND.get(str(t), "attention") for t in types[:num_layers]]
             kinds += ["attention"] * (num_layers - len(kinds))
             return kinds, prefix + key
+    if cfg.get("model_type") in STATE_SPACE_MODEL_TYPES:
+        # every layer a state layer; their configs list no layer pattern in config.json
+        return ["mamba"] * num_layers, prefix + "model_type"
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str) and pattern:
         # nemotron-h style: "M" mamba, "*" attention, "-"/"E" MLP or MoE (no cache)

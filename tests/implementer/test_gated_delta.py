@@ -149,7 +149,7 @@ def test_mamba_layers_without_a_gated_delta_class_are_refused():
 def test_a_model_of_state_layers_only_has_no_attention_type():
     # served by its state group alone: no attention rewrite has anything to map
     spec = ConversionSpec.from_plan(analyze_model("mamba2"))
-    assert spec.attn_types == [] and spec.has_state_layers
+    assert not spec.has_attention_layers and spec.has_state_layers
 
 
 def test_states_of_mamba_models_are_not_split_over_ranks_yet():

@@ -370,24 +370,6 @@ def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
         )
 
 
-def state_layer_problems(state: list[cst.ClassDef], has_state_layers: bool) -> list[str]:
-    """Recurrent-state layers: the code and the Plan must agree that they exist, and each
-    class must have the shape the gated delta rewrite handles."""
-    if has_state_layers and not state:
-        return [
-            "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
-            "found (a module whose forward calls causal_conv1d_fn/update and a "
-            "*gated_delta_rule or a Kimi delta attention); other state mixers (Mamba-1/2, "
-            "short convolutions) are not rewritten yet"
-        ]
-    if state and not has_state_layers:
-        return [
-            f"{', '.join(c.name.value for c in state)}: gated delta net code, but the Plan "
-            "lists no Mamba layer"
-        ]
-    return [p for c in state for p in gated_delta_facts(c).problems]
-
-
 def _forward_values(facts: GatedDeltaFacts) -> dict:
     prefill_op, decode_op = RULE_OPS[facts.rule]
     return {
@@ -428,8 +410,9 @@ class GatedDeltaCommand(ClassRewriteCommand):
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
         classes = m.findall(module, m.ClassDef())
+        # NOTE: whether the Plan's state layers have a mixer at all is state_mixers' check
         state = [c for c in classes if isinstance(c, cst.ClassDef) and is_gated_delta_class(c)]
-        return state_layer_problems(state, spec.has_state_layers)
+        return [p for c in state for p in gated_delta_facts(c).problems]
 
     def selects(self, cls: cst.ClassDef) -> bool:
         return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
@@ -472,5 +455,4 @@ __all__ = [
     "GatedDeltaFacts",
     "gated_delta_facts",
     "is_gated_delta_class",
-    "state_layer_problems",
 ]

@@ -24,6 +24,7 @@ from kvskill.implementer.contiguous import (
 )
 from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
+from kvskill.implementer.mamba2 import Mamba2Command
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.mla.codemods import (
     MlaAttentionForwardCommand,
@@ -31,6 +32,7 @@ from kvskill.implementer.mla.codemods import (
     MlaCacheInfoCommand,
 )
 from kvskill.implementer.model_class import CacheInfoCommand
+from kvskill.implementer.state_mixers import StateLayersCheck
 from kvskill.implementer.text_model import LocalTextModelCommand
 
 
@@ -81,6 +83,9 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
     Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),
     Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
+    Rewrite("KVR014", StateLayersCheck, _paths(PAGED, MLA)),
+    Rewrite("KVR015", Mamba2Command, _paths(PAGED, MLA)),
+    # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
 )
 

@@ -61,9 +61,18 @@ class ConversionSpec:
     config_has_kv_heads: bool = True
 
     @property
+    def has_attention_layers(self) -> bool:
+        """False for a model of state layers only (mamba2), served by state groups alone."""
+        return self.uniform_attn_type is not None or bool(self.layer_type_to_attn_type)
+
+    @property
     def attn_types(self) -> list[str]:
         if self.uniform_attn_type is not None:
             return [self.uniform_attn_type]
+        if not self.layer_type_to_attn_type:
+            # NOTE: no planned layer is attention (bamba's default config), yet the file may
+            # define attention classes for other configs: they are converted as full attention
+            return [AttnType.FULL_ATTENTION.value]
         return sorted(set(self.layer_type_to_attn_type.values()))
 
     @classmethod
@@ -85,15 +94,14 @@ class ConversionSpec:
             )
         types = [t for t in plan.layer_attn_types() if t not in STATE_ATTN_TYPES]
         uniform = types[0] if len(set(types)) == 1 else None
-        mapping = {} if uniform is not None else _layer_type_mapping(plan)
+        # NOTE: a model of state layers only (mamba2) has no attention type to map
+        mapping = {} if uniform is not None or not types else _layer_type_mapping(plan)
         return cls(
             fa_version=version,
             input_layout=plan.input_layout,
             uniform_attn_type=uniform,
             layer_type_to_attn_type=mapping,
-            sparse_mode={
-                k: {"prefill": v.prefill, "decode": v.decode} for k, v in plan.sparse_mode.items()
-            },
+            sparse_mode=_sparse_modes(plan, has_attention=bool(types)),
             windows=_window_rules(plan),
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
@@ -102,6 +110,18 @@ class ConversionSpec:
             causal_lm_class=plan.architecture,
             config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
         )
+
+
+#: the analyzer's rule for paged TND full attention: causal (3) in prefill and decode
+FULL_ATTENTION_SPARSE_MODE = {"prefill": 3, "decode": 3}
+
+
+def _sparse_modes(plan: Plan, *, has_attention: bool) -> dict[str, dict[str, int]]:
+    modes = {k: {"prefill": v.prefill, "decode": v.decode} for k, v in plan.sparse_mode.items()}
+    if not has_attention:
+        # attention classes no planned layer uses are converted as full attention
+        modes.setdefault(AttnType.FULL_ATTENTION.value, dict(FULL_ATTENTION_SPARSE_MODE))
+    return modes
 
 
 def _check_supported(plan: Plan) -> None:
@@ -130,11 +150,6 @@ def _check_supported(plan: Plan) -> None:
         )
     if not plan.layers:
         reasons.append("the Plan lists no layers")
-    elif all(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()):
-        reasons.append(
-            "every layer is a recurrent-state (Mamba) layer; the rewrite converts state "
-            "layers only between attention layers (hybrid models)"
-        )
     if reasons:
         raise UnsupportedModelError(f"{name}: cannot convert: " + "; ".join(reasons))
 

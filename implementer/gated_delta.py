@@ -370,22 +370,11 @@ def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
         )
 
 
-def state_layer_problems(state: list[cst.ClassDef], has_state_layers: bool) -> list[str]:
-    """Recurrent-state layers: the code and the Plan must agree that they exist, and each
-    class must have the shape the gated delta rewrite handles."""
-    if has_state_layers and not state:
-        return [
-            "the Plan has Mamba (recurrent-state) layers but no gated delta net class was "
-            "found (a module whose forward calls causal_conv1d_fn/update and a "
-            "*gated_delta_rule or a Kimi delta attention); other state mixers (Mamba-1/2, "
-            "short convolutions) are not rewritten yet"
-        ]
-    if state and not has_state_layers:
-        return [
-            f"{', '.join(c.name.value for c in state)}: gated delta net code, but the Plan "
-            "lists no Mamba layer"
-        ]
-    return [p for c in state for p in gated_delta_facts(c).problems]
+def gated_delta_problems(module: cst.Module) -> list[str]:
+    """Why a gated delta class of MODULE cannot be rewritten (whether the Plan and the code
+    agree on state layers at all is ``state_layers.state_layer_problems``)."""
+    classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+    return [p for c in classes if is_gated_delta_class(c) for p in gated_delta_facts(c).problems]
 
 
 def _forward_values(facts: GatedDeltaFacts) -> dict:
@@ -427,9 +416,7 @@ class GatedDeltaCommand(ClassRewriteCommand):
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
-        classes = m.findall(module, m.ClassDef())
-        state = [c for c in classes if isinstance(c, cst.ClassDef) and is_gated_delta_class(c)]
-        return state_layer_problems(state, spec.has_state_layers)
+        return gated_delta_problems(module)
 
     def selects(self, cls: cst.ClassDef) -> bool:
         return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
@@ -471,6 +458,6 @@ __all__ = [
     "GatedDeltaCommand",
     "GatedDeltaFacts",
     "gated_delta_facts",
+    "gated_delta_problems",
     "is_gated_delta_class",
-    "state_layer_problems",
 ]

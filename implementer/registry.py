@@ -22,7 +22,6 @@ from kvskill.implementer.contiguous import (
     ContiguousAttentionForwardCommand,
     ContiguousAttentionInitCommand,
 )
-from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.mla.codemods import (
@@ -31,6 +30,7 @@ from kvskill.implementer.mla.codemods import (
     MlaCacheInfoCommand,
 )
 from kvskill.implementer.model_class import CacheInfoCommand
+from kvskill.implementer.state_layers import StateMixersCommand
 from kvskill.implementer.text_model import LocalTextModelCommand
 
 
@@ -76,7 +76,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR005", MlaAttentionForwardCommand, _paths(MLA)),
     Rewrite("KVR006", ContiguousAttentionInitCommand, _paths(CONTIGUOUS)),
     Rewrite("KVR007", ContiguousAttentionForwardCommand, _paths(CONTIGUOUS)),
-    Rewrite("KVR008", GatedDeltaCommand, _paths(PAGED, MLA)),
+    Rewrite("KVR008", StateMixersCommand, _paths(PAGED, MLA)),
     Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS)),
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
     Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),

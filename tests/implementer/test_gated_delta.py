@@ -140,7 +140,9 @@ def test_a_delta_layer_the_rewrite_would_change_is_refused(old, new, reason):
 
 def test_mamba_layers_without_a_gated_delta_class_are_refused():
     # the Plan says Mamba layers; the code (Qwen3's) has none
-    with pytest.raises(UnsupportedModelError, match="no gated delta net class was found"):
+    with pytest.raises(
+        UnsupportedModelError, match="no state mixer class the rewrites know was found"
+    ):
         convert_source(
             _transformers_source("qwen3"), _spec("qwen3_next"), package="transformers.models.qwen3"
         )

@@ -151,6 +151,13 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
     if facts.write_index is not None and facts.write_index < facts.scan_index:
         facts.problems.append(f"{facts.name}.forward writes its SSM state before the scan")
         return facts
+    if m.findall(body.body[facts.scan_index], m.For() | m.While()):
+        facts.problems.append(
+            f"{facts.name}.forward runs its selective scan in a loop (one scan per head); "
+            "selective_scan_fn takes the heads as groups of one scan, which this rewrite does "
+            "not derive from the loop"
+        )
+        return facts
     before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
     _conv_facts(facts, body.body[facts.conv_index], before)
     if not facts.problems:
@@ -159,16 +166,9 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
 
 
 def _scan_facts(facts: Mamba1Facts, body: cst.IndentedBlock) -> None:
-    """The scan statement: one scan call (not in a loop) whose operands are readable, and one
+    """The scan statement: one scan call whose operands are readable, and one
     name it binds that the rest of the forward reads (the scan's output)."""
     stmt = body.body[facts.scan_index]
-    if m.findall(stmt, m.For() | m.While()):
-        facts.problems.append(
-            f"{facts.name}.forward runs its selective scan in a loop (one scan per head); "
-            "selective_scan_fn takes the heads as groups of one scan, which this rewrite does "
-            "not derive from the loop"
-        )
-        return
     calls = [cst.ensure_type(c, cst.Call) for c in m.findall(stmt, SCAN_CALL)]
     if len(calls) != 1:
         facts.problems.append(f"{facts.name}.forward calls the selective scan {len(calls)} times")

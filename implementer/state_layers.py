@@ -1,7 +1,8 @@
 """Recurrent-state mixers: every kind the rewrites know, under one registry entry (KVR008).
 
 Each kind is recognised by what its forward does and rewritten by its own command (see its
-module): gated delta nets (``gated_delta.py``), Mamba-1 mixers (``mamba_mixer.py``). This
+module): gated delta nets (``gated_delta.py``), Mamba-1 mixers (``mamba_mixer.py``), short convs
+(``short_conv.py``). This
 module checks that the code and the Plan agree on state layers and hands each class to its
 kind's rewrite. A new kind adds one line to ``STATE_MIXERS``.
 """
@@ -16,6 +17,7 @@ import libcst.matchers as m
 from kvskill.implementer._command import ClassRewriteCommand
 from kvskill.implementer.gated_delta import GatedDeltaCommand, is_gated_delta_class
 from kvskill.implementer.mamba_mixer import Mamba1MixerCommand, is_mamba1_class
+from kvskill.implementer.short_conv import ShortConvCommand, is_short_conv_class
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ STATE_MIXERS = (
         is_mamba1_class,
         Mamba1MixerCommand,
     ),
+    StateMixerKind(
+        "a short conv (causal_conv1d_fn/update on a cached conv state only)",
+        is_short_conv_class,
+        ShortConvCommand,
+    ),
 )
 
 
@@ -55,8 +62,8 @@ def state_layer_problems(module: cst.Module, has_state_layers: bool) -> list[str
         kinds = "; ".join(kind.what for kind in STATE_MIXERS)
         return [
             "the Plan has Mamba (recurrent-state) layers but no state mixer class the "
-            f"rewrites know was found ({kinds}); other state mixers (Mamba-2, short "
-            "convolutions) are not rewritten yet"
+            f"rewrites know was found ({kinds}); other state mixers (Mamba-2) are not "
+            "rewritten yet"
         ]
     if state and not has_state_layers:
         return [
@@ -70,7 +77,7 @@ class StateMixersCommand(ClassRewriteCommand):
     """Every state mixer class, rewritten by its kind's command."""
 
     DESCRIPTION = (
-        "Keep recurrent-state mixers' states (gated delta nets, Mamba-1) in the paged "
+        "Keep recurrent-state mixers' states (gated delta nets, Mamba-1, short convs) in the paged "
         "runtime's Mamba group."
     )
 

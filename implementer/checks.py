@@ -35,7 +35,8 @@ def check_attention_module(
     attention = [c for c in classes if is_attention_class(c)]
     heads = causal_lm_classes(module, spec.causal_lm_class)
     problems = list(problems)
-    if not attention:
+    # a model of state layers only (mamba2) is served by state groups alone
+    if not attention and spec.attn_types:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "
             "value, self.layer_idx, ...)` and then calls an attention interface or "
@@ -97,7 +98,8 @@ def check_mla_module(
     classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
     attention = [c for c in classes.values() if is_attention_class(c)]
     problems = list(problems)
-    if not attention:
+    # a model of state layers only (mamba2) is served by state groups alone
+    if not attention and spec.attn_types:
         problems.append(
             "no attention class found (a module whose forward writes the latent with "
             "`<cache>.update(latent, rope_key, self.layer_idx, ...)` and then calls attention)"

@@ -370,13 +370,6 @@ def _check_names(facts: GatedDeltaFacts, body: cst.IndentedBlock) -> None:
         )
 
 
-def gated_delta_problems(module: cst.Module) -> list[str]:
-    """Why a gated delta class of MODULE cannot be rewritten (whether the Plan and the code
-    agree on state layers at all is ``state_layers.state_layer_problems``)."""
-    classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
-    return [p for c in classes if is_gated_delta_class(c) for p in gated_delta_facts(c).problems]
-
-
 def _forward_values(facts: GatedDeltaFacts) -> dict:
     prefill_op, decode_op = RULE_OPS[facts.rule]
     return {
@@ -416,7 +409,10 @@ class GatedDeltaCommand(ClassRewriteCommand):
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
-        return gated_delta_problems(module)
+        classes = m.findall(module, m.ClassDef())
+        # NOTE: whether the Plan's state layers have a mixer at all is state_mixers' check
+        state = [c for c in classes if isinstance(c, cst.ClassDef) and is_gated_delta_class(c)]
+        return [p for c in state for p in gated_delta_facts(c).problems]
 
     def selects(self, cls: cst.ClassDef) -> bool:
         return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
@@ -458,6 +454,5 @@ __all__ = [
     "GatedDeltaCommand",
     "GatedDeltaFacts",
     "gated_delta_facts",
-    "gated_delta_problems",
     "is_gated_delta_class",
 ]

@@ -25,6 +25,12 @@ STATE_IMPORTS: dict[str, tuple[str, ...]] = {
     "kvskill.runtime": ("MambaCacheEntry",),
     "kvskill.runtime.ops": ("fla",),
 }
+#: added when the emitted state code uses them (Mamba mixers): name -> its module
+STATE_IMPORTS_IF_USED: dict[str, str] = {
+    "mamba": "kvskill.runtime.ops",
+    "gather_ssm_states": "kvskill.runtime",
+    "scatter_ssm_states_": "kvskill.runtime",
+}
 
 
 def _dotted(node: cst.BaseExpression | None) -> str:
@@ -135,6 +141,13 @@ class RuntimeImportsCommand(FrameworkCommand):
             wanted = [RUNTIME_IMPORTS]
             if m.findall(node, m.Call(func=m.Name("MambaCacheEntry"))):
                 wanted.append(STATE_IMPORTS)
+                used = {
+                    name
+                    for name in STATE_IMPORTS_IF_USED
+                    if m.findall(node, m.Call(func=m.Name(name) | m.Attribute(value=m.Name(name))))
+                }
+                for name in sorted(used):
+                    wanted.append({STATE_IMPORTS_IF_USED[name]: (name,)})
             for imports in wanted:
                 for module, names in imports.items():
                     for name in names:

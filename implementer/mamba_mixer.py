@@ -53,7 +53,12 @@ from kvskill.implementer.gated_delta import (
     _top_index,
     _with_leading,
 )
-from kvskill.implementer.snippets import methods, statements
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.state_entries import (
+    StateEntry,
+    state_init_statements,
+    state_setter_methods,
+)
 
 #: the Mamba-1 selective scan in any spelling (transformers' mamba_selective_scan,
 #: mamba_ssm's / vLLM's selective_scan_fn)
@@ -232,6 +237,23 @@ def _scan_values(facts: Mamba1Facts) -> dict:
     }
 
 
+def _state_entries(facts: Mamba1Facts) -> list[StateEntry]:
+    shapes = facts.shapes
+    return [
+        StateEntry(
+            name="conv_state",
+            shape=(f"{shapes['kernel_expr']} - 1", shapes["dim_expr"]),
+            comment="token-major, as the analyzer reports it; the conv operators read its "
+            "transpose",
+        ),
+        StateEntry(
+            name="ssm_state",
+            shape=(shapes["dim_expr"], shapes["dstate_expr"]),
+            comment="[channels, state size]: selective_scan_fn's state row",
+        ),
+    ]
+
+
 class Mamba1MixerCommand(ClassRewriteCommand):
     """Declare the conv and SSM state entries and run the conv and the scan on paged states."""
 
@@ -240,7 +262,7 @@ class Mamba1MixerCommand(ClassRewriteCommand):
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
         # NOTE: whether the Plan and the code agree on state layers at all is
-        # state_layers.state_layer_problems' concern
+        # state_mixers.state_layer_problems' concern
         classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
         return [p for c in classes if is_mamba1_class(c) for p in mamba1_facts(c).problems]
 
@@ -251,13 +273,14 @@ class Mamba1MixerCommand(ClassRewriteCommand):
         facts = mamba1_facts(original)
         assert not facts.problems, "the pipeline validates Mamba-1 facts first"
         config = self.parser_config()
-        init_stmts = statements("framework_mamba1_init.py.j2", config, **facts.shapes)
+        entries = _state_entries(facts)
+        init_stmts = state_init_statements("Mamba-1 mixer", entries, config)
         updated = with_body(
             updated,
             replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
         )
         body = replace_method(updated, "forward", lambda f: self._convert_forward(f, facts, config))
-        return with_body(updated, [*body, *methods("framework_gdn_methods.py.j2", config)])
+        return with_body(updated, [*body, *state_setter_methods(entries, config)])
 
     def _convert_forward(
         self, forward: cst.FunctionDef, facts: Mamba1Facts, config: cst.PartialParserConfig

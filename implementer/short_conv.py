@@ -47,10 +47,17 @@ from kvskill.implementer.gated_delta import (
     _with_leading,
 )
 from kvskill.implementer.mamba_mixer import SCAN_CALL
-from kvskill.implementer.snippets import methods, statements
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.state_entries import (
+    StateEntry,
+    state_init_statements,
+    state_setter_methods,
+)
 
 CONV_STATE_READ = m.Call(func=m.Attribute(attr=m.Name("get_conv_state")))
 OTHER_STATE_READ = m.Call(func=m.Attribute(attr=m.Name("get_recurrent_state")))
+#: what a Mamba-2 mixer calls besides its conv (its class is that kind, not a short conv)
+MAMBA2_CALL = _call_of("chunk_scan_combined", "chunk_scan", "selective_state_update")
 #: the operator the converted conv calls
 FUSED_CONV_CALL = _call_of("npu_fused_causal_conv1d")
 
@@ -85,6 +92,7 @@ def is_short_conv_class(cls: cst.ClassDef) -> bool:
         bool(m.findall(forward, CONV_CALL))
         and bool(m.findall(forward, CONV_STATE_READ))
         and not m.findall(forward, OTHER_STATE_READ | RULE_CALL | SCAN_CALL)
+        and not m.findall(cls, MAMBA2_CALL)
     )
 
 
@@ -167,7 +175,15 @@ class ShortConvCommand(ClassRewriteCommand):
             "weight": facts.conv_weight,
             "bias": None if facts.conv_bias == "None" else facts.conv_bias,
         }
-        init_stmts = statements("framework_shortconv_init.py.j2", config, **values)
+        entries = [
+            StateEntry(
+                name="conv_state",
+                shape=(f"{facts.conv_weight}.size(-1) - 1", f"{facts.conv_weight}.size(0)"),
+                comment="token-major: npu_fused_causal_conv1d's conv_states [lines, "
+                "state_len, dim]",
+            )
+        ]
+        init_stmts = state_init_statements("short conv", entries, config)
         updated = with_body(
             updated,
             replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
@@ -188,7 +204,7 @@ class ShortConvCommand(ClassRewriteCommand):
             return forward.with_changes(body=block.with_changes(body=body))
 
         body = replace_method(updated, "forward", convert)
-        return with_body(updated, [*body, *methods("framework_shortconv_methods.py.j2", config)])
+        return with_body(updated, [*body, *state_setter_methods(entries, config)])
 
 
 __all__ = ["ShortConvCommand", "ShortConvFacts", "is_short_conv_class", "short_conv_facts"]

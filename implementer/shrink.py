@@ -248,6 +248,44 @@ def _put(
         new[key] = value
 
 
+#: Mamba-2 mixers: small heads, a small state and chunks shorter than the prompts, so the SSD
+#: scan crosses chunk boundaries and a request's state spans several chunks
+SSM_HEAD_DIM = 16
+SSM_STATE_SIZE = 16
+SSM_CHUNK_SIZE = 8
+_SSM_KEYS = {
+    "heads": ("mamba_n_heads", "mamba_num_heads", "num_heads"),
+    "head_dim": ("mamba_d_head", "mamba_head_dim", "head_dim"),
+    "state": ("mamba_d_state", "ssm_state_size", "state_size"),
+    "groups": ("mamba_n_groups", "n_groups"),
+    "chunk": ("mamba_chunk_size", "chunk_size"),
+    "expand": ("mamba_expand", "expand"),
+}
+
+
+def _ssm_sizes(config: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Mamba-2 sizes that stay consistent with the shrunk hidden size: heads x head_dim =
+    expand x hidden (the configs check it), groups dividing the heads."""
+    keys = {
+        role: next((k for k in names if k in config), None) for role, names in _SSM_KEYS.items()
+    }
+    if keys["heads"] is None or keys["state"] is None or keys["expand"] is None:
+        return {}
+    expand = config[keys["expand"]]
+    if not isinstance(expand, (int, float)) or not isinstance(new.get("hidden_size"), int):
+        return {}
+    inner = int(expand * new["hidden_size"])
+    heads = inner // SSM_HEAD_DIM
+    out: dict[str, Any] = {keys["heads"]: heads, keys["state"]: SSM_STATE_SIZE}
+    if keys["head_dim"] is not None and isinstance(config[keys["head_dim"]], int):
+        out[keys["head_dim"]] = SSM_HEAD_DIM
+    if keys["groups"] is not None and isinstance(config[keys["groups"]], int):
+        out[keys["groups"]] = 2 if config[keys["groups"]] > 1 else 1
+    if keys["chunk"] is not None:
+        out[keys["chunk"]] = SSM_CHUNK_SIZE
+    return out
+
+
 def _shrink_decoder(
     config: dict[str, Any],
     *,
@@ -305,6 +343,7 @@ def _shrink_decoder(
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE
     new.update(_linear_attention_sizes(config))
+    new.update(_ssm_sizes(config, new))
     if isinstance(config.get("mlp_only_layers"), list):
         new["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
     for offset, key in enumerate(_TOKEN_ID_KEYS, start=1):

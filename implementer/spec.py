@@ -85,7 +85,8 @@ class ConversionSpec:
             )
         types = [t for t in plan.layer_attn_types() if t not in STATE_ATTN_TYPES]
         uniform = types[0] if len(set(types)) == 1 else None
-        mapping = {} if uniform is not None else _layer_type_mapping(plan)
+        # NOTE: a model of state layers only (mamba2) has no attention type to map
+        mapping = {} if uniform is not None or not types else _layer_type_mapping(plan)
         return cls(
             fa_version=version,
             input_layout=plan.input_layout,
@@ -130,11 +131,6 @@ def _check_supported(plan: Plan) -> None:
         )
     if not plan.layers:
         reasons.append("the Plan lists no layers")
-    elif all(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()):
-        reasons.append(
-            "every layer is a recurrent-state (Mamba) layer; the rewrite converts state "
-            "layers only between attention layers (hybrid models)"
-        )
     if reasons:
         raise UnsupportedModelError(f"{name}: cannot convert: " + "; ".join(reasons))
 

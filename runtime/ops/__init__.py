@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import fla, reference
+from . import fla, mamba, reference
 from .reference.npu_profile import npu_limits, npu_limits_enabled, set_npu_limits
 
 
@@ -65,6 +65,7 @@ __all__ = [
     "Backend",
     "backend",
     "fla",
+    "mamba",
     "npu_limits",
     "npu_limits_enabled",
     "reference",

@@ -1,0 +1,203 @@
+"""Mamba-2 mixers (mamba2, bamba, granitemoehybrid, nemotron_h, ...): paged SSD states.
+
+A Mamba-2 mixer is recognised by what its methods call, never by its name: the SSD chunked
+scan (``mamba_chunk_scan_combined`` / ``mamba2_chunk_scan``) and the one-token
+``selective_state_update``. transformers writes its cache use three ways across versions
+(``cache_params.ssm_states[...]`` in a ``torch_forward``, ``cache.get_recurrent_state`` in one
+``forward``, the ``HybridMambaAttentionDynamicCache`` of the hybrids), so the rewrite does not
+edit those statements: it keeps the layer's modules and parameters (``in_proj``, ``conv1d``,
+``act``, ``A_log``, ``dt_bias``, ``D``, ``norm``, ``out_proj``) and gives ``forward`` one paged
+body over them (``templates/framework_mamba2_forward.py.j2``): the causal conv and the scan on
+the request's state rows (gathered by ``block_table[:, 0]``, zeros without an initial state,
+scattered back). A mixer whose methods read an attribute that body does not use (a per-channel
+multiplier, an optional norm) is refused with the attribute's name rather than converted
+without it.
+
+``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer._command import (
+    ClassRewriteCommand,
+    append_statements,
+    replace_method,
+    with_body,
+)
+from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN, _method, class_assigns
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.state_entries import (
+    StateEntry,
+    state_init_statements,
+    state_setter_methods,
+)
+
+
+def _call_ending(*suffixes: str) -> m.Call:
+    ends = m.MatchIfTrue(lambda value: value.endswith(suffixes))
+    return m.Call(func=m.Name(value=ends) | m.Attribute(attr=m.Name(value=ends)))
+
+
+SCAN_CALL = _call_ending("chunk_scan_combined", "mamba2_chunk_scan")
+STATE_UPDATE_CALL = _call_ending("selective_state_update")
+
+#: attributes the paged forward reads; the source ``__init__`` must set each one
+USED_ATTRS = (
+    "num_heads",
+    "head_dim",
+    "ssm_state_size",
+    "n_groups",
+    "intermediate_size",
+    "conv_dim",
+    "conv_kernel_size",
+    "chunk_size",
+    "time_step_limit",
+    "in_proj",
+    "conv1d",
+    "act",
+    "A_log",
+    "dt_bias",
+    "D",
+    "norm",
+    "out_proj",
+)
+#: attributes the source methods may read that change nothing the paged forward computes:
+#: configuration echoes, the kernels' own spellings of the same values, cache bookkeeping
+NEUTRAL_ATTRS = frozenset(
+    {
+        "activation",
+        "layer_idx",
+        "training",
+        "use_conv_bias",
+        "use_bias",
+        "hidden_size",
+        "time_step_rank",
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "layer_norm_epsilon",
+        "rms_norm_eps",
+        "config",
+        "layer_type",
+        "cuda_kernels_forward",
+        "torch_forward",
+        "init_mamba2_weights",
+        "is_fast_path_available",
+        "use_mem_eff_path",
+    }
+)
+#: the cache entries: (name, shape, comment)
+ENTRIES = [
+    StateEntry(
+        name="conv_state",
+        shape=("self.conv_kernel_size - 1", "self.conv_dim"),
+        comment="the last kernel-1 conv inputs, token-major; the conv operators read its transpose",
+    ),
+    StateEntry(
+        name="ssm_state",
+        shape=("self.num_heads", "self.head_dim", "self.ssm_state_size"),
+        comment="[heads, head_dim, state_size]: the SSD state of every head",
+    ),
+]
+
+
+@dataclass(kw_only=True)
+class Mamba2Facts:
+    name: str
+    converted: bool
+    #: the forward's first argument after self (the hidden states)
+    hidden: str = "hidden_states"
+    problems: list[str] = field(default_factory=list)
+
+
+def is_mamba2_class(cls: cst.ClassDef) -> bool:
+    """A class whose methods run the SSD chunk scan and the one-token state update."""
+    return bool(m.findall(cls, SCAN_CALL)) and bool(m.findall(cls, STATE_UPDATE_CALL))
+
+
+def _self_attrs_read(node: cst.CSTNode) -> set[str]:
+    found = m.findall(node, m.Attribute(value=m.Name("self"), attr=m.Name()))
+    return {cst.ensure_type(a, cst.Attribute).attr.value for a in found}
+
+
+def _self_attrs_set(init: cst.FunctionDef) -> set[str]:
+    found = m.findall(init, m.AssignTarget(target=m.Attribute(value=m.Name("self"))))
+    return {
+        cst.ensure_type(cst.ensure_type(t, cst.AssignTarget).target, cst.Attribute).attr.value
+        for t in found
+    }
+
+
+def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
+    """What the rewrite needs; ``problems`` lists what blocks it."""
+    facts = Mamba2Facts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
+    if facts.converted:
+        return facts
+    init, forward = _method(cls, "__init__"), _method(cls, "forward")
+    if init is None or forward is None:
+        facts.problems.append(f"{facts.name} has no __init__ or no forward to rewrite")
+        return facts
+    params = [p.name.value for p in forward.params.params]
+    if len(params) < 2:
+        facts.problems.append(f"{facts.name}.forward takes no hidden states")
+        return facts
+    facts.hidden = params[1]
+    missing = [a for a in USED_ATTRS if a not in _self_attrs_set(init)]
+    if missing:
+        facts.problems.append(
+            f"{facts.name}.__init__ sets none of {', '.join('self.' + a for a in missing)}, "
+            "which the paged Mamba-2 forward reads"
+        )
+    body = cst.ensure_type(cls.body, cst.IndentedBlock)
+    methods = [
+        s for s in body.body if isinstance(s, cst.FunctionDef) and s.name.value != "__init__"
+    ]
+    own = {s.name.value for s in methods}
+    extra = set().union(*(_self_attrs_read(f) for f in methods)) - set(USED_ATTRS)
+    extra -= NEUTRAL_ATTRS | own
+    if extra:
+        facts.problems.append(
+            f"{facts.name} reads {', '.join('self.' + a for a in sorted(extra))}, which the "
+            "paged Mamba-2 forward does not apply (convert this mixer by hand: see SKILL.md, "
+            "state caches)"
+        )
+    return facts
+
+
+class Mamba2Command(ClassRewriteCommand):
+    """Declare the conv and SSM state entries; the forward runs on the paged states."""
+
+    DESCRIPTION = "Keep Mamba-2 mixer states in the paged runtime's Mamba group."
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+        return [p for c in classes if is_mamba2_class(c) for p in mamba2_facts(c).problems]
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_mamba2_class(cls) and not mamba2_facts(cls).converted
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = mamba2_facts(original)
+        assert not facts.problems, "the pipeline validates Mamba-2 facts first"
+        config = self.parser_config()
+        init_stmts = state_init_statements("Mamba-2", ENTRIES, config)
+        updated = with_body(
+            updated,
+            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
+        )
+        forward_body = statements("framework_mamba2_forward.py.j2", config, hidden=facts.hidden)
+
+        def paged(forward: cst.FunctionDef) -> cst.FunctionDef:
+            block = cst.ensure_type(forward.body, cst.IndentedBlock)
+            return forward.with_changes(body=block.with_changes(body=forward_body))
+
+        body = replace_method(updated, "forward", paged)
+        return with_body(updated, [*body, *state_setter_methods(ENTRIES, config)])
+
+
+__all__ = ["Mamba2Command", "Mamba2Facts", "is_mamba2_class", "mamba2_facts"]

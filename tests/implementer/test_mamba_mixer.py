@@ -148,3 +148,34 @@ def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     # and on the one page-aligned pool shared by the attention and Mamba groups
     pooled = _llm(small_jamba, num_blocks=200, max_num_batched_tokens=12, use_hybrid_blocks=True)
     assert _tokens(pooled, prompts) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "expected"),
+    [
+        # every layer a Mamba-1 mixer: served by the Mamba group alone
+        ("mamba", {}, "fla.selective_scan_fn("),
+        # LFM2: short convs around an attention layer (the library default is all attention)
+        (
+            "lfm2",
+            {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]},
+            "torch_npu.npu_fused_causal_conv1d(",
+        ),
+    ],
+)
+def test_state_models_verify_token_exact(tmp_path, model_type, overrides, expected):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / model_type
+    apply_model(model_type, out, ApplyOptions(config_overrides=overrides))
+    code = (out / f"modeling_{model_type}.py").read_text()
+    assert expected in code and "cache.get_conv_state" not in code
+    report = verify_directory(out, VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+    # converting the converted file changes nothing
+    again = tmp_path / "again"
+    apply_model(str(out), again, ApplyOptions())
+    assert (again / f"modeling_{model_type}.py").read_text() == code

@@ -72,8 +72,8 @@ def _by_type(spec: ConversionSpec, values: dict[str, str]) -> str:
 
 def attn_type_expr(spec: ConversionSpec, config: str, layer_idx: str | None) -> str:
     """``"FullAttention"`` or a conditional on ``config.layer_types[layer_idx]``."""
-    if spec.uniform_attn_type is not None:
-        return f'"{spec.uniform_attn_type}"'
+    if spec.uniform_attn_type is not None or not spec.layer_type_to_attn_type:
+        return f'"{spec.attn_types[0]}"'
     by_type: dict[str, list[str]] = {}
     for layer_type, kind in sorted(spec.layer_type_to_attn_type.items()):
         by_type.setdefault(kind, []).append(layer_type)

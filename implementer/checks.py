@@ -36,7 +36,7 @@ def check_attention_module(
     heads = causal_lm_classes(module, spec.causal_lm_class)
     problems = list(problems)
     # a model of state layers only (mamba2) is served by state groups alone
-    if not attention and spec.attn_types:
+    if not attention and spec.has_attention_layers:
         problems.append(
             "no attention class found (a module whose forward writes `<cache>.update(key, "
             "value, self.layer_idx, ...)` and then calls an attention interface or "
@@ -58,7 +58,7 @@ def check_attention_module(
         problems.extend(facts.problems)
         if facts.converted:
             continue
-        if spec.uniform_attn_type is None and facts.layer_idx_param is None:
+        if spec.layer_type_to_attn_type and facts.layer_idx_param is None:
             problems.append(
                 f"{facts.name}.__init__ takes no layer index, but the model mixes attention "
                 "types per layer"
@@ -99,7 +99,7 @@ def check_mla_module(
     attention = [c for c in classes.values() if is_attention_class(c)]
     problems = list(problems)
     # a model of state layers only (mamba2) is served by state groups alone
-    if not attention and spec.attn_types:
+    if not attention and spec.has_attention_layers:
         problems.append(
             "no attention class found (a module whose forward writes the latent with "
             "`<cache>.update(latent, rope_key, self.layer_idx, ...)` and then calls attention)"

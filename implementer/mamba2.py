@@ -44,6 +44,19 @@ def _call_ending(*suffixes: str) -> m.Call:
 
 SCAN_CALL = _call_ending("chunk_scan_combined", "mamba2_chunk_scan")
 STATE_UPDATE_CALL = _call_ending("selective_state_update")
+#: ``torch.clamp(dt, self.time_step_limit[0], ...)``: once per branch when decode clamps too
+CLAMP_TIME_STEP = m.Call(
+    func=m.Attribute(attr=m.Name("clamp")) | m.Name("clamp"),
+    args=[
+        m.ZeroOrMore(),
+        m.Arg(
+            value=m.MatchIfTrue(
+                lambda node: bool(m.findall(node, m.Attribute(attr=m.Name("time_step_limit"))))
+            )
+        ),
+        m.ZeroOrMore(),
+    ],
+)
 
 #: attributes the paged forward reads; the source ``__init__`` must set each one
 USED_ATTRS = (
@@ -111,6 +124,9 @@ class Mamba2Facts:
     converted: bool
     #: the forward's first argument after self (the hidden states)
     hidden: str = "hidden_states"
+    #: whether the source clamps dt to ``time_step_limit`` in decode too (transformers 4's
+    #: ``torch_forward`` does; transformers 5's forward clamps in the chunk scan only)
+    clamp_decode: bool = False
     problems: list[str] = field(default_factory=list)
 
 
@@ -146,6 +162,8 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
         facts.problems.append(f"{facts.name}.forward takes no hidden states")
         return facts
     facts.hidden = params[1]
+    slow = _method(cls, "torch_forward") or forward
+    facts.clamp_decode = len(m.findall(slow, CLAMP_TIME_STEP)) >= 2
     missing = [a for a in USED_ATTRS if a not in _self_attrs_set(init)]
     if missing:
         facts.problems.append(
@@ -190,7 +208,12 @@ class Mamba2Command(ClassRewriteCommand):
             updated,
             replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
         )
-        forward_body = statements("framework_mamba2_forward.py.j2", config, hidden=facts.hidden)
+        forward_body = statements(
+            "framework_mamba2_forward.py.j2",
+            config,
+            hidden=facts.hidden,
+            clamp_decode=facts.clamp_decode,
+        )
 
         def paged(forward: cst.FunctionDef) -> cst.FunctionDef:
             block = cst.ensure_type(forward.body, cst.IndentedBlock)

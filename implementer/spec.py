@@ -61,9 +61,18 @@ class ConversionSpec:
     config_has_kv_heads: bool = True
 
     @property
+    def has_attention_layers(self) -> bool:
+        """False for a model of state layers only (mamba2), served by state groups alone."""
+        return self.uniform_attn_type is not None or bool(self.layer_type_to_attn_type)
+
+    @property
     def attn_types(self) -> list[str]:
         if self.uniform_attn_type is not None:
             return [self.uniform_attn_type]
+        if not self.layer_type_to_attn_type:
+            # NOTE: no planned layer is attention (bamba's default config), yet the file may
+            # define attention classes for other configs: they are converted as full attention
+            return [AttnType.FULL_ATTENTION.value]
         return sorted(set(self.layer_type_to_attn_type.values()))
 
     @classmethod
@@ -92,9 +101,7 @@ class ConversionSpec:
             input_layout=plan.input_layout,
             uniform_attn_type=uniform,
             layer_type_to_attn_type=mapping,
-            sparse_mode={
-                k: {"prefill": v.prefill, "decode": v.decode} for k, v in plan.sparse_mode.items()
-            },
+            sparse_mode=_sparse_modes(plan, has_attention=bool(types)),
             windows=_window_rules(plan),
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
@@ -103,6 +110,18 @@ class ConversionSpec:
             causal_lm_class=plan.architecture,
             config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
         )
+
+
+#: the analyzer's rule for paged TND full attention: causal (3) in prefill and decode
+FULL_ATTENTION_SPARSE_MODE = {"prefill": 3, "decode": 3}
+
+
+def _sparse_modes(plan: Plan, *, has_attention: bool) -> dict[str, dict[str, int]]:
+    modes = {k: {"prefill": v.prefill, "decode": v.decode} for k, v in plan.sparse_mode.items()}
+    if not has_attention:
+        # attention classes no planned layer uses are converted as full attention
+        modes.setdefault(AttnType.FULL_ATTENTION.value, dict(FULL_ATTENTION_SPARSE_MODE))
+    return modes
 
 
 def _check_supported(plan: Plan) -> None:

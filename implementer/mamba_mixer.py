@@ -15,8 +15,9 @@ statements of the forward are replaced:
               gated delta rewrite emits it)
     scan   ``if recurrent_state is not None and seq_len == 1: y = ...state_update(...)
            else: ... = ..._selective_scan(...); cache.update_recurrent_state(...)``
-           -> one ``selective_scan_fn`` over the packed requests (a decode step is a packed
-              step of one token per request), reading and writing the paged SSM states
+           -> ``selective_scan_fn`` over the packed requests (prefill) or
+              ``selective_state_update`` (decode, one token per request), as vLLM's Mamba-1
+              layer does, reading and writing the paged SSM states
 
 ``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba".
 """

@@ -46,6 +46,7 @@ from kvskill.analyzer.rules import (
 )
 from kvskill.analyzer.scale import decide_scale
 from kvskill.analyzer.scan import scan_file
+from kvskill.analyzer.state_cache import state_cache
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import check_tp_split
 from kvskill.core.errors import BadInputError, UnsupportedModelError
@@ -315,6 +316,7 @@ def plan_for_source(
         code=facts_dict,
         config=dict(source.config),
         memory=memory,
+        state_cache=state_cache(spec, layers, entries),
         implementer_blockers=list(book.blockers),
         is_mla_backend=attention is AttentionKind.MLA,
         mla_cache_write=cache_write,

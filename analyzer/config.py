@@ -63,7 +63,7 @@ class ModelSpec:
     num_mtp_layers: int
     attn_logit_softcapping: float | None
     #: linear-attention / SSM dimensions for state entries ({} when there are none)
-    state: dict[str, int] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
     is_encoder_decoder: bool = False
     #: vocabulary (``vocab_size`` / ChatGLM's ``padded_vocab_size``), 0 when the config has none
     vocab_size: int = 0
@@ -272,7 +272,7 @@ def _layer_kinds(
     return ["attention"] * num_layers, "default (every layer full attention)"
 
 
-def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
+def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
     """Conv / recurrent state dimensions of linear-attention or Mamba layers."""
     if cfg.get("linear_num_value_heads"):
         # gated delta net (qwen3-next style)
@@ -289,6 +289,7 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
             # transformers' gated delta rule returns its state in float32 whatever the model's
             # dtype, and keeps it so between steps; a narrower state changes the logits
             "state_dtype": "float32",
+            "mixer": "gated_delta",
         }
     if cfg.get("linear_num_heads") and cfg.get("linear_head_dim"):
         # Kimi delta attention (kimi-linear, bailing-hybrid): q, k, v heads of one size
@@ -300,6 +301,7 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
             "state_k_dim": dim,
             "state_v_dim": dim,
             "state_dtype": "float32",
+            "mixer": "gated_delta",
         }
     d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
     if d_state:
@@ -317,6 +319,8 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
                 "num_state_heads": int(n_heads),
                 "state_k_dim": int(head_dim),
                 "state_v_dim": int(d_state),
+                "mixer": "mamba2",
+                **_ssm_cache_dtype(cfg),
             }
         # Mamba-1: [d_inner, d_state] state, conv over x only
         return {
@@ -325,9 +329,23 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, int]:
             "num_state_heads": 1,
             "state_k_dim": int(inner),
             "state_v_dim": int(d_state),
+            "mixer": "mamba1",
+            **_ssm_cache_dtype(cfg),
         }
     conv = cfg.get("conv_L_cache")
     if conv:
         # short-convolution layers (lfm2 style): only a conv state over the hidden size
-        return {"conv_kernel": int(conv), "conv_dim": hidden, "num_state_heads": 0}
+        return {
+            "conv_kernel": int(conv),
+            "conv_dim": hidden,
+            "num_state_heads": 0,
+            "mixer": "short_conv",
+        }
     return {}
+
+
+def _ssm_cache_dtype(cfg: dict[str, Any]) -> dict[str, str]:
+    """The SSM state's own dtype when the config pins it (nemotron_h's
+    ``mamba_ssm_cache_dtype``: float32 in a bfloat16 model)."""
+    value = cfg.get("mamba_ssm_cache_dtype")
+    return {"state_dtype": str(value).removeprefix("torch.")} if isinstance(value, str) else {}

@@ -258,6 +258,10 @@ class Plan:
     is_mla_backend: bool = False
     #: MLA models: how the latent reaches the caches; the evidence "mla_cache_write" says why
     mla_cache_write: MlaCacheWrite | None = None
+    #: models with recurrent-state layers: each state layer's mixer kind, the states (shape,
+    #: dtype, bytes), bytes per request and the page size chosen (analyzer/state_cache.py);
+    #: {} for a model without state layers
+    state_cache: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -338,7 +342,13 @@ class Plan:
 CHOICE_FIELDS = ("deploy_mode", "fa_version", "block_size", "attn_tp_size")
 #: Fields recomputed from the model and the choices (the KV heads a rank holds, the cache
 #: entries and their bytes, the memory plan of ``analyze --kv-memory``); not compared.
-DERIVED_FIELDS = ("num_key_value_heads_per_rank", "cache_entries", "kv_bytes_per_token", "memory")
+DERIVED_FIELDS = (
+    "num_key_value_heads_per_rank",
+    "cache_entries",
+    "kv_bytes_per_token",
+    "memory",
+    "state_cache",
+)
 #: Prose and findings: explanations of the decisions, not decisions; not compared.
 NOTE_FIELDS = ("fa_version_reason", "legacy_reason", "warnings", "evidence", "implementer_blockers")
 

@@ -42,3 +42,18 @@ def entry_bytes(dims: int | Iterable[int], num_head: int, element_bytes: int) ->
     """
     shape = [dims] if isinstance(dims, int) else list(dims)
     return math.prod(int(d) for d in shape) * int(num_head) * int(element_bytes)
+
+
+def hybrid_block_size(
+    attention_bytes_per_token: int, state_page_bytes: int, kernel_block_size: int = 16
+) -> int:
+    """Smallest multiple of the kernel block size whose attention page holds a state page.
+
+    A pool shared by attention and state groups pages both with one page size: the
+    attention block size grows (in kernel blocks) until one attention page holds a whole
+    per-request state, so a state never spans two pages and the attention padding stays
+    below one kernel block. Example: 512 B/token of K+V, a 20 KiB state and kernel blocks of
+    16 tokens give ceil(20480 / 8192) * 16 = 48 tokens per block.
+    """
+    per_kernel_block = attention_bytes_per_token * kernel_block_size
+    return max(1, -(-state_page_bytes // per_kernel_block)) * kernel_block_size

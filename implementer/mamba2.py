@@ -89,9 +89,6 @@ NEUTRAL_ATTRS = frozenset(
         "use_bias",
         "hidden_size",
         "time_step_rank",
-        "time_step_min",
-        "time_step_max",
-        "time_step_floor",
         "layer_norm_epsilon",
         "rms_norm_eps",
         "config",
@@ -171,8 +168,12 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
             "which the paged Mamba-2 forward reads"
         )
     body = cst.ensure_type(cls.body, cst.IndentedBlock)
+    # NOTE: weight initialisers (init_mamba2_weights) read init-only settings such as
+    # time_step_min; transformers 4.46 clamps dt with it in torch_forward, which is refused
     methods = [
-        s for s in body.body if isinstance(s, cst.FunctionDef) and s.name.value != "__init__"
+        s
+        for s in body.body
+        if isinstance(s, cst.FunctionDef) and not s.name.value.lstrip("_").startswith("init")
     ]
     own = {s.name.value for s in methods}
     extra = set().union(*(_self_attrs_read(f) for f in methods)) - set(USED_ATTRS)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kvskill.core.attn_types import AttnType
+from kvskill.core.cache_bytes import hybrid_block_size
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
 from kvskill.runtime.kv_cache_groups import KVCacheGroup
@@ -325,12 +326,6 @@ def calculate_fixed_block_num(
 def choose_hybrid_block_size(
     attention_bytes_per_token: int, mamba_page_bytes: int, kernel_block_size: int = 16
 ) -> int:
-    """Smallest multiple of the kernel block size whose attention page holds a Mamba page.
-
-    A hybrid pool pages both groups with one page size; picking the attention block size
-    this way keeps the (per-request) Mamba state inside one page and the attention padding
-    below one kernel block. Example: 512 B/token of K+V, a 20 KiB Mamba state and kernel
-    blocks of 16 tokens give ceil(20480 / 8192) * 16 = 48 tokens per block.
-    """
-    per_kernel_block = attention_bytes_per_token * kernel_block_size
-    return max(1, -(-mamba_page_bytes // per_kernel_block)) * kernel_block_size
+    """Smallest multiple of the kernel block size whose attention page holds a Mamba page
+    (``kvskill.core.cache_bytes.hybrid_block_size``, which the analyzer's Plan reports)."""
+    return hybrid_block_size(attention_bytes_per_token, mamba_page_bytes, kernel_block_size)

@@ -25,6 +25,7 @@ from kvskill.implementer.contiguous import (
 from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.mamba2 import Mamba2Command
+from kvskill.implementer.mamba_mixer import Mamba1MixerCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
 from kvskill.implementer.mla.codemods import (
     MlaAttentionForwardCommand,
@@ -32,6 +33,7 @@ from kvskill.implementer.mla.codemods import (
     MlaCacheInfoCommand,
 )
 from kvskill.implementer.model_class import CacheInfoCommand
+from kvskill.implementer.short_conv import ShortConvCommand
 from kvskill.implementer.state_mixers import StateLayersCheck
 from kvskill.implementer.text_model import LocalTextModelCommand
 
@@ -85,6 +87,8 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
     Rewrite("KVR014", StateLayersCheck, _paths(PAGED, MLA)),
     Rewrite("KVR015", Mamba2Command, _paths(PAGED, MLA)),
+    Rewrite("KVR016", Mamba1MixerCommand, _paths(PAGED, MLA)),
+    Rewrite("KVR017", ShortConvCommand, _paths(PAGED, MLA)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
 )

@@ -89,6 +89,12 @@ def _num_layers(config: dict[str, Any], names: dict[str, str] | None = None) -> 
         for i, value in enumerate(values):
             first_seen.setdefault(repr(value), i)
         needed = max(needed, max(first_seen.values()) + 1)
+    for key, offset in config.items():
+        # a pattern by period and offset (Jamba's attn_layer_offset / expert_layer_offset):
+        # the first layer of that kind is layer ``offset``
+        period = config.get(key.removesuffix("_offset") + "_period")
+        if key.endswith("_layer_offset") and _above(offset, -1) and _above(period, 1):
+            needed = max(needed, offset + 1)
     sparse_step = config.get("decoder_sparse_step")
     if isinstance(sparse_step, int) and sparse_step > 1:
         needed = max(needed, sparse_step)  # keep a sparse (MoE) layer in the pattern

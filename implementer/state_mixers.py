@@ -16,6 +16,8 @@ import libcst.matchers as m
 from kvskill.implementer._command import FrameworkCommand
 from kvskill.implementer.gated_delta import is_gated_delta_class
 from kvskill.implementer.mamba2 import is_mamba2_class
+from kvskill.implementer.mamba_mixer import is_mamba1_class
+from kvskill.implementer.short_conv import is_short_conv_class
 
 #: kind -> (what identifies it, the predicate)
 STATE_MIXERS: dict[str, tuple[str, Callable[[cst.ClassDef], bool]]] = {
@@ -28,6 +30,14 @@ STATE_MIXERS: dict[str, tuple[str, Callable[[cst.ClassDef], bool]]] = {
         "methods that call mamba_chunk_scan_combined (or mamba2_chunk_scan) and "
         "selective_state_update",
         is_mamba2_class,
+    ),
+    "Mamba-1 mixer": (
+        "a forward that calls causal_conv1d_fn/update and a *selective_scan",
+        is_mamba1_class,
+    ),
+    "short conv": (
+        "a forward that calls causal_conv1d_fn/update on a cached conv state only",
+        is_short_conv_class,
     ),
 }
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .reference._checks import OpInputError, describe, reject_if_used
 from .reference.gated_delta import gated_delta_scan, l2norm, pad_index
+from .selective_scan import selective_scan_fn
 
 PAD_SLOT_ID = -1
 
@@ -473,4 +474,5 @@ __all__ = [
     "gated_delta_scan",
     "l2norm",
     "recurrent_gated_delta_rule",
+    "selective_scan_fn",
 ]

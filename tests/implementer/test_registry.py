@@ -61,7 +61,8 @@ BEFORE = {
 BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}
 #: rewrites the before files give nothing to do; the goldens (tests/goldens) freeze what they
 #: do on real files: gated delta nets (qwen3_next, kimi_linear), the MLA files' relative
-#: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper
+#: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper;
+#: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py)
 NO_WORK_IN_FIXTURE = {
     ("KVR008", "paged"),
     ("KVR008", "mla"),
@@ -69,6 +70,10 @@ NO_WORK_IN_FIXTURE = {
     ("KVR014", "mla"),
     ("KVR015", "paged"),
     ("KVR015", "mla"),
+    ("KVR016", "paged"),
+    ("KVR016", "mla"),
+    ("KVR017", "paged"),
+    ("KVR017", "mla"),
     ("KVR001", "mla"),
     ("KVR011", "mla"),
     ("KVR012", "mla"),

@@ -6,6 +6,7 @@ Import it through ``kvskill.runtime.ops.torch_npu`` so that an NPU machine gets 
 from __future__ import annotations
 
 from ._checks import OpInputError, ReferenceUnsupportedError
+from .causal_conv import npu_fused_causal_conv1d
 from .format_cast import get_npu_format, npu_format_cast, npu_format_cast_
 from .fused_infer_attention import (
     npu_fused_infer_attention_score,
@@ -32,6 +33,7 @@ __all__ = [
     "npu_format_cast",
     "npu_chunk_gated_delta_rule",
     "npu_format_cast_",
+    "npu_fused_causal_conv1d",
     "npu_fused_infer_attention_score",
     "npu_interleave_rope",
     "npu_fused_infer_attention_score_v2",

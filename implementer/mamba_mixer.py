@@ -1,0 +1,321 @@
+"""Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba): paged conv and SSM states.
+
+A Mamba-1 mixer is recognised by what its ``forward`` does: a causal conv
+(``causal_conv1d_fn`` / ``causal_conv1d_update``) and a selective scan
+(``*selective_scan`` / ``selective_scan_fn``, decode by ``*selective_state_update``), each
+in an ``if`` statement that chooses between transformers' cached decode path and its
+prefill path. The projections, the selection (``x_proj``, ``dt_proj``, Jamba's and
+Falcon-Mamba's norms on dt, B and C) and ``out_proj`` stay as written; three top-level
+statements of the forward are replaced:
+
+    read   ``if cache is not None: conv_state = cache.get_conv_state(...) ...``
+           -> the step's metadata: each request's state row and whether it has a state
+    conv   ``if conv_state is not None and seq_len == 1: x = causal_conv1d_update(...)``
+           -> the varlen conv over the packed requests on the paged conv states (as the
+              gated delta rewrite emits it)
+    scan   ``if recurrent_state is not None and seq_len == 1: y = ...state_update(...)
+           else: ... = ..._selective_scan(...); cache.update_recurrent_state(...)``
+           -> ``selective_scan_fn`` over the packed requests (prefill) or
+              ``selective_state_update`` (decode, one token per request), as vLLM's Mamba-1
+              layer does, reading and writing the paged SSM states
+
+``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer._command import (
+    ClassRewriteCommand,
+    append_statements,
+    replace_method,
+    with_body,
+)
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    _assigned_names,
+    _method,
+    _used_names,
+    class_assigns,
+)
+from kvskill.implementer.gated_delta import (
+    CONV_CALL,
+    EMITTED_LOCALS,
+    RULE_CALL,
+    STATE_READ_CALL,
+    STATE_WRITE_CALL,
+    _arguments,
+    _call_of,
+    _conv_facts,
+    _self_assign,
+    _top_index,
+    _with_leading,
+)
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.state_entries import (
+    StateEntry,
+    state_init_statements,
+    state_setter_methods,
+)
+
+#: the Mamba-1 selective scan in any spelling (transformers' mamba_selective_scan,
+#: mamba_ssm's / vLLM's selective_scan_fn)
+SCAN_CALL = _call_of("selective_scan", "selective_scan_fn")
+#: the state shapes read ``self.<attr>`` set in ``__init__``: per role, the first name found
+SHAPE_ATTRS = {
+    "kernel_expr": ("conv_kernel_size",),
+    "dim_expr": ("intermediate_size",),
+    "dstate_expr": ("ssm_state_size",),
+}
+#: transformers' selective scan signature (batch form: u [batch, dim, L], B [batch, N, L])
+SCAN_PARAMS = [
+    "hidden_states",
+    "dt",
+    "A",
+    "B",
+    "C",
+    "D",
+    "z",
+    "delta_bias",
+    "delta_softplus",
+    "return_last_state",
+]
+#: keywords whose meaning the rewrite knows: the operands, and two choices of a PyTorch
+#: algorithm that do not change the result
+SCAN_KEYWORDS = {*SCAN_PARAMS, "u", "delta", "use_mambapy", "use_associative_scan"}
+
+
+@dataclass(kw_only=True)
+class Mamba1Facts:
+    """One Mamba-1 mixer class and the statements its forward rewrite replaces."""
+
+    name: str
+    converted: bool
+    #: template values of the state shapes, e.g. {"dim_expr": "self.intermediate_size"}
+    shapes: dict[str, str] = field(default_factory=dict)
+    read_index: int | None = None
+    conv_index: int | None = None
+    scan_index: int | None = None
+    write_index: int | None = None
+    #: the conv's input and the name its result is bound to, [1, dim, T]
+    conv_source: str = ""
+    conv_target: str = ""
+    conv_weight: str = ""
+    conv_bias: str = "None"
+    activation: str = "self.activation"
+    #: the scan's operands as the source passes them (batch form, batch 1)
+    operands: dict[str, str] = field(default_factory=dict)
+    #: the name the scan statement's result is bound to and read by the rest of the forward
+    output: str = ""
+    #: the forward's first argument after self (the hidden states)
+    hidden: str = "hidden_states"
+    problems: list[str] = field(default_factory=list)
+
+
+def is_mamba1_class(cls: cst.ClassDef) -> bool:
+    """A class whose forward runs a causal conv and a Mamba-1 selective scan."""
+    forward = _method(cls, "forward")
+    if forward is None or m.findall(forward, RULE_CALL):
+        return False
+    return bool(m.findall(forward, SCAN_CALL)) and bool(m.findall(forward, CONV_CALL))
+
+
+def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
+    """Gather what the rewrite needs; ``problems`` lists what blocks it."""
+    facts = Mamba1Facts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
+    if facts.converted:
+        return facts
+    for role, names in SHAPE_ATTRS.items():
+        found = next((n for n in names if class_assigns(cls, _self_assign(n))), None)
+        if found is None:
+            facts.problems.append(
+                f"{facts.name}.__init__ sets none of {', '.join('self.' + n for n in names)}, "
+                "from which the conv and ssm state shapes are written"
+            )
+        else:
+            facts.shapes[role] = f"self.{found}"
+    forward = _method(cls, "forward")
+    assert forward is not None, "is_mamba1_class checked the forward"
+    params = [p.name.value for p in forward.params.params]
+    if len(params) >= 2:
+        facts.hidden = params[1]
+    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+    facts.read_index = _top_index(body, STATE_READ_CALL)
+    facts.conv_index = _top_index(body, CONV_CALL)
+    facts.scan_index = _top_index(body, SCAN_CALL)
+    facts.write_index = _top_index(body, STATE_WRITE_CALL)
+    order = [facts.read_index, facts.conv_index, facts.scan_index]
+    if None in order or order != sorted(order) or len(set(order)) != 3:
+        facts.problems.append(
+            f"{facts.name}.forward does not read its cached states, run the causal conv and "
+            "then the selective scan in three separate statements"
+        )
+        return facts
+    if facts.write_index is not None and facts.write_index < facts.scan_index:
+        facts.problems.append(f"{facts.name}.forward writes its SSM state before the scan")
+        return facts
+    if m.findall(body.body[facts.scan_index], m.For() | m.While()):
+        facts.problems.append(
+            f"{facts.name}.forward runs its selective scan in a loop (one scan per head); "
+            "selective_scan_fn takes the heads as groups of one scan, which this rewrite does "
+            "not derive from the loop"
+        )
+        return facts
+    before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
+    _conv_facts(facts, body.body[facts.conv_index], before)
+    if not facts.problems:
+        _scan_facts(facts, body)
+    return facts
+
+
+def _scan_facts(facts: Mamba1Facts, body: cst.IndentedBlock) -> None:
+    """The scan statement: one scan call whose operands are readable, and one
+    name it binds that the rest of the forward reads (the scan's output)."""
+    stmt = body.body[facts.scan_index]
+    calls = [cst.ensure_type(c, cst.Call) for c in m.findall(stmt, SCAN_CALL)]
+    if len(calls) != 1:
+        facts.problems.append(f"{facts.name}.forward calls the selective scan {len(calls)} times")
+        return
+    values, problems = _arguments(calls[0], SCAN_PARAMS, SCAN_KEYWORDS)
+    values.setdefault("hidden_states", values.get("u", ""))
+    values.setdefault("dt", values.get("delta", ""))
+    missing = [n for n in ("hidden_states", "dt", "A", "B", "C") if not values.get(n)]
+    if problems or missing:
+        facts.problems.append(
+            f"{facts.name}.forward calls the selective scan with arguments the rewrite cannot "
+            f"read ({', '.join(problems) or 'no ' + '/'.join(missing)})"
+        )
+        return
+    facts.operands = values
+    kept = [s for i, s in enumerate(body.body) if i > facts.scan_index and i != facts.write_index]
+    outputs = sorted(_assigned_names([stmt]) & _used_names(kept))
+    if len(outputs) != 1:
+        facts.problems.append(
+            f"{facts.name}.forward's scan statement binds {outputs or 'no name'} for the rest "
+            "of the forward; the rewrite needs exactly one (the scan's output)"
+        )
+        return
+    facts.output = outputs[0]
+    replaced_at = {facts.read_index, facts.conv_index, facts.scan_index, facts.write_index}
+    replaced = [s for i, s in enumerate(body.body) if i in replaced_at]
+    others = [s for i, s in enumerate(body.body) if i not in replaced_at]
+    clash = EMITTED_LOCALS & (_used_names(others) | _assigned_names(others))
+    if clash:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(clash)}, names the rewrite binds for the "
+            "paged state"
+        )
+    leaked = (_assigned_names(replaced) - {facts.conv_target, facts.output}) & _used_names(others)
+    if leaked:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(leaked)} outside the cache statements the "
+            "rewrite replaces"
+        )
+
+
+def _operand(values: dict[str, str], name: str) -> str:
+    value = values.get(name)
+    return "None" if value is None else value
+
+
+def _scan_values(facts: Mamba1Facts) -> dict:
+    values = facts.operands
+    z = values.get("z")
+    return {
+        "output": facts.output,
+        "u": values["hidden_states"],
+        "delta": values["dt"],
+        "A": values["A"],
+        "B": values["B"],
+        "C": values["C"],
+        "D": _operand(values, "D"),
+        "z": None if z in (None, "None") else z,
+        "delta_bias": _operand(values, "delta_bias"),
+        "softplus": values.get("delta_softplus", "False"),
+    }
+
+
+def _state_entries(facts: Mamba1Facts) -> list[StateEntry]:
+    shapes = facts.shapes
+    return [
+        StateEntry(
+            name="conv_state",
+            shape=(f"{shapes['kernel_expr']} - 1", shapes["dim_expr"]),
+            comment="token-major, as the analyzer reports it; the conv operators read its "
+            "transpose",
+        ),
+        StateEntry(
+            name="ssm_state",
+            shape=(shapes["dim_expr"], shapes["dstate_expr"]),
+            comment="[channels, state size]: selective_scan_fn's state row",
+        ),
+    ]
+
+
+class Mamba1MixerCommand(ClassRewriteCommand):
+    """Declare the conv and SSM state entries and run the conv and the scan on paged states."""
+
+    DESCRIPTION = "Keep Mamba-1 mixer states in the paged runtime's Mamba group."
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        # NOTE: whether the Plan and the code agree on state layers at all is
+        # state_mixers.state_layer_problems' concern
+        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+        return [p for c in classes if is_mamba1_class(c) for p in mamba1_facts(c).problems]
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_mamba1_class(cls) and not mamba1_facts(cls).converted
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = mamba1_facts(original)
+        assert not facts.problems, "the pipeline validates Mamba-1 facts first"
+        config = self.parser_config()
+        entries = _state_entries(facts)
+        init_stmts = state_init_statements("Mamba-1 mixer", entries, config)
+        updated = with_body(
+            updated,
+            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
+        )
+        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, facts, config))
+        return with_body(updated, [*body, *state_setter_methods(entries, config)])
+
+    def _convert_forward(
+        self, forward: cst.FunctionDef, facts: Mamba1Facts, config: cst.PartialParserConfig
+    ) -> cst.FunctionDef:
+        conv = {
+            "hidden": facts.hidden,
+            "target": facts.conv_target,
+            "source": facts.conv_source,
+            "weight": facts.conv_weight,
+            "bias": facts.conv_bias,
+            "activation": facts.activation,
+        }
+        replacements = {
+            facts.read_index: statements("framework_gdn_state.py.j2", config, **conv),
+            facts.conv_index: statements("framework_gdn_conv.py.j2", config, **conv),
+            facts.scan_index: statements(
+                "framework_mamba1_scan.py.j2", config, **_scan_values(facts)
+            ),
+        }
+        block = cst.ensure_type(forward.body, cst.IndentedBlock)
+        body: list[cst.BaseStatement] = []
+        for index, stmt in enumerate(block.body):
+            if index == facts.write_index and index not in replacements:
+                continue
+            if index in replacements:
+                body.extend(_with_leading(replacements[index], stmt))
+            else:
+                body.append(stmt)
+        return forward.with_changes(body=block.with_changes(body=body))
+
+
+__all__ = [
+    "Mamba1Facts",
+    "Mamba1MixerCommand",
+    "is_mamba1_class",
+    "mamba1_facts",
+]

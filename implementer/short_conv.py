@@ -1,0 +1,210 @@
+"""Short-convolution mixers (LFM2): a paged conv state, run by torch_npu's fused causal conv.
+
+A short conv is a gated depthwise causal conv with no state besides its last kernel-1
+inputs. It is recognised by what its ``forward`` does: a causal conv (``causal_conv1d_fn`` /
+``causal_conv1d_update``) whose cache read is ``get_conv_state`` alone (no recurrent state:
+that would be a Mamba mixer). The projections and gates stay as written; two top-level
+statements of the forward are replaced:
+
+    read   ``if cache is not None: conv_state = cache.get_conv_state(...)``
+           -> the step's metadata, each request's state row; rows of requests new to the
+              cache are zeroed, since the operator always starts from the row
+    conv   ``if conv_state is not None and seq_len == 1: x = causal_conv1d_update(...)
+           else: ... x = causal_conv1d_fn(...)``
+           -> one ``torch_npu.npu_fused_causal_conv1d`` over the packed requests (prefill,
+              decode and mixed steps alike), its bias added after the call (the operator
+              takes none)
+
+``__init__`` declares one ``MambaCacheEntry`` (the conv state) under attn_type "Mamba".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.implementer._command import (
+    ClassRewriteCommand,
+    append_statements,
+    replace_method,
+    with_body,
+)
+from kvskill.implementer.facts import (
+    CACHE_ENTRIES_ASSIGN,
+    _assigned_names,
+    _method,
+    _used_names,
+    class_assigns,
+)
+from kvskill.implementer.gated_delta import (
+    CONV_CALL,
+    EMITTED_LOCALS,
+    RULE_CALL,
+    _call_of,
+    _conv_facts,
+    _top_index,
+    _with_leading,
+)
+from kvskill.implementer.mamba_mixer import SCAN_CALL
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.state_entries import (
+    StateEntry,
+    state_init_statements,
+    state_setter_methods,
+)
+
+CONV_STATE_READ = m.Call(func=m.Attribute(attr=m.Name("get_conv_state")))
+OTHER_STATE_READ = m.Call(func=m.Attribute(attr=m.Name("get_recurrent_state")))
+#: what a Mamba-2 mixer calls besides its conv (its class is that kind, not a short conv)
+MAMBA2_CALL = _call_of("chunk_scan_combined", "chunk_scan", "selective_state_update")
+#: the operator the converted conv calls
+FUSED_CONV_CALL = _call_of("npu_fused_causal_conv1d")
+
+
+@dataclass(kw_only=True)
+class ShortConvFacts:
+    """One short-conv class and the statements its forward rewrite replaces."""
+
+    name: str
+    converted: bool
+    read_index: int | None = None
+    conv_index: int | None = None
+    #: the conv's input and the name its result is bound to, [1, dim, T]
+    conv_source: str = ""
+    conv_target: str = ""
+    conv_weight: str = ""
+    conv_bias: str = "None"
+    activation: str = "None"
+    hidden: str = "hidden_states"
+    problems: list[str] = field(default_factory=list)
+
+
+def is_short_conv_class(cls: cst.ClassDef) -> bool:
+    """A class whose forward runs a causal conv on a cached conv state and nothing else of a
+    state mixer, or one this rewrite converted (cache entries and the fused conv)."""
+    forward = _method(cls, "forward")
+    if forward is None:
+        return False
+    if m.findall(forward, FUSED_CONV_CALL) and class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        return True
+    return (
+        bool(m.findall(forward, CONV_CALL))
+        and bool(m.findall(forward, CONV_STATE_READ))
+        and not m.findall(forward, OTHER_STATE_READ | RULE_CALL | SCAN_CALL)
+        and not m.findall(cls, MAMBA2_CALL)
+    )
+
+
+def short_conv_facts(cls: cst.ClassDef) -> ShortConvFacts:
+    """Gather what the rewrite needs; ``problems`` lists what blocks it."""
+    facts = ShortConvFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
+    if facts.converted:
+        return facts
+    forward = _method(cls, "forward")
+    assert forward is not None, "is_short_conv_class checked the forward"
+    params = [p.name.value for p in forward.params.params]
+    if len(params) >= 2:
+        facts.hidden = params[1]
+    body = cst.ensure_type(forward.body, cst.IndentedBlock)
+    facts.read_index = _top_index(body, CONV_STATE_READ)
+    facts.conv_index = _top_index(body, CONV_CALL)
+    if None in (facts.read_index, facts.conv_index) or facts.read_index >= facts.conv_index:
+        facts.problems.append(
+            f"{facts.name}.forward does not read its cached conv state and then run the causal "
+            "conv in two separate statements"
+        )
+        return facts
+    before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
+    _conv_facts(facts, body.body[facts.conv_index], before)
+    if facts.problems:
+        return facts
+    if facts.activation not in ("None", '"None"', "'None'"):
+        facts.problems.append(
+            f"{facts.name}.forward's short conv applies activation {facts.activation}; "
+            "npu_fused_causal_conv1d applies none (its activation argument is unsupported)"
+        )
+    if not facts.conv_weight.startswith("self."):
+        facts.problems.append(
+            f"{facts.name}.forward's conv weight {facts.conv_weight!r} is not an attribute of "
+            "the layer, from which the conv state's shape is written"
+        )
+    _check_names(facts, body)
+    return facts
+
+
+def _check_names(facts: ShortConvFacts, body: cst.IndentedBlock) -> None:
+    replaced_at = {facts.read_index, facts.conv_index}
+    replaced = [s for i, s in enumerate(body.body) if i in replaced_at]
+    kept = [s for i, s in enumerate(body.body) if i not in replaced_at]
+    clash = EMITTED_LOCALS & (_used_names(kept) | _assigned_names(kept))
+    if clash:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(clash)}, names the rewrite binds for the "
+            "paged state"
+        )
+    leaked = (_assigned_names(replaced) - {facts.conv_target}) & _used_names(kept)
+    if leaked:
+        facts.problems.append(
+            f"{facts.name}.forward uses {sorted(leaked)} outside the cache statements the "
+            "rewrite replaces"
+        )
+
+
+class ShortConvCommand(ClassRewriteCommand):
+    """Declare the conv state entry and run the fused causal conv on the paged states."""
+
+    DESCRIPTION = "Keep short-conv states in the paged runtime's Mamba group."
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+        return [p for c in classes if is_short_conv_class(c) for p in short_conv_facts(c).problems]
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_short_conv_class(cls) and not short_conv_facts(cls).converted
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = short_conv_facts(original)
+        assert not facts.problems, "the pipeline validates short-conv facts first"
+        config = self.parser_config()
+        values = {
+            "hidden": facts.hidden,
+            "target": facts.conv_target,
+            "source": facts.conv_source,
+            "weight": facts.conv_weight,
+            "bias": None if facts.conv_bias == "None" else facts.conv_bias,
+        }
+        entries = [
+            StateEntry(
+                name="conv_state",
+                shape=(f"{facts.conv_weight}.size(-1) - 1", f"{facts.conv_weight}.size(0)"),
+                comment="token-major: npu_fused_causal_conv1d's conv_states [lines, "
+                "state_len, dim]",
+            )
+        ]
+        init_stmts = state_init_statements("short conv", entries, config)
+        updated = with_body(
+            updated,
+            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
+        )
+        replacements = {
+            facts.read_index: statements("framework_shortconv_state.py.j2", config, **values),
+            facts.conv_index: statements("framework_shortconv_conv.py.j2", config, **values),
+        }
+
+        def convert(forward: cst.FunctionDef) -> cst.FunctionDef:
+            block = cst.ensure_type(forward.body, cst.IndentedBlock)
+            body: list[cst.BaseStatement] = []
+            for index, stmt in enumerate(block.body):
+                if index in replacements:
+                    body.extend(_with_leading(replacements[index], stmt))
+                else:
+                    body.append(stmt)
+            return forward.with_changes(body=block.with_changes(body=body))
+
+        body = replace_method(updated, "forward", convert)
+        return with_body(updated, [*body, *state_setter_methods(entries, config)])
+
+
+__all__ = ["ShortConvCommand", "ShortConvFacts", "is_short_conv_class", "short_conv_facts"]

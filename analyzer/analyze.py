@@ -77,8 +77,12 @@ def analyze_model(
     block_size: int | None = None,
     kv_memory_bytes: int | None = None,
     hbm_gb: float | None = None,
+    prompt_file: Path | None = None,
 ) -> Plan:
     """Decide the KV-cache design of MODEL (a directory or a transformers model type).
+
+    PROMPT_FILE is the task prompt; a ``部署模式:`` line there decides the deploy mode
+    when DEPLOY_MODE is "auto" (``deploy.py``).
 
     Raises BadInputError (exit 2) for unusable input and UnsupportedModelError (exit 3) for
     a model that cannot be served (no causal decoder). Never imports the model's code.
@@ -100,7 +104,36 @@ def analyze_model(
         block_size=block_size or DEFAULT_BLOCK_SIZE,
         kv_memory_bytes=kv_memory_bytes,
         hbm_gb=hbm_gb,
+        prompt_file=prompt_file,
     )
+
+
+def attention_sublayers(code: CodeView, book: Notebook) -> int:
+    """Attention modules per decoder layer, as the decoder layer's ``__init__`` builds them:
+    LongCat-Flash keeps ``nn.ModuleList([Attention(...) for i in [0, 1]])``, so each decoder
+    layer holds two caches' worth of KV (each sublayer is one layer of ``get_cache_info``)."""
+    facts = code.facts
+    layer = facts.classes.get(code.roles.decoder_layer or "")
+    if layer is None:
+        return 1
+    attention = set(code.roles.attention)
+    # NOTE: only a container of attention modules multiplies: a second single attribute is
+    # usually conditional (GPT-2's cross-attention exists only with add_cross_attention)
+    held = {
+        attr: layer.attr_counts[attr]
+        for attr, names in layer.attr_classes.items()
+        if attention.intersection(names) and layer.attr_counts.get(attr, 1) > 1
+    }
+    if not held:
+        return 1
+    attr, total = max(held.items(), key=lambda item: item[1])
+    book.cite(
+        "layers",
+        f"each decoder layer holds {total} attention sublayers (self.{attr}); every sublayer "
+        "has its own cache entries, so KV bytes and blocks count them all",
+        f"{facts.file_name}:{layer.self_attrs.get(attr, layer.line)}",
+    )
+    return total
 
 
 def _refuse_non_causal(source: ModelSource) -> None:
@@ -129,6 +162,7 @@ def plan_for_source(
     block_size: int,
     kv_memory_bytes: int | None,
     hbm_gb: float | None,
+    prompt_file: Path | None = None,
 ) -> Plan:
     """All decisions for a resolved source."""
     # A composite model's language model is planned with the same options.
@@ -138,6 +172,7 @@ def plan_for_source(
         block_size=block_size,
         kv_memory_bytes=kv_memory_bytes,
         hbm_gb=hbm_gb,
+        prompt_file=prompt_file,
     )
     if _is_wrapper_without_causal_lm(source):
         # A vision-language (or other composite) model that transformers does not map to a
@@ -203,7 +238,13 @@ def plan_for_source(
             "text-only requests are exact (every multimodal-rope section is the text position), "
             "image and video inputs with their 3-D rope positions are not passed through"
         )
-    mode = decide_deploy_mode(deploy_mode, source.runner_files, book)
+    mode = decide_deploy_mode(
+        deploy_mode,
+        source.runner_files,
+        book,
+        prompt_file=prompt_file,
+        model_dir=None if source.kind == "transformers" else Path(source.path),
+    )
     layers = decide_layers(spec, book)
     _window_only_in_cache(spec, book)
     if not layers:
@@ -224,7 +265,12 @@ def plan_for_source(
     )
     entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)
     _cite_state_entries(entries, source, book)
-    counts = {t: sum(1 for layer in layers if layer.attn_type == t) for t in attn_types}
+    sublayers = attention_sublayers(code, book)
+    counts = {
+        t: sum(1 for layer in layers if layer.attn_type == t)
+        * (1 if t == AttnType.MAMBA.value else sublayers)
+        for t in attn_types
+    }
     memory = plan_memory(
         spec=spec,
         config=source.config,

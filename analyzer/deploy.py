@@ -1,10 +1,16 @@
-"""Deployment mode: explicit flag > a self-managing ``runner_*.py`` (standalone) > framework."""
+"""Deployment mode, in seed 003's order: the explicit flag; a ``部署模式: 框架部署 | 独立部署``
+line in the task prompt (``--prompt-file``) or in ``progress.md`` beside the model; what the
+model directory shows (a self-managing ``runner_*.py`` means standalone); else framework."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.plan import DeployMode
 from kvskill.analyzer.scan import ModuleFacts, scan_file
+from kvskill.core.inputs import read_text
 
 #: what a runner imports when the bundled runtime schedules requests and owns the KV cache;
 #: helpers alone (ForwardMetaData, forward_context, masks, load_model) leave both to the runner
@@ -12,11 +18,46 @@ ENGINE_MODULES = ("kvskill.runtime.llm", "kvskill.runtime.engine", "kvskill.runt
 ENGINE_NAMES = ("LLM", "LLMEngine", "Scheduler", "KVCacheManager", "prepare_kv_cache")
 
 
-def decide_deploy_mode(requested: str, runner_files: tuple[str, ...], book: Notebook) -> DeployMode:
-    """Explicit flag > a self-managing runner_*.py (standalone) > framework."""
+#: ``部署模式: 框架部署`` (full-width colon too); the English names are accepted as well
+_MARKER = re.compile(r"部署模式\s*[:：]\s*\**\s*(框架部署|独立部署|framework|standalone)", re.I)
+_MARKER_MODES = {"框架部署": "framework", "独立部署": "standalone"}
+#: the migrator's progress notes, read beside the model when no prompt names the mode
+PROGRESS_FILE = "progress.md"
+
+
+def deploy_marker(text: str) -> tuple[str, int] | None:
+    """The deploy mode a ``部署模式:`` line names, and its line number (the first such line)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _MARKER.search(line)
+        if match:
+            value = match.group(1)
+            return _MARKER_MODES.get(value, value.lower()), number
+    return None
+
+
+def decide_deploy_mode(
+    requested: str,
+    runner_files: tuple[str, ...],
+    book: Notebook,
+    *,
+    prompt_file: Path | None = None,
+    model_dir: Path | None = None,
+) -> DeployMode:
+    """Flag > ``部署模式:`` in the prompt file > in progress.md beside the model > a
+    self-managing runner_*.py (standalone) > framework."""
     if requested in ("framework", "standalone"):
         book.cite("deploy_mode", f"set explicitly to {requested}", "flag --mode")
         return DeployMode(requested)
+    candidates = [] if prompt_file is None else [(prompt_file, prompt_file.parent, "--prompt-file")]
+    progress = None if model_dir is None else model_dir / PROGRESS_FILE
+    if progress is not None and progress.is_file():
+        candidates.append((progress, model_dir, "progress.md beside the model"))
+    for path, root, what in candidates:
+        marker = deploy_marker(read_text(path, what=what, root=root))
+        if marker is not None:
+            mode, line = marker
+            book.cite("deploy_mode", f"{what} says 部署模式: {mode}", f"{path.name}:{line}")
+            return DeployMode(mode)
     for runner in runner_files:
         facts = scan_file(runner)
         name = facts.file_name

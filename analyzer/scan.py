@@ -55,6 +55,10 @@ class ClassFacts:
     names_used: dict[str, int] = field(default_factory=dict)
     #: ``self.X = SomeClass(...)`` (also inside ModuleList comprehensions) -> class names
     attr_classes: dict[str, list[str]] = field(default_factory=dict)
+    #: ``self.X = nn.ModuleList([...])`` / ``nn.ModuleDict({...})`` whose length is written in
+    #: the code (a literal list or dict, or a comprehension over a literal or ``range(N)``):
+    #: X -> that length (LongCat-Flash's two attention sublayers per decoder layer)
+    attr_counts: dict[str, int] = field(default_factory=dict)
     #: ``num_key_value_heads = config.num_key_value_heads * N if <sliding test> else ...``
     #: in ``__init__`` (MiMo-V2-Flash): (N, line)
     sliding_kv_head_factor: tuple[int, int] | None = None
@@ -335,6 +339,9 @@ class _Collector(cst.CSTVisitor):
                 node.value.visit(called)
                 if called.names:
                     self.cls.attr_classes.setdefault(expr.attr.value, called.names)
+                count = module_container_count(node.value)
+                if count is not None:
+                    self.cls.attr_counts.setdefault(expr.attr.value, count)
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if isinstance(node.value, cst.Name) and node.value.value == "config":
@@ -347,6 +354,43 @@ class _Collector(cst.CSTVisitor):
         if self.cls is not None and node.value in _WATCHED_NAMES:
             where = self.locator.occurrence(node.value, self.method_line, 0)
             self.cls.names_used.setdefault(node.value, where)
+
+
+def module_container_count(value: cst.BaseExpression) -> int | None:
+    """How many modules ``nn.ModuleList(...)`` / ``nn.ModuleDict(...)`` holds when the code
+    says it: a literal list or dict, or one comprehension over a literal or ``range(N)``."""
+    if not isinstance(value, cst.Call) or len(value.args) != 1:
+        return None
+    if dotted_name(value.func).split(".")[-1] not in ("ModuleList", "ModuleDict"):
+        return None
+    arg = value.args[0].value
+    if isinstance(arg, (cst.List, cst.Tuple, cst.Dict)):
+        elements = arg.elements
+        if any(isinstance(e, (cst.StarredElement, cst.StarredDictElement)) for e in elements):
+            return None
+        return len(elements)
+    if isinstance(arg, (cst.ListComp, cst.DictComp)):
+        loop = arg.for_in
+        if loop.inner_for_in is not None or loop.ifs:
+            return None
+        return _literal_length(loop.iter)
+    return None
+
+
+def _literal_length(node: cst.BaseExpression) -> int | None:
+    """Length of a literal list / tuple or of ``range(N)`` with an integer N, else None."""
+    if isinstance(node, (cst.List, cst.Tuple)):
+        if any(isinstance(e, cst.StarredElement) for e in node.elements):
+            return None
+        return len(node.elements)
+    if (
+        isinstance(node, cst.Call)
+        and dotted_name(node.func) == "range"
+        and len(node.args) == 1
+        and isinstance(node.args[0].value, cst.Integer)
+    ):
+        return int(node.args[0].value.evaluated_value)
+    return None
 
 
 class _CalledNames(cst.CSTVisitor):

@@ -17,6 +17,7 @@ from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import AttentionKind
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import read_source as checked_read_source
+from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.mla import MlaSpec
 from kvskill.implementer.pipeline import convert_mla_source, convert_source
 from kvskill.implementer.record import ReviewedPlan, StandaloneRecord
@@ -37,11 +38,14 @@ class ApplyOptions:
     copy_weights: bool = False
     #: "auto" | "on" | "off"; MLA is converted absorbed only, so "off" is refused for it
     mla_absorb: str = "auto"
-    #: standalone mode only: "contiguous" (mode 1) or "paged" (mode 2, or 3 for MLA)
-    kv_mode: str = "paged"
+    #: ``--kv-mode`` (``kv_mode.py``): "auto" follows the Plan; framework mode writes "paged" or
+    #: "legacy", standalone mode "paged" (mode 2, or 3 for MLA) or "contiguous"/"legacy" (mode 1)
+    kv_mode: str = "auto"
     #: ``--plan``: convert what this reviewed plan file says (``reviewed_plan.py``); its
     #: choices then replace deploy_mode, fa_version, attn_tp_size and block_size above
     plan_file: Path | None = None
+    #: ``--prompt-file``: the task prompt whose ``部署模式:`` line decides an "auto" deploy mode
+    prompt_file: Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +92,12 @@ def read_source(path: Path) -> str:
 
 
 def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
-    """Convert the modeling file of a framework-mode Plan (MLA: latent caches, absorbed)."""
+    """Convert the modeling file of a framework-mode Plan (MLA: latent caches, absorbed;
+    Legacy: ``cache_unit`` caches in static rows)."""
+    if resolve_kv_mode(plan, options.kv_mode) == "legacy":
+        from kvskill.implementer.legacy import convert_framework_legacy
+
+        return convert_framework_legacy(plan, options)
     mla = plan.is_mla
     check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(

@@ -15,19 +15,33 @@ import dataclasses
 from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import DeployMode
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.convert import ApplyOptions, convert_framework
+from kvskill.implementer.convert import ApplyOptions, Conversion, convert_framework
 from kvskill.implementer.standalone.convert import convert_standalone
 
 
-def apply_refusal(plan: Plan) -> str | None:
-    """Why ``kvskill apply`` (default options, PLAN's deploy mode) refuses the model, or
-    None when it converts. The conversion is the one ``apply`` memoises, so an ``apply``
-    after ``analyze`` in one process does not redo it."""
+def convert_plan(plan: Plan, options: ApplyOptions) -> Conversion:
+    """The conversion ``apply`` writes for PLAN (its deploy mode picks the flow).
+
+    The one function both ``apply`` (``writer.convert_model``) and ``analyze``
+    (:func:`apply_refusal`) run, so the Plan's blockers and apply's exit code cannot disagree.
+
+    Raises:
+        BadInputError: an option the deploy mode cannot honour (``--kv-mode``).
+        UnsupportedModelError: the model cannot be converted; the message says why.
+    """
+    if plan.deploy_mode is DeployMode.STANDALONE:
+        return convert_standalone(plan, options)
+    return convert_framework(plan, options)
+
+
+def apply_refusal(plan: Plan, options: ApplyOptions | None = None) -> str | None:
+    """Why ``kvskill apply`` (OPTIONS, by default apply's defaults, in PLAN's deploy mode)
+    refuses the model, or None when it converts. The conversion is the one ``apply``
+    memoises, so an ``apply`` after ``analyze`` in one process does not redo it."""
+    if options is None:
+        options = ApplyOptions(deploy_mode=plan.deploy_mode.value)
     try:
-        if plan.deploy_mode is DeployMode.STANDALONE:
-            convert_standalone(plan, ApplyOptions(deploy_mode="standalone"))
-        else:
-            convert_framework(plan, ApplyOptions())
+        convert_plan(plan, options)
     except UnsupportedModelError as exc:
         return str(exc)
     return None
@@ -44,4 +58,4 @@ def with_apply_blockers(plan: Plan) -> Plan:
     return dataclasses.replace(plan, implementer_blockers=[f"apply refuses: {refusal}"])
 
 
-__all__ = ["apply_refusal", "with_apply_blockers"]
+__all__ = ["apply_refusal", "convert_plan", "with_apply_blockers"]

@@ -17,6 +17,7 @@ converted directory's ``kvskill_plan.json``). Its fields are of four sorts (``an
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,13 +56,19 @@ def plan_from_review(model: str, options: ApplyOptions) -> PlannedApply:
     path = Path(options.plan_file)
     reviewed = Plan.from_json(path)
     _refuse_choice_flags(options, reviewed, path)
-    current = analyze_model(
+    analyze = functools.partial(
+        analyze_model,
         model,
-        deploy_mode=reviewed.deploy_mode.value,
         config_overrides=options.config_overrides or None,
         attn_tp_size=reviewed.attn_tp_size,
         block_size=reviewed.block_size,
+        prompt_file=options.prompt_file,
     )
+    # the deploy mode as analyze decides it, so an unedited plan converts with the same
+    # evidence as plain apply; an edited deploy_mode is then set explicitly
+    current = analyze(deploy_mode="auto")
+    if current.deploy_mode is not reviewed.deploy_mode:
+        current = analyze(deploy_mode=reviewed.deploy_mode.value)
     stale = stale_fields(reviewed, current)
     if stale:
         shown = stale[:SHOWN_DIFFERENCES]

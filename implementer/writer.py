@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.analyzer.plan import DeployMode, SourceKind
+from kvskill.analyzer.plan import SourceKind
 from kvskill.core.errors import BadInputError, KvskillError
 from kvskill.core.inputs import path_error, resolve_inside
 from kvskill.core.trust import sign_written_code
 from kvskill.implementer.convert import (
     ApplyOptions,
     Conversion,
-    convert_framework,
     source_package,
 )
+from kvskill.implementer.preflight import convert_plan
 from kvskill.implementer.record import (
     CONVERSION_FORMAT,
     PLAN_FILE,
@@ -47,7 +47,6 @@ from kvskill.implementer.record import (
     plan_file_text,
 )
 from kvskill.implementer.reviewed_plan import plan_from_review
-from kvskill.implementer.standalone.convert import convert_standalone
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +106,9 @@ def convert_model(model: str, options: ApplyOptions) -> Conversion:
             config_overrides=options.config_overrides or None,
             attn_tp_size=options.attn_tp_size,
             block_size=options.block_size,
+            prompt_file=options.prompt_file,
         )
-    if plan.deploy_mode is DeployMode.STANDALONE:
-        conversion = convert_standalone(plan, options)
-    else:
-        conversion = convert_framework(plan, options)
+    conversion = convert_plan(plan, options)
     return dataclasses.replace(conversion, reviewed=reviewed)
 
 

@@ -55,6 +55,14 @@ trust_remote_code_option = click.option(
     help="Allow executing modeling code that does not come from the installed transformers.",
 )
 
+prompt_file_option = click.option(
+    "--prompt-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The task prompt; with --mode auto a '部署模式: 框架部署|独立部署' line in it decides "
+    "the deploy mode (before progress.md beside the model and runner detection).",
+)
+
 seed_option = click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed for weights and sampling."
 )

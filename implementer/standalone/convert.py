@@ -13,6 +13,7 @@ from pathlib import Path
 from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import KvMode as PlanKvMode
 from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, source_package
+from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.pipeline import convert
 from kvskill.implementer.record import StandaloneRecord
 from kvskill.implementer.standalone.runner import render_runner, takes_logits_to_keep
@@ -39,7 +40,7 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
     """Convert a standalone-mode Plan's modeling file and render its runner."""
     spec = StandaloneSpec.from_plan(
         plan,
-        kv_mode=options.kv_mode,
+        kv_mode=resolve_kv_mode(plan, options.kv_mode),
         mla_absorb=options.mla_absorb,
         fa_version=options.fa_version,
         block_size=options.block_size,

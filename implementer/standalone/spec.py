@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from kvskill.analyzer.plan import KvMode as PlanKvMode
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
@@ -95,6 +96,14 @@ class StandaloneSpec:
             raise UnsupportedModelError(
                 f"{plan.model_type}: cannot convert: recurrent-state (Mamba) layers are "
                 "converted in framework mode only; use --mode framework"
+            )
+        if plan.kv_mode is PlanKvMode.LEGACY:
+            # BSH fused attention cannot express it either (soft-capping, chunks, ALiBi), and
+            # mode 1 with the model's own attention math is not generated yet
+            raise UnsupportedModelError(
+                f"{plan.model_type}: cannot convert: Legacy KV ({plan.legacy_reason}); the "
+                "fused attention cannot serve it in mode 1 (BSH) or mode 2 (TND), and the "
+                "runner does not generate mode 1 over the model's own attention math yet"
             )
         is_mla = plan.attention == "mla"
         if absorb is MlaAbsorb.ON and not is_mla:

@@ -13,6 +13,7 @@ from kvskill.options import (
     block_size_option,
     config_overrides_option,
     format_option,
+    prompt_file_option,
 )
 
 EPILOG = """\b
@@ -37,8 +38,10 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
     type=click.Choice(["auto", "framework", "standalone"]),
     default="auto",
     show_default=True,
-    help="Deployment mode; 'auto' detects it (a runner_*.py means standalone).",
+    help="Deployment mode; 'auto' reads it from --prompt-file, then progress.md beside the "
+    "model, then detects it (a runner_*.py means standalone), else framework.",
 )
+@prompt_file_option
 @config_overrides_option
 @attn_tp_size_option
 @block_size_option
@@ -83,6 +86,7 @@ def analyze(
     model: str | None,
     output_format: str,
     deploy_mode: str,
+    prompt_file: Path | None,
     config_overrides: str | None,
     attn_tp_size: int,
     block_size: int | None,
@@ -124,6 +128,7 @@ def analyze(
         block_size=block_size,
         kv_memory_bytes=parse_memory(kv_memory),
         hbm_gb=hbm_gb,
+        prompt_file=prompt_file,
     )
     from kvskill.implementer.preflight import with_apply_blockers
 

@@ -14,6 +14,7 @@ from kvskill.options import (
     block_size_option,
     config_overrides_option,
     format_option,
+    prompt_file_option,
 )
 
 EPILOG = """\b
@@ -40,11 +41,14 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 @click.option(
     "--mode",
     "deploy_mode",
-    type=click.Choice(["framework", "standalone"]),
-    default="framework",
+    type=click.Choice(["auto", "framework", "standalone"]),
+    default="auto",
     show_default=True,
-    help="framework: the bundled runtime owns the cache; standalone: a generated runner does.",
+    help="framework: the bundled runtime owns the cache; standalone: a generated runner does; "
+    "auto: as kvskill analyze decides it (--prompt-file, progress.md beside the model, a "
+    "runner_*.py), else framework.",
 )
+@prompt_file_option
 @click.option(
     "--out",
     "out_dir",
@@ -61,9 +65,12 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
 )
 @click.option(
     "--kv-mode",
-    type=click.Choice(["contiguous", "paged"]),
-    default=None,
-    help="Standalone mode only: contiguous BSH caches or paged caches (default: paged).",
+    type=click.Choice(["auto", "paged", "legacy", "contiguous"]),
+    default="auto",
+    show_default=True,
+    help="KV design: 'auto' follows the Plan (paged unless it chose legacy). Framework mode "
+    "writes paged or legacy; standalone mode writes paged (mode 2) or contiguous = legacy "
+    "(mode 1, BSH). A value the mode cannot write is an error, never ignored.",
 )
 @click.option(
     "--mla-absorb",
@@ -105,11 +112,6 @@ def apply(model: str, **options) -> None:
     """
     if options["plan_file"] is not None:
         _refuse_mode_with_plan()
-    elif options["kv_mode"] is not None and options["deploy_mode"] != "standalone":
-        raise BadInputError(
-            f"--kv-mode {options['kv_mode']} applies to --mode standalone only; in framework mode "
-            "the bundled runtime's cache is always paged"
-        )
     apply_options = ApplyOptions(
         deploy_mode=options["deploy_mode"],
         fa_version=options["fa_version"],
@@ -120,8 +122,9 @@ def apply(model: str, **options) -> None:
         force=options["force"],
         copy_weights=options["copy_weights"] or options["weights_mode"] == "copy",
         mla_absorb=options["mla_absorb"],
-        kv_mode=options["kv_mode"] or "paged",
+        kv_mode=options["kv_mode"],
         plan_file=options["plan_file"],
+        prompt_file=options["prompt_file"],
     )
     result = apply_model(model, options["out_dir"], apply_options)
     if options["output_format"] == "json":

@@ -506,9 +506,11 @@ def test_bad_verify_options_are_bad_input(box, converted):
         assert_clean_error(box.kvskill("verify", converted, "--atol", atol), 2)
 
 
-def test_apply_refuses_kv_mode_in_framework_mode(box):
-    result = box.kvskill("apply", "qwen3", "--kv-mode", "paged", "--out", box.root / "o")
-    assert_clean_error(result, 2, contains="--mode standalone")
+def test_apply_refuses_a_kv_mode_the_framework_cannot_write(box):
+    # standalone mode 1's layout is never written silently as something else in framework mode
+    result = box.kvskill("apply", "qwen3", "--kv-mode", "contiguous", "--out", box.root / "o")
+    assert_clean_error(result, 2, contains="framework mode writes legacy or paged")
+    assert not (box.root / "o").exists()
 
 
 def test_run_refuses_a_tensor_parallel_conversion_at_another_size(box):

@@ -73,6 +73,9 @@ class VerifyReport:
     checked: Checked = Checked.SHRUNK_TWIN
     #: float16 / bfloat16: the noise-floor verdict, which replaces the exact logit check
     low_precision: LowPrecisionVerdict | None = None
+    #: what the run was checked against besides the CPU reference (``profile_report``):
+    #: checked (the NPU shape limits), checked_kinds, not_checked (one line each, why)
+    npu_limits: dict[str, Any] | None = None
 
     @property
     def max_logit_diff(self) -> float:
@@ -171,4 +174,5 @@ class VerifyReport:
             "failures": self.failures(),
             "notes": self.notes,
             "low_precision": self.low_precision.to_dict() if self.low_precision else None,
+            "npu_limits": self.npu_limits,
         }

@@ -36,7 +36,7 @@ class LLM:
 
     Examples::
 
-        llm = LLM("converted/", random_weights=True, num_blocks=256, block_size=16)
+        llm = LLM("converted/", random_weights=True, num_blocks=64, block_size=128)
         outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
         outs[0].token_ids, outs[0].finish_reason, outs[0].ttft_s
 

@@ -12,9 +12,10 @@ Stages (design §6):
   4. pick variable-length prompts (some longer than several blocks and than the window), or
      read them from ``--prompts FILE``;
   5. reference: ``generate`` greedy, one request at a time, raw logits of every step;
-     converted: its driver (the engine with small blocks, a shuffled free list and chunked
-     prefill, or a standalone output's runner) inside the three-chain checks (init, runtime,
-     release);
+     converted: its driver (the engine with a shuffled free list and chunked prefill, or a
+     standalone output's runner) inside the three-chain checks (init, runtime, release), under
+     the NPU profile (``verify_profile``: blocks of 128, the NPU's shape limits on every
+     operator call; ``cpu_only_shapes``: tiny blocks, nothing checked against the NPU);
   6. float32: compare tokens (identical) and per-step logits (within ``atol`` plus
      ``LOGIT_RTOL`` of the largest reference logit); float16 / bfloat16: the noise-floor
      verdict of ``verdict.py`` (the original in the low dtype gives the rounding scale).

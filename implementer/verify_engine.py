@@ -1,7 +1,8 @@
 """The verify driver for framework outputs: the bundled runtime's engine.
 
-Continuous batching with small blocks, a shuffled free-block order and chunked prefill,
-inside the runtime's three-chain checks (``kvskill.runtime.chains``).
+Continuous batching with verify's block size (128 under the NPU profile, small with
+``--cpu-only-shapes``), a shuffled free-block order and chunked prefill, inside the runtime's
+three-chain checks (``kvskill.runtime.chains``).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ def test_a_tiny_block_size_is_refused_by_default_with_the_limit_and_the_opt_out(
     assert "--cpu-only-shapes" in err
 
 
+@pytest.mark.slow  # about 5 s: prompts spanning several 128-token blocks
 def test_the_default_verify_passes_the_npu_profile_and_says_what_it_did_not_check(
     npu_profile_default, small_qwen3
 ):

@@ -4,7 +4,7 @@ Two kinds (the facts live in ``core/npu_limits.py``, which the reference operato
 
 * **blockers**: limits the CPU reference refuses as well, so ``verify`` and ``run`` would fail
   on the converted code; ``apply`` refuses instead (exit 3, the limit named).
-* **warnings**: limits only the device (the strict NPU profile) refuses, such as head counts
+* **warnings**: limits only the device (the NPU profile of run and verify) refuses, such as head counts
   and head dims the shrunk verify model steps around, block sizes and dtypes. The conversion is
   written, and the user learns before deploying what the NPU will refuse.
 
@@ -19,7 +19,10 @@ from kvskill.analyzer.evidence import Notebook
 from kvskill.core import npu_limits as lim
 
 _DOC = "torch_npu 2.13.0 FA docs, 约束说明"
-_ON_NPU = "the NPU refuses this call (the CPU reference runs it; KVSKILL_NPU_LIMITS=1 checks it)"
+_ON_NPU = (
+    "the NPU refuses this call (the CPU reference runs it with --cpu-only-shapes; kvskill run "
+    "checks it by default)"
+)
 
 
 def add_operator_limits(

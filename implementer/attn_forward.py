@@ -138,7 +138,12 @@ class AttentionForwardCommand(AttentionForwardRewrite):
 
 
 #: what brings a tensor of each layout to ``[b, s, h, d]``, ready for ``.reshape(-1, N, D)``
-#: (TND) or ``.reshape(b, s, -1)`` (BSH)
+#: (TND) or ``.reshape(b, s, -1)`` (BSH).
+#: NOTE (unconfirmed on device, npu_ops §9): the runtime's batch is one, so the reshape of a
+#: transposed BHSD tensor stays a view and the TND query reaches the operator strided (the
+#: fake-NPU dry run records gpt_oss, qwen3_next and qwen3_5, ``STRIDED_QUERY``). The docs say
+#: the query "不支持非连续的Tensor"; whether the device copies or refuses it is not settled,
+#: and a ``.contiguous()`` here would change those conversions (and goldens): left open.
 TO_TOKENS_FIRST = {
     CacheLayout.BHSD: ".transpose(1, 2)",
     CacheLayout.BSHD: "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvskill.implementer.verify_report import VerifyReport
+from kvskill.runtime.ops.reference.npu_profile import profile_line
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -28,8 +29,14 @@ def format_table(report: VerifyReport) -> str:
         + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
         + f"; dtype {report.dtype}; block size {report.block_size}; kv layout {report.kv_layout}"
         + f"; {tolerance}",
-        "",
     ]
+    if report.npu_limits is not None:
+        lines.append(profile_line(report.npu_limits))
+        limits = report.npu_limits.get("model_limits")
+        if limits is not None:
+            lines.append(f"model_limits (the real config, from the Plan): {len(limits)} hit")
+            lines += [f"  - {w}" for w in limits]
+    lines.append("")
     rows = [
         [
             str(p.index),

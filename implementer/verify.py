@@ -12,9 +12,10 @@ Stages (design §6):
   4. pick variable-length prompts (some longer than several blocks and than the window), or
      read them from ``--prompts FILE``;
   5. reference: ``generate`` greedy, one request at a time, raw logits of every step;
-     converted: its driver (the engine with small blocks, a shuffled free list and chunked
-     prefill, or a standalone output's runner) inside the three-chain checks (init, runtime,
-     release);
+     converted: its driver (the engine with a shuffled free list and chunked prefill, or a
+     standalone output's runner) inside the three-chain checks (init, runtime, release), under
+     the NPU profile (``verify_profile``: blocks of 128, the NPU's shape limits on every
+     operator call; ``cpu_only_shapes``: tiny blocks, nothing checked against the NPU);
   6. float32: compare tokens (identical) and per-step logits (within ``atol`` plus
      ``LOGIT_RTOL`` of the largest reference logit); float16 / bfloat16: the noise-floor
      verdict of ``verdict.py`` (the original in the low dtype gives the rounding scale).
@@ -59,6 +60,14 @@ from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
 from kvskill.implementer.verify_prompts import read_prompts
 from kvskill.implementer.verify_report import Checked, PromptResult, VerifyReport
 from kvskill.runtime.layout import KV_LAYOUTS
+from kvskill.runtime.ops.reference.npu_profile import (
+    NPU_BLOCK_SIZE,
+    NpuProfile,
+    check_run_block_size,
+    profile_report,
+    run_profile,
+    use_npu_profile,
+)
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -75,6 +84,9 @@ DEFAULT_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 #: 16 ulps (3.3e-4 at 170); for logits of order 1 the term adds under 1e-5 to atol.
 LOGIT_ULPS = 16
 LOGIT_RTOL = LOGIT_ULPS * torch.finfo(torch.float32).eps
+#: tokens per block with --cpu-only-shapes: tiny, so short prompts span several blocks. Under
+#: the NPU profile (the default) the block size is NPU_BLOCK_SIZE (128) and the prompts grow
+#: with it (``choose_prompt_lengths``).
 DEFAULT_BLOCK_SIZE = 4
 
 
@@ -104,6 +116,9 @@ class VerifyOptions:
     #: for); the reference is always one process
     tensor_parallel_size: int | None = None
     tp_backend: str = "auto"
+    #: skip the NPU profile (tiny blocks; the report says the NPU limits were not checked);
+    #: None: KVSKILL_CPU_ONLY_SHAPES decides (off unless it is set)
+    cpu_only_shapes: bool | None = None
 
 
 def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
@@ -384,15 +399,46 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
         else None
     )
     run_config = shrunk.config if shrunk else config
-    block_size = options.block_size or DEFAULT_BLOCK_SIZE
-    if plan.is_mla:  # the MLA NZ caches need 16-token-aligned blocks
-        block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
+    profile = verify_profile(options, checked)
+    block_size = choose_block_size(options.block_size, profile, is_mla=plan.is_mla)
     report = start_report(directory, plan, options, shrunk, block_size, checked)
+    report.npu_limits = profile_report(
+        profile, dtype=options.dtype, twin=checked is Checked.SHRUNK_TWIN
+    )
+    if profile.shapes and not profile.dims:
+        # the twin's dims are not the model's: the analyzer checked the model's own config
+        report.npu_limits["model_limits"] = [
+            w for w in plan.warnings if w.startswith("operator limit:")
+        ]
     if checked_note:
         report.notes.append(checked_note)
     with scratch_dir() as workdir:
-        _verify(converted, workdir, run_config, options, report)
+        _verify(converted, workdir, run_config, options, report, profile)
     return report
+
+
+def verify_profile(options: VerifyOptions, checked: Checked) -> NpuProfile:
+    """The NPU profile of this verify: shapes unless opted out; head dims only when the model
+    runs at its real size (the shrunk twin's are not the model's); dtypes in float16/bfloat16
+    (the float32 anchor is a CPU-only convenience)."""
+    return run_profile(
+        cpu_only_shapes=options.cpu_only_shapes,
+        dtype=options.dtype,
+        real_dims=checked is not Checked.SHRUNK_TWIN,
+    )
+
+
+def choose_block_size(requested: int | None, profile: NpuProfile, *, is_mla: bool) -> int:
+    """The block size verify runs: an NPU one under the profile (a requested size that is not
+    is refused, exit 2), else the requested or tiny default; MLA rounded up to 16 tokens."""
+    if profile.shapes:
+        if requested is not None:
+            check_run_block_size(requested)
+        return requested or NPU_BLOCK_SIZE
+    block_size = requested or DEFAULT_BLOCK_SIZE
+    if is_mla:  # the MLA NZ caches need 16-token-aligned blocks
+        block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
+    return block_size
 
 
 def driver_for(
@@ -426,6 +472,7 @@ def _verify(
     config: dict[str, Any],
     options: VerifyOptions,
     report: VerifyReport,
+    profile: NpuProfile,
 ) -> None:
     # before any model is built: a bad prompts file is refused at once (when the config
     # names the vocabulary; else the original's output head gives it, once built)
@@ -457,12 +504,13 @@ def _verify(
             converted_dir, exc, stage="generate", shrunk=options.shrink, workdir=workdir
         ) from exc
     try:
-        run = driver.run(
-            pair.converted,
-            prompts,
-            max_new_tokens=options.max_new_tokens,
-            block_size=report.block_size,
-        )
+        with use_npu_profile(profile):  # the engine driver hands it to its LLM
+            run = driver.run(
+                pair.converted,
+                prompts,
+                max_new_tokens=options.max_new_tokens,
+                block_size=report.block_size,
+            )
     except KvskillError as exc:
         report.error = f"the runtime refused the converted model: {exc}"
         return

@@ -1,7 +1,8 @@
 """The verify driver for framework outputs: the bundled runtime's engine.
 
-Continuous batching with small blocks, a shuffled free-block order and chunked prefill,
-inside the runtime's three-chain checks (``kvskill.runtime.chains``).
+Continuous batching with verify's block size (128 under the NPU profile, small with
+``--cpu-only-shapes``), a shuffled free-block order and chunked prefill, inside the runtime's
+three-chain checks (``kvskill.runtime.chains``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class EngineDriver:
     ) -> DriverRun:
         from kvskill.runtime import LLM, SamplingParams
         from kvskill.runtime.chains import run_three_chains
+        from kvskill.runtime.ops import current_profile
 
         total_blocks = sum(math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts)
         llm = LLM(
@@ -68,6 +70,7 @@ class EngineDriver:
             max_model_len=max(len(p) for p in prompts) + max_new_tokens,
             seed=self.seed,
             use_hybrid_blocks=self.use_hybrid_blocks,
+            npu_profile=current_profile(),  # verify's (the shrunk twin's leaves out dims)
         )
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         recorder = LogitRecorder()

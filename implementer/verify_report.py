@@ -75,6 +75,9 @@ class VerifyReport:
     low_precision: LowPrecisionVerdict | None = None
     #: --tp N: the split, rank 0's communication and the KV bytes per token per rank
     tensor_parallel: dict[str, Any] | None = None
+    #: what the run was checked against besides the CPU reference (``profile_report``):
+    #: checked (the NPU shape limits), checked_kinds, not_checked (one line each, why)
+    npu_limits: dict[str, Any] | None = None
 
     @property
     def max_logit_diff(self) -> float:
@@ -173,4 +176,5 @@ class VerifyReport:
             "failures": self.failures(),
             "notes": self.notes,
             "low_precision": self.low_precision.to_dict() if self.low_precision else None,
+            "npu_limits": self.npu_limits,
         } | ({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel else {})

@@ -40,6 +40,7 @@ class TensorParallelDriver:
         from kvskill.runtime import LLM, SamplingParams
         from kvskill.runtime.chains import run_three_chains
         from kvskill.runtime.distributed.report import tensor_parallel_summary
+        from kvskill.runtime.ops import current_profile
 
         staged = Path(tempfile.mkdtemp(prefix="kvskill-verify-tp-"))
         try:
@@ -59,6 +60,7 @@ class TensorParallelDriver:
                 use_hybrid_blocks=self.use_hybrid_blocks,
                 tensor_parallel_size=self.tensor_parallel_size,
                 tp_backend=self.backend,
+                npu_profile=current_profile(),  # verify's (the shrunk twin's leaves out dims)
             ) as llm:
                 params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
                 recorder = LogitRecorder()

@@ -16,6 +16,12 @@ from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache
 from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
 from kvskill.runtime.masks import get_init_attn_mask
+from kvskill.runtime.ops.reference.npu_profile import (
+    NpuProfile,
+    check_run_block_size,
+    run_profile,
+    use_npu_profile,
+)
 from kvskill.runtime.request import RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.scheduler import SchedulerConfig
 from torch import Tensor, nn
@@ -30,7 +36,7 @@ class LLM:
 
     Examples::
 
-        llm = LLM("converted/", random_weights=True, num_blocks=256, block_size=16)
+        llm = LLM("converted/", random_weights=True, num_blocks=64, block_size=128)
         outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
         outs[0].token_ids, outs[0].finish_reason, outs[0].ttft_s
 
@@ -55,6 +61,13 @@ class LLM:
     ``prepack_linear=True`` runs the fp32 linear layers through oneDNN with weights reordered
     once (``runtime/prepacked_linear.py``): 2-3x faster than MKL on the CPU measured, but not
     bit-exact against the default path, so off by default.
+
+    The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
+    runs the reference operators against the NPU's shape limits (paged block sizes: a
+    multiple of 128 in [128, 512]), its head counts and dims, and, in float16/bfloat16, its
+    dtypes, so a run that passes here makes calls the device takes. ``cpu_only_shapes=True``
+    (or ``KVSKILL_CPU_ONLY_SHAPES=1``) turns it off for tiny CPU-only shapes;
+    ``npu_profile=`` gives an exact profile (verify's shrunk twin leaves out dims).
     """
 
     def __init__(
@@ -83,9 +96,20 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_backend: str = "auto",
         prepack_linear: bool = False,
+        cpu_only_shapes: bool | None = None,
+        npu_profile: NpuProfile | None = None,
     ) -> None:
         if freeze_startup_heap:
             _freeze_startup_heap()
+        if npu_profile is None:
+            dtype_name = str(dtype if not isinstance(model, nn.Module) else _dtype_of(model))
+            npu_profile = run_profile(
+                cpu_only_shapes=cpu_only_shapes,
+                dtype=dtype_name.removeprefix("torch."),
+                real_dims=True,
+            )
+        #: the hardware-only limits every step is checked against (``profile_report``)
+        self.npu_profile = npu_profile
         #: rank 0's handle on the tensor-parallel ranks (None in one process)
         self.tensor_parallel = None
         if tensor_parallel_size != 1:
@@ -199,6 +223,8 @@ class LLM:
             # every rank builds its own pool (its heads) with rank 0's block count
             self.tensor_parallel.share_kv_setup(kv_kwargs, setup)
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
+        if self.npu_profile.shapes:  # the block size asked for, else the model's own default
+            check_run_block_size(self.cache_info.block_size)
         #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
         self.kv_budget = setup.budget
         scheduler_config = SchedulerConfig(
@@ -338,7 +364,11 @@ class LLM:
     def _run(self) -> Iterator[list[StepOutput]]:
         engine = self.engine
         while engine.has_unfinished_requests():
-            yield engine.step()
+            # NOTE: set around each step, never across a yield: the caller's context between
+            # steps stays its own
+            with use_npu_profile(self.npu_profile):
+                outputs = engine.step()
+            yield outputs
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
         prompts = _as_prompt_list(prompts)
@@ -423,6 +453,11 @@ def _acquire_model(model, *, dtype, device, seed, random_weights, trust_remote_c
         trust_remote_code=trust_remote_code,
     )
     return loaded.model, loaded.config, loaded.model_dir
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None else torch.float32
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

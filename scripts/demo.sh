@@ -21,7 +21,12 @@ step() {
 
 step "analyze" analyze "$MODEL" --config-overrides "$OVERRIDES"
 step "apply" apply "$MODEL" --mode framework --config-overrides "$OVERRIDES" --out "$OUT" --force
+# verify and run check every operator call against the NPU's limits (block size 128; the
+# report's "NPU limits" line says what was and was not checked: float32 is a CPU-only
+# convenience, so the dtype limits are checked only by the bfloat16 run below)
 step "verify" verify "$OUT"
 step "run" run "$OUT" --random-weights --num-requests 8 --prompt-len 48 --max-tokens 16 --ignore-eos
+step "run (bfloat16: the NPU's dtypes checked too)" run "$OUT" --random-weights --num-requests 2 \
+  --prompt-len 16 --max-tokens 4 --ignore-eos --dtype bfloat16
 echo
 echo "demo: done"

@@ -37,7 +37,20 @@ block_size_option = click.option(
     "--block-size",
     type=click.IntRange(min=1, max=MAX_BLOCK_SIZE),
     default=None,
-    help="Tokens per KV block (default: 128 for apply/analyze, small for verify).",
+    help="Tokens per KV block. apply/analyze: default 128. verify/run: the NPU takes a "
+    "multiple of 128 in [128, 512] (default 128; run: the model's own); any size with "
+    "--cpu-only-shapes (verify's default is then 4).",
+)
+
+#: NOTE: the one place KVSKILL_CPU_ONLY_SHAPES is read for the CLI (the test suite sets it)
+cpu_only_shapes_option = click.option(
+    "--cpu-only-shapes",
+    is_flag=True,
+    default=False,
+    envvar="KVSKILL_CPU_ONLY_SHAPES",
+    help="Do not check the operator calls against the NPU's limits (block sizes, head dims, "
+    "dtypes), e.g. to run tiny blocks on the CPU. The report then says the conversion was NOT "
+    "checked against the NPU limits. Default: checked (off unless KVSKILL_CPU_ONLY_SHAPES=1).",
 )
 
 config_overrides_option = click.option(

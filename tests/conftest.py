@@ -2,9 +2,15 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("KVSKILL_OPS", "reference")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The suite runs tiny CPU-only shapes (blocks of 4 tokens, fp32): the one opt-out of the
+# default NPU profile of verify / run / LLM (kvskill.runtime.ops.reference.npu_profile).
+# Tests of the default itself delete it (the ``npu_profile_default`` fixture below).
+os.environ.setdefault("KVSKILL_CPU_ONLY_SHAPES", "1")
 
 # kvskill's per-user state (the key that signs the code apply writes, kvskill.core.trust)
 # lives in a scratch folder of this test session, never in the user's home.
@@ -32,3 +38,10 @@ def _checked_to_dict():
 
 
 _checked_to_dict()
+
+
+@pytest.fixture
+def npu_profile_default(monkeypatch):
+    """verify / run / LLM with their default NPU profile (the suite's opt-out removed)."""
+    monkeypatch.delenv("KVSKILL_CPU_ONLY_SHAPES", raising=False)
+    monkeypatch.delenv("KVSKILL_NPU_LIMITS", raising=False)

@@ -81,6 +81,11 @@ def prefill_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
 
     The docs' TND case (npu_ops §9): no page attention, one key/value head per query head,
     cumulative query and key lengths, causal through ``sparse_mode`` 3 and the 2048 tile.
+
+    NOTE (open, npu_ops §9): that case takes Q_D = K_D = 192 with V_D 128/192 (v2 also 128);
+    MLA models with 256-wide heads (nope 192 + rope 64, V_D 256: glm4_moe_lite, glm_moe_dsa,
+    hy_v4) have no documented prefill case. The analyzer warns (``op_limits._mla``) and the
+    NPU profile refuses the call at their real size; no other prefill path is generated.
     """
     kwargs = [
         ("num_heads", "self.num_heads_per_rank"),

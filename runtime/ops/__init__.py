@@ -5,9 +5,12 @@ reference module ``kvskill.runtime.ops.reference``. The environment variable ``K
 forces the choice: ``npu`` (fail if torch_npu is unusable) or ``reference``; unset or ``auto``
 picks the NPU when present. ``backend()`` reports which one is active and why.
 
-``npu_limits()`` / ``set_npu_limits()`` switch the strict NPU profile: the reference then also
-enforces the limits that hold only on hardware (fp16/bf16 only, paged block sizes, fixed head
-dims; see ``reference/npu_profile.py``). ``KVSKILL_NPU_LIMITS=1`` turns it on from the start.
+The NPU profile (``reference/npu_profile.py``) says which hardware-only limits the reference
+also enforces: ``shapes`` (paged block sizes, block tables), ``dims`` (head counts and dims),
+``dtypes`` (fp16/bf16 only). Direct operator calls check none of them unless
+``npu_limits()`` / ``set_npu_limits()`` or ``KVSKILL_NPU_LIMITS=1`` turn all on; ``LLM``,
+``kvskill run`` and ``kvskill verify`` run under ``run_profile(...)`` (shapes by default;
+``cpu_only_shapes=True`` / ``KVSKILL_CPU_ONLY_SHAPES=1`` opt out).
 """
 
 from __future__ import annotations
@@ -18,7 +21,18 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import fla, mamba, reference
-from .reference.npu_profile import npu_limits, npu_limits_enabled, set_npu_limits
+from .reference.npu_profile import (
+    NpuProfile,
+    check_run_block_size,
+    current_profile,
+    npu_limits,
+    npu_limits_enabled,
+    profile_line,
+    profile_report,
+    run_profile,
+    set_npu_limits,
+    use_npu_profile,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +77,19 @@ def backend() -> Backend:
 
 __all__ = [
     "Backend",
+    "NpuProfile",
     "backend",
+    "check_run_block_size",
+    "current_profile",
     "fla",
     "mamba",
     "npu_limits",
     "npu_limits_enabled",
+    "profile_line",
+    "profile_report",
     "reference",
+    "run_profile",
     "set_npu_limits",
     "torch_npu",
+    "use_npu_profile",
 ]

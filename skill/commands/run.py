@@ -19,6 +19,7 @@ from kvskill.core.inputs import (
 from kvskill.core.sizes import parse_size as core_parse_size
 from kvskill.options import (
     block_size_option,
+    cpu_only_shapes_option,
     dtype_option,
     existing_dir,
     format_option,
@@ -36,13 +37,20 @@ Examples:
   kvskill run converted/ --prompt-ids 1,2,3,4 --max-tokens 8 --format json
   kvskill run converted/ --prompt-ids '1,2,3;7,8' --num-blocks 64 --block-size 16
   kvskill run converted/ --prompt-ids prompts.jsonl --kv-memory 256MiB
+  kvskill run converted/ --random-weights --num-requests 2 --dtype bfloat16   # NPU dtypes too
+  kvskill run converted/ --prompt-ids 1,2,3 --block-size 16 --cpu-only-shapes
 
 \b
 --prompt-ids takes one comma list, several separated by ';', or a .json file (a list of id
 lists) / .jsonl file (one id list per line).
 
 \b
-Exit codes: 0 success, 2 bad input, 3 unsupported model.
+Every step's operator calls are checked against the NPU's limits (block sizes, head dims;
+dtypes in float16/bfloat16) unless --cpu-only-shapes; the report says what was checked.
+
+\b
+Exit codes: 0 success, 1 an operator call the NPU refuses, 2 bad input (e.g. a block
+size the NPU does not take), 3 unsupported model.
 """
 
 
@@ -137,6 +145,7 @@ class _Progress:
 )
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @block_size_option
+@cpu_only_shapes_option
 @click.option(
     "--num-blocks",
     type=click.IntRange(min=2),
@@ -186,6 +195,13 @@ def run(directory: Path, **options) -> None:
     static batch, greedy."""
     from kvskill.implementer.record import PLAN_FILE, ConvertedDir
     from kvskill.runtime import LLM
+    from kvskill.runtime.ops import check_run_block_size, run_profile
+
+    profile = run_profile(
+        cpu_only_shapes=options["cpu_only_shapes"], dtype=options["dtype"], real_dims=True
+    )
+    if profile.shapes and options["block_size"] is not None:  # before the model is loaded
+        check_run_block_size(options["block_size"])
 
     # a directory apply wrote says who runs it; one without a record is framework code
     if (directory / PLAN_FILE).is_file():
@@ -194,7 +210,7 @@ def run(directory: Path, **options) -> None:
         converted = ConvertedDir.read(directory)
         converted.check_layout(options["kv_layout"])
         if converted.is_standalone:
-            _run_standalone(directory, options)
+            _run_standalone(directory, options, profile)
             return
         options["tp"] = tp_size_for(converted.plan.attn_tp_size, options["tp"], directory)
         check_layout_fits(converted.plan, options["kv_layout"], directory)
@@ -218,6 +234,7 @@ def run(directory: Path, **options) -> None:
         enable_prefix_caching=options["prefix_caching"],
         tensor_parallel_size=options["tp"] or 1,
         tp_backend=options["tp_backend"],
+        npu_profile=profile,
     )
     with llm:
         _generate_and_report(llm, directory, options)
@@ -225,7 +242,7 @@ def run(directory: Path, **options) -> None:
 
 def _generate_and_report(llm, directory: Path, options: dict) -> None:
     from kvskill.runtime import SamplingParams
-    from kvskill.runtime.ops import backend
+    from kvskill.runtime.ops import backend, profile_report
 
     prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
     params = SamplingParams(
@@ -244,6 +261,7 @@ def _generate_and_report(llm, directory: Path, options: dict) -> None:
     wall_s = time.perf_counter() - started
     report = _report(llm, outputs, wall_s, directory, backend().name)
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
+    report["npu_limits"] = profile_report(llm.npu_profile, dtype=options["dtype"], twin=False)
     if llm.tensor_parallel is not None:
         from kvskill.runtime.distributed.report import tensor_parallel_summary
 
@@ -267,8 +285,14 @@ def tp_size_for(plan_tp: int, requested: int | None, directory: Path) -> int:
     return requested
 
 
-def _run_standalone(directory: Path, options: dict) -> None:
+def _run_standalone(directory: Path, options: dict, profile) -> None:
     from kvskill.implementer.standalone.launch import StandaloneRun, render_table
+    from kvskill.runtime.ops import (
+        check_run_block_size,
+        profile_line,
+        profile_report,
+        use_npu_profile,
+    )
 
     if options["temperature"] > 0 or options["top_k"] or options["top_p"] < 1.0:
         raise BadInputError(
@@ -283,13 +307,20 @@ def _run_standalone(directory: Path, options: dict) -> None:
         trust_remote_code=options["trust_remote_code"],
     )
     prompts = _prompts(options, vocab_size=run.vocab_size, max_model_len=run.max_model_len)
-    report = run.generate(
-        prompts,
-        max_new_tokens=options["max_tokens"],
-        block_size=options["block_size"],
-        ignore_eos=options["ignore_eos"],
-    )
-    click.echo(json.dumps(report) if options["output_format"] == "json" else render_table(report))
+    if profile.shapes and run.record.kv_mode == "paged":  # the runner's own default too
+        check_run_block_size(options["block_size"] or run.runner_module.BLOCK_SIZE)
+    with use_npu_profile(profile):
+        report = run.generate(
+            prompts,
+            max_new_tokens=options["max_tokens"],
+            block_size=options["block_size"],
+            ignore_eos=options["ignore_eos"],
+        )
+    report["npu_limits"] = profile_report(profile, dtype=options["dtype"], twin=False)
+    if options["output_format"] == "json":
+        click.echo(json.dumps(report))
+    else:
+        click.echo(render_table(report) + "\n" + profile_line(report["npu_limits"]))
 
 
 def _prompts(options: dict, *, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -415,6 +446,8 @@ def _tp_line(tp: dict) -> str:
 
 
 def _render_table(report: dict) -> str:
+    from kvskill.runtime.ops import profile_line
+
     s = report["summary"]
     rows = [
         ("model", report["model_dir"]),
@@ -430,6 +463,7 @@ def _render_table(report: dict) -> str:
         ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
     ]
     rows.append(("KV budget", report["kv_budget"]["reason"]))
+    rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))

@@ -13,6 +13,7 @@ from kvskill.implementer.verdict import DRIFT_RATIO
 from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
     block_size_option,
+    cpu_only_shapes_option,
     dtype_option,
     existing_dir,
     format_option,
@@ -29,11 +30,18 @@ Examples:
   kvskill verify converted/ --shrink         # a shrunk random-weight twin
   kvskill verify converted/ --prompts prompts.txt --dtype bfloat16
   kvskill verify converted/ --kv-layout page_pool
+  kvskill verify converted/ --cpu-only-shapes --block-size 4   # not checked against NPU limits
+
+\b
+By default the runtime's operator calls are checked against the NPU's limits (block size
+128; head dims when the real config runs; dtypes in float16/bfloat16): the report says what
+was and was not checked. float32 is a CPU-only convenience of the reference.
 
 \b
 Exit codes: 0 the models agree (float32: tokens identical and logits within tolerance;
 float16/bfloat16: drift within the noise-floor rule) and the three chains hold,
-1 a check failed, 2 bad input (e.g. remote code without --trust-remote-code).
+1 a check failed (an operator call the NPU refuses included), 2 bad input (e.g. remote
+code without --trust-remote-code, a block size the NPU does not take).
 """
 
 
@@ -76,6 +84,7 @@ float16/bfloat16: drift within the noise-floor rule) and the three chains hold,
 @tp_option
 @tp_backend_option
 @block_size_option
+@cpu_only_shapes_option
 @dtype_option
 @seed_option
 @trust_remote_code_option
@@ -101,6 +110,7 @@ def verify(directory: Path, output_format: str, **options) -> int:
         drift_ratio=options["drift_ratio"],
         tensor_parallel_size=options["tp"],
         tp_backend=options["tp_backend"],
+        cpu_only_shapes=options["cpu_only_shapes"],
     )
     # one verify: a standalone output's record names its runner, which drives the model
     report = verify_directory(directory, verify_options)

@@ -279,3 +279,59 @@ def test_unpaged_tnd_outside_the_docs_case_is_refused_on_the_npu_only(args, matc
         _unpaged_tnd(*args)
     out, _ = _unpaged_tnd(*args)  # the CPU reference runs it (verify shrinks these dims)
     assert out.size(0) == 6
+
+
+# --- the kinds of the profile: what verify / run / LLM switch on by default ------------------
+
+
+def test_each_kind_of_the_profile_checks_only_its_own_limits():
+    shapes = ops.NpuProfile(shapes=True)
+    # fp32 and a 24-wide head pass without dtypes and dims; a block of 4 does not pass shapes
+    odd = _prefill_case(torch.float32, block_size=128, head_dim=24)
+    with ops.use_npu_profile(shapes):
+        paged_fia_v1(odd, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+        with pytest.raises(OpInputError, match="multiple of 128 .* got 4.*npu_ops.md §9"):
+            paged_fia_v1(_prefill_case(), num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+    with (
+        ops.use_npu_profile(ops.NpuProfile(dims=True)),
+        pytest.raises(OpInputError, match="head dim 24 must be a multiple of 16"),
+    ):
+        paged_fia_v1(odd, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+    with (
+        ops.use_npu_profile(ops.NpuProfile(dtypes=True)),
+        pytest.raises(OpInputError, match="float16 or bfloat16 on the NPU.*--cpu-only-shapes"),
+    ):
+        paged_fia_v1(odd, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+    # MLA: 4 query heads (verify's shrunk twin) is a dims limit, not a shapes one
+    with ops.use_npu_profile(shapes):
+        _mla_call([1, 1], mode=0, mask=None, heads=4, block_size=128)
+
+
+def test_run_profile_defaults_and_opt_out(monkeypatch):
+    monkeypatch.delenv("KVSKILL_CPU_ONLY_SHAPES", raising=False)
+    profile = ops.run_profile(cpu_only_shapes=None, dtype="float32", real_dims=True)
+    assert profile == ops.NpuProfile(shapes=True, dims=True)  # fp32: no dtype limits
+    twin = ops.run_profile(cpu_only_shapes=False, dtype="bfloat16", real_dims=False)
+    assert twin == ops.NpuProfile(shapes=True, dtypes=True)  # a twin's dims are not the model's
+    assert not ops.run_profile(cpu_only_shapes=True, dtype="bfloat16", real_dims=True).any
+    monkeypatch.setenv("KVSKILL_CPU_ONLY_SHAPES", "1")
+    assert not ops.run_profile(cpu_only_shapes=None, dtype="float32", real_dims=True).any
+    # an explicit strict context (KVSKILL_NPU_LIMITS=1, npu_limits()) wins over the opt-out
+    with ops.npu_limits():
+        strict = ops.run_profile(cpu_only_shapes=True, dtype="float32", real_dims=False)
+    assert strict == ops.NpuProfile(shapes=True, dims=True, dtypes=True)
+
+
+def test_profile_report_says_what_was_not_checked_and_why():
+    off = ops.profile_report(ops.NpuProfile(), dtype="float32", twin=True)
+    assert off["checked"] is False and off["checked_kinds"] == []
+    assert ops.profile_line(off).startswith(
+        "NPU limits: the conversion was NOT checked against the NPU operators' limits "
+        "(--cpu-only-shapes)"
+    )
+    fp32 = ops.profile_report(ops.NpuProfile(shapes=True, dims=True), dtype="float32", twin=False)
+    assert fp32["checked"] is True and fp32["checked_kinds"] == ["shapes", "dims"]
+    (reason,) = fp32["not_checked"]
+    assert "float32 is a CPU-only convenience" in reason
+    line = ops.profile_line(fp32)
+    assert line.startswith("NPU limits: checked (block sizes") and "NOT checked: dtypes" in line

@@ -37,8 +37,10 @@ def test_quick_start_runs_verbatim(tmp_path):
     fake_clone = tmp_path / "clone"
     (fake_clone / ".venv").mkdir(parents=True)
     (fake_clone / ".venv" / "bin").symlink_to(bin_dir)
+    # a user's default: verify and run check the NPU limits (the suite's opt-out removed)
+    user_env = {k: v for k, v in os.environ.items() if k != "KVSKILL_CPU_ONLY_SHAPES"}
     env = {
-        **os.environ,
+        **user_env,
         "HOME": str(tmp_path / "home"),
         "PATH": "/usr/bin:/bin",
         "KVSKILL_KERNEL_CACHE": os.environ.get(
@@ -56,5 +58,6 @@ def test_quick_start_runs_verbatim(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PASSED" in proc.stdout
+    assert "NPU limits: checked (block sizes" in proc.stdout
     assert (fake_clone / "converted" / "kvskill_plan.json").is_file()
     assert (fake_clone / ".claude" / "skills" / "model-infer-kvcache" / "SKILL.md").is_file()

@@ -28,7 +28,9 @@ def _python_api_block() -> str:
     return block
 
 
-def test_python_api_example_runs_on_a_converted_directory(tmp_path, monkeypatch):
+def test_python_api_example_runs_on_a_converted_directory(
+    tmp_path, monkeypatch, npu_profile_default
+):  # as a user runs it: with the NPU profile
     apply_model("qwen3", tmp_path / "converted", ApplyOptions(config_overrides=SMALL_QWEN3))
     monkeypatch.chdir(tmp_path)
     printed = io.StringIO()

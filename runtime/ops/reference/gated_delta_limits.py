@@ -1,8 +1,8 @@
 """Documented limits of torch_npu's gated delta rule operators (torch_npu 2.13.0 docs).
 
 Head counts and dims the docs bound are always checked where CPU tests stay inside them;
-dtypes and the chunk kernel's fixed head dim of 128 are hardware-only (strict NPU profile),
-because verify shrinks heads and runs fp32.
+dtypes (profile ``dtypes``) and the chunk kernel's fixed head dim of 128 (profile ``dims``) are
+hardware-only, because verify shrinks heads and runs fp32.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError
-from .npu_limits import require_npu_dtype
-from .npu_profile import npu_limits_enabled
+from .npu_limits import NPU_ONLY, require_npu_dtype
+from .npu_profile import current_profile
 
 RECURRENT_MAX_HEADS = 256
 RECURRENT_MAX_DIM = 256
@@ -46,10 +46,10 @@ def check_chunk(op: str, query: Tensor, value: Tensor, **tensors: Tensor | None)
     nv, dv = value.size(1), value.size(2)
     if max(nk, nv) > CHUNK_MAX_HEADS:
         raise OpInputError(f"{op}: heads (Nk={nk}, Nv={nv}) must be <= {CHUNK_MAX_HEADS}")
-    if npu_limits_enabled() and (dk, dv) != (CHUNK_HEAD_DIM, CHUNK_HEAD_DIM):
+    if current_profile().dims and (dk, dv) != (CHUNK_HEAD_DIM, CHUNK_HEAD_DIM):
         raise OpInputError(
             f"{op}: head dims must be Dk = Dv = {CHUNK_HEAD_DIM} on the NPU, got Dk={dk}, "
-            f"Dv={dv} (NPU-only limit, enforced under the strict NPU profile)"
+            f"Dv={dv} ({NPU_ONLY})"
         )
     _dtypes(op, query=query, value=value, **tensors)
 

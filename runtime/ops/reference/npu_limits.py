@@ -2,8 +2,10 @@
 
 Each check cites the section of the operator's docs in the wheel (``torch_npu/_op_plugin_docs.py``,
 Chinese; the section heading is quoted) and raises ``OpInputError`` naming the limit. Checks
-marked *hardware-only* run only under the strict NPU profile (``npu_profile``), because CPU
-verification uses fp32 and tiny blocks on purpose. Where the docs and the running code of
+marked *hardware-only* run only when the NPU profile (``npu_profile``) enforces their kind:
+``shapes`` (block sizes, block tables, query tokens per request; on by default in verify and
+run), ``dims`` (head counts and dims; off for verify's shrunk twin) or ``dtypes`` (fp16/bf16;
+off for an fp32 run, a CPU-only convenience). Where the docs and the running code of
 vllm-ascend disagree, the running code wins and references/npu_ops.md §9 records both.
 """
 
@@ -36,12 +38,12 @@ from torch import Tensor
 from ._checks import OpInputError, describe
 from .attention_inputs import Layout
 from .fa_call import FaCall, Shapes
-from .npu_profile import npu_limits_enabled
+from .npu_profile import DOC, current_profile
 
 #: dtypes the device accepts for query/key/value (int8 quantised paths are outside the reference)
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16)
 V2_MAX_PACKED_BATCH = 4096
-NPU_ONLY = "NPU-only limit, enforced under the strict NPU profile"
+NPU_ONLY = f"NPU-only limit, {DOC}; --cpu-only-shapes skips it on the CPU"
 
 
 def check_fused_attention(call: FaCall, layout: Layout, shapes: Shapes) -> None:
@@ -59,10 +61,9 @@ def check_fused_attention(call: FaCall, layout: Layout, shapes: Shapes) -> None:
         _fail(
             call, f"packed layouts take at most {V2_MAX_PACKED_BATCH} requests, got {shapes.batch}"
         )
-    if npu_limits_enabled():
-        _check_hardware(call, layout, shapes, paged)
-        if layout.is_packed and not paged and call.query_rope is None:
-            _check_unpaged_tnd(call, layout)
+    _check_hardware(call, layout, shapes, paged)
+    if layout.is_packed and not paged and call.query_rope is None:
+        _check_unpaged_tnd(call, layout)
 
 
 def _check_sizes(call: FaCall, layout: Layout, shapes: Shapes) -> None:
@@ -116,15 +117,16 @@ def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
         _fail(
             call, f"MLA with a 512-wide query needs 1 KV head, got num_key_value_heads={kv_heads}"
         )
-    if npu_limits_enabled():
-        # hardware-only: verify shrinks the head count and runs absorbed MLA over whole
-        # prompts with small blocks (see npu_ops.md §9)
-        heads = MLA_V2_HEADS if call.names.op.endswith("_v2") else MLA_V1_HEADS
-        if call.num_heads not in heads:
-            _fail(
-                call,
-                f"MLA with a 512-wide query takes {call.names.num_heads} in {heads}, got {call.num_heads} ({NPU_ONLY})",
-            )
+    profile = current_profile()
+    # hardware-only: verify's shrunk twin has 4 query heads (dims); a run with tiny blocks
+    # (shapes) or absorbed MLA over whole prompts (shapes) is what the device refuses
+    heads = MLA_V2_HEADS if call.names.op.endswith("_v2") else MLA_V1_HEADS
+    if profile.dims and call.num_heads not in heads:
+        _fail(
+            call,
+            f"MLA with a 512-wide query takes {call.names.num_heads} in {heads}, got {call.num_heads} ({NPU_ONLY})",
+        )
+    if profile.shapes:
         longest = max(shapes.q_lens, default=0)
         if longest > MLA_MAX_QUERY_TOKENS:
             _fail(
@@ -171,9 +173,12 @@ def _check_packed_sparse(call: FaCall) -> None:
 def _check_unpaged_tnd(call: FaCall, layout: Layout) -> None:
     """The docs' TND case proper (no page attention): the un-absorbed MLA prefill's call.
 
-    Hardware-only: verify shrinks heads and head dims. Paged TND calls are not held to it, as
-    vllm-ascend's running code calls paged TND with GQA and other head dims (npu_ops.md §9).
+    Hardware-only: verify's shrunk twin has other heads and head dims (profile ``dims``), an
+    fp32 run other dtypes (``dtypes``); T is the run's (``shapes``). Paged TND calls are not
+    held to it, as vllm-ascend's running code calls paged TND with GQA and other head dims
+    (npu_ops.md §9).
     """
+    profile = current_profile()
     v2 = call.names.op.endswith("_v2")
     q_d = _query_head_dim(call, layout)
     k_d, v_d = call.key.size(-1), call.value.size(-1)
@@ -193,50 +198,51 @@ def _check_unpaged_tnd(call: FaCall, layout: Layout) -> None:
         dims, max_tokens = TND_V1_DIMS, TND_V1_MAX_TOKENS
         heads_ok = call.num_heads in TND_V1_HEADS and call.num_heads == key_heads == value_heads
         heads_rule = f"query, key and value heads equal and in {TND_V1_HEADS}"
-    if q_d != k_d or v_d not in dims.get(q_d, ()):
+    if profile.dims and (q_d != k_d or v_d not in dims.get(q_d, ())):
         allowed = "; ".join(f"Q_D = K_D = {q} with V_D in {v}" for q, v in dims.items())
         _fail(
             call,
             f"input_layout {call.input_layout!r} without page attention takes {allowed}, got "
             f"Q_D {q_d}, K_D {k_d}, V_D {v_d} ({NPU_ONLY})",
         )
-    if not heads_ok:
+    if profile.dims and not heads_ok:
         _fail(
             call,
             f"input_layout {call.input_layout!r} without page attention needs {heads_rule}, got "
             f"{call.names.num_heads}={call.num_heads}, key {key_heads}, value {value_heads} ({NPU_ONLY})",
         )
-    if tokens > max_tokens:
+    if profile.shapes and tokens > max_tokens:
         _fail(call, f"packed query of {tokens} tokens exceeds T <= {max_tokens} ({NPU_ONLY})")
     for name in ("query", "key", "value"):
         t = getattr(call, name)
-        if t.dtype != torch.bfloat16:
+        if profile.dtypes and t.dtype != torch.bfloat16:
             # "数据类型仅支持BFLOAT16"
             _fail(call, f"`{name}` must be bfloat16 in this TND case, got {t.dtype} ({NPU_ONLY})")
 
 
 def _check_hardware(call: FaCall, layout: Layout, shapes: Shapes, paged: bool) -> None:
-    """Hardware-only limits: dtypes, block sizes, alignment."""
+    """Hardware-only limits: dtypes, block sizes, alignment, each when its kind is on."""
+    profile = current_profile()
     # doc v1/v2, 参数说明 › query/key/value: "数据类型支持float16、bfloat16、int8" (int8 and
     # int4 are quantised paths the reference does not model; fp32 is a CPU-only convenience)
     for name in ("query", "key", "value", "query_rope", "key_rope"):
         t = getattr(call, name)
-        if t is not None and t.dtype not in NPU_FLOAT_DTYPES:
+        if profile.dtypes and t is not None and t.dtype not in NPU_FLOAT_DTYPES:
             _fail(
                 call, f"`{name}` must be float16 or bfloat16 on the NPU, got {t.dtype} ({NPU_ONLY})"
             )
     sink = call.learnable_sink
-    if sink is not None and sink.dtype != torch.bfloat16:
+    if profile.dtypes and sink is not None and sink.dtype != torch.bfloat16:
         # doc v2, 参数说明 › learnable_sink: "数据类型支持bfloat16"
         _fail(call, f"`learnable_sink` must be bfloat16 on the NPU, got {sink.dtype} ({NPU_ONLY})")
     d = _query_head_dim(call, layout)
-    if _prefill(shapes) and d % PROMPT_HEAD_DIM_MULTIPLE:
+    if profile.dims and _prefill(shapes) and d % PROMPT_HEAD_DIM_MULTIPLE:
         # doc v1/v2, 约束说明 › 当Q_S大于1时: "输入类型全为float16、bfloat16时, D轴需16对齐"
         _fail(
             call,
             f"query head dim {d} must be a multiple of {PROMPT_HEAD_DIM_MULTIPLE} when Q_S > 1 ({NPU_ONLY})",
         )
-    if paged:
+    if paged and profile.shapes:
         _check_block_size(call, shapes)
 
 
@@ -284,7 +290,7 @@ def _fail(call: FaCall, message: str) -> None:
 def require_npu_dtype(
     op: str, name: str, t: Tensor | None, allowed: tuple[torch.dtype, ...]
 ) -> None:
-    """Hardware-only dtype limit of a non-attention operator (no-op without the strict profile)."""
-    if t is not None and npu_limits_enabled() and t.dtype not in allowed:
+    """Hardware-only dtype limit of a non-attention operator (no-op unless the profile checks dtypes)."""
+    if t is not None and current_profile().dtypes and t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise OpInputError(f"{op}: `{name}` must be {names} on the NPU, got {t.dtype} ({NPU_ONLY})")

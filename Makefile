@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-slow test-all test-compat lint bench bench-peers clean
+.PHONY: venv demo test test-slow test-all test-compat test-contract lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ test: lint
 # Only the slow end-to-end runs (conversions verified per family, the goldens).
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not compat" --durations=15
+
+# The Plan/apply contract over every causal-LM model type (about 20 CPU-minutes, not in CI).
+test-contract: $(STAMP)
+	KVSKILL_CORPUS_CONTRACT=1 $(PY) -m pytest tests/implementer/test_plan_contract.py -m "slow or not slow"
 
 # Everything, in one run.
 test-all: lint

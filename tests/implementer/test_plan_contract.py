@@ -4,6 +4,9 @@ converts, over every causal-LM model type of the installed transformers.
 Nothing here lists which types convert: both sides are computed, through the command line as
 a user runs it (``kvskill analyze --format json``, then ``kvskill apply --dry-run``), so the
 test holds whatever families are added later.
+
+The whole-corpus comparison costs about 20 CPU-minutes, more than CI's time budget allows next
+to the rest of the suite; ``make test-contract`` runs it (``KVSKILL_CORPUS_CONTRACT=1``).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _disagreement(outcome: Outcome) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "mamba2"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "zamba2"])
 def test_plan_and_apply_agree_on_a_converting_and_refused_types(model_type):
     outcome = analyze_then_apply(model_type)
     assert outcome.analyze_exit == 0
@@ -79,6 +82,10 @@ def test_plan_and_apply_agree_on_a_converting_and_refused_types(model_type):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("KVSKILL_CORPUS_CONTRACT") != "1",
+    reason="about 20 CPU-minutes (one conversion per model type): make test-contract runs it",
+)
 def test_plan_and_apply_agree_over_the_whole_corpus():
     types = corpus_model_types()
     assert len(types) > 150

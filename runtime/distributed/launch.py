@@ -36,8 +36,8 @@ from kvskill.core.errors import (
     KvskillError,
     UnsupportedModelError,
 )
-from kvskill.runtime.distributed import group as group_module
 from kvskill.runtime.distributed.group import TPGroup, free_port, resolve_backend
+from kvskill.runtime.distributed.group import timeout_s as default_timeout_s
 from kvskill.runtime.distributed.shard import ShardPlan, apply_shards, plan_shards
 from kvskill.runtime.forward_context import forward_context, get_forward_metadata
 from torch import nn
@@ -178,7 +178,7 @@ class TensorParallel:
     ) -> None:
         from kvskill.runtime.device import select_device
 
-        timeout_s = timeout_s if timeout_s is not None else group_module.timeout_s()
+        timeout_s = timeout_s if timeout_s is not None else default_timeout_s()
         if world_size < 2:
             raise BadInputError(f"tensor parallel size must be >= 2 here, got {world_size}")
         self.world_size = world_size

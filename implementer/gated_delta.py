@@ -197,20 +197,33 @@ EMITTED_LOCALS = frozenset(
 )
 
 
+def state_shape_attrs(
+    cls: cst.ClassDef, class_name: str, shape_attrs: dict[str, tuple[str, ...]]
+) -> tuple[dict[str, str], list[str]]:
+    """For each role of ``shape_attrs``, the first ``self.<name>`` the class assigns (the
+    expression the emitted state shapes use), and a problem for each role it assigns none of."""
+    shapes: dict[str, str] = {}
+    problems: list[str] = []
+    for role, names in shape_attrs.items():
+        found = next((n for n in names if class_assigns(cls, _self_assign(n))), None)
+        if found is None:
+            problems.append(
+                f"{class_name}.__init__ sets none of {', '.join('self.' + n for n in names)}, "
+                "from which the conv and ssm state shapes are written"
+            )
+        else:
+            shapes[role] = f"self.{found}"
+    return shapes, problems
+
+
 def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     """Gather what the rewrite needs; ``problems`` lists what blocks it."""
     facts = GatedDeltaFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    for role, names in SHAPE_ATTRS.items():
-        found = next((n for n in names if class_assigns(cls, _self_assign(n))), None)
-        if found is None:
-            facts.problems.append(
-                f"{facts.name}.__init__ sets none of {', '.join('self.' + n for n in names)}, "
-                "from which the conv and ssm state shapes are written"
-            )
-        else:
-            facts.shapes[role] = f"self.{found}"
+    shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
+    facts.shapes.update(shapes)
+    facts.problems.extend(problems)
     forward = _method(cls, "forward")
     assert forward is not None, "is_gated_delta_class checked the forward"
     params = [p.name.value for p in forward.params.params]

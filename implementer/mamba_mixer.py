@@ -50,9 +50,9 @@ from kvskill.implementer.gated_delta import (
     _arguments,
     _call_of,
     _conv_facts,
-    _self_assign,
     _top_index,
     _with_leading,
+    state_shape_attrs,
 )
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
@@ -128,15 +128,9 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
     facts = Mamba1Facts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    for role, names in SHAPE_ATTRS.items():
-        found = next((n for n in names if class_assigns(cls, _self_assign(n))), None)
-        if found is None:
-            facts.problems.append(
-                f"{facts.name}.__init__ sets none of {', '.join('self.' + n for n in names)}, "
-                "from which the conv and ssm state shapes are written"
-            )
-        else:
-            facts.shapes[role] = f"self.{found}"
+    shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
+    facts.shapes.update(shapes)
+    facts.problems.extend(problems)
     forward = _method(cls, "forward")
     assert forward is not None, "is_mamba1_class checked the forward"
     params = [p.name.value for p in forward.params.params]

@@ -8,6 +8,8 @@ so ``finally`` blocks (stage-directory cleanup) run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 
@@ -47,9 +49,19 @@ def interrupted(code: int = INTERRUPTED) -> None:
         sys.stderr.write(
             "kvskill: interrupted\n" if code == INTERRUPTED else "kvskill: terminated\n"
         )
-        sys.stderr.flush()
     finally:
-        raise SystemExit(code)
+        exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Leave with ``code`` at once. Every ``finally`` between the interrupt and here has run
+    (stage directories are gone); what is skipped is interpreter shutdown, where an interrupt
+    that landed mid-import was seen to resurface and kill the process with SIGINT (-2) after
+    the one line was printed."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing more to say
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
         from kvskill.cli import main as cli_main
 
         cli_main(argv)
+    except SystemExit as exc:
+        if exc.code in (INTERRUPTED, TERMINATED):  # the CLI reported the interrupt itself
+            exit_now(exc.code)
+        raise
     except KeyboardInterrupt:
         interrupted(INTERRUPTED)
     except Terminated:

@@ -6,6 +6,7 @@ import importlib
 
 import libcst as cst
 import pytest
+from hf_generate import transformers_tokens
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.mamba2 import is_mamba2_class, mamba2_facts
 from kvskill.implementer.pipeline import convert_source
@@ -120,6 +121,8 @@ def test_mamba2_verifies_and_serves_a_mixed_batch_from_state_groups_alone(small_
     # every longer prompt over several prefill steps, each continuing from the saved states
     tight = _llm(small_mamba2, num_blocks=3, max_num_batched_tokens=6)
     assert _tokens(tight, prompts) == expected
+    # and both equal transformers' own generate on the same weights
+    assert expected == transformers_tokens(small_mamba2, tight.model.state_dict(), prompts)
     assert tight.engine.stats.num_prefill_steps > 2 * roomy.engine.stats.num_prefill_steps
 
 

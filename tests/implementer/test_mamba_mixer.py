@@ -8,6 +8,7 @@ import importlib
 
 import libcst as cst
 import pytest
+from hf_generate import transformers_tokens
 from kvskill.implementer.mamba_mixer import is_mamba1_class, mamba1_facts
 from kvskill.implementer.pipeline import parse
 
@@ -107,25 +108,6 @@ def _tokens(llm, prompts, max_tokens=8) -> list[list[int]]:
     return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
 
-def _transformers_tokens(directory, state_dict, prompts, max_tokens=8) -> list[list[int]]:
-    """Greedy tokens of transformers' own Jamba, one request at a time, on the same weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.load_state_dict(state_dict, strict=True)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    return out
-
-
 @pytest.mark.slow
 def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     prompts = _prompts()
@@ -135,7 +117,7 @@ def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     tight = _llm(small_jamba, num_blocks=24, max_num_batched_tokens=12)
     tokens = _tokens(tight, prompts)
     assert tight.engine.stats.num_preemptions > 0
-    expected = _transformers_tokens(small_jamba, tight.model.state_dict(), prompts)
+    expected = transformers_tokens(small_jamba, tight.model.state_dict(), prompts)
     assert tokens == expected
     # Every state block now belongs to no request; fill them with garbage a new request would
     # carry into every token if it started from its block instead of from zeros.

@@ -1,0 +1,34 @@
+"""Greedy tokens of transformers' own model on the weights a kvskill LLM ran with.
+
+The runtime tests that serve a converted directory under chunked prefill and preemption
+compare against this: the family's original class, built from the directory's config, loaded
+with the converted model's state dict (strict, so a renamed or missing weight fails), one
+request at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def transformers_tokens(directory, state_dict, prompts, max_tokens=8) -> list[list[int]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(state_dict, strict=True)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            # an explicit mask: without one, generate masks every prompt token equal to the
+            # config's pad_token_id, which the runtime (rightly) attends to
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                min_new_tokens=max_tokens,
+            )
+            out.append(generated[0, len(prompt) :].tolist())
+    return out

@@ -35,6 +35,7 @@ from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     _assigned_names,
     _method,
+    _top_index,
     _used_names,
     class_assigns,
     code,
@@ -130,13 +131,6 @@ def is_gated_delta_class(cls: cst.ClassDef) -> bool:
     return bool(m.findall(forward, RULE_CALL)) and bool(m.findall(forward, CONV_CALL))
 
 
-def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | None:
-    for index, stmt in enumerate(body.body):
-        if m.findall(stmt, matcher):
-            return index
-    return None
-
-
 def _call_assigns(stmt: cst.CSTNode, call: m.Call) -> list[tuple[list[str], cst.Call]]:
     """Targets and call of every ``names = call(...)`` inside STMT, in order."""
     found = []
@@ -216,6 +210,33 @@ def state_shape_attrs(
     return shapes, problems
 
 
+def mixer_forward(cls: cst.ClassDef) -> tuple[list[str], cst.IndentedBlock]:
+    """The parameter names and the body of a mixer's forward (its predicate found it)."""
+    forward = _method(cls, "forward")
+    assert forward is not None, "the mixer's predicate checked the forward"
+    return [p.name.value for p in forward.params.params], cst.ensure_type(
+        forward.body, cst.IndentedBlock
+    )
+
+
+def statement_order(
+    body: cst.IndentedBlock, *steps: m.BaseMatcherNode
+) -> tuple[list[int | None], bool]:
+    """The top-level statement of BODY holding each of STEPS, and whether each step has a
+    statement of its own, in the order given (the rewrite replaces them one by one)."""
+    indices = [_top_index(body, step) for step in steps]
+    ordered = None not in indices and indices == sorted(indices) and len(set(indices)) == len(steps)
+    return indices, ordered
+
+
+def conv_then_kernel_problem(name: str, kernel: str) -> str:
+    """The refusal of a forward whose read, conv and KERNEL are not three ordered statements."""
+    return (
+        f"{name}.forward does not read its cached states, run the causal conv and then the "
+        f"{kernel} in three separate statements"
+    )
+
+
 def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     """Gather what the rewrite needs; ``problems`` lists what blocks it."""
     facts = GatedDeltaFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
@@ -224,22 +245,14 @@ def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
     facts.shapes.update(shapes)
     facts.problems.extend(problems)
-    forward = _method(cls, "forward")
-    assert forward is not None, "is_gated_delta_class checked the forward"
-    params = [p.name.value for p in forward.params.params]
+    params, body = mixer_forward(cls)
     if len(params) >= 2:
         facts.hidden = params[1]
-    body = cst.ensure_type(forward.body, cst.IndentedBlock)
-    facts.read_index = _top_index(body, STATE_READ_CALL)
-    facts.conv_index = _top_index(body, CONV_CALL)
-    facts.rule_index = _top_index(body, RULE_CALL)
+    order, ordered = statement_order(body, STATE_READ_CALL, CONV_CALL, RULE_CALL)
+    facts.read_index, facts.conv_index, facts.rule_index = order
     facts.write_index = _top_index(body, STATE_WRITE_CALL)
-    order = [facts.read_index, facts.conv_index, facts.rule_index]
-    if None in order or order != sorted(order) or len(set(order)) != 3:
-        facts.problems.append(
-            f"{facts.name}.forward does not read its cached states, run the causal conv and "
-            "then the gated delta rule in three separate statements"
-        )
+    if not ordered:
+        facts.problems.append(conv_then_kernel_problem(facts.name, "gated delta rule"))
         return facts
     if facts.write_index is not None and facts.write_index <= facts.rule_index:
         facts.problems.append(f"{facts.name}.forward writes its state before the delta rule")

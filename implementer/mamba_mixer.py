@@ -52,7 +52,10 @@ from kvskill.implementer.gated_delta import (
     _conv_facts,
     _top_index,
     _with_leading,
+    conv_then_kernel_problem,
+    mixer_forward,
     state_shape_attrs,
+    statement_order,
 )
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
@@ -131,22 +134,14 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
     shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
     facts.shapes.update(shapes)
     facts.problems.extend(problems)
-    forward = _method(cls, "forward")
-    assert forward is not None, "is_mamba1_class checked the forward"
-    params = [p.name.value for p in forward.params.params]
+    params, body = mixer_forward(cls)
     if len(params) >= 2:
         facts.hidden = params[1]
-    body = cst.ensure_type(forward.body, cst.IndentedBlock)
-    facts.read_index = _top_index(body, STATE_READ_CALL)
-    facts.conv_index = _top_index(body, CONV_CALL)
-    facts.scan_index = _top_index(body, SCAN_CALL)
+    order, ordered = statement_order(body, STATE_READ_CALL, CONV_CALL, SCAN_CALL)
+    facts.read_index, facts.conv_index, facts.scan_index = order
     facts.write_index = _top_index(body, STATE_WRITE_CALL)
-    order = [facts.read_index, facts.conv_index, facts.scan_index]
-    if None in order or order != sorted(order) or len(set(order)) != 3:
-        facts.problems.append(
-            f"{facts.name}.forward does not read its cached states, run the causal conv and "
-            "then the selective scan in three separate statements"
-        )
+    if not ordered:
+        facts.problems.append(conv_then_kernel_problem(facts.name, "selective scan"))
         return facts
     if facts.write_index is not None and facts.write_index < facts.scan_index:
         facts.problems.append(f"{facts.name}.forward writes its SSM state before the scan")

@@ -43,8 +43,9 @@ from kvskill.implementer.gated_delta import (
     RULE_CALL,
     _call_of,
     _conv_facts,
-    _top_index,
     _with_leading,
+    mixer_forward,
+    statement_order,
 )
 from kvskill.implementer.mamba_mixer import SCAN_CALL
 from kvskill.implementer.snippets import statements
@@ -101,15 +102,13 @@ def short_conv_facts(cls: cst.ClassDef) -> ShortConvFacts:
     facts = ShortConvFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    forward = _method(cls, "forward")
-    assert forward is not None, "is_short_conv_class checked the forward"
-    params = [p.name.value for p in forward.params.params]
+    params, body = mixer_forward(cls)
     if len(params) >= 2:
         facts.hidden = params[1]
-    body = cst.ensure_type(forward.body, cst.IndentedBlock)
-    facts.read_index = _top_index(body, CONV_STATE_READ)
-    facts.conv_index = _top_index(body, CONV_CALL)
-    if None in (facts.read_index, facts.conv_index) or facts.read_index >= facts.conv_index:
+    (facts.read_index, facts.conv_index), ordered = statement_order(
+        body, CONV_STATE_READ, CONV_CALL
+    )
+    if not ordered:
         facts.problems.append(
             f"{facts.name}.forward does not read its cached conv state and then run the causal "
             "conv in two separate statements"

@@ -428,6 +428,24 @@ def _with_leading(new: list[cst.BaseStatement], old: cst.BaseStatement) -> list[
     ]
 
 
+def splice_forward(
+    forward: cst.FunctionDef,
+    replacements: dict[int | None, list[cst.BaseStatement]],
+    drop: int | None = None,
+) -> cst.FunctionDef:
+    """FORWARD with each top-level statement i replaced by ``replacements[i]`` (keeping the
+    comments that led into it) and statement DROP, a state write the replacements take over,
+    left out unless it is itself replaced."""
+    block = cst.ensure_type(forward.body, cst.IndentedBlock)
+    body: list[cst.BaseStatement] = []
+    for index, stmt in enumerate(block.body):
+        if index in replacements:
+            body.extend(_with_leading(replacements[index], stmt))
+        elif index != drop:
+            body.append(stmt)
+    return forward.with_changes(body=block.with_changes(body=body))
+
+
 class GatedDeltaCommand(ClassRewriteCommand):
     """Declare the conv and ssm state entries and run both operators on the paged states."""
 
@@ -464,16 +482,8 @@ class GatedDeltaCommand(ClassRewriteCommand):
             facts.conv_index: statements("framework_gdn_conv.py.j2", config, **values),
             facts.rule_index: statements("framework_gdn_rule.py.j2", config, **values),
         }
-        block = cst.ensure_type(forward.body, cst.IndentedBlock)
-        body: list[cst.BaseStatement] = []
-        for index, stmt in enumerate(block.body):
-            if index == facts.write_index:
-                continue
-            if index in replacements:
-                body.extend(_with_leading(replacements[index], stmt))
-            else:
-                body.append(stmt)
-        return forward.with_changes(body=block.with_changes(body=body))
+        # NOTE: the write comes after the rule (facts), so it is never a replaced statement
+        return splice_forward(forward, replacements, drop=facts.write_index)
 
 
 __all__ = [

@@ -30,9 +30,6 @@ import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer._command import (
     ClassRewriteCommand,
-    append_statements,
-    replace_method,
-    with_body,
 )
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -51,17 +48,16 @@ from kvskill.implementer.gated_delta import (
     _call_of,
     _conv_facts,
     _top_index,
-    _with_leading,
     conv_then_kernel_problem,
     mixer_forward,
+    splice_forward,
     state_shape_attrs,
     statement_order,
 )
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
     StateEntry,
-    state_init_statements,
-    state_setter_methods,
+    declare_states,
 )
 
 #: the Mamba-1 selective scan in any spelling (transformers' mamba_selective_scan,
@@ -263,14 +259,13 @@ class Mamba1MixerCommand(ClassRewriteCommand):
         facts = mamba1_facts(original)
         assert not facts.problems, "the pipeline validates Mamba-1 facts first"
         config = self.parser_config()
-        entries = _state_entries(facts)
-        init_stmts = state_init_statements("Mamba-1 mixer", entries, config)
-        updated = with_body(
+        return declare_states(
             updated,
-            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
+            "Mamba-1 mixer",
+            _state_entries(facts),
+            config,
+            lambda forward: self._convert_forward(forward, facts, config),
         )
-        body = replace_method(updated, "forward", lambda f: self._convert_forward(f, facts, config))
-        return with_body(updated, [*body, *state_setter_methods(entries, config)])
 
     def _convert_forward(
         self, forward: cst.FunctionDef, facts: Mamba1Facts, config: cst.PartialParserConfig
@@ -290,16 +285,7 @@ class Mamba1MixerCommand(ClassRewriteCommand):
                 "framework_mamba1_scan.py.j2", config, **_scan_values(facts)
             ),
         }
-        block = cst.ensure_type(forward.body, cst.IndentedBlock)
-        body: list[cst.BaseStatement] = []
-        for index, stmt in enumerate(block.body):
-            if index == facts.write_index and index not in replacements:
-                continue
-            if index in replacements:
-                body.extend(_with_leading(replacements[index], stmt))
-            else:
-                body.append(stmt)
-        return forward.with_changes(body=block.with_changes(body=body))
+        return splice_forward(forward, replacements, drop=facts.write_index)
 
 
 __all__ = [

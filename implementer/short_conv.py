@@ -26,9 +26,6 @@ import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer._command import (
     ClassRewriteCommand,
-    append_statements,
-    replace_method,
-    with_body,
 )
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -43,16 +40,15 @@ from kvskill.implementer.gated_delta import (
     RULE_CALL,
     _call_of,
     _conv_facts,
-    _with_leading,
     mixer_forward,
+    splice_forward,
     statement_order,
 )
 from kvskill.implementer.mamba_mixer import SCAN_CALL
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
     StateEntry,
-    state_init_statements,
-    state_setter_methods,
+    declare_states,
 )
 
 CONV_STATE_READ = m.Call(func=m.Attribute(attr=m.Name("get_conv_state")))
@@ -182,28 +178,17 @@ class ShortConvCommand(ClassRewriteCommand):
                 "state_len, dim]",
             )
         ]
-        init_stmts = state_init_statements("short conv", entries, config)
-        updated = with_body(
-            updated,
-            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
-        )
         replacements = {
             facts.read_index: statements("framework_shortconv_state.py.j2", config, **values),
             facts.conv_index: statements("framework_shortconv_conv.py.j2", config, **values),
         }
-
-        def convert(forward: cst.FunctionDef) -> cst.FunctionDef:
-            block = cst.ensure_type(forward.body, cst.IndentedBlock)
-            body: list[cst.BaseStatement] = []
-            for index, stmt in enumerate(block.body):
-                if index in replacements:
-                    body.extend(_with_leading(replacements[index], stmt))
-                else:
-                    body.append(stmt)
-            return forward.with_changes(body=block.with_changes(body=body))
-
-        body = replace_method(updated, "forward", convert)
-        return with_body(updated, [*body, *state_setter_methods(entries, config)])
+        return declare_states(
+            updated,
+            "short conv",
+            entries,
+            config,
+            lambda forward: splice_forward(forward, replacements),
+        )
 
 
 __all__ = ["ShortConvCommand", "ShortConvFacts", "is_short_conv_class", "short_conv_facts"]

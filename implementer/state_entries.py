@@ -10,9 +10,11 @@ and one ``set_<name>`` tensor setter per state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libcst as cst
+from kvskill.implementer._command import append_statements, replace_method, with_body
 from kvskill.implementer.snippets import methods, statements
 
 
@@ -61,4 +63,21 @@ def state_setter_methods(
     return methods("framework_state_methods.py.j2", config, entries=entries)
 
 
-__all__ = ["StateEntry", "state_init_statements", "state_setter_methods"]
+def declare_states(
+    cls: cst.ClassDef,
+    kind: str,
+    entries: list[StateEntry],
+    config: cst.PartialParserConfig,
+    convert_forward: Callable[[cst.FunctionDef], cst.FunctionDef],
+) -> cst.ClassDef:
+    """CLS declaring ENTRIES at the end of ``__init__``, its forward converted by
+    CONVERT_FORWARD, and one setter per state appended to the class."""
+    init_stmts = state_init_statements(kind, entries, config)
+    cls = with_body(
+        cls, replace_method(cls, "__init__", lambda init: append_statements(init, init_stmts))
+    )
+    body = replace_method(cls, "forward", convert_forward)
+    return with_body(cls, [*body, *state_setter_methods(entries, config)])
+
+
+__all__ = ["StateEntry", "declare_states", "state_init_statements", "state_setter_methods"]

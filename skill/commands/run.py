@@ -242,7 +242,7 @@ def run(directory: Path, **options) -> None:
 
 def _generate_and_report(llm, directory: Path, options: dict) -> None:
     from kvskill.runtime import SamplingParams
-    from kvskill.runtime.ops import backend, profile_report
+    from kvskill.runtime.ops import backend, fla, profile_report
 
     prompts = _prompts(options, vocab_size=llm.engine.vocab_size, max_model_len=llm.max_model_len)
     params = SamplingParams(
@@ -253,6 +253,7 @@ def _generate_and_report(llm, directory: Path, options: dict) -> None:
         ignore_eos=options["ignore_eos"],
     )
     progress = _Progress(len(prompts) * params.max_tokens, enabled=sys.stderr.isatty())
+    fla.reset_dispatch_report()
     started = time.perf_counter()
     try:
         outputs = llm.generate(prompts, params, on_step=progress.update)
@@ -262,6 +263,8 @@ def _generate_and_report(llm, directory: Path, options: dict) -> None:
     report = _report(llm, outputs, wall_s, directory, backend().name)
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
     report["npu_limits"] = profile_report(llm.npu_profile, dtype=options["dtype"], twin=False)
+    # which backend ran each recurrent-state entry point (conv, delta rule, scan), and why
+    report["state_ops"] = fla.dispatch_report()
     if llm.tensor_parallel is not None:
         from kvskill.runtime.distributed.report import tensor_parallel_summary
 
@@ -446,7 +449,7 @@ def _tp_line(tp: dict) -> str:
 
 
 def _render_table(report: dict) -> str:
-    from kvskill.runtime.ops import profile_line
+    from kvskill.runtime.ops import fla, profile_line
 
     s = report["summary"]
     rows = [
@@ -467,6 +470,7 @@ def _render_table(report: dict) -> str:
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
+    rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))
     for key, kv in report["kv_cache"].items():
         rows.append(
             (

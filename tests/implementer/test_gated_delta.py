@@ -288,3 +288,5 @@ def test_prefix_caching_is_off_for_state_layers_with_the_reason_in_the_run_repor
     assert exc.value.code == 0, out
     assert "prefix cache" in out and "off: group 'Mamba'" in out
     assert "snapshot of the whole prefix" in out
+    # the state entry points say which backend ran them (the reference here: no NPU)
+    assert "state ops" in out and "causal_conv1d_fn -> reference (the operator backend" in out

@@ -40,7 +40,8 @@ def _refuse(name: str, value: object, default: object) -> None:
         )
 
 
-def _hardware_limits(x: Tensor, weight: Tensor) -> None:
+def check_device_limits(x: Tensor, weight: Tensor) -> None:
+    """约束说明 and 参数说明: K fixed at 3, ``dim % 128 == 0``, x float16/bfloat16."""
     width, dim = weight.shape
     if width != KERNEL_WIDTH or dim % DIM_MULTIPLE:
         raise OpInputError(
@@ -143,7 +144,7 @@ def npu_fused_causal_conv1d(
             f"{describe(conv_states)}"
         )
     if npu_limits_enabled():
-        _hardware_limits(x, weight)
+        check_device_limits(x, weight)
     rows, offsets = _sequences(x, query_start_loc)
     num_seqs = len(offsets) - 1
     lines = cache_indices.tolist() if cache_indices is not None else list(range(num_seqs))

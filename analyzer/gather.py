@@ -146,6 +146,8 @@ MATMUL_CALL = m.Call(func=m.Name("matmul") | m.Attribute(attr=m.Name("matmul")))
 SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
 FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
+#: the Legacy read: a request's static rows handed to the model's own attention function
+LEGACY_READ_CALL = m.Call(func=m.Name("legacy_attention_inputs"))
 #: ``self.cache_entries = ...``: the class declares its paged caches
 CACHE_ENTRIES_ASSIGN = _self_attr_assign("cache_entries")
 #: ``self.cache_entries = [MambaCacheEntry(...), ...]``: a converted recurrent-state layer
@@ -426,7 +428,7 @@ def calls_cache_write(func: cst.CSTNode, writers: frozenset[str]) -> bool:
 def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None) -> bool:
     """Already converted: the class declares per-token ``cache_entries`` AND its forward
     writes a cache with a cache-write operator (directly or through a helper method) AND
-    calls the fused attention. One of these alone (entries declared but never written, or
+    calls the fused attention (or, Legacy, hands its rows to the model's own attention). One of these alone (entries declared but never written, or
     a fused-attention call on a dense cache) is not a conversion.
 
     CLASSES (the file's classes by name) resolves what CLS inherits from a class of the
@@ -436,7 +438,8 @@ def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None)
     if forward is None or not declares_token_caches(cls, classes):
         return False
     writers = cache_writer_methods(cls, classes)
-    return calls_cache_write(forward, writers) and bool(m.findall(forward, FA_CALL))
+    reads = m.findall(forward, FA_CALL | LEGACY_READ_CALL)
+    return calls_cache_write(forward, writers) and bool(reads)
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:

@@ -18,3 +18,6 @@ class AttnType(str, Enum):
     FULL_ATTENTION = "FullAttention"
     SLIDING_WINDOW = "SlidingWindow"
     MAMBA = "Mamba"
+    #: Legacy KV: one static row of max_model_len positions per request (seed 003's
+    #: ``cache_unit`` caches), for attention the fused operator cannot express
+    LEGACY = "Legacy"

@@ -150,11 +150,15 @@ class AttentionInitCommand(AttentionInitRewrite):
         # XAttention), or one calling super().__init__) gets its caches there, once
         return super().selects(cls) and init_owner(cls, self.classes) is cls
 
+    def template_values(self, cls: cst.ClassDef, config: str, layer_idx: str | None) -> dict:
+        """The values INIT_TEMPLATE is rendered with for CLS."""
+        return init_values(self.spec, cls, config, layer_idx)
+
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = attention_facts(original, self.classes)
         assert facts.config_param is not None, "the pipeline validates attention facts first"
         config = self.parser_config()
-        values = init_values(self.spec, original, facts.config_param, facts.layer_idx_param)
+        values = self.template_values(original, facts.config_param, facts.layer_idx_param)
         init_stmts = statements(self.INIT_TEMPLATE, config, **values)
         setters = [
             f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value.startswith("set_")

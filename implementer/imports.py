@@ -33,6 +33,13 @@ STATE_IMPORTS_IF_USED: dict[str, str] = {
 }
 
 
+#: added when the emitted Legacy attention uses them: name -> its module
+LEGACY_IMPORTS_IF_USED: dict[str, str] = {
+    "legacy_attention_inputs": "kvskill.runtime",
+    "packed_output": "kvskill.runtime",
+}
+
+
 def _dotted(node: cst.BaseExpression | None) -> str:
     if node is None:
         return ""
@@ -148,6 +155,11 @@ class RuntimeImportsCommand(FrameworkCommand):
                 }
                 for name in sorted(used):
                     wanted.append({STATE_IMPORTS_IF_USED[name]: (name,)})
+            wanted.extend(
+                {LEGACY_IMPORTS_IF_USED[name]: (name,)}
+                for name in sorted(LEGACY_IMPORTS_IF_USED)
+                if m.findall(node, m.Call(func=m.Name(name)))
+            )
             for imports in wanted:
                 for module, names in imports.items():
                     for name in names:

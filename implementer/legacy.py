@@ -1,44 +1,48 @@
-"""Framework-mode Legacy output: what ``apply`` does when the Plan (or ``--kv-mode legacy``)
-asks for ``cache_unit`` caches instead of paged ones.
+"""Framework-mode Legacy output: ``cache_unit`` caches in static rows, the model's own math.
 
 Seed 003 keeps Legacy for models the fused operator cannot serve (logit soft-capping, chunked
-attention, ALiBi): each attention declares ``cache_unit``, the framework pre-allocates one
-``[max_batch, max_seq_len, *cache_unit]`` row store per cache, the layer writes it with
-``scatter_update_`` at the runner's ``kv_len`` and attends with the model's own math. This
-release does not generate that code in framework mode, and says so instead of writing a paged
-model the operators would serve wrongly: an explicit ``--kv-mode legacy`` is a value framework
-mode cannot produce (exit 2), a Plan that chose Legacy is a model ``apply`` cannot convert
-(exit 3, with the analyzer's reason).
+attention): each attention declares its caches under attn_type "Legacy", the runtime gives
+every request one static row of ``max_model_len`` positions per cache (``[rows,
+max_model_len, num_head, dim]``), and the layer writes this step's keys and values at
+``row * max_model_len + position`` (the positions ``scatter_update_`` at ``kv_len`` would
+address) and then calls the source's own attention function over its rows, with a mask built
+from the step's lengths, the layer's window and its chunk (``runtime/legacy_attention.py``).
+
+Only the seam changes: the cache update becomes the write and the read of the rows, the
+source's kernel call stays as written (so soft-capping, scaling and dropout stay the
+model's), and its output is packed back to the step's tokens.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import KvMode
-from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.implementer.convert import ApplyOptions, Conversion
-
-#: what is missing, in one clause both refusals share
-NOT_GENERATED = (
-    "framework mode does not write Legacy caches (cache_unit + scatter_update_, static rows) "
-    "yet; convert it by hand from the workspace of kvskill analyze --out "
-    "(references/framework_kv_reference.md §7)"
-)
+from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, source_package
+from kvskill.implementer.legacy_codemods import legacy_spec
+from kvskill.implementer.pipeline import convert
+from kvskill.implementer.registry import ConversionPath
 
 
 def convert_framework_legacy(plan: Plan, options: ApplyOptions) -> Conversion:
-    """Refuse: framework Legacy output is not generated (see the module docstring).
+    """Convert a Legacy Plan's modeling file (``--kv-mode legacy``, or auto on a Legacy Plan).
 
     Raises:
-        BadInputError: ``--kv-mode legacy`` was asked for explicitly.
-        UnsupportedModelError: the Plan chose Legacy (``--kv-mode auto``).
+        UnsupportedModelError: the model needs something the Legacy rewrite does not write.
     """
-    if options.kv_mode == "legacy":
-        raise BadInputError(f"--kv-mode legacy: {NOT_GENERATED}")
-    assert plan.kv_mode is KvMode.LEGACY, "auto resolves to legacy only for a Legacy Plan"
-    raise UnsupportedModelError(
-        f"{plan.model_type}: cannot convert: Legacy KV ({plan.legacy_reason}); {NOT_GENERATED}"
+    assert options.kv_mode == "legacy" or plan.kv_mode is KvMode.LEGACY
+    spec = legacy_spec(plan, options.block_size)
+    modeling_file = Path(plan.source.modeling_file)
+    original = read_source(modeling_file)
+    converted = convert(
+        original,
+        spec,
+        ConversionPath.LEGACY,
+        package=source_package(plan),
+        filename=modeling_file.name,
     )
+    return Conversion(plan=plan, original=original, converted=converted)
 
 
-__all__ = ["NOT_GENERATED", "convert_framework_legacy"]
+__all__ = ["convert_framework_legacy"]

@@ -27,6 +27,7 @@ _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object
     ConversionPath.PAGED: check_attention_module,
     ConversionPath.MLA: check_mla_module,
     ConversionPath.CONTIGUOUS: check_attention_module,
+    ConversionPath.LEGACY: check_attention_module,
 }
 
 

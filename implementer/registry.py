@@ -24,6 +24,10 @@ from kvskill.implementer.contiguous import (
 )
 from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
+from kvskill.implementer.legacy_codemods import (
+    LegacyAttentionForwardCommand,
+    LegacyAttentionInitCommand,
+)
 from kvskill.implementer.mamba2 import Mamba2Command
 from kvskill.implementer.mamba_mixer import Mamba1MixerCommand
 from kvskill.implementer.masks import SkipDenseMasksCommand
@@ -47,6 +51,8 @@ class ConversionPath(str, Enum):
     MLA = "mla"
     #: per-row contiguous BSH caches owned by the runner (standalone mode 1)
     CONTIGUOUS = "contiguous"
+    #: Legacy: static rows per request, the model's own attention math (framework mode)
+    LEGACY = "legacy"
 
 
 ALL_PATHS = frozenset(ConversionPath)
@@ -71,6 +77,7 @@ def _paths(*paths: ConversionPath) -> frozenset[ConversionPath]:
 
 
 PAGED, MLA, CONTIGUOUS = ConversionPath.PAGED, ConversionPath.MLA, ConversionPath.CONTIGUOUS
+LEGACY = ConversionPath.LEGACY
 
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR001", AbsoluteImportsCommand, ALL_PATHS),
@@ -81,7 +88,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR006", ContiguousAttentionInitCommand, _paths(CONTIGUOUS)),
     Rewrite("KVR007", ContiguousAttentionForwardCommand, _paths(CONTIGUOUS)),
     Rewrite("KVR008", GatedDeltaCommand, _paths(PAGED, MLA)),
-    Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS)),
+    Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS, LEGACY)),
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
     Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),
     Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
@@ -89,6 +96,8 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR015", Mamba2Command, _paths(PAGED, MLA)),
     Rewrite("KVR016", Mamba1MixerCommand, _paths(PAGED, MLA)),
     Rewrite("KVR017", ShortConvCommand, _paths(PAGED, MLA)),
+    Rewrite("KVR018", LegacyAttentionInitCommand, _paths(LEGACY)),
+    Rewrite("KVR019", LegacyAttentionForwardCommand, _paths(LEGACY)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
 )

@@ -12,10 +12,12 @@ from kvskill.runtime.cache_info import (
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
 from kvskill.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvskill.runtime.layout import bind_kv_cache, kv_lane_view, split_page, strided_view
+from kvskill.runtime.legacy_attention import legacy_attention_inputs, packed_output
 from kvskill.runtime.managers import (
     ATTN_TYPE_MANAGER_MAP,
     FIXED_BLOCK_ATTN_TYPES,
     FullAttentionManager,
+    LegacyManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -42,6 +44,7 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheManager",
     "LayerCacheInfo",
+    "LegacyManager",
     "MambaCacheEntry",
     "MambaManager",
     "ModelCacheInfo",
@@ -53,6 +56,8 @@ __all__ = [
     "get_forward_metadata",
     "get_init_attn_mask",
     "kv_lane_view",
+    "legacy_attention_inputs",
+    "packed_output",
     "prepare_block_tables",
     "prepare_slot_mapping",
     "prepare_token_positions",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.cache_info import ModelCacheInfo
@@ -98,6 +99,7 @@ def prepare_kv_cache(
             f"{type(model).__name__}.get_cache_info() returned {type(info).__name__}; "
             "expected kvskill.runtime.ModelCacheInfo"
         )
+    size_legacy_rows(info, max_model_len or DEFAULT_BUDGET_MODEL_LEN)
     if block_size is not None and info.block_size != block_size:
         info = ModelCacheInfo(
             num_layers=info.num_layers,
@@ -142,6 +144,14 @@ def prepare_kv_cache(
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager, budget)
+
+
+def size_legacy_rows(info: ModelCacheInfo, max_model_len: int) -> None:
+    """Give every Legacy entry without its own block size a block of MAX_MODEL_LEN tokens:
+    one block is one request's static row, so the row must hold the longest request."""
+    for _, entry in info.entries():
+        if entry.attn_type == AttnType.LEGACY.value and entry.block_size is None:
+            entry.block_size = max_model_len
 
 
 def _check_kv_fits(

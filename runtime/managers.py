@@ -443,15 +443,40 @@ class MambaManager(SingleTypeKVCacheManager):
         return 1
 
 
+class LegacyManager(SingleTypeKVCacheManager):
+    """Legacy KV: each request holds one static row of ``max_model_len`` positions (its one
+    block; the runtime sizes the group's block to the longest request), so token p of a
+    request lives at ``row * max_model_len + p`` and the row is the request's batch slot."""
+
+    attn_type = AttnType.LEGACY.value
+    prefix_caching_unsupported = (
+        "each request owns one whole static row (no per-block K/V to share between requests)"
+    )
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return 1
+
+    @classmethod
+    def max_blocks_per_request(
+        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+    ) -> int | None:
+        return 1
+
+
 #: attn_type -> manager class; extend with ``register_attn_type``
 ATTN_TYPE_MANAGER_MAP: dict[str, type[SingleTypeKVCacheManager]] = {
     AttnType.FULL_ATTENTION.value: FullAttentionManager,
     AttnType.SLIDING_WINDOW.value: SlidingWindowManager,
     AttnType.MAMBA.value: MambaManager,
+    AttnType.LEGACY.value: LegacyManager,
 }
 
 #: types whose per-request block count is bounded, budgeted with a fixed block count
-FIXED_BLOCK_ATTN_TYPES: set[str] = {AttnType.SLIDING_WINDOW.value, AttnType.MAMBA.value}
+FIXED_BLOCK_ATTN_TYPES: set[str] = {
+    AttnType.SLIDING_WINDOW.value,
+    AttnType.MAMBA.value,
+    AttnType.LEGACY.value,
+}
 
 
 def register_attn_type(

@@ -1,0 +1,211 @@
+"""The Legacy rewrite's codemods: static-row caches declared, the seam around the model's own
+attention call (see ``legacy.py`` for the design)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.analyzer import Plan
+from kvskill.analyzer.config import text_config
+from kvskill.analyzer.gather import INTERFACE_CALL
+from kvskill.core.attn_types import AttnType
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.attn_forward import AttentionForwardCommand, seam_values, splice_seam
+from kvskill.implementer.attn_init import (
+    AttentionInitCommand,
+    attn_type_expr,
+    init_values,
+)
+from kvskill.implementer.facts import CacheLayout, KernelStyle, SeamFacts
+from kvskill.implementer.snippets import statements
+from kvskill.implementer.spec import ConversionSpec, WindowRule, _layer_type_mapping
+
+#: the layer kinds whose attention a Legacy mask reproduces
+LEGACY_KINDS = frozenset({AttnType.FULL_ATTENTION.value, AttnType.SLIDING_WINDOW.value})
+#: the Plan's layer kind of chunked-attention layers
+CHUNKED_KIND = "chunked"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LegacySpec(ConversionSpec):
+    """The paged values the Legacy init reuses (heads, per-layer kinds, windows), plus the
+    layers whose queries see only their own chunk."""
+
+    #: config.layer_types values of chunked layers; () when every layer is chunked, None
+    #: when none is
+    chunked_layer_types: tuple[str, ...] | None = None
+
+
+def legacy_spec(plan: Plan, block_size: int | None = None) -> LegacySpec:
+    """The values the Legacy rewrite emits: per-layer kinds, windows and chunks, heads.
+
+    Raises:
+        UnsupportedModelError: the Plan needs something the Legacy rewrite does not write.
+    """
+    kinds = [layer.attn_type for layer in plan.layers]
+    reasons = list(plan.implementer_blockers)
+    if not plan.layers:
+        reasons.append("the Plan lists no layers")
+    if set(kinds) - LEGACY_KINDS:
+        reasons.append(
+            f"layers of attn_type {sorted(set(kinds) - LEGACY_KINDS)} (Legacy rows serve "
+            "FullAttention and SlidingWindow layers)"
+        )
+    if plan.is_mla:
+        reasons.append("MLA attention (Legacy rows hold full keys and values)")
+    if plan.attn_tp_size != 1:
+        reasons.append(f"attn_tp_size {plan.attn_tp_size} (Legacy rows are written for one rank)")
+    chunked = _chunked_layer_types(plan, reasons)
+    if reasons:
+        raise UnsupportedModelError(
+            f"{plan.model_type}: cannot convert: Legacy KV: " + "; ".join(reasons)
+        )
+    uniform = kinds[0] if len(set(kinds)) == 1 else None
+    windows = (
+        {AttnType.SLIDING_WINDOW.value: WindowRule(pre_offset=-1, next_tokens=0)}
+        if AttnType.SLIDING_WINDOW.value in kinds
+        else {}
+    )
+    return LegacySpec(
+        fa_version=plan.fa_version,
+        input_layout=plan.input_layout,
+        uniform_attn_type=uniform,
+        layer_type_to_attn_type={} if uniform is not None else _layer_type_mapping(plan),
+        windows=windows,
+        block_size=block_size or plan.block_size,
+        causal_lm_class=plan.architecture,
+        config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
+        chunked_layer_types=chunked,
+    )
+
+
+def _chunked_layer_types(plan: Plan, reasons: list[str]) -> tuple[str, ...] | None:
+    chunked = [layer for layer in plan.layers if layer.kind == CHUNKED_KIND]
+    if not chunked:
+        return None
+    if len(chunked) == len(plan.layers):
+        return ()
+    layer_types = text_config(plan.config)[0].get("layer_types")
+    if not isinstance(layer_types, list) or len(layer_types) < len(plan.layers):
+        reasons.append(
+            "some layers are chunked but config.layer_types does not list every layer, so "
+            "the chunk cannot be written per layer"
+        )
+        return None
+    values = {str(layer_types[layer.index]) for layer in chunked}
+    others = {str(layer_types[layer.index]) for layer in plan.layers if layer not in chunked}
+    if values & others:
+        reasons.append(
+            f"layer_types values {sorted(values & others)} name chunked and unchunked layers"
+        )
+    return tuple(sorted(values))
+
+
+def _window_expr(spec: ConversionSpec, config: str) -> str:
+    if AttnType.SLIDING_WINDOW.value not in spec.windows:
+        return "None"
+    if spec.uniform_attn_type is not None:
+        return f"{config}.sliding_window"
+    return f'{config}.sliding_window if self.attention_kind == "SlidingWindow" else None'
+
+
+def _chunk_expr(spec: LegacySpec, config: str, layer_idx: str | None) -> str:
+    chunked = spec.chunked_layer_types
+    if chunked is None:
+        return "None"
+    if not chunked:
+        return f"{config}.attention_chunk_size"
+    quoted = ", ".join(json.dumps(v) for v in chunked)
+    return (
+        f"{config}.attention_chunk_size if {config}.layer_types[{layer_idx}] in ({quoted},) "
+        "else None"
+    )
+
+
+def legacy_init_values(
+    spec: LegacySpec, cls: cst.ClassDef, config: str, layer_idx: str | None
+) -> dict:
+    """Template values for ``legacy_init.py.j2``."""
+    values = init_values(replace(spec, windows={}), cls, config, layer_idx)
+    values["kind_expr"] = attn_type_expr(spec, config, layer_idx)
+    values["window_expr"] = _window_expr(spec, config)
+    values["chunk_expr"] = _chunk_expr(spec, config, layer_idx)
+    return values
+
+
+class LegacyAttentionInitCommand(AttentionInitCommand):
+    """Declare the Legacy caches, the heads, the layer's window and chunk in every attention."""
+
+    DESCRIPTION = "Declare Legacy (static-row) caches in every attention __init__."
+    INIT_TEMPLATE = "legacy_init.py.j2"
+
+    def template_values(self, cls: cst.ClassDef, config: str, layer_idx: str | None) -> dict:
+        return legacy_init_values(self.spec, cls, config, layer_idx)
+
+
+def _kernel_mask(kernel: cst.BaseStatement) -> str | None:
+    """The name the source's attention-interface call takes its mask from, or None."""
+    calls = m.findall(kernel, INTERFACE_CALL)
+    if not calls:
+        return None
+    call = cst.ensure_type(calls[0], cst.Call)
+    positional = [a for a in call.args if a.keyword is None and a.star == ""]
+    named = {a.keyword.value: a for a in call.args if a.keyword is not None}
+    arg = positional[4] if len(positional) > 4 else named.get("attention_mask")
+    if arg is None or not isinstance(arg.value, cst.Name):
+        return None
+    return arg.value.value
+
+
+def legacy_seam_problem(seam: SeamFacts, forward: cst.FunctionDef) -> str | None:
+    """Why the Legacy seam cannot wrap this forward's kernel call, or None."""
+    if seam.style is not KernelStyle.INTERFACE or seam.layout is not CacheLayout.BHSD:
+        return (
+            f"the attention is called as {seam.style.value} over {seam.layout.value} tensors; "
+            "the Legacy rewrite wraps an attention-interface call over [b, h, s, d] tensors "
+            "(transformers' own style)"
+        )
+    body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+    if _kernel_mask(body[seam.kernel_index]) is None:
+        return "the attention-interface call takes no named mask (its fifth argument)"
+    return None
+
+
+class LegacyAttentionForwardCommand(AttentionForwardCommand):
+    """Write the static rows, read them for the model's own attention call, pack its output."""
+
+    DESCRIPTION = (
+        "Write K/V into each request's static row and run the model's own attention over it."
+    )
+    SEAM_TEMPLATE = "legacy_seam.py.j2"
+
+    def _convert_forward(
+        self,
+        forward: cst.FunctionDef,
+        note: list[cst.EmptyLine],
+        seam: SeamFacts,
+        config: cst.PartialParserConfig,
+    ) -> cst.FunctionDef:
+        problem = legacy_seam_problem(seam, forward)
+        if problem:
+            raise UnsupportedModelError(f"cannot convert: Legacy KV: {problem}")
+        body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+        kept = body[seam.update_index + 1 : seam.kernel_index + 1]
+        values = seam_values(seam)
+        mask = _kernel_mask(body[seam.kernel_index])
+        prologue = statements(self.SEAM_TEMPLATE, config, **values, mask=mask)
+        prologue[0] = prologue[0].with_changes(leading_lines=[*note, *prologue[0].leading_lines])
+        epilogue = statements("legacy_output.py.j2", config, **values)
+        return splice_seam(forward, seam, [*prologue, *kept, *epilogue])
+
+
+__all__ = [
+    "LegacyAttentionForwardCommand",
+    "LegacyAttentionInitCommand",
+    "LegacySpec",
+    "legacy_init_values",
+    "legacy_spec",
+]

@@ -35,6 +35,7 @@ VOCAB_SIZE = 256
 NUM_EXPERTS = 4
 #: the window shrinks to this many tokens so prompts run past it
 SLIDING_WINDOW = 8
+ATTENTION_CHUNK = 64
 MIN_LAYERS = 2
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -322,6 +323,10 @@ def _shrink_decoder(
     _put(new, config, "vocab_size", VOCAB_SIZE, names)
     if shrink_window and isinstance(config.get("sliding_window"), int):
         new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
+    if isinstance(config.get("attention_chunk_size"), int):
+        # chunks shorter than the prompts, so a query's chunk boundary is exercised (the
+        # original builds its chunked masks from the same value)
+        new["attention_chunk_size"] = min(config["attention_chunk_size"], ATTENTION_CHUNK)
     for key in _EXPERT_COUNT_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             top_k = int(

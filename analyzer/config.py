@@ -356,3 +356,14 @@ def _ssm_cache_dtype(cfg: dict[str, Any]) -> dict[str, str]:
     ``mamba_ssm_cache_dtype``: float32 in a bfloat16 model)."""
     value = cfg.get("mamba_ssm_cache_dtype")
     return {"state_dtype": str(value).removeprefix("torch.")} if isinstance(value, str) else {}
+
+
+def pinned_state_dtypes(state: dict[str, Any]) -> dict[str, str]:
+    """{state name: dtype} of the states whose dtype the model fixes whatever its weights'
+    dtype: the SSM state of a gated delta net (float32), or of a Mamba mixer whose config sets
+    ``mamba_ssm_cache_dtype``. Every other state is kept in the model's dtype.
+
+    The Plan's per-state dtypes and the dtypes the converted layers pin both come from here.
+    """
+    dtype = state.get("state_dtype")
+    return {"ssm_state": str(dtype)} if dtype and state.get("num_state_heads") else {}

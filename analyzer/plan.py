@@ -336,6 +336,12 @@ class Plan:
         """attn_type of every layer, in layer order."""
         return [layer.attn_type for layer in self.layers]
 
+    def pinned_state_dtypes(self) -> dict[str, str]:
+        """{state name: dtype} of the recurrent states the model keeps in a dtype of their own
+        whatever the weights' dtype (``state_cache`` rows marked ``pinned``)."""
+        rows = self.state_cache.get("states") or []
+        return {row["cache_name"]: row["dtype"] for row in rows if row.get("pinned")}
+
 
 #: Fields a reviewer may edit in a plan file: ``apply --plan`` converts with their values and
 #: records them. Everything else is a fact of the model (or follows from facts and choices).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.config import ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
 from kvskill.analyzer.plan import (
     AttentionKind,
@@ -398,10 +398,13 @@ def _state_entries(spec: ModelSpec, attn_tp_size: int) -> list[CacheEntryPlan]:
     state = spec.state
     if not state:
         return []
+    # each state in its own dtype: the one the model pins, else the model's
+    pinned = pinned_state_dtypes(state)
     conv_dim = max(state["conv_dim"] // attn_tp_size, 1)
-    entries = [_entry("conv_state", [state["conv_kernel"] - 1, conv_dim], 1, spec.dtype)]
+    conv_dtype = pinned.get("conv_state", spec.dtype)
+    entries = [_entry("conv_state", [state["conv_kernel"] - 1, conv_dim], 1, conv_dtype)]
     if state.get("num_state_heads"):
         heads = max(state["num_state_heads"] // attn_tp_size, 1)
         dims = [state["state_k_dim"], state["state_v_dim"]]
-        entries.append(_entry("ssm_state", dims, heads, state.get("state_dtype", spec.dtype)))
+        entries.append(_entry("ssm_state", dims, heads, pinned.get("ssm_state", spec.dtype)))
     return entries

@@ -2,17 +2,18 @@
 
 For a model with state (Mamba group) layers the Plan lists each such layer's mixer kind
 (``gated_delta``, ``mamba1``, ``mamba2``, ``short_conv``), every state with its shape, its
-own dtype and bytes, the bytes one request holds per layer and over all state layers, and
-the page size a pool shared with attention layers would use: the attention block size grows
-in kernel blocks until an attention page holds a state page (seed 004), the smaller payload
-padded up to the page (padding skipped by strides, never copied).
+own dtype (``pinned`` when the model fixes it: ``config.pinned_state_dtypes``) and bytes, the
+bytes one request holds per layer and over all state layers, and the page size a pool shared
+with attention layers would use: the attention block size grows in kernel blocks until an
+attention page holds a state page (seed 004), the smaller payload padded up to the page
+(padding skipped by strides, never copied).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvskill.analyzer.config import ModelSpec
+from kvskill.analyzer.config import ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.plan import CacheEntryPlan, LayerPlan
 from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import dtype_bytes, entry_bytes, hybrid_block_size
@@ -34,6 +35,7 @@ def state_cache(
     state_layers = [layer.index for layer in layers if layer.attn_type == AttnType.MAMBA.value]
     if not states or not state_layers:
         return {}
+    pinned = pinned_state_dtypes(spec.state)
     rows = []
     for entry in states:
         shape = [entry.dim] if isinstance(entry.dim, int) else list(entry.dim)
@@ -41,7 +43,15 @@ def state_cache(
             shape = [entry.num_head, *shape]
         size = entry_bytes(shape, 1, dtype_bytes(entry.dtype, 2))
         rows.append(
-            {"cache_name": entry.cache_name, "shape": shape, "dtype": entry.dtype, "bytes": size}
+            {
+                "cache_name": entry.cache_name,
+                "shape": shape,
+                "dtype": entry.dtype,
+                "bytes": size,
+                # the model fixes this dtype whatever the weights' dtype (the converted layer
+                # pins it); an unpinned state follows the dtype the model runs in
+                "pinned": entry.cache_name in pinned,
+            }
         )
     # each state starts at a multiple of its own element size inside the page
     per_layer = 0

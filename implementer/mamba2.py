@@ -13,7 +13,9 @@ scattered back). A mixer whose methods read an attribute that body does not use 
 multiplier, an optional norm) is refused with the attribute's name rather than converted
 without it.
 
-``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba".
+``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba";
+the SSM state keeps the dtype the Plan pins for it (the config's ``mamba_ssm_cache_dtype``,
+float32 in a bfloat16 nemotron_h), the conv state the layer's dtype.
 """
 
 from __future__ import annotations
@@ -22,19 +24,10 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import (
-    ClassRewriteCommand,
-    append_statements,
-    replace_method,
-    with_body,
-)
+from kvskill.implementer._command import ClassRewriteCommand
 from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN, _method, class_assigns
 from kvskill.implementer.snippets import statements
-from kvskill.implementer.state_entries import (
-    StateEntry,
-    state_init_statements,
-    state_setter_methods,
-)
+from kvskill.implementer.state_entries import StateEntry, declare_states, with_pinned_dtypes
 
 
 def _call_ending(*suffixes: str) -> m.Call:
@@ -100,7 +93,7 @@ NEUTRAL_ATTRS = frozenset(
         "use_mem_eff_path",
     }
 )
-#: the cache entries: (name, shape, comment)
+#: the cache entries, in the layer's dtype unless the Plan pins one (``with_pinned_dtypes``)
 ENTRIES = [
     StateEntry(
         name="conv_state",
@@ -204,11 +197,6 @@ class Mamba2Command(ClassRewriteCommand):
         facts = mamba2_facts(original)
         assert not facts.problems, "the pipeline validates Mamba-2 facts first"
         config = self.parser_config()
-        init_stmts = state_init_statements("Mamba-2", ENTRIES, config)
-        updated = with_body(
-            updated,
-            replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts)),
-        )
         forward_body = statements(
             "framework_mamba2_forward.py.j2",
             config,
@@ -220,8 +208,9 @@ class Mamba2Command(ClassRewriteCommand):
             block = cst.ensure_type(forward.body, cst.IndentedBlock)
             return forward.with_changes(body=block.with_changes(body=forward_body))
 
-        body = replace_method(updated, "forward", paged)
-        return with_body(updated, [*body, *state_setter_methods(ENTRIES, config)])
+        # the SSM state in the dtype the Plan reports for it (mamba_ssm_cache_dtype)
+        entries = with_pinned_dtypes(ENTRIES, getattr(self.spec, "pinned_state_dtypes", {}))
+        return declare_states(updated, "Mamba-2", entries, config, paged)
 
 
 __all__ = ["Mamba2Command", "Mamba2Facts", "is_mamba2_class", "mamba2_facts"]

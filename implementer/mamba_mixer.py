@@ -58,6 +58,7 @@ from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
     StateEntry,
     declare_states,
+    with_pinned_dtypes,
 )
 
 #: the Mamba-1 selective scan in any spelling (transformers' mamba_selective_scan,
@@ -259,10 +260,12 @@ class Mamba1MixerCommand(ClassRewriteCommand):
         facts = mamba1_facts(original)
         assert not facts.problems, "the pipeline validates Mamba-1 facts first"
         config = self.parser_config()
+        # the SSM state in the dtype the Plan reports for it (mamba_ssm_cache_dtype)
+        pinned = getattr(self.spec, "pinned_state_dtypes", {})
         return declare_states(
             updated,
             "Mamba-1 mixer",
-            _state_entries(facts),
+            with_pinned_dtypes(_state_entries(facts), pinned),
             config,
             lambda forward: self._convert_forward(forward, facts, config),
         )

@@ -59,6 +59,9 @@ class ConversionSpec:
     causal_lm_class: str | None = None
     #: whether the model's config names ``num_key_value_heads`` (MHA vendor configs do not)
     config_has_kv_heads: bool = True
+    #: {state name: dtype name} of the recurrent states the Plan pins (a float32 SSM state in
+    #: a bfloat16 model); the state rewrites declare these dtypes, the others follow the layer
+    pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
 
     @property
     def has_attention_layers(self) -> bool:
@@ -109,7 +112,28 @@ class ConversionSpec:
             has_state_layers=any(t in STATE_ATTN_TYPES for t in plan.layer_attn_types()),
             causal_lm_class=plan.architecture,
             config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
+            pinned_state_dtypes=pinned_state_dtypes(plan),
         )
+
+
+#: dtypes a state may be pinned to: the names the emitted code spells as ``torch.<name>``
+STATE_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+def pinned_state_dtypes(plan: Plan) -> dict[str, str]:
+    """The Plan's pinned state dtypes (``state_cache``), checked to be torch dtype names.
+
+    Raises:
+        UnsupportedModelError: a state is pinned to a dtype the runtime does not keep.
+    """
+    pinned = plan.pinned_state_dtypes()
+    unknown = {name: dtype for name, dtype in pinned.items() if dtype not in STATE_DTYPES}
+    if unknown:
+        raise UnsupportedModelError(
+            f"{plan.model_type}: cannot convert: states pinned to dtypes {unknown} (the config's "
+            f"mamba_ssm_cache_dtype); expected one of {sorted(STATE_DTYPES)}"
+        )
+    return pinned
 
 
 #: the analyzer's rule for paged TND full attention: causal (3) in prefill and decode

@@ -11,7 +11,7 @@ and one ``set_<name>`` tensor setter per state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
 from kvskill.implementer._command import append_statements, replace_method, with_body
@@ -36,6 +36,17 @@ class StateEntry:
     def shape_text(self) -> str:
         """The shape as a tuple expression (``(a, b)``, ``(a,)``)."""
         return "(" + ", ".join(self.shape) + ("," if len(self.shape) == 1 else "") + ")"
+
+
+def with_pinned_dtypes(entries: list[StateEntry], pinned: dict[str, str]) -> list[StateEntry]:
+    """ENTRIES with the dtypes PINNED names ({state name: "float32"}) pinned; an entry whose
+    source already fixes its dtype keeps it."""
+    return [
+        replace(e, pinned_dtype=f"torch.{pinned[e.name]}")
+        if e.name in pinned and not e.pinned_dtype
+        else e
+        for e in entries
+    ]
 
 
 def _pinned_text(entries: list[StateEntry]) -> str:
@@ -80,4 +91,10 @@ def declare_states(
     return with_body(cls, [*body, *state_setter_methods(entries, config)])
 
 
-__all__ = ["StateEntry", "declare_states", "state_init_statements", "state_setter_methods"]
+__all__ = [
+    "StateEntry",
+    "declare_states",
+    "state_init_statements",
+    "state_setter_methods",
+    "with_pinned_dtypes",
+]

@@ -8,7 +8,7 @@ that fails on the device. (Prefill steps are not absorbed: npu_ops §9.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvskill.analyzer.plan import (
     AttentionKind,
@@ -21,6 +21,7 @@ from kvskill.analyzer.plan import (
 from kvskill.core import npu_limits
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.spec import pinned_state_dtypes
 
 MLA_ROPE_DIM = npu_limits.MLA_ROPE_DIM
 MLA_QUERY_DIMS = npu_limits.MLA_LATENT_DIMS
@@ -48,6 +49,8 @@ class MlaSpec:
     block_size: int = 128
     #: whether some layers are recurrent-state (Mamba group) layers (Kimi Linear's KDA)
     has_state_layers: bool = False
+    #: {state name: dtype name} of the recurrent states the Plan pins (ConversionSpec's)
+    pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_plan(
@@ -69,6 +72,7 @@ class MlaSpec:
             attn_tp_size=plan.attn_tp_size,
             block_size=block_size or plan.block_size,
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
+            pinned_state_dtypes=pinned_state_dtypes(plan),
         )
 
 

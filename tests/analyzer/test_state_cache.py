@@ -36,3 +36,22 @@ def test_state_groups_alone_page_one_state_and_other_models_have_no_state_cache(
     assert pure["page"]["page_size_bytes"] == pure["bytes_per_request_per_layer"]
     assert analyze_model("qwen3_next").state_cache["layers"][0]["mixer"] == "gated_delta"
     assert analyze_model("qwen3").state_cache == {}
+
+
+def test_only_a_state_the_config_pins_is_marked_pinned_and_unpinned_states_take_the_model_dtype():
+    pinned = analyze_model("nemotron_h")
+    assert [row["pinned"] for row in pinned.state_cache["states"]] == [False, True]
+    assert pinned.pinned_state_dtypes() == {"ssm_state": "float32"}
+    # the Plan's cache_entries and state_cache give each state the same dtype
+    mamba = {e.cache_name: e.dtype for e in pinned.cache_entries["Mamba"]}
+    assert mamba == {row["cache_name"]: row["dtype"] for row in pinned.state_cache["states"]}
+    # a config without mamba_ssm_cache_dtype keeps the SSM state in the model's dtype, unpinned
+    free = analyze_model("mamba2")
+    conv, ssm = free.state_cache["states"]
+    assert ssm["dtype"] == conv["dtype"] == "bfloat16"
+    assert free.pinned_state_dtypes() == {} and not ssm["pinned"]
+    # and one that sets it pins it, in the Plan's cache_entries and bytes alike
+    fixed = analyze_model("mamba2", config_overrides={"mamba_ssm_cache_dtype": "torch.float32"})
+    assert fixed.pinned_state_dtypes() == {"ssm_state": "float32"}
+    assert [e.dtype for e in fixed.cache_entries["Mamba"]] == ["bfloat16", "float32"]
+    assert fixed.state_cache["states"][1]["bytes"] == 2 * ssm["bytes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import libcst as cst
@@ -45,6 +46,7 @@ def _source(model_type: str) -> str:
         return handle.read()
 
 
+@functools.cache
 def _mixer(model_type: str) -> cst.ClassDef:
     module = cst.parse_module(_source(model_type))
     found = [c for c in module.body if isinstance(c, cst.ClassDef) and is_mamba2_class(c)]
@@ -70,6 +72,65 @@ def test_a_mixer_reading_an_attribute_the_paged_forward_ignores_is_refused():
     spec = ConversionSpec.from_plan(analyze_model("mamba2"))
     with pytest.raises(UnsupportedModelError, match=r"reads self\.mup_vector"):
         convert_source(source, spec, package="transformers.models.mamba2")
+
+
+def _converted_mixer(model_type: str, plan) -> str:
+    """The text of MODEL_TYPE's Mamba-2 mixer class after the Mamba-2 rewrite under PLAN."""
+    from kvskill.implementer.mamba2 import Mamba2Command
+    from kvskill.implementer.spec import ConversionSpec
+    from libcst.codemod import CodemodContext
+
+    command = Mamba2Command(CodemodContext(), ConversionSpec.from_plan(plan))
+    return command.transform_module(cst.Module(body=[_mixer(model_type)])).code
+
+
+def _pinned_assign(mixer_text: str) -> str:
+    (line,) = [ln.strip() for ln in mixer_text.splitlines() if "self.pinned_cache_dtypes =" in ln]
+    return line
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "pinned"),
+    [
+        # nemotron_h's config sets mamba_ssm_cache_dtype="float32" (the default of its class)
+        ("nemotron_h", {}, "torch.float32"),
+        ("mamba2", {"mamba_ssm_cache_dtype": "float32"}, "torch.float32"),
+        ("mamba2", {}, None),
+    ],
+)
+def test_the_ssm_state_is_pinned_exactly_when_the_plan_pins_it(model_type, overrides, pinned):
+    from kvskill.analyzer import analyze_model
+
+    plan = analyze_model(model_type, config_overrides=overrides)
+    mixer = _converted_mixer(model_type, plan)
+    ssm_dtype = mixer.split('cache_name="ssm_state"')[1].split("tensor_setter")[0]
+    conv_dtype = mixer.split('cache_name="conv_state"')[1].split("tensor_setter")[0]
+    # the conv state always follows the layer (get_cache_info gives it the weights' dtype)
+    assert "dtype=torch.get_default_dtype()" in conv_dtype
+    if pinned:
+        assert plan.state_cache["states"][1]["dtype"] == pinned.removeprefix("torch.")
+        assert _pinned_assign(mixer) == f'self.pinned_cache_dtypes = {{"ssm_state": {pinned}}}'
+        assert 'dtype=self.pinned_cache_dtypes["ssm_state"]' in ssm_dtype
+    else:
+        assert _pinned_assign(mixer) == "self.pinned_cache_dtypes = {}"
+        assert "dtype=torch.get_default_dtype()" in ssm_dtype
+
+
+def test_the_rewrite_takes_the_pinned_dtype_from_the_plan_and_refuses_an_unknown_one():
+    import dataclasses
+
+    from kvskill.analyzer import analyze_model
+    from kvskill.implementer.spec import ConversionSpec
+
+    plan = analyze_model("mamba2", config_overrides={"mamba_ssm_cache_dtype": "float32"})
+    states = plan.state_cache["states"]
+    # a Plan whose state_cache says float16 is converted so, whatever the config says
+    half = {**plan.state_cache, "states": [states[0], {**states[1], "dtype": "float16"}]}
+    mixer = _converted_mixer("mamba2", dataclasses.replace(plan, state_cache=half))
+    assert _pinned_assign(mixer) == 'self.pinned_cache_dtypes = {"ssm_state": torch.float16}'
+    odd = {**plan.state_cache, "states": [states[0], {**states[1], "dtype": "float8"}]}
+    with pytest.raises(UnsupportedModelError, match="float8"):
+        ConversionSpec.from_plan(dataclasses.replace(plan, state_cache=odd))
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +215,51 @@ def test_bamba_hybrid_verifies_and_preempted_requests_keep_their_tokens(tmp_path
     tight = _llm(out, num_blocks=24, max_num_batched_tokens=12)
     assert _tokens(tight, prompts) == expected
     assert tight.engine.stats.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def pinned_mamba2(tmp_path_factory):
+    """SMALL_MAMBA2 whose config pins the SSM state to float32 (nemotron_h's field)."""
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path_factory.mktemp("pinned") / "mamba2"
+    overrides = {**SMALL_MAMBA2, "mamba_ssm_cache_dtype": "float32"}
+    apply_model("mamba2", out, ApplyOptions(config_overrides=overrides))
+    return out
+
+
+@pytest.mark.slow
+def test_a_bfloat16_run_keeps_each_state_in_the_dtype_the_plan_reports(pinned_mamba2, small_mamba2):
+    import torch
+    from kvskill.analyzer.plan import Plan
+
+    prompts = _prompts()[:3]
+    for directory, ssm_dtype in ((pinned_mamba2, torch.float32), (small_mamba2, torch.bfloat16)):
+        plan = Plan.from_json(directory / "kvskill_plan.json")
+        reported = {row["cache_name"]: row["dtype"] for row in plan.state_cache["states"]}
+        runs = []
+        # whole prompts in separate tensors, then prompts split over several prefill steps in
+        # one page pool: every later step reads back the states the step before stored
+        for use_hybrid_blocks, budget in ((False, 256), (True, 6)):
+            llm = _llm(
+                directory,
+                dtype="bfloat16",
+                num_blocks=8,
+                max_num_batched_tokens=budget,
+                use_hybrid_blocks=use_hybrid_blocks,
+            )
+            runs.append(_tokens(llm, prompts))
+            layers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
+            infos = llm.model.get_cache_info().layer_infos
+            assert len(layers) == len(infos) == 2
+            for layer, info in zip(layers, infos, strict=True):
+                allocated = {c.cache_name: getattr(layer, c.cache_name).dtype for c in info.caches}
+                assert allocated == {"conv_state": torch.bfloat16, "ssm_state": ssm_dtype}
+                # the Plan and the converted model agree on every state's dtype
+                assert {k: str(v).removeprefix("torch.") for k, v in allocated.items()} == reported
+            # the scan stored float32 values bfloat16 cannot hold into a pinned state
+            state = layers[0].ssm_state.float()
+            assert state.abs().sum() > 0
+            assert torch.equal(state, state.bfloat16().float()) == (ssm_dtype == torch.bfloat16)
+        assert llm.engine.stats.num_prefill_steps > len(prompts)
+        assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [8] * len(prompts)

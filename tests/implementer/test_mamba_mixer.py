@@ -165,3 +165,20 @@ def test_state_models_verify_token_exact(tmp_path, model_type, overrides, expect
     again = tmp_path / "again"
     apply_model(str(out), again, ApplyOptions())
     assert (again / f"modeling_{model_type}.py").read_text() == code
+
+
+def test_a_mamba1_ssm_state_is_pinned_when_the_config_pins_it():
+    from kvskill.analyzer import analyze_model
+    from kvskill.implementer.mamba_mixer import Mamba1MixerCommand
+    from kvskill.implementer.spec import ConversionSpec
+    from libcst.codemod import CodemodContext
+
+    (mixer,) = _mixers("mamba")
+    if mamba1_facts(mixer).problems:
+        pytest.skip("this transformers' mixer is refused")
+    for overrides, pinned in (({}, "{}"), ({"mamba_ssm_cache_dtype": "float32"}, "torch.float32")):
+        spec = ConversionSpec.from_plan(analyze_model("mamba", config_overrides=overrides))
+        code = Mamba1MixerCommand(CodemodContext(), spec).transform_module(cst.Module([mixer])).code
+        (line,) = [ln.strip() for ln in code.splitlines() if "self.pinned_cache_dtypes =" in ln]
+        want = pinned if pinned == "{}" else f'{{"ssm_state": {pinned}}}'
+        assert line == f"self.pinned_cache_dtypes = {want}"

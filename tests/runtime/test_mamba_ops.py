@@ -96,6 +96,45 @@ def test_prefill_then_decode_equals_one_long_prefill():
     assert pool[[0, 1, 3]].abs().sum() == 0, "rows of other requests were written"
 
 
+def test_a_float32_state_under_bfloat16_activations_is_computed_and_kept_in_float32():
+    """A pinned SSM state (float32 in a bfloat16 model): both operators compute in float32 from
+    the bfloat16 inputs and keep the state in its own dtype, outputs in the activations'."""
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    x, dt, A, B, C, D, _, bias = _inputs(3, 9)
+    x, dt, B, C, D, bias = (t.bfloat16() for t in (x, dt, B, C, D, bias))
+    h0 = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(4)) / 3
+    assert not torch.equal(h0, h0.bfloat16().float()), "the states must not fit in bfloat16"
+    out, states = mamba.mamba_chunk_scan_combined(
+        x, dt, A, B, C, 4, D=D, dt_bias=bias, initial_states=h0, cu_seqlens=cu,
+        dt_softplus=True, return_varlen_states=True,
+    )  # fmt: skip
+    assert (out.dtype, states.dtype) == (torch.bfloat16, torch.float32)
+    step = F.softplus(dt[0].float() + bias.float())
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:], strict=False)):
+        y, h = naive_scan(x[0, a:b], step[a:b], A, B[0, a:b], C[0, a:b], D, None, h0[i])
+        # a state rounded through bfloat16 anywhere would be ~1e-3 off
+        torch.testing.assert_close(states[i].double(), h, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[0, a:b].double(), y, atol=3e-2, rtol=2e-2)
+    # one decode token per request on the float32 state rows of a pool, in place
+    pool = torch.zeros(3, 4, 3, 5)
+    lines = torch.tensor([2, 0])
+    pool[lines] = states
+    xt, dtt, bt, ct = x[0, :2], dt[0, :2], B[0, :2], C[0, :2]
+    y = mamba.selective_state_update(
+        pool, xt, dtt[:, :, None].expand(2, 4, 3), A[:, None, None].expand(4, 3, 5), bt, ct,
+        D=D[:, None].expand(4, 3), dt_bias=bias[:, None].expand(4, 3), dt_softplus=True,
+        state_batch_indices=lines,
+    )  # fmt: skip
+    assert (y.dtype, pool.dtype) == (torch.bfloat16, torch.float32)
+    for b, line in enumerate(lines.tolist()):
+        want_y, want = naive_scan(
+            xt[b : b + 1], step[b : b + 1], A, bt[b : b + 1], ct[b : b + 1], D, None, states[b]
+        )
+        torch.testing.assert_close(pool[line].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y[b].double(), want_y[0], atol=3e-2, rtol=2e-2)
+    assert pool[1].abs().sum() == 0, "a row no request owns was written"
+
+
 def test_state_update_mamba1_form_and_padding_rows():
     """[B, dim, dstate] states: every channel has its own dt and A row; pad rows untouched."""
     g = torch.Generator().manual_seed(2)

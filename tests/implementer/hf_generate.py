@@ -11,12 +11,32 @@ from __future__ import annotations
 import torch
 
 
-def transformers_tokens(directory, state_dict, prompts, max_tokens=8) -> list[list[int]]:
+def _model(directory, state_dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(directory)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def transformers_tokens_uncached(directory, state_dict, prompts, max_tokens=8):
+    """Greedy tokens from transformers' full forward over the whole sequence at every step
+    (no cache): the model's math alone, whatever its cache classes do."""
+    model = _model(directory, state_dict)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+def transformers_tokens(directory, state_dict, prompts, max_tokens=8) -> list[list[int]]:
+    model = _model(directory, state_dict)
     out = []
     with torch.no_grad():
         for prompt in prompts:

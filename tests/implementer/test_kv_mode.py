@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.core.errors import BadInputError
 from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.writer import ApplyOptions, convert_model
 
@@ -51,13 +51,12 @@ def test_a_value_framework_mode_cannot_write_is_bad_input(plans, requested):
         resolve_kv_mode(plans["qwen3", "framework"], requested)
 
 
-def test_framework_legacy_is_refused_not_written_as_paged():
-    # asked explicitly: framework mode cannot produce it (exit 2)
-    with pytest.raises(BadInputError, match="--kv-mode legacy: framework mode does not write"):
-        convert_model("qwen3", ApplyOptions(kv_mode="legacy", config_overrides=SMALL))
-    # chosen by the Plan: the model is refused with the analyzer's reason (exit 3)
-    with pytest.raises(UnsupportedModelError, match="Legacy KV .attention logit soft-capping"):
-        convert_model("gemma2", ApplyOptions())
+def test_framework_legacy_is_written_asked_or_chosen():
+    # asked explicitly of a paged model, and chosen by the Plan for a soft-capping one: both
+    # write static-row (Legacy) caches, never the paged seam
+    for model, kv_mode in (("qwen3", "legacy"), ("gemma2", "auto")):
+        code = convert_model(model, ApplyOptions(kv_mode=kv_mode, config_overrides=SMALL)).converted
+        assert 'self.attn_type = "Legacy"' in code and "npu_fused_infer" not in code
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
+from kvskill.implementer.legacy_codemods import LegacySpec
 from kvskill.implementer.mla import CacheWrite, MlaSpec
 from kvskill.implementer.pipeline import convert, parse
 from kvskill.implementer.registry import (
@@ -47,15 +48,20 @@ MLA_SPEC = MlaSpec(
     cache_write=CacheWrite.SCATTER,
     block_size=16,
 )
+LEGACY_SPEC = LegacySpec(
+    fa_version=FaVersion.V1, input_layout="BSH", uniform_attn_type="FullAttention"
+)
 SPECS = {
     ConversionPath.PAGED: PAGED_SPEC,
     ConversionPath.CONTIGUOUS: PAGED_SPEC,
     ConversionPath.MLA: MLA_SPEC,
+    ConversionPath.LEGACY: LEGACY_SPEC,
 }
 BEFORE = {
     ConversionPath.PAGED: HERE / "before_paged.py",
     ConversionPath.CONTIGUOUS: HERE / "before_paged.py",
     ConversionPath.MLA: FIXTURES / "mla_toy_modeling.py",
+    ConversionPath.LEGACY: HERE / "before_paged.py",
 }
 #: a rewrite whose work needs a file of another shape than its path's before file
 BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}

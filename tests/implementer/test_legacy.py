@@ -1,0 +1,101 @@
+"""Framework Legacy output: static-row caches around the model's own attention call.
+
+gemma2 (logit soft-capping, sliding layers) and llama4_text (chunked layers) are the
+families the analyzer sends to Legacy; both verify token-exact, and a gemma2 served from a
+pool of two rows (requests wait for a row; prompts split over prefill steps) gives the tokens
+of transformers' own greedy forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_generate import transformers_tokens_uncached
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.writer import ApplyOptions, apply_model, convert_model
+
+SMALL = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+}
+#: gemma2 with a window shorter than the prompts: one sliding layer, one full layer
+SMALL_GEMMA2 = {**SMALL, "sliding_window": 6, "max_position_embeddings": 64}
+
+
+def test_gemma2_keeps_its_own_soft_capped_attention_call():
+    code = convert_model("gemma2", ApplyOptions(config_overrides=SMALL_GEMMA2)).converted
+    assert code.count('self.attn_type = "Legacy"') == 1
+    seam = code[code.index("legacy_attention_inputs(") :]
+    # the source's kernel call survives with its soft-capping, after the rows are read
+    assert "softcap=self.attn_logit_softcapping" in seam
+    assert "attn_output = packed_output(attn_output, md)" in seam
+    assert "cache.update(" not in seam.split("def set_k_cache")[0]
+    assert "npu_fused_infer_attention_score" not in code
+
+
+def test_an_explicit_legacy_request_converts_a_paged_model():
+    code = convert_model("qwen3", ApplyOptions(kv_mode="legacy", config_overrides=SMALL)).converted
+    assert 'self.attn_type = "Legacy"' in code and "self.legacy_window = None" in code
+
+
+def test_a_source_whose_attention_the_seam_cannot_wrap_is_refused():
+    # mpt adds its ALiBi bias to hand-written scores: no attention-interface call to keep
+    with pytest.raises(UnsupportedModelError, match="position_bias"):
+        convert_model("mpt", ApplyOptions())
+
+
+@pytest.fixture(scope="module")
+def small_gemma2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma2") / "gemma2"
+    apply_model("gemma2", out, ApplyOptions(config_overrides=SMALL_GEMMA2))
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (23, 5, 17, 30, 11)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "llama4_text"])
+def test_legacy_families_verify_token_exact(tmp_path, model_type):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    out = tmp_path / model_type
+    apply_model(model_type, out, ApplyOptions())
+    report = verify_directory(out, VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+
+
+@pytest.mark.slow
+def test_two_rows_serve_five_requests_with_transformers_tokens(small_gemma2):
+    from kvskill.runtime import LLM, SamplingParams
+
+    prompts = _prompts()
+    # three blocks: the null block and two rows of max_position_embeddings (64) tokens; a
+    # budget of 8 tokens per step splits every longer prompt over several prefill steps
+    llm = LLM(
+        small_gemma2,
+        random_weights=True,
+        seed=3,
+        num_blocks=3,
+        max_num_batched_tokens=8,
+        cpu_only_shapes=True,
+    )
+    assert list(llm.engine.kv_manager.groups) == ["Legacy"]
+    group = llm.engine.kv_manager.groups["Legacy"]
+    assert group.block_size == 64
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    tokens = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    assert llm.engine.stats.num_prefill_steps > len(prompts)
+    # NOTE: the reference is transformers' forward without a cache: its cached generate with
+    # a window (6) shorter than the prompt parts from its own uncached forward at the third
+    # token of prompt 0 (measured), and the runtime matches the uncached forward
+    want = transformers_tokens_uncached(small_gemma2, llm.model.state_dict(), prompts)
+    assert tokens == want

@@ -27,7 +27,7 @@ class StandaloneRecord:
 
     #: ``runner_<model>.py`` in the output directory
     runner: str
-    #: "contiguous" | "paged" (``--kv-mode``)
+    #: "contiguous" | "paged" (``--kv-mode``) | "legacy" (mode 1 rows read by the model's own attention)
     kv_mode: str
     #: standalone mode 1 (contiguous), 2 (paged) or 3 (MLA absorb over paged)
     mode: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.block_pool import BlockPool
 from kvskill.runtime.cache_info import ModelCacheInfo, validate_cache_info
@@ -94,9 +95,15 @@ class KVCacheManager:
             )
         for key, n in self.num_blocks.items():
             if n < 2:
+                row = (
+                    f" (a {AttnType.LEGACY.value} block is one request's whole row of "
+                    f"{self.groups[key].block_size} tokens: a smaller max_model_len shrinks it)"
+                    if self.groups[key].attn_type == AttnType.LEGACY.value
+                    else ""
+                )
                 raise BadInputError(
                     f"group {key!r} gets {n} blocks; at least 2 (null + 1) are needed. "
-                    "Raise the memory budget or num_blocks"
+                    f"Raise the memory budget or num_blocks{row}"
                 )
         self.pools = self._build_pools(free_block_order_seed)
         self.managers: dict[str, SingleTypeKVCacheManager] = {

@@ -446,7 +446,9 @@ class MambaManager(SingleTypeKVCacheManager):
 class LegacyManager(SingleTypeKVCacheManager):
     """Legacy KV: each request holds one static row of ``max_model_len`` positions (its one
     block; the runtime sizes the group's block to the longest request), so token p of a
-    request lives at ``row * max_model_len + p`` and the row is the request's batch slot."""
+    request lives at ``row * max_model_len + p`` and the row is the request's batch slot.
+
+    The pool holds as many rows as the budget pays for; a request waits for a free row."""
 
     attn_type = AttnType.LEGACY.value
     prefix_caching_unsupported = (
@@ -454,13 +456,13 @@ class LegacyManager(SingleTypeKVCacheManager):
     )
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return 1
+        # a request never spans two rows: past one row no pool can hold it, which caps the
+        # engine's max_model_len at the row
+        return 1 if num_tokens <= self.block_size else ROW_OVERFLOW
 
-    @classmethod
-    def max_blocks_per_request(
-        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
-    ) -> int | None:
-        return 1
+
+#: what a request longer than a Legacy row would need: more blocks than any pool has
+ROW_OVERFLOW = 1 << 62
 
 
 #: attn_type -> manager class; extend with ``register_attn_type``
@@ -472,11 +474,7 @@ ATTN_TYPE_MANAGER_MAP: dict[str, type[SingleTypeKVCacheManager]] = {
 }
 
 #: types whose per-request block count is bounded, budgeted with a fixed block count
-FIXED_BLOCK_ATTN_TYPES: set[str] = {
-    AttnType.SLIDING_WINDOW.value,
-    AttnType.MAMBA.value,
-    AttnType.LEGACY.value,
-}
+FIXED_BLOCK_ATTN_TYPES: set[str] = {AttnType.SLIDING_WINDOW.value, AttnType.MAMBA.value}
 
 
 def register_attn_type(

@@ -50,7 +50,7 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
     converted = convert_standalone_source(
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
-    if spec.kv_mode is KvMode.CONTIGUOUS:
+    if spec.kv_mode is KvMode.CONTIGUOUS and not spec.legacy:
         # what the written code does: the Legacy layout, chosen by the user
         plan = dataclasses.replace(
             plan,
@@ -63,7 +63,7 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
     )
     record = StandaloneRecord(
         runner=runner.file_name,
-        kv_mode=spec.kv_mode.value,
+        kv_mode=spec.record_kv_mode,
         mode=spec.mode_number,
         mla_absorb=spec.mla,
         input_layout=str(spec.input_layout),

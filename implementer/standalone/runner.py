@@ -55,7 +55,11 @@ def render_runner(
     otherwise the runner computes every position's logits and picks the rows itself.
     """
     name = runner_file_name(plan.model_type)
-    if spec.mla:
+    if spec.legacy:
+        mode_name = "Mode 1 (Legacy: one static row per request, the model's own attention)"
+        title = "mode 1, Legacy rows read by the model's own attention"
+        caches = "k_cache, v_cache"
+    elif spec.mla:
         mode_name = "Mode 3 (absorbed MLA over paged blocks)"
         title = "mode 3, absorbed MLA over paged caches (TND_NTD)"
         caches = "nope_cache: the latent, rope_cache: the shared rope key"
@@ -64,7 +68,7 @@ def render_runner(
         title = "mode 2, paged KV caches (TND)"
         caches = "k_cache, v_cache"
     text = render(
-        TEMPLATES[spec.kv_mode],
+        TEMPLATES[KvMode.PAGED if spec.legacy else spec.kv_mode],
         model_type=plan.model_type,
         runner_file=name,
         kv_mode=spec.kv_mode.value,
@@ -73,6 +77,7 @@ def render_runner(
         mode_title=title,
         cache_names=caches,
         keeps_logit_rows=keeps_logit_rows,
+        rows_as_blocks=spec.legacy,
     )
     cst.parse_module(text)  # a template that renders broken Python fails here, not later
     return RenderedRunner(file_name=name, text=text)

@@ -1,7 +1,9 @@
 """What the standalone rewrite needs from a Plan: the KV mode, MLA absorb, and the refusals.
 
 Standalone deployment has three KV modes. Mode 1 (contiguous, the Legacy layout) keeps one
-``[batch, max_seq_len, kv_heads * head_dim]`` tensor per cache and attends in BSH; mode 2
+``[batch, max_seq_len, kv_heads * head_dim]`` tensor per cache and attends in BSH (for a
+Legacy Plan, whose attention no fused call expresses, one ``[batch, max_seq_len, kv_heads,
+head_dim]`` row store per cache read by the model's own attention); mode 2
 (paged) addresses ``[total_blocks, block_size, kv_heads, head_dim]`` caches through a static
 block table and attends in TND; mode 3 (MLA absorb) caches the latent over mode 2. Every
 combination the operators cannot run correctly is refused here (exit 3), before any file is
@@ -16,6 +18,7 @@ from enum import Enum
 from kvskill.analyzer.plan import KvMode as PlanKvMode
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.implementer.legacy_codemods import legacy_spec
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
 from kvskill.implementer.registry import ConversionPath
 from kvskill.implementer.spec import STATE_ATTN_TYPES, ConversionSpec
@@ -47,6 +50,9 @@ class StandaloneSpec:
     mla: bool
     #: the attention codemods' spec: ConversionSpec, or MlaSpec when ``mla``
     base: ConversionSpec | MlaSpec
+    #: mode 1 over the model's own attention math: one static row per request (a Legacy
+    #: Plan: soft-capping, chunked attention), the runner's block being the whole row
+    legacy: bool = False
 
     @property
     def input_layout(self) -> str:
@@ -61,9 +67,17 @@ class StandaloneSpec:
         """Modes 2 and 3 emit the framework rewrite's code; mode 1 the contiguous rewrite."""
         if self.mla:
             return ConversionPath.MLA
+        if self.legacy:
+            return ConversionPath.LEGACY
         if self.kv_mode is KvMode.PAGED:
             return ConversionPath.PAGED
         return ConversionPath.CONTIGUOUS
+
+    @property
+    def record_kv_mode(self) -> str:
+        """The KV mode the conversion record names ("legacy" for rows of the model's own
+        attention, else the mode's own name)."""
+        return "legacy" if self.legacy else self.kv_mode.value
 
     @property
     def mode_number(self) -> int:
@@ -98,13 +112,15 @@ class StandaloneSpec:
                 "converted in framework mode only; use --mode framework"
             )
         if plan.kv_mode is PlanKvMode.LEGACY:
-            # BSH fused attention cannot express it either (soft-capping, chunks, ALiBi), and
-            # mode 1 with the model's own attention math is not generated yet
-            raise UnsupportedModelError(
-                f"{plan.model_type}: cannot convert: Legacy KV ({plan.legacy_reason}); the "
-                "fused attention cannot serve it in mode 1 (BSH) or mode 2 (TND), and the "
-                "runner does not generate mode 1 over the model's own attention math yet"
-            )
+            if mode is KvMode.PAGED:
+                raise UnsupportedModelError(
+                    f"{plan.model_type}: cannot convert: --kv-mode paged: Legacy KV "
+                    f"({plan.legacy_reason}); the fused attention cannot serve it in mode 2 "
+                    "(TND); use --kv-mode auto or legacy (mode 1 over the model's own "
+                    "attention)"
+                )
+            base = legacy_spec(plan, block_size)
+            return cls(kv_mode=mode, mla=False, base=base, legacy=True)
         is_mla = plan.attention == "mla"
         if absorb is MlaAbsorb.ON and not is_mla:
             raise BadInputError(

@@ -89,7 +89,7 @@ class RunnerDriver:
         first = runner.generate(prompts, max_new_tokens, return_logits=True)
         runner.step_hook = None
         again = runner.generate(prompts[::-1], max_new_tokens)
-        paged = self.record.kv_mode == "paged"
+        paged = self.record.kv_mode in ("paged", "legacy")
         lengths = [len(p) for p in prompts]
         return DriverRun(
             token_ids=[list(t) for t in first.token_ids],
@@ -117,7 +117,7 @@ def _init_chain(model: nn.Module, runner, kv_mode: str) -> ChainResult:
         for entry in layer.cache_entries:
             count += 1
             bound = getattr(layer, entry.cache_name, None)
-            if kv_mode == "paged":
+            if kv_mode in ("paged", "legacy"):  # Legacy: one block per row
                 blocks = runner.batch_size * runner.max_seq_len // runner.block_size
                 shape = (blocks, runner.block_size, entry.num_head, entry.dim)
             else:

@@ -27,6 +27,7 @@ SMALL = {
 SMALL_GEMMA2 = {**SMALL, "sliding_window": 6, "max_position_embeddings": 64}
 
 
+@pytest.mark.slow
 def test_gemma2_keeps_its_own_soft_capped_attention_call():
     code = convert_model("gemma2", ApplyOptions(config_overrides=SMALL_GEMMA2)).converted
     assert code.count('self.attn_type = "Legacy"') == 1
@@ -38,6 +39,7 @@ def test_gemma2_keeps_its_own_soft_capped_attention_call():
     assert "npu_fused_infer_attention_score" not in code
 
 
+@pytest.mark.slow
 def test_an_explicit_legacy_request_converts_a_paged_model():
     code = convert_model("qwen3", ApplyOptions(kv_mode="legacy", config_overrides=SMALL)).converted
     assert 'self.attn_type = "Legacy"' in code and "self.legacy_window = None" in code
@@ -62,15 +64,28 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
 @pytest.mark.parametrize("model_type", ["gemma2", "llama4_text"])
-def test_legacy_families_verify_token_exact(tmp_path, model_type):
+def test_legacy_families_verify_token_exact(tmp_path, model_type, mode):
+    from kvskill.implementer.record import ConvertedDir
     from kvskill.implementer.verify import VerifyOptions, verify_directory
 
     out = tmp_path / model_type
-    apply_model(model_type, out, ApplyOptions())
+    apply_model(model_type, out, ApplyOptions(deploy_mode=mode))
+    if mode == "standalone":  # mode 1, its runner's rows read by the model's own attention
+        record = ConvertedDir.read(out).record.standalone
+        assert (record.mode, record.kv_mode) == (1, "legacy")
     report = verify_directory(out, VerifyOptions())
     assert report.error is None, report.error
     assert report.passed, report.failures()
+
+
+def test_a_legacy_model_is_not_written_as_paged_in_standalone_mode():
+    with pytest.raises(UnsupportedModelError, match="--kv-mode paged: Legacy KV"):
+        convert_model(
+            "gemma2",
+            ApplyOptions(deploy_mode="standalone", kv_mode="paged", config_overrides=SMALL),
+        )
 
 
 @pytest.mark.slow

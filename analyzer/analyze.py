@@ -29,7 +29,7 @@ from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
-from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, Plan
+from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, KvMode, Plan
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -279,6 +279,7 @@ def plan_for_source(
         block_size=block_size,
         kv_memory_bytes=kv_memory_bytes,
         hbm_gb=hbm_gb,
+        legacy_row_tokens=(spec.max_positions or None) if kv_mode is KvMode.LEGACY else None,
     )
     if memory.get("kv_memory_bytes") == 0:
         book.warn(

@@ -87,8 +87,13 @@ def plan_memory(
     block_size: int,
     kv_memory_bytes: int | None,
     hbm_gb: float | None,
+    legacy_row_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Per-token and per-request costs; with a budget, blocks and max tokens in flight."""
+    """Per-token and per-request costs; with a budget, blocks and max tokens in flight.
+
+    ``legacy_row_tokens``: a Legacy model's static row (``max_model_len``); every layer, the
+    sliding ones too, keeps a whole row per request, so the row is the cost of a request.
+    """
     dtype_bytes = spec.dtype_bytes
     per_token = bytes_per_token_by_type(cache_entries, layer_counts, dtype_bytes)
     state = state_bytes_per_request(cache_entries, layer_counts, dtype_bytes)
@@ -103,8 +108,16 @@ def plan_memory(
         "sliding_bytes_per_request": sliding_blocks * block_size * sliding_bytes,
         "state_bytes_per_request": state,
     }
+    if legacy_row_tokens:
+        plan["legacy_row_tokens"] = legacy_row_tokens
+        plan["legacy_bytes_per_request"] = legacy_row_tokens * sum(per_token.values())
     budget, budget_source = _budget(spec, config, kv_memory_bytes, hbm_gb, plan)
     if budget is None:
+        return plan
+    if legacy_row_tokens:
+        plan["kv_memory_bytes"] = budget
+        plan["kv_memory_source"] = budget_source
+        plan["max_requests"] = budget // max(plan["legacy_bytes_per_request"], 1)
         return plan
     plan["kv_memory_bytes"] = budget
     plan["kv_memory_source"] = budget_source

@@ -248,7 +248,12 @@ def decide_layout(
 ) -> tuple[InputLayout, bool]:
     """(input_layout, mla_absorb)."""
     if kv_mode is KvMode.LEGACY:
-        book.cite("input_layout", "Legacy keeps contiguous caches with SDPA in BSH", "rule")
+        book.cite(
+            "input_layout",
+            "Legacy keeps one static row per request (batch-major, BSH) and the model's own "
+            "attention reads it",
+            "rule",
+        )
         return InputLayout.BSH, False
     if attention is AttentionKind.MLA:
         book.cite(

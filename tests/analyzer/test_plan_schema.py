@@ -39,7 +39,7 @@ def test_schema_names_every_plan_field_and_its_closed_sets():
         assert key in properties and key in schema["required"]
     assert properties["kv_mode"]["enum"] == ["paged", "legacy"]
     layer = schema["$defs"]["LayerPlan"]["properties"]
-    assert layer["attn_type"]["enum"] == ["FullAttention", "SlidingWindow", "Mamba"]
+    assert layer["attn_type"]["enum"] == ["FullAttention", "SlidingWindow", "Mamba", "Legacy"]
     # keys are added freely: objects accept keys the schema does not name
     assert schema["additionalProperties"] is True
 

@@ -72,13 +72,14 @@ def _disagreement(outcome: Outcome) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "zamba2"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "zamba2", "mpt"])
 def test_plan_and_apply_agree_on_a_converting_and_refused_types(model_type):
     outcome = analyze_then_apply(model_type)
     assert outcome.analyze_exit == 0
     assert _disagreement(outcome) is None
-    # one of each kind, so the comparison above is not vacuous
-    assert bool(outcome.blockers) is (model_type != "qwen3")
+    # both kinds (paged and Legacy converting, a hybrid and a Legacy refused), so the
+    # comparison above is not vacuous
+    assert bool(outcome.blockers) is (model_type in ("zamba2", "mpt"))
 
 
 @pytest.mark.slow

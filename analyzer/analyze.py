@@ -40,9 +40,9 @@ from kvskill.analyzer.rules import (
     decide_kv_heads,
     decide_kv_mode,
     decide_layers,
-    is_parallel_hybrid,
     decide_layout,
     decide_sparse_modes,
+    is_parallel_hybrid,
     sinks_line,
     sliding_kv_heads,
 )

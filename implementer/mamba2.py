@@ -9,8 +9,11 @@ edit those statements: it keeps the layer's modules and parameters (``in_proj``,
 ``act``, ``A_log``, ``dt_bias``, ``D``, ``norm``, ``out_proj``) and gives ``forward`` one paged
 body over them (``templates/framework_mamba2_forward.py.j2``): the causal conv and the scan on
 the request's state rows (gathered by ``block_table[:, 0]``, zeros without an initial state,
-scattered back). A mixer whose methods read an attribute that body does not use (a per-channel
-multiplier, an optional norm) is refused with the attribute's name rather than converted
+scattered back). Three falcon_h1 shapes are kept exactly where the source has them: a scalar
+on the hidden states in the statement before ``in_proj``, a per-channel vector on the
+projection (same or next statement), and an ``if self.<flag>:`` choosing the gated norm over a
+plain ``silu(gate)``. A mixer whose methods read any other attribute that body does not use,
+or one of those in another place, is refused with the attribute's name rather than converted
 without it.
 
 ``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba";

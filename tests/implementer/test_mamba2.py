@@ -85,14 +85,25 @@ def _paged_forward(code: str) -> str:
 
 
 def test_a_projection_scaled_per_channel_in_place_is_converted_with_its_scale():
+    from kvskill.analyzer import analyze_model
+
     # the per-channel vector multiplies the projection in the same statement
     source = _source("mamba2").replace(
         "projected_states = self.in_proj(hidden_states)",
         "projected_states = self.in_proj(hidden_states) * self.mup_vector",
     )
-    forward = _paged_forward(_mamba2_converted(source))
-    assert "projected_states = (projected_states * self.mup_vector)[0]" in forward
-    assert _paged_forward(_mamba2_converted(_source("mamba2"))).count("mup_vector") == 0
+    (mixer,) = [
+        c
+        for c in cst.parse_module(source).body
+        if isinstance(c, cst.ClassDef) and is_mamba2_class(c)
+    ]
+    plan = analyze_model("mamba2")
+    forward = _paged_forward(_converted_class(mixer, plan))
+    assert "projected_states = projected_states * self.mup_vector" in forward
+    plain = _paged_forward(_converted_mixer("mamba2", plan))
+    assert (
+        "mup_vector" not in plain and "projected_states = self.in_proj(hidden_states)[0]" in plain
+    )
 
 
 @pytest.mark.parametrize(
@@ -110,14 +121,19 @@ def test_a_mixer_using_an_attribute_in_a_shape_the_paged_forward_lacks_is_refuse
         _mamba2_converted(source)
 
 
-def _converted_mixer(model_type: str, plan) -> str:
-    """The text of MODEL_TYPE's Mamba-2 mixer class after the Mamba-2 rewrite under PLAN."""
+def _converted_class(mixer: cst.ClassDef, plan) -> str:
+    """The text of MIXER after the Mamba-2 rewrite under PLAN."""
     from kvskill.implementer.mamba2 import Mamba2Command
     from kvskill.implementer.spec import ConversionSpec
     from libcst.codemod import CodemodContext
 
     command = Mamba2Command(CodemodContext(), ConversionSpec.from_plan(plan))
-    return command.transform_module(cst.Module(body=[_mixer(model_type)])).code
+    return command.transform_module(cst.Module(body=[mixer])).code
+
+
+def _converted_mixer(model_type: str, plan) -> str:
+    """The text of MODEL_TYPE's Mamba-2 mixer class after the Mamba-2 rewrite under PLAN."""
+    return _converted_class(_mixer(model_type), plan)
 
 
 def _pinned_assign(mixer_text: str) -> str:
@@ -282,7 +298,7 @@ def test_the_falcon_h1_mixer_is_converted_with_its_scales_and_its_gate_choice():
     mixer = _converted_mixer("falcon_h1", analyze_model("falcon_h1"))
     forward = _paged_forward(mixer)
     scaled_in = "projected_states = self.in_proj(hidden_states * self.ssm_in_multiplier)"
-    scaled_out = "projected_states = (projected_states * self.mup_vector)[0]"
+    scaled_out = "projected_states = projected_states * self.mup_vector"
     # the source's order: scale the input, project, scale the projection, then split
     assert forward.index(scaled_in) < forward.index(scaled_out) < forward.index(".split(")
     gate = forward.split("if self.mamba_rms_norm:")[1]

@@ -317,6 +317,10 @@ def test_falcon_h1_layers_each_hold_an_attention_kv_and_a_mamba_state():
     groups, state = plan.config["mamba_n_groups"], plan.config["mamba_d_state"]
     assert conv.dim == [plan.config["mamba_d_conv"] - 1, 96 + 2 * groups * state]
     assert (ssm.num_head, ssm.dim) == (6, [96 // 6, state])
+    # the report counts decoder layers, not entries
+    from kvskill.analyzer.report import summary_rows
+
+    assert dict(summary_rows(plan))["layers"] == "3: FullAttention x3, Mamba x3"
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "zamba2"])

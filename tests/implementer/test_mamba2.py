@@ -316,10 +316,17 @@ def test_falcon_h1_verifies_with_attention_and_mamba_states_in_every_layer(tmp_p
     report = verify_directory(out, VerifyOptions())
     assert report.error is None, report.error
     assert report.passed, report.failures()
+    prompts = _prompts()
     llm = _llm(out, num_blocks=200, max_num_batched_tokens=256)
     assert sorted(llm.engine.kv_manager.groups) == ["FullAttention", "Mamba"]
     kinds = [info.caches[0].attn_type for info in llm.model.get_cache_info().layer_infos]
     assert sorted(kinds) == ["FullAttention"] * 2 + ["Mamba"] * 2
+    expected = _tokens(llm, prompts)
+    # one page pool for both groups, prompts split over prefill steps: each step continues
+    # from the K/V and the states the one before stored
+    tight = _llm(out, num_blocks=40, max_num_batched_tokens=6, use_hybrid_blocks=True)
+    assert _tokens(tight, prompts) == expected
+    assert tight.engine.stats.num_prefill_steps > 2 * llm.engine.stats.num_prefill_steps
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,10 @@ _LAYER_KIND = {
 
 #: model types whose every layer is a state-space mixer (no attention at all)
 STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
+#: model types whose "hybrid" layers each run their own attention and their own Mamba-2 mixer
+#: side by side on the layer's input (falcon_h1): such a layer holds a KV cache and a state.
+#: Other "hybrid" layers (zamba's, sharing one attention block across layers) are not these.
+PARALLEL_HYBRID_MODEL_TYPES = frozenset({"falcon_h1"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +318,10 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
     if d_state:
         expand = cfg.get("mamba_expand") or cfg.get("expand") or 2
         inner = cfg.get("mamba_d_inner") or cfg.get("intermediate_size") or int(expand * hidden)
+        if "mamba_d_ssm" in cfg:
+            # falcon_h1: the mixer's width is mamba_d_ssm, else mamba_expand x hidden
+            # (its intermediate_size is the MLP's)
+            inner = cfg["mamba_d_ssm"] or int(expand * hidden)
         n_heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or cfg.get("num_heads")
         head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim") or cfg.get("head_dim")
         groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1

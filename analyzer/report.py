@@ -75,7 +75,7 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("deploy mode", plan.deploy_mode),
         ("KV mode", kv_mode),
         ("attention", f"{plan.attention.upper()}: {heads}"),
-        ("layers", f"{len(plan.layers)}: {_layers_line(plan)}"),
+        ("layers", f"{len({layer.index for layer in plan.layers})}: {_layers_line(plan)}"),
         ("attn types", ", ".join(plan.attn_types) + (" (mixed)" if plan.mixed_attn_types else "")),
         ("FA version", f"{plan.fa_version}: {plan.fa_version_reason}"),
         ("input layout", f"{plan.input_layout}, MLA absorb {'on' if plan.mla_absorb else 'off'}"),

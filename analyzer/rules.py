@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvskill.analyzer.config import ModelSpec, pinned_state_dtypes
+from kvskill.analyzer.config import PARALLEL_HYBRID_MODEL_TYPES, ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
 from kvskill.analyzer.plan import (
     AttentionKind,
@@ -51,6 +51,16 @@ class CodeView:
 # -- layers -----------------------------------------------------------------------------------
 
 
+def is_parallel_hybrid(spec: ModelSpec, kind: str) -> bool:
+    """A "hybrid" layer of a family whose every such layer runs its own attention and its own
+    Mamba-2 mixer on the same input (``PARALLEL_HYBRID_MODEL_TYPES``)."""
+    return (
+        kind == "hybrid"
+        and spec.model_type in PARALLEL_HYBRID_MODEL_TYPES
+        and spec.state.get("mixer") == "mamba2"
+    )
+
+
 def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
     """One LayerPlan per decoder layer that holds a cache (MLP-only layers have none)."""
     layers: list[LayerPlan] = []
@@ -59,6 +69,10 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
             continue
         if kind in STATE_KINDS:
             layers.append(LayerPlan(index=index, kind=kind, attn_type=AttnType.MAMBA.value))
+        elif is_parallel_hybrid(spec, kind):
+            # attention and a Mamba-2 mixer side by side: one entry per cache group, same index
+            for attn_type in (AttnType.FULL_ATTENTION, AttnType.MAMBA):
+                layers.append(LayerPlan(index=index, kind=kind, attn_type=attn_type.value))
         elif kind == "sliding":
             layers.append(
                 LayerPlan(

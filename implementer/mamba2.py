@@ -9,8 +9,11 @@ edit those statements: it keeps the layer's modules and parameters (``in_proj``,
 ``act``, ``A_log``, ``dt_bias``, ``D``, ``norm``, ``out_proj``) and gives ``forward`` one paged
 body over them (``templates/framework_mamba2_forward.py.j2``): the causal conv and the scan on
 the request's state rows (gathered by ``block_table[:, 0]``, zeros without an initial state,
-scattered back). A mixer whose methods read an attribute that body does not use (a per-channel
-multiplier, an optional norm) is refused with the attribute's name rather than converted
+scattered back). Three falcon_h1 shapes are kept exactly where the source has them: a scalar
+on the hidden states in the statement before ``in_proj``, a per-channel vector on the
+projection (same or next statement), and an ``if self.<flag>:`` choosing the gated norm over a
+plain ``silu(gate)``. A mixer whose methods read any other attribute that body does not use,
+or one of those in another place, is refused with the attribute's name rather than converted
 without it.
 
 ``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba";
@@ -117,6 +120,15 @@ class Mamba2Facts:
     #: whether the source clamps dt to ``time_step_limit`` in decode too (transformers 4's
     #: ``torch_forward`` does; transformers 5's forward clamps in the chunk scan only)
     clamp_decode: bool = False
+    #: a scalar the source multiplies the hidden states by right before ``in_proj``
+    #: (falcon_h1's ``ssm_in_multiplier``), or None
+    in_multiplier: str | None = None
+    #: a per-channel vector the source multiplies ``in_proj``'s output by, in the same
+    #: statement or the next one (falcon_h1's ``mup_vector``), or None
+    projection_multiplier: str | None = None
+    #: a flag the source branches on between the gated norm and a plain ``silu(gate)`` gate
+    #: (falcon_h1's ``mamba_rms_norm``, where ``self.norm`` is an Identity when it is off)
+    norm_flag: str | None = None
     problems: list[str] = field(default_factory=list)
 
 
@@ -138,6 +150,79 @@ def _self_attrs_set(init: cst.FunctionDef) -> set[str]:
     }
 
 
+def _self_attr(name: str | m.MatchIfTrue = m.DoNotCare()) -> m.Attribute:
+    return m.Attribute(value=m.Name("self"), attr=m.Name(name))
+
+
+def _scaled_by_self(name: str, attr=m.DoNotCare()) -> m.Assign:
+    """``NAME = NAME * self.<attr>``"""
+    return m.Assign(
+        targets=[m.AssignTarget(target=m.Name(name))],
+        value=m.BinaryOperation(left=m.Name(name), operator=m.Multiply(), right=_self_attr(attr)),
+    )
+
+
+def _multiplier(stmt: cst.CSTNode, matcher: m.BaseMatcherNode) -> str | None:
+    """The ``self.<attr>`` of STMT when STMT is one assignment matching MATCHER."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    if not m.matches(stmt.body[0], matcher):
+        return None
+    assign = cst.ensure_type(stmt.body[0], cst.Assign)
+    scale = cst.ensure_type(assign.value, cst.BinaryOperation).right
+    return cst.ensure_type(scale, cst.Attribute).attr.value
+
+
+def _projection_multipliers(method: cst.FunctionDef) -> tuple[str | None, str | None]:
+    """(input multiplier, output multiplier) around the one ``X = self.in_proj(H)`` statement
+    of METHOD's body: ``H = H * self.a`` right before it, and ``X = X * self.b`` right after it
+    or ``X = self.in_proj(H) * self.b`` in its place. Any other use of such attributes is left
+    for the caller to refuse."""
+    body = cst.ensure_type(method.body, cst.IndentedBlock).body
+    projection = m.Call(func=_self_attr("in_proj"), args=[m.Arg(value=m.Name())])
+    for index, stmt in enumerate(body):
+        line = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
+        if not m.matches(line, m.Assign(targets=[m.AssignTarget(target=m.Name())])):
+            continue
+        assign = cst.ensure_type(line, cst.Assign)
+        target = cst.ensure_type(assign.targets[0].target, cst.Name).value
+        if m.matches(assign.value, projection):
+            call = cst.ensure_type(assign.value, cst.Call)
+            out = (
+                _multiplier(body[index + 1], _scaled_by_self(target))
+                if index + 1 < len(body)
+                else None
+            )
+        elif m.matches(
+            assign.value,
+            m.BinaryOperation(left=projection, operator=m.Multiply(), right=_self_attr()),
+        ):
+            scaled = cst.ensure_type(assign.value, cst.BinaryOperation)
+            call = cst.ensure_type(scaled.left, cst.Call)
+            out = cst.ensure_type(scaled.right, cst.Attribute).attr.value
+        else:
+            continue
+        hidden = cst.ensure_type(call.args[0].value, cst.Name).value
+        before = _multiplier(body[index - 1], _scaled_by_self(hidden)) if index else None
+        return before, out
+    return None, None
+
+
+def _norm_flag(method: cst.FunctionDef) -> str | None:
+    """The X of an ``if self.X:`` whose body calls ``self.norm`` and whose else gates by
+    ``silu``: the source's choice between the gated norm and a plain silu gate."""
+    silu = m.Call(func=m.Attribute(attr=m.Name("silu")) | m.Name("silu"))
+    branch = m.If(
+        test=_self_attr(),
+        body=m.MatchIfTrue(lambda b: bool(m.findall(b, m.Call(func=_self_attr("norm"))))),
+        orelse=m.Else(body=m.MatchIfTrue(lambda b: bool(m.findall(b, silu)))),
+    )
+    for node in m.findall(method, branch):
+        test = cst.ensure_type(cst.ensure_type(node, cst.If).test, cst.Attribute)
+        return test.attr.value
+    return None
+
+
 def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
     """What the rewrite needs; ``problems`` lists what blocks it."""
     facts = Mamba2Facts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
@@ -154,6 +239,9 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
     facts.hidden = params[1]
     slow = _method(cls, "torch_forward") or forward
     facts.clamp_decode = len(m.findall(slow, CLAMP_TIME_STEP)) >= 2
+    facts.in_multiplier, facts.projection_multiplier = _projection_multipliers(slow)
+    facts.norm_flag = _norm_flag(slow)
+    applied = {facts.in_multiplier, facts.projection_multiplier, facts.norm_flag} - {None}
     missing = [a for a in USED_ATTRS if a not in _self_attrs_set(init)]
     if missing:
         facts.problems.append(
@@ -170,7 +258,7 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
     ]
     own = {s.name.value for s in methods}
     extra = set().union(*(_self_attrs_read(f) for f in methods)) - set(USED_ATTRS)
-    extra -= NEUTRAL_ATTRS | own
+    extra -= NEUTRAL_ATTRS | own | applied
     if extra:
         facts.problems.append(
             f"{facts.name} reads {', '.join('self.' + a for a in sorted(extra))}, which the "
@@ -202,6 +290,9 @@ class Mamba2Command(ClassRewriteCommand):
             config,
             hidden=facts.hidden,
             clamp_decode=facts.clamp_decode,
+            in_multiplier=facts.in_multiplier,
+            projection_multiplier=facts.projection_multiplier,
+            norm_flag=facts.norm_flag,
         )
 
         def paged(forward: cst.FunctionDef) -> cst.FunctionDef:

@@ -284,6 +284,9 @@ def _ssm_sizes(config: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         out[keys["groups"]] = 2 if config[keys["groups"]] > 1 else 1
     if keys["chunk"] is not None:
         out[keys["chunk"]] = SSM_CHUNK_SIZE
+    if isinstance(config.get("mamba_d_ssm"), int):
+        # falcon_h1 sizes its mixer by mamba_d_ssm when set (checked against heads x head_dim)
+        out["mamba_d_ssm"] = inner
     return out
 
 

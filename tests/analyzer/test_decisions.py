@@ -300,10 +300,37 @@ def test_layer_pattern_computed_by_the_config_class_is_used():
     assert "layer_types" not in plan.config
 
 
-def test_parallel_state_mixers_are_a_blocker_not_a_refusal():
-    plan = analyze_model("falcon_h1")
+def test_falcon_h1_layers_each_hold_an_attention_kv_and_a_mamba_state():
+    # every falcon_h1 layer runs attention and a Mamba-2 mixer side by side
+    plan = analyze_model(
+        "falcon_h1",
+        config_overrides={"num_hidden_layers": 3, "mamba_d_ssm": 96, "mamba_n_heads": 6},
+    )
+    assert plan.kv_mode == "paged" and plan.implementer_blockers == []
+    assert [(layer.index, layer.attn_type.value) for layer in plan.layers] == [
+        (i, kind) for i in range(3) for kind in ("FullAttention", "Mamba")
+    ]
+    assert plan.attn_types == ["FullAttention", "Mamba"]
+    assert [layer["index"] for layer in plan.state_cache["layers"]] == [0, 1, 2]
+    # the mixer is mamba_d_ssm wide (not the MLP's intermediate_size): conv over x, B and C
+    conv, ssm = plan.cache_entries["Mamba"]
+    groups, state = plan.config["mamba_n_groups"], plan.config["mamba_d_state"]
+    assert conv.dim == [plan.config["mamba_d_conv"] - 1, 96 + 2 * groups * state]
+    assert (ssm.num_head, ssm.dim) == (6, [96 // 6, state])
+    # the report counts decoder layers, not entries
+    from kvskill.analyzer.report import summary_rows
+
+    assert dict(summary_rows(plan))["layers"] == "3: FullAttention x3, Mamba x3"
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+def test_hybrid_layers_sharing_one_attention_block_stay_a_blocker(model_type):
+    # zamba's hybrid layers call one attention block shared across layers: not planned
+    plan = analyze_model(model_type)
     assert plan.kv_mode == "paged"
-    assert any("state" in blocker for blocker in plan.implementer_blockers)
+    assert any("both attention KV and a Mamba state" in b for b in plan.implementer_blockers)
+    assert {layer.index for layer in plan.layers if layer.kind == "hybrid"}
+    assert len({layer.index for layer in plan.layers}) == len(plan.layers)
 
 
 def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():

@@ -54,34 +54,86 @@ def _mixer(model_type: str) -> cst.ClassDef:
     return found[0]
 
 
-@pytest.mark.parametrize("model_type", ["mamba2", "bamba", "nemotron_h", "granitemoehybrid"])
+@pytest.mark.parametrize(
+    "model_type", ["mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"]
+)
 def test_the_mixer_of_each_family_is_found_with_nothing_blocking_it(model_type):
     facts = mamba2_facts(_mixer(model_type))
     assert facts.problems == [] and not facts.converted
 
 
-def test_a_mixer_reading_an_attribute_the_paged_forward_ignores_is_refused():
-    # falcon_h1-like: the projections scaled by a per-channel vector the paged body would drop
-    source = _source("mamba2").replace(
-        "projected_states = self.in_proj(hidden_states)",
-        "projected_states = self.in_proj(hidden_states) * self.mup_vector",
-    )
+def test_falcon_h1_multipliers_and_gate_flag_are_read_from_the_mixer():
+    facts = mamba2_facts(_mixer("falcon_h1"))
+    assert facts.in_multiplier == "ssm_in_multiplier"
+    assert facts.projection_multiplier == "mup_vector"
+    assert facts.norm_flag == "mamba_rms_norm"
+    # the other families scale nothing and always gate through their norm
+    plain = mamba2_facts(_mixer("bamba"))
+    assert (plain.in_multiplier, plain.projection_multiplier, plain.norm_flag) == (None,) * 3
+
+
+def _mamba2_converted(source: str) -> str:
     from kvskill.analyzer import analyze_model
     from kvskill.implementer.spec import ConversionSpec
 
     spec = ConversionSpec.from_plan(analyze_model("mamba2"))
+    return convert_source(source, spec, package="transformers.models.mamba2")
+
+
+def _paged_forward(code: str) -> str:
+    return code.split("state_index = md.block_table[self.attn_type]")[1].split("def set_")[0]
+
+
+def test_a_projection_scaled_per_channel_in_place_is_converted_with_its_scale():
+    from kvskill.analyzer import analyze_model
+
+    # the per-channel vector multiplies the projection in the same statement
+    source = _source("mamba2").replace(
+        "projected_states = self.in_proj(hidden_states)",
+        "projected_states = self.in_proj(hidden_states) * self.mup_vector",
+    )
+    (mixer,) = [
+        c
+        for c in cst.parse_module(source).body
+        if isinstance(c, cst.ClassDef) and is_mamba2_class(c)
+    ]
+    plan = analyze_model("mamba2")
+    forward = _paged_forward(_converted_class(mixer, plan))
+    assert "projected_states = projected_states * self.mup_vector" in forward
+    plain = _paged_forward(_converted_mixer("mamba2", plan))
+    assert (
+        "mup_vector" not in plain and "projected_states = self.in_proj(hidden_states)[0]" in plain
+    )
+
+
+@pytest.mark.parametrize(
+    "scaled",
+    [
+        # a vector added to the projection (not a scale)
+        "projected_states = self.in_proj(hidden_states) + self.mup_vector",
+        # the input scaled inside the call: not the statement before it
+        "projected_states = self.in_proj(hidden_states * self.mup_vector)",
+    ],
+)
+def test_a_mixer_using_an_attribute_in_a_shape_the_paged_forward_lacks_is_refused(scaled):
+    source = _source("mamba2").replace("projected_states = self.in_proj(hidden_states)", scaled)
     with pytest.raises(UnsupportedModelError, match=r"reads self\.mup_vector"):
-        convert_source(source, spec, package="transformers.models.mamba2")
+        _mamba2_converted(source)
 
 
-def _converted_mixer(model_type: str, plan) -> str:
-    """The text of MODEL_TYPE's Mamba-2 mixer class after the Mamba-2 rewrite under PLAN."""
+def _converted_class(mixer: cst.ClassDef, plan) -> str:
+    """The text of MIXER after the Mamba-2 rewrite under PLAN."""
     from kvskill.implementer.mamba2 import Mamba2Command
     from kvskill.implementer.spec import ConversionSpec
     from libcst.codemod import CodemodContext
 
     command = Mamba2Command(CodemodContext(), ConversionSpec.from_plan(plan))
-    return command.transform_module(cst.Module(body=[_mixer(model_type)])).code
+    return command.transform_module(cst.Module(body=[mixer])).code
+
+
+def _converted_mixer(model_type: str, plan) -> str:
+    """The text of MODEL_TYPE's Mamba-2 mixer class after the Mamba-2 rewrite under PLAN."""
+    return _converted_class(_mixer(model_type), plan)
 
 
 def _pinned_assign(mixer_text: str) -> str:
@@ -215,6 +267,66 @@ def test_bamba_hybrid_verifies_and_preempted_requests_keep_their_tokens(tmp_path
     tight = _llm(out, num_blocks=24, max_num_batched_tokens=12)
     assert _tokens(tight, prompts) == expected
     assert tight.engine.stats.num_preemptions > 0
+
+
+#: a small falcon_h1: attention and a Mamba-2 mixer in each layer, every multiplier the mixer
+#: and the layer apply away from 1 so a dropped one changes the tokens
+SMALL_FALCON_H1 = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "mamba_d_ssm": 128,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 2,
+    "mamba_chunk_size": 8,
+    "vocab_size": 256,
+    "ssm_multipliers": [0.5, 2.0, 1.5, 0.7, 1.3],
+    "ssm_in_multiplier": 1.7,
+    "ssm_out_multiplier": 0.8,
+    "key_multiplier": 1.2,
+    "attention_in_multiplier": 0.9,
+}
+
+
+def test_the_falcon_h1_mixer_is_converted_with_its_scales_and_its_gate_choice():
+    from kvskill.analyzer import analyze_model
+
+    mixer = _converted_mixer("falcon_h1", analyze_model("falcon_h1"))
+    forward = _paged_forward(mixer)
+    scaled_in = "projected_states = self.in_proj(hidden_states * self.ssm_in_multiplier)"
+    scaled_out = "projected_states = projected_states * self.mup_vector"
+    # the source's order: scale the input, project, scale the projection, then split
+    assert forward.index(scaled_in) < forward.index(scaled_out) < forward.index(".split(")
+    gate = forward.split("if self.mamba_rms_norm:")[1]
+    assert "self.norm(y.reshape(1, num_tokens, -1), gate.unsqueeze(0))" in gate
+    assert "torch.nn.functional.silu(gate.unsqueeze(0))" in gate.split("else:")[1]
+
+
+@pytest.mark.slow
+def test_falcon_h1_verifies_with_attention_and_mamba_states_in_every_layer(tmp_path):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "falcon_h1"
+    apply_model("falcon_h1", out, ApplyOptions(config_overrides=SMALL_FALCON_H1))
+    report = verify_directory(out, VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+    prompts = _prompts()
+    llm = _llm(out, num_blocks=200, max_num_batched_tokens=256)
+    assert sorted(llm.engine.kv_manager.groups) == ["FullAttention", "Mamba"]
+    kinds = [info.caches[0].attn_type for info in llm.model.get_cache_info().layer_infos]
+    assert sorted(kinds) == ["FullAttention"] * 2 + ["Mamba"] * 2
+    expected = _tokens(llm, prompts)
+    # one page pool for both groups, prompts split over prefill steps: each step continues
+    # from the K/V and the states the one before stored
+    tight = _llm(out, num_blocks=40, max_num_batched_tokens=6, use_hybrid_blocks=True)
+    assert _tokens(tight, prompts) == expected
+    assert tight.engine.stats.num_prefill_steps > 2 * llm.engine.stats.num_prefill_steps
 
 
 @pytest.fixture(scope="module")

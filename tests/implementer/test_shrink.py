@@ -188,3 +188,18 @@ def test_a_vendor_attribute_map_points_the_shrink_at_its_keys():
     new = shrink_config(config, attribute_map=names).config
     assert (new["n_blocks"], new["n_q"], new["width"]) == (MIN_LAYERS, 4, 256)
     assert not {"num_hidden_layers", "num_attention_heads", "hidden_size"} & set(new)
+
+
+def test_falcon_h1_mixer_width_follows_the_shrunk_heads():
+    config = {"model_type": "falcon_h1", "num_hidden_layers": 32, "hidden_size": 4096,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+              "mamba_d_ssm": 1024, "mamba_n_heads": 128, "mamba_d_head": 8,
+              "mamba_d_state": 256, "mamba_n_groups": 1, "mamba_expand": 2,
+              "mamba_chunk_size": 256, "vocab_size": 128000}  # fmt: skip
+    new = shrink_config(config).config
+    # FalconH1Config checks mamba_d_ssm == heads x head_dim; the MLP width is not the mixer's
+    assert new["mamba_d_ssm"] == new["mamba_n_heads"] * new["mamba_d_head"] < 1024
+    assert new["mamba_d_ssm"] == new["mamba_expand"] * new["hidden_size"]
+    # without mamba_d_ssm (mamba2, bamba) nothing adds it
+    del config["mamba_d_ssm"]
+    assert "mamba_d_ssm" not in shrink_config(config).config

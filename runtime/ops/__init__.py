@@ -75,6 +75,14 @@ def backend() -> Backend:
     return _BACKEND
 
 
+def _npu_operators() -> ModuleType | None:
+    # read at call time, so a backend swapped in later (a test's stand-in) counts too
+    return torch_npu if _BACKEND.name == "npu" else None
+
+
+fla.set_npu_lookup(_npu_operators)
+
+
 __all__ = [
     "Backend",
     "NpuProfile",

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import fla_reference
+import kvskill.runtime.ops.fla_reference as fla_reference
+
 from .fla_npu import NO_OPERATOR, ROUTES
 from .fla_reference import PAD_SLOT_ID, gated_delta_scan, l2norm, selective_scan_fn
 
@@ -26,10 +27,20 @@ _CALLS: Counter[tuple[str, str, str]] = Counter()
 REFERENCE_BACKEND = "the operator backend is the reference"
 
 
-def _npu_module() -> ModuleType | None:
-    from kvskill.runtime import ops  # the package is loaded by the time anything calls
+def _no_npu() -> ModuleType | None:
+    return None
 
-    return ops.torch_npu if ops.backend().name == "npu" else None
+
+#: the active torch_npu module when the operator backend is the NPU, else None; the ops
+#: package installs its lookup once it has chosen a backend (this module cannot import the
+#: package, which imports it)
+_npu_module: Callable[[], ModuleType | None] = _no_npu
+
+
+def set_npu_lookup(lookup: Callable[[], ModuleType | None]) -> None:
+    """Make LOOKUP the way every entry point finds the NPU operators (called per call)."""
+    global _npu_module
+    _npu_module = lookup
 
 
 def _dispatched(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:

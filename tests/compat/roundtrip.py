@@ -26,19 +26,12 @@ def family_exists(model_type: str) -> bool:
     return importlib.util.find_spec(f"transformers.models.{model_type}") is not None
 
 
-#: prompts verify runs per family under an older transformers
-COMPAT_PROMPTS = 2
-
-
 def round_trip(
     model: str, out: Path, mode: str = "framework", *, trust_remote_code: bool = False
 ) -> VerifyReport:
     """Apply MODEL (a model type or a model directory) in MODE into OUT, then verify OUT."""
     apply_model(model, out, MODES[mode])
-    # two prompts (verify's first two: 3 tokens, and 517 spanning several blocks) keep both
-    # a one-block and a multi-block request per family while halving the suite under each lock
-    options = VerifyOptions(trust_remote_code=trust_remote_code, num_prompts=COMPAT_PROMPTS)
-    return verify_directory(out, options)
+    return verify_directory(out, VerifyOptions(trust_remote_code=trust_remote_code))
 
 
 def assert_token_exact(report: VerifyReport) -> None:

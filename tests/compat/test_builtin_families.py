@@ -17,15 +17,15 @@ from tests.compat.roundtrip import assert_token_exact, family_exists, round_trip
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
 #: families with a causal LM in every supported transformers (qwen3 from 4.51 on); a family
-#: missing from the installed version is skipped, and at least six must run
+#: missing from the installed version is skipped, and at least six must run. Each adds a
+#: shape of its own (MoE, biases, fused qkv, layer norms, GeGLU, head_dim); mistral and olmo,
+#: llama-shaped, are left to the main suite to keep .ci/run inside its budget.
 FAMILIES = (
     "llama",
-    "mistral",
     "mixtral",
     "qwen2",
     "phi3",
     "starcoder2",
-    "olmo",
     "granite",
     "gemma",
     "qwen3",

@@ -160,18 +160,26 @@ def _kernel_mask(kernel: cst.BaseStatement) -> str | None:
     return arg.value.value
 
 
-def legacy_seam_problem(seam: SeamFacts, forward: cst.FunctionDef) -> str | None:
-    """Why the Legacy seam cannot wrap this forward's kernel call, or None."""
+def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> str:
+    """The name of the mask the Legacy seam rebinds for this forward's kernel call.
+
+    Raises:
+        UnsupportedModelError: the seam cannot wrap the call.
+    """
     if seam.style is not KernelStyle.INTERFACE or seam.layout is not CacheLayout.BHSD:
-        return (
-            f"the attention is called as {seam.style.value} over {seam.layout.value} tensors; "
-            "the Legacy rewrite wraps an attention-interface call over [b, h, s, d] tensors "
-            "(transformers' own style)"
+        raise UnsupportedModelError(
+            f"cannot convert: Legacy KV: the attention is called as {seam.style.value} over "
+            f"{seam.layout.value} tensors; the Legacy rewrite wraps an attention-interface call "
+            "over [b, h, s, d] tensors (transformers' own style)"
         )
     body = cst.ensure_type(forward.body, cst.IndentedBlock).body
-    if _kernel_mask(body[seam.kernel_index]) is None:
-        return "the attention-interface call takes no named mask (its fifth argument)"
-    return None
+    mask = _kernel_mask(body[seam.kernel_index])
+    if mask is None:
+        raise UnsupportedModelError(
+            "cannot convert: Legacy KV: the attention-interface call takes no named mask (its "
+            "fifth argument)"
+        )
+    return mask
 
 
 class LegacyAttentionForwardCommand(AttentionForwardCommand):
@@ -189,13 +197,10 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         seam: SeamFacts,
         config: cst.PartialParserConfig,
     ) -> cst.FunctionDef:
-        problem = legacy_seam_problem(seam, forward)
-        if problem:
-            raise UnsupportedModelError(f"cannot convert: Legacy KV: {problem}")
-        body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
-        kept = body[seam.update_index + 1 : seam.kernel_index + 1]
+        mask = legacy_kernel_mask(seam, forward)
+        body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+        kept = list(body[seam.update_index + 1 : seam.kernel_index + 1])
         values = seam_values(seam)
-        mask = _kernel_mask(body[seam.kernel_index])
         prologue = statements(self.SEAM_TEMPLATE, config, **values, mask=mask)
         prologue[0] = prologue[0].with_changes(leading_lines=[*note, *prologue[0].leading_lines])
         epilogue = statements("legacy_output.py.j2", config, **values)

@@ -21,9 +21,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .fla_reference import ACTIVATIONS, activate
 from .reference._checks import OpInputError
 from .reference.causal_conv import KERNEL_WIDTH, check_device_limits
 from .reference.gated_delta import MAX_TOKENS_PER_REQUEST, l2norm
@@ -98,17 +98,13 @@ def _activate(y: Tensor, bias: Tensor | None, activation: object, dtype: torch.d
     # follow it here: bias, then the activation, in fp32 over the operator's rounded output.
     if bias is None and activation in (None, False):
         return y
-    y = y.float()
-    if bias is not None:
-        y = y + bias.float()
-    if activation in ("silu", "swish", True):
-        y = F.silu(y)
-    return y.to(dtype)
+    y = y.float() if bias is None else y.float() + bias.float()
+    return activate(y, activation).to(dtype)
 
 
 def _conv_problem(a: dict[str, Any], x_rows: Tensor) -> str | None:
-    if a["activation"] not in (None, False, True, "silu", "swish"):
-        return f"activation {a['activation']!r}"
+    if a["activation"] not in ACTIVATIONS:
+        return f"activation {a['activation']!r}"  # the reference's own error follows
     return _conv_soc_problem() or _limit_problem(
         lambda: check_device_limits(x_rows, a["weight"].t())
     )
@@ -312,13 +308,13 @@ def _plan_chunk(a: dict[str, Any]) -> NpuCall | str:
     given = a["initial_state"]
     # 参数说明: the state is bfloat16 [B, Nv, Dv, Dk]; an fp32 copy of a bf16 row (as the
     # converted prefill gathers it) narrows back without loss
+    if given is not None and given.size(0) != batch:
+        return f"{given.size(0)} initial states for {batch} sequences"
     start = (
         given.transpose(-1, -2).to(p.query.dtype).contiguous()
         if given is not None
         else p.query.new_zeros(batch, nv, dv, dk)
     )
-    if given is not None and given.size(0) != batch:
-        return f"{given.size(0)} initial states for {batch} sequences"
 
     def limits() -> None:
         check_chunk(

@@ -26,7 +26,12 @@ from .selective_scan import selective_scan_fn
 PAD_SLOT_ID = -1
 
 
-def _activate(y: Tensor, activation: str | bool | None) -> Tensor:
+#: the activation values the causal conv takes (None/False: none)
+ACTIVATIONS = (None, False, True, "silu", "swish")
+
+
+def activate(y: Tensor, activation: str | bool | None) -> Tensor:
+    """The causal conv's activation: none, or SiLU ("silu", "swish", True)."""
     if activation in (None, False):
         return y
     if activation in ("silu", "swish", True):
@@ -114,7 +119,7 @@ def causal_conv1d_fn(
         xi = x[:, starts[i] : starts[i + 1]].float()
         old = conv_states[line].float() if has_init[i] else xi.new_zeros(dim, state_len)
         xp = torch.cat((old[:, state_len - (width - 1) :], xi), dim=1)
-        out[:, starts[i] : starts[i + 1]] = _activate(_conv(xp, weight, bias), activation).to(
+        out[:, starts[i] : starts[i + 1]] = activate(_conv(xp, weight, bias), activation).to(
             x.dtype
         )
         conv_states[line] = torch.cat((old, xi), dim=1)[:, -state_len:].to(conv_states.dtype)
@@ -175,7 +180,7 @@ def causal_conv1d_update(
         xb = read(x).float()  # [dim, L]
         old = conv_state[line].float()
         xp = torch.cat((old[:, : width - 1], xb), dim=1)
-        write(out, _activate(_conv(xp, weight, bias), activation).to(x.dtype))
+        write(out, activate(_conv(xp, weight, bias), activation).to(x.dtype))
         conv_state[line] = torch.cat((old, xb), dim=1)[:, -state_len:].to(conv_state.dtype)
     return out
 

@@ -129,6 +129,11 @@ class AttentionFacts:
     layer_idx_param: str | None = None
     seam: SeamFacts | None = None
     problems: list[str] = field(default_factory=list)
+    #: what the forward does to its attention scores that the fused operator has no input
+    #: for (soft-capping, a rescale, a position bias such as ALiBi): problems for the paths
+    #: that replace the kernel with the fused operator, not for Legacy, which keeps the
+    #: model's own math
+    fused_limits: list[str] = field(default_factory=list)
 
 
 def _params(func: cst.FunctionDef) -> list[str]:
@@ -416,43 +421,14 @@ def _matmul_kernel(
     """Hand-written attention: ``w = matmul(q, k^T) [* s | / s]``, an additive mask, a softmax
     (maybe upcast), dropout, ``o = matmul(w, v)``. The mask and dropout are the runtime's and
     inference's business; anything else done to the scores cannot be expressed by the fused
-    operator and is refused with the reason."""
+    operator and goes to ``fused_limits`` with the reason."""
     scores_stmt = cst.ensure_type(body.body[scores_index], cst.SimpleStatementLine)
     assign = cst.ensure_type(scores_stmt.body[0], cst.Assign)
     weights = cst.ensure_type(assign.targets[0].target, cst.Name).value
     product = scores_matmul(assign.value)
     assert product is not None, "matmul_attention found these scores"
     between = list(body.body[scores_index + 1 : output_index])
-    if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
-        facts.problems.append(
-            f"{facts.name}.forward soft-caps its attention scores (tanh); the fused operator "
-            "has no soft-capping input"
-        )
-        return None
-    rescaled = m.Assign(
-        targets=[m.AssignTarget(target=m.Name(weights))],
-        value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
-    ) | m.AugAssign(target=m.Name(weights), operator=m.MultiplyAssign() | m.DivideAssign())
-    if any(m.findall(stmt, rescaled) for stmt in between):
-        facts.problems.append(
-            f"{facts.name}.forward rescales its attention scores after the product; the fused "
-            "operator takes one softmax scale"
-        )
-        return None
-    added = m.Assign(
-        targets=[m.AssignTarget(target=m.Name(weights))],
-        value=m.BinaryOperation(left=m.Name(weights), operator=m.Add()),
-    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
-    for stmt in between:
-        for node in m.findall(stmt, added):
-            term = node.value.right if isinstance(node, cst.Assign) else node.value
-            names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
-            if not any("mask" in name.lower() for name in names):
-                facts.problems.append(
-                    f"{facts.name}.forward adds {code(term)} to its attention scores (a "
-                    "position bias such as ALiBi); the paged seam adds only the causal mask"
-                )
-                return None
+    facts.fused_limits.extend(_score_changes(facts.name, weights, between))
     value = assign.value
     if isinstance(value, cst.BinaryOperation):
         factor = code(value.right)
@@ -476,6 +452,40 @@ def _matmul_kernel(
         sinks=None,
         targets=[output, *extra],
     )
+
+
+def _score_changes(name: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
+    """What the statements between the scores and the output do to the scores WEIGHTS beyond
+    an additive mask and a softmax: a soft cap (tanh), a rescale after the product, an added
+    term that is not a mask (a position bias such as ALiBi)."""
+    if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
+        return [
+            f"{name}.forward soft-caps its attention scores (tanh); the fused operator has no "
+            "soft-capping input"
+        ]
+    rescaled = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.MultiplyAssign() | m.DivideAssign())
+    if any(m.findall(stmt, rescaled) for stmt in between):
+        return [
+            f"{name}.forward rescales its attention scores after the product; the fused "
+            "operator takes one softmax scale"
+        ]
+    added = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))],
+        value=m.BinaryOperation(left=m.Name(weights), operator=m.Add()),
+    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
+    for stmt in between:
+        for node in m.findall(stmt, added):
+            term = node.value.right if isinstance(node, cst.Assign) else node.value
+            names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
+            if not any("mask" in n.lower() for n in names):
+                return [
+                    f"{name}.forward adds {code(term)} to its attention scores (a position "
+                    "bias such as ALiBi); the paged seam adds only the causal mask"
+                ]
+    return []
 
 
 def _matmul_operand(stmt: cst.BaseStatement) -> str | None:

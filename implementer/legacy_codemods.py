@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -37,6 +38,7 @@ class LegacySpec(ConversionSpec):
     #: config.layer_types values of chunked layers; () when every layer is chunked, None
     #: when none is
     chunked_layer_types: tuple[str, ...] | None = None
+    keeps_model_kernel: ClassVar[bool] = True
 
 
 def legacy_spec(plan: Plan, block_size: int | None = None) -> LegacySpec:
@@ -160,26 +162,64 @@ def _kernel_mask(kernel: cst.BaseStatement) -> str | None:
     return arg.value.value
 
 
-def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> str:
-    """The name of the mask the Legacy seam rebinds for this forward's kernel call.
+#: ``<scores>.masked_fill(<mask>, ...)``: a boolean mask, True where a key is hidden
+_MASKED_FILL = m.Call(func=m.Attribute(attr=m.Name("masked_fill")))
+
+
+@dataclass(frozen=True)
+class KernelMask:
+    """The mask the source's kernel reads, which the Legacy seam rebinds."""
+
+    name: str
+    #: True when the source hides keys with ``masked_fill(mask, ...)`` (True = hidden), False
+    #: when it adds the mask to its scores (0 = visible)
+    boolean: bool
+
+
+def _matmul_mask(statements: list[cst.BaseStatement]) -> KernelMask | None:
+    """The mask of hand-written attention: the name ``masked_fill`` takes, or the name with
+    "mask" in it added to the scores."""
+    for stmt in statements:
+        for call in m.findall(stmt, _MASKED_FILL):
+            first = cst.ensure_type(call, cst.Call).args[0].value if call.args else None
+            if isinstance(first, cst.Name):
+                return KernelMask(first.value, boolean=True)
+        for node in m.findall(stmt, m.BinaryOperation(operator=m.Add()) | m.AugAssign()):
+            term = node.right if isinstance(node, cst.BinaryOperation) else node.value
+            if isinstance(term, cst.Name) and "mask" in term.value.lower():
+                return KernelMask(term.value, boolean=False)
+    return None
+
+
+def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
+    """The mask the Legacy seam rebinds for this forward's kernel.
 
     Raises:
-        UnsupportedModelError: the seam cannot wrap the call.
+        UnsupportedModelError: the seam cannot wrap the kernel.
     """
-    if seam.style is not KernelStyle.INTERFACE or seam.layout is not CacheLayout.BHSD:
+    styles = (KernelStyle.INTERFACE, KernelStyle.MATMUL)
+    if seam.style not in styles or seam.layout is not CacheLayout.BHSD:
         raise UnsupportedModelError(
             f"cannot convert: Legacy KV: the attention is called as {seam.style.value} over "
             f"{seam.layout.value} tensors; the Legacy rewrite wraps an attention-interface call "
-            "over [b, h, s, d] tensors (transformers' own style)"
+            "or hand-written matmul attention over [b, h, s, d] tensors"
         )
     body = cst.ensure_type(forward.body, cst.IndentedBlock).body
-    mask = _kernel_mask(body[seam.kernel_index])
-    if mask is None:
+    if seam.style is KernelStyle.MATMUL:
+        mask = _matmul_mask(list(body[seam.update_index + 1 : seam.kernel_index]))
+        if mask is None:
+            raise UnsupportedModelError(
+                "cannot convert: Legacy KV: the hand-written attention applies no mask by name "
+                "(masked_fill(<mask>, ...) or + <mask>) for the seam to rebind"
+            )
+        return mask
+    name = _kernel_mask(body[seam.kernel_index])
+    if name is None:
         raise UnsupportedModelError(
             "cannot convert: Legacy KV: the attention-interface call takes no named mask (its "
             "fifth argument)"
         )
-    return mask
+    return KernelMask(name, boolean=False)
 
 
 class LegacyAttentionForwardCommand(AttentionForwardCommand):
@@ -201,7 +241,9 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         body = cst.ensure_type(forward.body, cst.IndentedBlock).body
         kept = list(body[seam.update_index + 1 : seam.kernel_index + 1])
         values = seam_values(seam)
-        prologue = statements(self.SEAM_TEMPLATE, config, **values, mask=mask)
+        prologue = statements(
+            self.SEAM_TEMPLATE, config, **values, mask=mask.name, boolean_mask=mask.boolean
+        )
         prologue[0] = prologue[0].with_changes(leading_lines=[*note, *prologue[0].leading_lines])
         epilogue = statements("legacy_output.py.j2", config, **values)
         return splice_seam(forward, seam, [*prologue, *kept, *epilogue])

@@ -67,6 +67,7 @@ class SkipDenseMasksCommand(FrameworkCommand):
         }
         self.local: list[set[str]] = []
         self.guarded = 0
+        self.chained: set[cst.Call] = set()
         self.has_helper = bool(m.findall(node, m.FunctionDef(name=m.Name(HELPER))))
         return bool(self.builders or self.methods)
 
@@ -90,15 +91,27 @@ class SkipDenseMasksCommand(FrameworkCommand):
             self.guarded -= 1
         return updated_node
 
-    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        if not self.local or self.guarded:
-            return updated_node
-        func = original_node.func
-        builder = isinstance(func, cst.Name) and func.value in self.local[-1]
-        method = m.matches(func, m.Attribute(value=m.Name("self"))) and (
+    def _builds_mask(self, call: cst.Call) -> bool:
+        func = call.func
+        if isinstance(func, cst.Name):
+            return func.value in self.local[-1]
+        return m.matches(func, m.Attribute(value=m.Name("self"))) and (
             cst.ensure_type(func, cst.Attribute).attr.value in self.methods
         )
-        if not (builder or method):
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        # ``create_causal_mask(...).to(torch.bool)`` (mpt): the guard takes the whole chain,
+        # since ``None.to(...)`` would fail
+        inner = node.func.value if isinstance(node.func, cst.Attribute) else None
+        if self.local and isinstance(inner, cst.Call) and self._builds_mask(inner):
+            self.chained.add(inner)
+        return True
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        if not self.local or self.guarded or original_node in self.chained:
+            return updated_node
+        inner = original_node.func.value if isinstance(original_node.func, cst.Attribute) else None
+        if not (self._builds_mask(original_node) or inner in self.chained):
             return updated_node
         self.changed = True
         return cst.IfExp(

@@ -8,7 +8,7 @@ the framework rewrite cannot express yet, before a single file is touched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvskill.analyzer.config import text_config
 from kvskill.analyzer.plan import AttentionKind, FaVersion, InputLayout, KvMode, Plan
@@ -62,6 +62,10 @@ class ConversionSpec:
     #: {state name: dtype name} of the recurrent states the Plan pins (a float32 SSM state in
     #: a bfloat16 model); the state rewrites declare these dtypes, the others follow the layer
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
+    #: whether the rewrite keeps the model's own attention math (Legacy) instead of replacing
+    #: its kernel with the fused operator, so score changes the operator cannot express
+    #: (soft-capping, ALiBi) do not block it
+    keeps_model_kernel: ClassVar[bool] = False
 
     @property
     def has_attention_layers(self) -> bool:

@@ -115,7 +115,7 @@ def mla_attention_facts(
         name=generic.name,
         config_param=generic.config_param,
         seam=generic.seam,
-        problems=list(generic.problems),
+        problems=[*generic.problems, *generic.fused_limits],
     )
     init = _method(cls, "__init__")
     forward = _method(cls, "forward")

@@ -1,7 +1,8 @@
 """Framework Legacy output: static-row caches around the model's own attention call.
 
-gemma2 (logit soft-capping, sliding layers) and llama4_text (chunked layers) are the
-families the analyzer sends to Legacy; both verify token-exact, and a gemma2 served from a
+gemma2 (logit soft-capping, sliding layers), llama4_text (chunked layers) and mpt (ALiBi
+added to hand-written scores) are families the analyzer sends to Legacy; they verify
+token-exact, and a gemma2 served from a
 pool of two rows (requests wait for a row; prompts split over prefill steps) gives the tokens
 of transformers' own greedy forward.
 """
@@ -23,6 +24,7 @@ SMALL = {
     "head_dim": 16,
     "vocab_size": 256,
 }
+SMALL_MPT = {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256}
 #: gemma2 with a window shorter than the prompts: one sliding layer, one full layer
 SMALL_GEMMA2 = {**SMALL, "sliding_window": 6, "max_position_embeddings": 64}
 
@@ -46,9 +48,22 @@ def test_an_explicit_legacy_request_converts_a_paged_model():
 
 
 def test_a_source_whose_attention_the_seam_cannot_wrap_is_refused():
-    # mpt adds its ALiBi bias to hand-written scores: no attention-interface call to keep
-    with pytest.raises(UnsupportedModelError, match="position_bias"):
-        convert_model("mpt", ApplyOptions())
+    # bloom starts its scores from an ALiBi tensor its model builds for the whole batch,
+    # with the batch folded into the heads: the rows padded inside the layer cannot follow
+    with pytest.raises(UnsupportedModelError, match=r"alibi\.baddbmm.*Legacy seam"):
+        convert_model("bloom", ApplyOptions())
+
+
+def test_hand_written_alibi_attention_keeps_its_bias_and_boolean_mask():
+    # mpt: matmul scores + position_bias (ALiBi), masked_fill with a boolean mask
+    code = convert_model("mpt", ApplyOptions(config_overrides=SMALL_MPT)).converted
+    seam = code[code.index("legacy_attention_inputs(") : code.index("def set_k_cache")]
+    assert "attention_mask = attention_mask != 0" in seam
+    assert "attention_scores = attention_scores + position_bias" in seam
+    packed = "context_states = packed_output(context_states.transpose(1, 2), md).transpose(1, 2)"
+    assert seam.index(packed) < seam.index("context_states.permute(0, 2, 1, 3)")
+    # the model's mask builder and its .to(torch.bool) are skipped together in the runtime
+    assert "(None if _in_paged_runtime() else create_causal_mask(" in code
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +83,13 @@ def _prompts() -> list[list[int]]:
     ("model_type", "mode"),
     # llama4_text's chunks in standalone mode only: its framework twin takes 15 s and runs
     # the same legacy_attention_inputs as gemma2's
-    [("gemma2", "framework"), ("gemma2", "standalone"), ("llama4_text", "standalone")],
+    [
+        ("gemma2", "framework"),
+        ("gemma2", "standalone"),
+        ("llama4_text", "standalone"),
+        ("mpt", "framework"),  # ALiBi in hand-written scores
+        ("mpt", "standalone"),
+    ],
 )
 def test_legacy_families_verify_token_exact(tmp_path, model_type, mode):
     from kvskill.implementer.record import ConvertedDir

@@ -142,6 +142,10 @@ FLASH_CALL = m.Call(
 )
 #: ``torch.matmul(a, b)`` under any import spelling
 MATMUL_CALL = m.Call(func=m.Name("matmul") | m.Attribute(attr=m.Name("matmul")))
+#: ``<bias>.baddbmm(q, k)``: scores that start from a bias, over ``[batch * heads, s, d]``
+#: (bloom's ALiBi), and their output product ``bmm(w, v)``
+BIAS_SCORES_CALL = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("baddbmm")))
+BMM_CALL = m.Call(func=m.Name("bmm") | m.Attribute(attr=m.Name("bmm")))
 #: ``softmax(...)`` as a function (``F.softmax``, ``torch.softmax``) or a tensor method
 SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
@@ -272,7 +276,9 @@ def _assigned_call(stmt: cst.BaseStatement) -> tuple[str, cst.BaseExpression] | 
 
 def scores_matmul(value: cst.BaseExpression) -> cst.Call | None:
     """The ``matmul(query, key.transpose(...))`` a score assignment computes, optionally
-    multiplied or divided by a scale, else None."""
+    multiplied or divided by a scale, or its ``<bias>.baddbmm(query, key)``; else None."""
+    if m.matches(value, BIAS_SCORES_CALL):
+        return cst.ensure_type(value, cst.Call)
     if isinstance(value, cst.BinaryOperation) and isinstance(
         value.operator, (cst.Multiply, cst.Divide)
     ):
@@ -290,17 +296,19 @@ def scores_matmul(value: cst.BaseExpression) -> cst.Call | None:
 def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
     """(scores index, output index) of hand-written attention among the top-level statements
     of BODY: ``w = matmul(q, k.transpose(...)) [* or / scale]``, then a statement with a
-    softmax, then ``o = matmul(w, v)``; else None."""
+    softmax, then ``o = matmul(w, v)`` (or ``w = bias.baddbmm(q, k)`` ... ``o = bmm(w, v)``);
+    else None."""
     stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
     for first, stmt in enumerate(stmts):
         assigned = _assigned_call(stmt)
         if assigned is None or scores_matmul(assigned[1]) is None:
             continue
+        output = BMM_CALL if m.matches(assigned[1], BIAS_SCORES_CALL) else MATMUL_CALL
         softmax = False
         for index in range(first + 1, len(stmts)):
             softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
             found = _assigned_call(stmts[index])
-            if softmax and found is not None and m.matches(found[1], MATMUL_CALL):
+            if softmax and found is not None and m.matches(found[1], output):
                 return first, index
     return None
 

@@ -81,38 +81,13 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     found = []
     for cls in classes:
         forward = method(cls, "forward")
-        if forward is None or not m.findall(forward, CACHE_WRITE):
-            continue
-        bias = _bias_first_scores(forward)
-        if bias is not None:
-            found.append(
-                f"{cls.name.value}.forward writes the KV cache, then computes its scores as "
-                f"{bias}.baddbmm(query, key) over [batch * heads, q, d] (the batch folded into "
-                f"the heads), starting from the bias {bias} its caller builds for the whole "
-                "batch (ALiBi): the fused operator takes no ALiBi slopes, and the Legacy seam, "
-                "which pads the step's requests into a batch inside the layer, cannot re-size "
-                "a bias built outside it"
-            )
-        else:
+        if forward is not None and m.findall(forward, CACHE_WRITE):
             found.append(
                 f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
                 "itself (attention run in another method or module is not rewritten)"
                 + _kernel_elsewhere(cls, forward)
             )
     return found
-
-
-#: ``<bias>.baddbmm(...)``: scores that start from a bias tensor (bloom's ALiBi)
-_BADDBMM = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("baddbmm")))
-
-
-def _bias_first_scores(forward: cst.FunctionDef) -> str | None:
-    """The bias name of ``<bias>.baddbmm(q, k)`` scores in FORWARD, else None."""
-    calls = m.findall(forward, _BADDBMM)
-    if not calls:
-        return None
-    func = cst.ensure_type(cst.ensure_type(calls[0], cst.Call).func, cst.Attribute)
-    return cst.ensure_type(func.value, cst.Name).value
 
 
 def _kernel_elsewhere(cls: cst.ClassDef, forward: cst.FunctionDef) -> str:

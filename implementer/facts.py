@@ -19,6 +19,7 @@ from enum import Enum
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import (
+    BIAS_SCORES_CALL,
     CACHE_CAT_ASSIGN,
     CACHE_ENTRIES_ASSIGN,
     CACHE_UPDATE_CALL,
@@ -56,6 +57,9 @@ class KernelStyle(str, Enum):
     MATMUL = "matmul"
     #: transformers 4's ``_flash_attention_forward(q, k, v, ...)`` returning ``[B, S, N, D]``
     FLASH = "flash"
+    #: hand-written ``bias.baddbmm(q, k)`` -> softmax -> ``bmm(w, v)`` over ``[B * N, S, D]``,
+    #: the batch folded into the heads (bloom's ALiBi); only Legacy keeps it
+    BIAS_BMM = "bias_bmm"
 
 
 #: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
@@ -117,6 +121,8 @@ class SeamFacts:
     #: names the seam defines that later code reads but that only carry the source's own
     #: cache (``present = (k, v) if use_cache else None``): None in the converted forward
     nulled: list[str] = field(default_factory=list)
+    #: the bias tensor ``bias.baddbmm(q, k)`` scores start from (KernelStyle.BIAS_BMM)
+    bias: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -328,6 +334,7 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
         scale=kernel.scale,
         sinks=kernel.sinks,
         targets=kernel.targets,
+        bias=kernel.bias,
         layout=write.layout,
         nulled=(
             _cache_only_names(body, write.index, kernel.index, {write.key, write.value})
@@ -350,6 +357,7 @@ class _Kernel:
     scale: str | None
     sinks: str | None
     targets: list[str]
+    bias: str | None = None
 
 
 def _kernel_position(body: cst.IndentedBlock) -> tuple[int, int] | None:
@@ -429,6 +437,12 @@ def _matmul_kernel(
     assert product is not None, "matmul_attention found these scores"
     between = list(body.body[scores_index + 1 : output_index])
     facts.fused_limits.extend(_score_changes(facts.name, weights, between))
+    output = _assigned_name(body.body[output_index])
+    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
+    probs = _matmul_operand(body.body[output_index])
+    targets = [output, weights] + ([probs] if probs not in (None, weights, output) else [])
+    if m.matches(product, BIAS_SCORES_CALL):
+        return _bias_kernel(facts, product, output_index, targets)
     value = assign.value
     if isinstance(value, cst.BinaryOperation):
         factor = code(value.right)
@@ -440,17 +454,40 @@ def _matmul_kernel(
         scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
     else:
         scale = "1.0"  # the source applies no scale to q.k
-    output = _assigned_name(body.body[output_index])
-    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
-    probs = _matmul_operand(body.body[output_index])
-    extra = [weights] + ([probs] if probs not in (None, weights, output) else [])
     return _Kernel(
         index=output_index,
         style=KernelStyle.MATMUL,
         query=code(product.args[0].value),
         scale=scale,
         sinks=None,
-        targets=[output, *extra],
+        targets=targets,
+    )
+
+
+def _bias_kernel(
+    facts: AttentionFacts, product: cst.Call, output_index: int, targets: list[str]
+) -> _Kernel | None:
+    """``w = bias.baddbmm(q, k, beta=..., alpha=scale)``: the scores start from BIAS."""
+    bias = code(cst.ensure_type(product.func, cst.Attribute).value)
+    args = {a.keyword.value if a.keyword else str(i): a.value for i, a in enumerate(product.args)}
+    query = args.get("batch1", args.get("0"))
+    if query is None:
+        facts.problems.append(f"{facts.name}.forward passes {bias}.baddbmm no query")
+        return None
+    facts.fused_limits.append(
+        f"{facts.name}.forward starts its attention scores from {bias} ({bias}.baddbmm, a "
+        "position bias such as ALiBi, over [batch * heads, s, d]); the fused operator takes no "
+        "ALiBi slopes"
+    )
+    alpha = args.get("alpha")
+    return _Kernel(
+        index=output_index,
+        style=KernelStyle.BIAS_BMM,
+        query=code(query),
+        scale=code(alpha) if alpha is not None else "1.0",
+        sinks=None,
+        targets=targets,
+        bias=bias,
     )
 
 
@@ -617,8 +654,10 @@ def _used_names(stmts: list[cst.BaseStatement]) -> set[str]:
 
 
 def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: SeamFacts) -> None:
-    """The seam is replaced wholesale: nothing it defines may be read after it, except the
-    kernel's outputs (which the replacement defines again)."""
+    """The seam is replaced wholesale by the fused operator: nothing it defines may be read
+    after it, except the kernel's outputs (which the replacement defines again), and the KV
+    heads must pair as the operator pairs them. Legacy keeps these statements, so these are
+    ``fused_limits``."""
     inside = list(body.body[seam.update_index : seam.kernel_index])
     after = list(body.body[seam.kernel_index + 1 :])
     leaked = (_assigned_names(inside) - set(seam.targets)) & _used_names(after)
@@ -627,12 +666,12 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
         func=m.Attribute(value=m.Name(seam.key) | m.Name(seam.value), attr=m.Name("repeat"))
     )
     if any(m.findall(stmt, tiled) for stmt in inside):
-        facts.problems.append(
+        facts.fused_limits.append(
             f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
         )
     if leaked:
-        facts.problems.append(
+        facts.fused_limits.append(
             f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "
             "between the cache write and the attention call, which the rewrite replaces"
         )

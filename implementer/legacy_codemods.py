@@ -197,7 +197,7 @@ def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
     Raises:
         UnsupportedModelError: the seam cannot wrap the kernel.
     """
-    styles = (KernelStyle.INTERFACE, KernelStyle.MATMUL)
+    styles = (KernelStyle.INTERFACE, KernelStyle.MATMUL, KernelStyle.BIAS_BMM)
     if seam.style not in styles or seam.layout is not CacheLayout.BHSD:
         raise UnsupportedModelError(
             f"cannot convert: Legacy KV: the attention is called as {seam.style.value} over "
@@ -205,7 +205,7 @@ def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
             "or hand-written matmul attention over [b, h, s, d] tensors"
         )
     body = cst.ensure_type(forward.body, cst.IndentedBlock).body
-    if seam.style is KernelStyle.MATMUL:
+    if seam.style is not KernelStyle.INTERFACE:
         mask = _matmul_mask(list(body[seam.update_index + 1 : seam.kernel_index]))
         if mask is None:
             raise UnsupportedModelError(
@@ -222,6 +222,46 @@ def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
     return KernelMask(name, boolean=False)
 
 
+#: the module-level ALiBi builder a folded-batch seam rebuilds its bias with (bloom's)
+ALIBI_BUILDER = "build_alibi_tensor"
+
+
+def _shape_names(stmt: cst.BaseStatement) -> list[str]:
+    """``a, b, ... = <x>.shape``: the names, in order ("_" included); else []."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or not isinstance(stmt.body[0], cst.Assign):
+        return []
+    assign = stmt.body[0]
+    target = assign.targets[0].target
+    if not m.matches(assign.value, m.Attribute(attr=m.Name("shape"))) or not isinstance(
+        target, cst.Tuple
+    ):
+        return []
+    return [e.value.value if isinstance(e.value, cst.Name) else "" for e in target.elements]
+
+
+def folded_batch_names(seam: SeamFacts, forward: cst.FunctionDef, module: cst.Module) -> dict:
+    """Template values of a seam whose scores fold the batch into the heads and start from a
+    bias (``alibi.baddbmm``): the names the forward took its batch and query length from
+    (``batch_size, q_length, _ = hidden_states.shape``), which the kept statements reshape by,
+    and the bias, rebuilt for the padded batch by the file's own ALiBi builder.
+
+    Raises:
+        UnsupportedModelError: the forward or the file lacks one of them.
+    """
+    body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+    names = next((n for n in map(_shape_names, body[: seam.update_index]) if len(n) >= 2), [])
+    builders = m.findall(module, m.FunctionDef(name=m.Name(ALIBI_BUILDER)))
+    if len(names) < 2 or not names[0] or not names[1] or not builders:
+        raise UnsupportedModelError(
+            f"cannot convert: Legacy KV: the scores start from {seam.bias} over [batch * "
+            "heads, s, d]; the Legacy seam rebuilds that bias for its padded batch with the "
+            f"file's own {ALIBI_BUILDER}(attention_mask, num_heads, dtype) and re-reads the "
+            "batch and query length the forward unpacks from a .shape before the cache "
+            "write, and this file has not both"
+        )
+    return {"batch": names[0], "length": names[1], "bias": seam.bias, "builder": ALIBI_BUILDER}
+
+
 class LegacyAttentionForwardCommand(AttentionForwardCommand):
     """Write the static rows, read them for the model's own attention call, pack its output."""
 
@@ -229,6 +269,10 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         "Write K/V into each request's static row and run the model's own attention over it."
     )
     SEAM_TEMPLATE = "legacy_seam.py.j2"
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.source_module = node
+        return super().visit_Module(node)
 
     def _convert_forward(
         self,
@@ -241,6 +285,11 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         body = cst.ensure_type(forward.body, cst.IndentedBlock).body
         kept = list(body[seam.update_index + 1 : seam.kernel_index + 1])
         values = seam_values(seam)
+        values["folded"] = (
+            folded_batch_names(seam, forward, self.source_module)
+            if seam.style is KernelStyle.BIAS_BMM
+            else None
+        )
         prologue = statements(
             self.SEAM_TEMPLATE, config, **values, mask=mask.name, boolean_mask=mask.boolean
         )

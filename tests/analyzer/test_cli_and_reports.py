@@ -142,7 +142,7 @@ def test_markdown_section_lists_decisions_evidence_and_warnings():
     assert "Evidence:" in text and "Watch for:" in text
 
 
-@pytest.mark.parametrize("model", ["bloom", "jetmoe"])
+@pytest.mark.parametrize("model", ["cpmant", "jetmoe"])
 def test_the_plan_names_what_apply_refuses(capsys, model):
     code, out, _ = run_cli(capsys, "analyze", model, "--format", "json")
     assert code == 0

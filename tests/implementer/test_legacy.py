@@ -1,8 +1,8 @@
 """Framework Legacy output: static-row caches around the model's own attention call.
 
-gemma2 (logit soft-capping, sliding layers), llama4_text (chunked layers) and mpt (ALiBi
-added to hand-written scores) are families the analyzer sends to Legacy; they verify
-token-exact, and a gemma2 served from a
+gemma2 (logit soft-capping, sliding layers), llama4_text (chunked layers), mpt (ALiBi added
+to hand-written scores) and bloom (scores from an ALiBi tensor, the batch folded into the
+heads) are families the analyzer sends to Legacy; they verify token-exact, and a gemma2 served from a
 pool of two rows (requests wait for a row; prompts split over prefill steps) gives the tokens
 of transformers' own greedy forward.
 """
@@ -25,6 +25,7 @@ SMALL = {
     "vocab_size": 256,
 }
 SMALL_MPT = {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256}
+SMALL_BLOOM = {"n_layer": 2, "hidden_size": 64, "n_head": 4, "vocab_size": 256}
 #: gemma2 with a window shorter than the prompts: one sliding layer, one full layer
 SMALL_GEMMA2 = {**SMALL, "sliding_window": 6, "max_position_embeddings": 64}
 
@@ -47,11 +48,30 @@ def test_an_explicit_legacy_request_converts_a_paged_model():
     assert 'self.attn_type = "Legacy"' in code and "self.legacy_window = None" in code
 
 
-def test_a_source_whose_attention_the_seam_cannot_wrap_is_refused():
-    # bloom starts its scores from an ALiBi tensor its model builds for the whole batch,
-    # with the batch folded into the heads: the rows padded inside the layer cannot follow
-    with pytest.raises(UnsupportedModelError, match=r"alibi\.baddbmm.*Legacy seam"):
-        convert_model("bloom", ApplyOptions())
+def test_scores_from_a_bias_block_the_fused_operator_but_not_legacy():
+    import inspect
+
+    import libcst as cst
+    from kvskill.implementer.facts import KernelStyle, attention_facts, module_classes
+    from transformers.models.bloom import modeling_bloom
+
+    classes = module_classes(cst.parse_module(inspect.getsource(modeling_bloom)))
+    facts = attention_facts(classes["BloomAttention"], classes)
+    assert facts.seam is not None and facts.problems == []
+    assert (facts.seam.style, facts.seam.bias) == (KernelStyle.BIAS_BMM, "alibi")
+    # what only the fused operator cannot do: start from ALiBi, read attention_probs after
+    assert any("starts its attention scores from alibi" in p for p in facts.fused_limits)
+
+
+def test_folded_batch_alibi_is_rebuilt_for_the_padded_batch():
+    code = convert_model("bloom", ApplyOptions(config_overrides=SMALL_BLOOM)).converted
+    seam = code[code.index("legacy_attention_inputs(") : code.index("def set_k_cache")]
+    rebuilt = seam.index("alibi = build_alibi_tensor(")
+    assert seam.index("batch_size, q_length = query_layer.shape[0], query_layer.shape[2]") < rebuilt
+    assert rebuilt < seam.index("attention_scores = alibi.baddbmm(")
+    packed = seam.index("context_layer = packed_output(context_layer.unflatten(0, (-1, self.num_")
+    assert packed < seam.index("batch_size, q_length = legacy_packed_dims")
+    assert packed < seam.index("context_layer = self._merge_heads(context_layer)")
 
 
 def test_hand_written_alibi_attention_keeps_its_bias_and_boolean_mask():
@@ -88,7 +108,7 @@ def _prompts() -> list[list[int]]:
         ("gemma2", "standalone"),
         ("llama4_text", "standalone"),
         ("mpt", "framework"),  # ALiBi in hand-written scores
-        ("mpt", "standalone"),
+        ("bloom", "standalone"),  # ALiBi as baddbmm's bias, the batch folded into heads
     ],
 )
 def test_legacy_families_verify_token_exact(tmp_path, model_type, mode):

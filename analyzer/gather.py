@@ -144,7 +144,9 @@ FLASH_CALL = m.Call(
 MATMUL_CALL = m.Call(func=m.Name("matmul") | m.Attribute(attr=m.Name("matmul")))
 #: ``<bias>.baddbmm(q, k)``: scores that start from a bias, over ``[batch * heads, s, d]``
 #: (bloom's ALiBi), and their output product ``bmm(w, v)``
-BIAS_SCORES_CALL = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("baddbmm")))
+BIAS_SCORES_CALL = m.Call(
+    func=m.Attribute(value=m.Name(value=m.DoesNotMatch("torch")), attr=m.Name("baddbmm"))
+)
 BMM_CALL = m.Call(func=m.Name("bmm") | m.Attribute(attr=m.Name("bmm")))
 #: ``softmax(...)`` as a function (``F.softmax``, ``torch.softmax``) or a tensor method
 SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))

@@ -89,6 +89,10 @@ def check_config_values(config: dict[str, Any], *, where: str) -> None:
             )
     heads_key, heads = _first(cfg, _HEADS)
     kv_key, kv_heads = _first(cfg, _KV_HEADS)
+    if cfg.get("multi_query") is True and not cfg.get("new_decoder_architecture"):
+        # falcon: multi_query means one KV head; num_kv_heads counts only in the new
+        # decoder architecture (analyzer.config_keys.kv_heads reads the same flags)
+        kv_heads = 1
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
         raise BadInputError(
             f"{where}: {prefix}{heads_key}={heads} is not a multiple of "

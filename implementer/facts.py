@@ -386,6 +386,11 @@ def _kernel_facts(
         facts.problems.append(
             f"{facts.name}.forward calls attention in a statement that is not a plain "
             "assignment of its result"
+            + (
+                " (an if/else whose branches return or differ beyond how they mask)"
+                if isinstance(stmt, cst.If)
+                else ""
+            )
         )
         return None
     call = assign.value
@@ -544,6 +549,10 @@ def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
     from the same attention call on the same query, key and value, differing only in how it
     masks (ChatGLM: ``is_causal=True`` without a mask, else the mask): the fused operator
     masks by itself, so the branches are one kernel call. None for any other ``if``."""
+    if m.findall(stmt, m.Return()):
+        # branches that return (falcon: one per position-bias kind, each with its own
+        # output projection) are more than a kernel call: the seam cannot replace them
+        return None
     assigns = [
         cst.ensure_type(a, cst.Assign)
         for a in m.findall(stmt, m.Assign(value=INTERFACE_CALL | SDPA_CALL))

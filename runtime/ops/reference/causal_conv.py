@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._checks import OpInputError, ReferenceUnsupportedError, describe, strict_keywords
 from .npu_limits import require_npu_dtype
-from .npu_profile import npu_limits_enabled
+from .npu_profile import current_profile, npu_limits_enabled
 
 #: the docs' fixed kernel width and channel multiple (约束说明)
 KERNEL_WIDTH = 3
@@ -41,9 +41,10 @@ def _refuse(name: str, value: object, default: object) -> None:
 
 
 def check_device_limits(x: Tensor, weight: Tensor) -> None:
-    """约束说明 and 参数说明: K fixed at 3, ``dim % 128 == 0``, x float16/bfloat16."""
+    """约束说明 and 参数说明: K fixed at 3, ``dim % 128 == 0`` (the profile's ``dims``: a
+    shrunk twin's channels are not the model's), x float16/bfloat16 (its ``dtypes``)."""
     width, dim = weight.shape
-    if width != KERNEL_WIDTH or dim % DIM_MULTIPLE:
+    if current_profile().dims and (width != KERNEL_WIDTH or dim % DIM_MULTIPLE):
         raise OpInputError(
             f"npu_fused_causal_conv1d: weight must be [K={KERNEL_WIDTH}, dim % {DIM_MULTIPLE} "
             f"== 0] on the NPU, got {describe(weight)} (NPU-only limit, enforced under the "

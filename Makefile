@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-slow test-all test-compat test-contract lint bench bench-peers clean
+.PHONY: venv demo test test-slow test-all test-compat compat-venvs test-contract lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ COMPAT_STAMPS := $(foreach v,$(COMPAT_VERSIONS),.venv-tf$(v)/.kvskill-installed)
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check -q install -c constraints-transformers-$*.txt torch==2.13.0
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check -q install -c constraints-transformers-$*.txt -e '.[test]'
 	touch $@
+
+# The compatibility venvs alone: CI builds them while the main suites run (pip is mostly
+# disk and network-free unpacking here, so it costs the tests little CPU).
+compat-venvs: $(COMPAT_STAMPS)
 
 test-compat: $(COMPAT_STAMPS)
 	@set -e; for v in $(COMPAT_VERSIONS); do \

@@ -375,3 +375,23 @@ def test_a_bfloat16_run_keeps_each_state_in_the_dtype_the_plan_reports(pinned_ma
             assert torch.equal(state, state.bfloat16().float()) == (ssm_dtype == torch.bfloat16)
         assert llm.engine.stats.num_prefill_steps > len(prompts)
         assert runs[0] == runs[1] and [len(t) for t in runs[0]] == [8] * len(prompts)
+
+
+@pytest.mark.slow
+def test_granitemoehybrid_with_an_attention_layer_verifies(tmp_path):
+    # the default config lists only Mamba layers ("linear_attention"), and transformers' own
+    # generate cannot run a model without an attention layer: one of each here
+    import json
+
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "granitemoehybrid"
+    overrides = {**SMALL_BAMBA, "layer_types": ["mamba", "attention"]}
+    del overrides["attn_layer_indices"]
+    apply_model("granitemoehybrid", out, ApplyOptions(config_overrides=overrides))
+    report = verify_directory(out, VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+    plan = json.loads((out / "kvskill_plan.json").read_text())
+    assert [layer["attn_type"] for layer in plan["layers"]] == ["Mamba", "FullAttention"]

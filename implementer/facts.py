@@ -496,6 +496,16 @@ def _bias_kernel(
     )
 
 
+def _updated(
+    name: str, operator: m.BaseMatcherNode, augmented: m.BaseMatcherNode
+) -> m.BaseMatcherNode:
+    """``name = name <operator> ...`` or ``name <augmented>= ...``."""
+    return m.Assign(
+        targets=[m.AssignTarget(target=m.Name(name))],
+        value=m.BinaryOperation(left=m.Name(name), operator=operator),
+    ) | m.AugAssign(target=m.Name(name), operator=augmented)
+
+
 def _score_changes(name: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
     """What the statements between the scores and the output do to the scores WEIGHTS beyond
     an additive mask and a softmax: a soft cap (tanh), a rescale after the product, an added
@@ -505,19 +515,13 @@ def _score_changes(name: str, weights: str, between: list[cst.BaseStatement]) ->
             f"{name}.forward soft-caps its attention scores (tanh); the fused operator has no "
             "soft-capping input"
         ]
-    rescaled = m.Assign(
-        targets=[m.AssignTarget(target=m.Name(weights))],
-        value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
-    ) | m.AugAssign(target=m.Name(weights), operator=m.MultiplyAssign() | m.DivideAssign())
+    rescaled = _updated(weights, m.Multiply() | m.Divide(), m.MultiplyAssign() | m.DivideAssign())
     if any(m.findall(stmt, rescaled) for stmt in between):
         return [
             f"{name}.forward rescales its attention scores after the product; the fused "
             "operator takes one softmax scale"
         ]
-    added = m.Assign(
-        targets=[m.AssignTarget(target=m.Name(weights))],
-        value=m.BinaryOperation(left=m.Name(weights), operator=m.Add()),
-    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
+    added = _updated(weights, m.Add(), m.AddAssign())
     for stmt in between:
         for node in m.findall(stmt, added):
             term = node.value.right if isinstance(node, cst.Assign) else node.value

@@ -311,9 +311,10 @@ def _shrink_decoder(
         new[key] = kv
     _put(new, config, "num_heads", NUM_HEADS, names)
     new.update(_rotary_width(config, head_dim, names))
-    if lookup(config, "head_dim", names)[1] is not None:
-        # NOTE: a config without a head_dim derives it (hidden / heads = head_dim above); some
-        # classes make it a read-only property (FalconConfig), so writing one would fail
+    if "head_dim" in config or lookup(config, "head_dim", names)[1] is not None:
+        # NOTE: a config that holds no head_dim key at all derives it (hidden / heads =
+        # head_dim above), and some classes make it a read-only property (FalconConfig), so
+        # none is written there; a key present as None (hunyuan) is the model's to fill
         _put(new, config, "head_dim", head_dim, names)
     shrunk_counts = {"num_attention_heads": NUM_HEADS, "num_key_value_heads": kv}
     for key, model_wide in PER_LAYER_HEAD_KEYS.items():

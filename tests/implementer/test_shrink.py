@@ -203,3 +203,13 @@ def test_falcon_h1_mixer_width_follows_the_shrunk_heads():
     # without mamba_d_ssm (mamba2, bamba) nothing adds it
     del config["mamba_d_ssm"]
     assert "mamba_d_ssm" not in shrink_config(config).config
+
+
+def test_head_dim_is_written_only_where_the_config_holds_the_key():
+    base = {"num_hidden_layers": 8, "hidden_size": 4544, "num_attention_heads": 71}
+    # falcon: no head_dim key (a read-only property of its config class, hidden / heads)
+    derived = shrink_config(base).config
+    assert "head_dim" not in derived
+    assert derived["hidden_size"] // derived["num_attention_heads"] == 64
+    # hunyuan: the key is present as None and the model reads it
+    assert shrink_config({**base, "head_dim": None}).config["head_dim"] == 64

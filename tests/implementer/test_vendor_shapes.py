@@ -382,3 +382,17 @@ def test_rotary_angles_cut_from_the_tail_of_a_cache_sized_table_are_refused(tmp_
         "sized by the cache length (`t[:, -cur_len:]`), not by position ids" in message
     )
     assert not out.exists()
+
+
+def test_an_attention_if_whose_branches_return_is_not_one_kernel_call():
+    # falcon: `if alibi is None: ... return` / `else: ... return`, each branch its own
+    # kernel and output projection; replacing the whole if would drop the returns
+    import inspect
+
+    from kvskill.implementer.facts import module_classes
+    from transformers.models.falcon import modeling_falcon
+
+    classes = module_classes(cst.parse_module(inspect.getsource(modeling_falcon)))
+    facts = attention_facts(classes["FalconAttention"], classes)
+    assert facts.seam is None
+    assert any("branches return" in p for p in facts.problems)

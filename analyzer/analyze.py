@@ -42,7 +42,7 @@ from kvskill.analyzer.rules import (
     decide_layers,
     decide_layout,
     decide_sparse_modes,
-    is_parallel_hybrid,
+    holds_attention_and_state,
     sinks_line,
     sliding_kv_heads,
 )
@@ -617,7 +617,7 @@ def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
             "transformers 4 style cache write (past_key_value.update)",
             facts["cache_update_source"],
         )
-    kinds = {k for k in spec.layer_kinds if not is_parallel_hybrid(spec, k)}
+    kinds = {k for k in spec.layer_kinds if not holds_attention_and_state(spec, k)}
     for kind, note in (
         ("hybrid", "layers that hold both attention KV and a Mamba state"),
         ("indexed_attention", "indexed sparse attention (a top-k indexer with its own cache)"),

@@ -38,10 +38,11 @@ _LAYER_KIND = {
 
 #: model types whose every layer is a state-space mixer (no attention at all)
 STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
-#: model types whose "hybrid" layers each run their own attention and their own Mamba-2 mixer
-#: side by side on the layer's input (falcon_h1): such a layer holds a KV cache and a state.
-#: Other "hybrid" layers (zamba's, sharing one attention block across layers) are not these.
-PARALLEL_HYBRID_MODEL_TYPES = frozenset({"falcon_h1"})
+#: model types whose "hybrid" layers each hold an attention KV cache and a Mamba-2 state:
+#: falcon_h1 runs its attention and its mixer side by side on the layer's input; zamba2 runs a
+#: shared attention block (weights tied across layers, one cache per call site), then the
+#: layer's own mixer.
+ATTENTION_AND_STATE_MODEL_TYPES = frozenset({"falcon_h1", "zamba2"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,9 +323,19 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
             # falcon_h1: the mixer's width is mamba_d_ssm, else mamba_expand x hidden
             # (its intermediate_size is the MLP's)
             inner = cfg["mamba_d_ssm"] or int(expand * hidden)
-        n_heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or cfg.get("num_heads")
-        head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim") or cfg.get("head_dim")
-        groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1
+        n_heads = (
+            cfg.get("mamba_n_heads")
+            or cfg.get("mamba_num_heads")
+            or cfg.get("num_heads")
+            or cfg.get("n_mamba_heads")  # zamba2's
+        )
+        head_dim = (
+            cfg.get("mamba_d_head")
+            or cfg.get("mamba_head_dim")
+            or cfg.get("head_dim")
+            or cfg.get("mamba_headdim")
+        )
+        groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or cfg.get("mamba_ngroups") or 1
         kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or cfg.get("mamba_conv_kernel")
         if isinstance(n_heads, int) and isinstance(head_dim, int) and n_heads * head_dim:
             # Mamba-2: per-head [head_dim, d_state] state; conv over x, B and C

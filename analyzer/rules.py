@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvskill.analyzer.config import PARALLEL_HYBRID_MODEL_TYPES, ModelSpec, pinned_state_dtypes
+from kvskill.analyzer.config import ATTENTION_AND_STATE_MODEL_TYPES, ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
 from kvskill.analyzer.plan import (
     AttentionKind,
@@ -51,12 +51,12 @@ class CodeView:
 # -- layers -----------------------------------------------------------------------------------
 
 
-def is_parallel_hybrid(spec: ModelSpec, kind: str) -> bool:
-    """A "hybrid" layer of a family whose every such layer runs its own attention and its own
-    Mamba-2 mixer on the same input (``PARALLEL_HYBRID_MODEL_TYPES``)."""
+def holds_attention_and_state(spec: ModelSpec, kind: str) -> bool:
+    """A "hybrid" layer of a family whose every such layer holds an attention KV cache and a
+    Mamba-2 state (``ATTENTION_AND_STATE_MODEL_TYPES``)."""
     return (
         kind == "hybrid"
-        and spec.model_type in PARALLEL_HYBRID_MODEL_TYPES
+        and spec.model_type in ATTENTION_AND_STATE_MODEL_TYPES
         and spec.state.get("mixer") == "mamba2"
     )
 
@@ -69,8 +69,8 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
             continue
         if kind in STATE_KINDS:
             layers.append(LayerPlan(index=index, kind=kind, attn_type=AttnType.MAMBA.value))
-        elif is_parallel_hybrid(spec, kind):
-            # attention and a Mamba-2 mixer side by side: one entry per cache group, same index
+        elif holds_attention_and_state(spec, kind):
+            # attention and a Mamba-2 mixer in one layer: one entry per cache group, same index
             for attn_type in (AttnType.FULL_ATTENTION, AttnType.MAMBA):
                 layers.append(LayerPlan(index=index, kind=kind, attn_type=attn_type.value))
         elif kind == "sliding":

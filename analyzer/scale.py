@@ -7,7 +7,9 @@ the config sets one; for MLA the head dim is ``qk_nope_head_dim + qk_rope_head_d
 
 from __future__ import annotations
 
+import ast
 import math
+import operator
 from dataclasses import dataclass
 
 from kvskill.analyzer.config import ModelSpec, text_config
@@ -73,6 +75,14 @@ def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> ScaleDecisi
     cfg_multiplier = _explicit_scale(spec, book)
     if cfg_multiplier is not None:
         return ScaleDecision(value=cfg_multiplier)
+    expr = cls.init_attr_exprs.get("scaling") if cls is not None and not spec.mla else None
+    from_code = scale_of_expression(expr, dim) if expr and dim else None
+    if from_code is not None and not math.isclose(from_code, scale, rel_tol=1e-9):
+        # zamba2: (self.head_dim / 2) ** -0.5, not the head_dim^-0.5 default
+        book.cite(
+            "softmax_scale", f"{expr} with head_dim {dim} = {from_code:.8f}", where
+        )
+        return ScaleDecision(value=from_code)
     book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
     return ScaleDecision(value=scale)
 
@@ -95,4 +105,54 @@ def _explicit_scale(spec: ModelSpec, book: Notebook) -> float | None:
             book.cfg(prefix + "attention_multiplier"),
         )
         return scale
+    return None
+
+
+_ARITHMETIC = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
+
+
+def scale_of_expression(expr: str, head_dim: int) -> float | None:
+    """The value of a ``self.scaling = <expr>`` written as arithmetic over numbers and the head
+    dim (``(self.head_dim / 2) ** -0.5``, ``1 / math.sqrt(self.head_dim)``), else None: any
+    other name (a config multiplier, a module attribute) is not this module's to evaluate."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+        value = _evaluate(tree, head_dim)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError):
+        return None
+    return float(value) if value is not None and value > 0 else None
+
+
+def _evaluate(node: ast.expr, head_dim: int) -> float | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return float(node.value)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        if node.value.id == "self" and node.attr == "head_dim":
+            return float(head_dim)
+        return None
+    if isinstance(node, ast.Name):
+        return float(head_dim) if node.id == "head_dim" else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _evaluate(node.operand, head_dim)
+        return -inner if inner is not None else None
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _evaluate(node.left, head_dim), _evaluate(node.right, head_dim)
+        if left is None or right is None:
+            return None
+        return _ARITHMETIC[type(node.op)](left, right)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "sqrt"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        inner = _evaluate(node.args[0], head_dim)
+        return math.sqrt(inner) if inner is not None else None
     return None

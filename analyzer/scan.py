@@ -51,6 +51,8 @@ class ClassFacts:
     calls: list[CallFact] = field(default_factory=list)
     #: ``self.X = ...`` assignments anywhere in the class -> first line
     self_attrs: dict[str, int] = field(default_factory=dict)
+    #: ``self.X = <expr>`` in ``__init__`` -> the source of the first such expression
+    init_attr_exprs: dict[str, str] = field(default_factory=dict)
     #: names read anywhere in the class (``self.sinks``, ``softcap=``) -> first line
     names_used: dict[str, int] = field(default_factory=dict)
     #: ``self.X = SomeClass(...)`` (also inside ModuleList comprehensions) -> class names
@@ -335,6 +337,10 @@ class _Collector(cst.CSTVisitor):
         for target in node.targets:
             expr = target.target
             if isinstance(expr, cst.Attribute) and dotted_name(expr.value) == "self":
+                if self.method == "__init__":
+                    self.cls.init_attr_exprs.setdefault(
+                        expr.attr.value, self.module.code_for_node(node.value)
+                    )
                 called = _CalledNames()
                 node.value.visit(called)
                 if called.names:

@@ -255,13 +255,31 @@ SSM_HEAD_DIM = 16
 SSM_STATE_SIZE = 16
 SSM_CHUNK_SIZE = 8
 _SSM_KEYS = {
-    "heads": ("mamba_n_heads", "mamba_num_heads", "num_heads"),
-    "head_dim": ("mamba_d_head", "mamba_head_dim", "head_dim"),
+    "heads": ("mamba_n_heads", "mamba_num_heads", "num_heads", "n_mamba_heads"),
+    "head_dim": ("mamba_d_head", "mamba_head_dim", "head_dim", "mamba_headdim"),
     "state": ("mamba_d_state", "ssm_state_size", "state_size"),
-    "groups": ("mamba_n_groups", "n_groups"),
+    "groups": ("mamba_n_groups", "n_groups", "mamba_ngroups"),
     "chunk": ("mamba_chunk_size", "chunk_size"),
     "expand": ("mamba_expand", "expand"),
 }
+
+
+#: widths a config stores as a whole multiple of hidden_size (zamba2 saves its derived
+#: attention_hidden_size = 2 x hidden, and reads the saved value back over the derivation)
+_HIDDEN_MULTIPLE_KEYS = ("attention_hidden_size",)
+
+
+def _hidden_multiples(config: dict[str, Any], new: dict[str, Any]) -> dict[str, int]:
+    """Each such width at the same multiple of the shrunk hidden size."""
+    old_hidden, new_hidden = config.get("hidden_size"), new.get("hidden_size")
+    if not isinstance(old_hidden, int) or not isinstance(new_hidden, int) or old_hidden <= 0:
+        return {}
+    out = {}
+    for key in _HIDDEN_MULTIPLE_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value % old_hidden == 0:
+            out[key] = value // old_hidden * new_hidden
+    return out
 
 
 def _ssm_sizes(config: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -356,6 +374,7 @@ def _shrink_decoder(
             new[key] = EXPERT_INTERMEDIATE_SIZE
     new.update(_linear_attention_sizes(config))
     new.update(_ssm_sizes(config, new))
+    new.update(_hidden_multiples(config, new))
     if isinstance(config.get("mlp_only_layers"), list):
         new["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
     for offset, key in enumerate(_TOKEN_ID_KEYS, start=1):

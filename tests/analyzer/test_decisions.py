@@ -193,6 +193,36 @@ def test_mla_scale_matches_the_installed_attention_module(model_type):
     assert any("kv_lora_rank is 32" in b for b in plan.implementer_blockers)
 
 
+def test_a_scale_written_over_the_head_dim_is_evaluated_from_the_code():
+    """zamba2 scales by (head_dim / 2)^-0.5: the Plan carries the module's own value."""
+    from transformers.models.zamba2 import configuration_zamba2, modeling_zamba2
+
+    plan = analyze_model("zamba2")
+    config = configuration_zamba2.Zamba2Config()
+    module = modeling_zamba2.Zamba2Attention(config, layer_idx=0, num_fwd_mem_blocks=1, block_id=0)
+    assert plan.softmax_scale == pytest.approx(module.scaling, rel=1e-12)
+    assert plan.softmax_scale == pytest.approx((config.attention_head_dim / 2) ** -0.5)
+    assert any("/ 2" in e.reason for e in plan.evidence if e.decision == "softmax_scale")
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ("self.head_dim**-0.5", 64**-0.5),
+        ("(self.head_dim / 2) ** -0.5", 32**-0.5),
+        ("1 / math.sqrt(self.head_dim)", 1 / 8),
+        ("config.attention_multiplier", None),
+        ("self.head_dim ** -0.5 * self.mult", None),
+        ("lambda: 1", None),
+    ],
+)
+def test_scale_of_expression(expr, expected):
+    from kvskill.analyzer.scale import scale_of_expression
+
+    value = scale_of_expression(expr, 64)
+    assert value == (pytest.approx(expected) if expected is not None else None)
+
+
 def test_deepseek_v2_is_mla_too():
     plan = analyze_model("deepseek_v2")
     assert plan.attention == "mla" and plan.input_layout == "TND_NTD"

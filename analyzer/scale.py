@@ -79,9 +79,7 @@ def decide_scale(spec: ModelSpec, code: CodeView, book: Notebook) -> ScaleDecisi
     from_code = scale_of_expression(expr, dim) if expr and dim else None
     if from_code is not None and not math.isclose(from_code, scale, rel_tol=1e-9):
         # zamba2: (self.head_dim / 2) ** -0.5, not the head_dim^-0.5 default
-        book.cite(
-            "softmax_scale", f"{expr} with head_dim {dim} = {from_code:.8f}", where
-        )
+        book.cite("softmax_scale", f"{expr} with head_dim {dim} = {from_code:.8f}", where)
         return ScaleDecision(value=from_code)
     book.cite("softmax_scale", f"{label}^-0.5 = {scale:.8f}", where)
     return ScaleDecision(value=scale)

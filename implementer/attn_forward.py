@@ -112,9 +112,10 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             "forward",
             lambda f: self._convert_forward(*seam_forward(updated, f), seam, config),
         )
-        update_cache = [
-            f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value == "update_cache"
-        ]
+        wanted = {"update_cache"} | (
+            {"site_cache_entries", "use_call_site"} if seam.site is not None else set()
+        )
+        update_cache = [f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value in wanted]
         return with_body(updated, [*body, *update_cache])
 
     def _convert_forward(
@@ -165,6 +166,7 @@ def seam_values(seam: SeamFacts) -> dict:
         "batch_axis": BATCH_SEQ_AXES[seam.layout][0],
         "seq_axis": BATCH_SEQ_AXES[seam.layout][1],
         "extra_outputs": [t for t in seam.targets[1:] if t != "_"] + list(seam.nulled),
+        "site": seam.site,
     }
 
 

@@ -24,9 +24,15 @@ from kvskill.implementer.spec import ConversionSpec
 
 
 def check_attention_module(
-    module: cst.Module, spec: ConversionSpec, filename: str, problems: list[str]
+    module: cst.Module,
+    spec: ConversionSpec,
+    filename: str,
+    problems: list[str],
+    *,
+    serves_call_sites: bool = False,
 ) -> None:
     """Check every attention class and the model class; PROBLEMS are the other rewrites' own.
+    SERVES_CALL_SITES: the path keeps one cache pair per call site of a shared block.
 
     Raises:
         UnsupportedModelError: with every reason found, before anything is rewritten.
@@ -58,6 +64,12 @@ def check_attention_module(
         problems.extend(facts.problems)
         if not spec.keeps_model_kernel:
             problems.extend(facts.fused_limits)
+        if facts.seam is not None and facts.seam.site is not None and not serves_call_sites:
+            problems.append(
+                f"{facts.name}.forward indexes its cache by the calling layer "
+                f"(`{facts.seam.site}`, a block several layers share); one cache per call site "
+                "is converted on the paged framework path only"
+            )
         if facts.converted:
             continue
         if spec.layer_type_to_attn_type and facts.layer_idx_param is None:

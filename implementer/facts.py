@@ -93,6 +93,10 @@ class CacheWriteFacts:
     layout: CacheLayout
     #: "update" (``<cache>.update(k, v, idx)``) or "cat" (a tuple grown with ``torch.cat``)
     kind: str
+    #: the forward parameter the write indexes the cache by (``cache.update(k, v,
+    #: layer_idx)``), when the layer is told its index at each call rather than holding it:
+    #: zamba's attention block, shared by several decoder layers
+    site: str | None = None
 
 
 def code(node: cst.CSTNode) -> str:
@@ -123,6 +127,9 @@ class SeamFacts:
     nulled: list[str] = field(default_factory=list)
     #: the bias tensor ``bias.baddbmm(q, k)`` scores start from (KernelStyle.BIAS_BMM)
     bias: str | None = None
+    #: the forward parameter naming the calling layer (CacheWriteFacts.site): the caches are
+    #: one pair per call site, chosen by it
+    site: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -268,7 +275,27 @@ def _top_index(body: cst.IndentedBlock, matcher: m.BaseMatcherNode) -> int | Non
     return None
 
 
-def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWriteFacts | None:
+def _call_site_argument(update: cst.Call, forward_params: list[str]) -> str | None:
+    """The cache index of ``<cache>.update(key, value, <index>, ...)`` when it is one of the
+    forward's own parameters (the caller says which layer it is), else None."""
+    index = update.args[2].value if len(update.args) > 2 and not update.args[2].keyword else None
+    if index is None:
+        index = next(
+            (
+                a.value
+                for a in update.args
+                if a.keyword is not None and a.keyword.value == "layer_idx"
+            ),
+            None,
+        )
+    if isinstance(index, cst.Name) and index.value in forward_params:
+        return index.value
+    return None
+
+
+def cache_write_facts(
+    facts: AttentionFacts, body: cst.IndentedBlock, forward_params: list[str]
+) -> CacheWriteFacts | None:
     """The forward's cache write: ``<cache>.update(key, value, layer_idx, ...)`` (``[b, h, s,
     d]``), else a tuple cache grown in one statement by ``key = torch.cat([<past>, key],
     dim=d)`` and the same for value, whose ``d`` is the sequence axis and so the layout.
@@ -283,6 +310,7 @@ def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWr
             value=code(update.args[1].value),
             layout=CacheLayout.BHSD,
             kind="update",
+            site=_call_site_argument(update, forward_params),
         )
     if cat_index is None:
         return None
@@ -307,7 +335,7 @@ def cache_write_facts(facts: AttentionFacts, body: cst.IndentedBlock) -> CacheWr
 
 def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
     body = cst.ensure_type(forward.body, cst.IndentedBlock)
-    write = cache_write_facts(facts, body)
+    write = cache_write_facts(facts, body, _params(forward)[1:])
     position = _kernel_position(body)
     if write is None or position is None or position[0] < write.index:
         if write is not None or not facts.problems:
@@ -335,6 +363,7 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | 
         sinks=kernel.sinks,
         targets=kernel.targets,
         bias=kernel.bias,
+        site=write.site,
         layout=write.layout,
         nulled=(
             _cache_only_names(body, write.index, kernel.index, {write.key, write.value})

@@ -10,6 +10,7 @@ check is refused too and never written half-converted.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import libcst as cst
@@ -24,7 +25,8 @@ from libcst.codemod import CodemodContext
 #: the check of each path's attention and model classes, given the other rewrites' problems
 #: (raises UnsupportedModelError with all of them)
 _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object]] = {
-    ConversionPath.PAGED: check_attention_module,
+    # only the paged seam keeps one cache pair per call site of a shared attention block
+    ConversionPath.PAGED: partial(check_attention_module, serves_call_sites=True),
     ConversionPath.MLA: check_mla_module,
     ConversionPath.CONTIGUOUS: check_attention_module,
     ConversionPath.LEGACY: check_attention_module,

@@ -353,14 +353,24 @@ def test_falcon_h1_layers_each_hold_an_attention_kv_and_a_mamba_state():
     assert dict(summary_rows(plan))["layers"] == "3: FullAttention x3, Mamba x3"
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
-def test_hybrid_layers_sharing_one_attention_block_stay_a_blocker(model_type):
-    # zamba's hybrid layers call one attention block shared across layers: not planned
-    plan = analyze_model(model_type)
+def test_zamba_hybrid_layers_stay_a_blocker():
+    # zamba's hybrid layers run a multi-head Mamba-1 mixer after the shared attention block:
+    # its state is not planned beside the attention
+    plan = analyze_model("zamba")
     assert plan.kv_mode == "paged"
     assert any("both attention KV and a Mamba state" in b for b in plan.implementer_blockers)
     assert {layer.index for layer in plan.layers if layer.kind == "hybrid"}
     assert len({layer.index for layer in plan.layers}) == len(plan.layers)
+
+
+def test_zamba2_hybrid_layers_hold_an_attention_and_a_mamba2_entry():
+    plan = analyze_model("zamba2")
+    assert not plan.implementer_blockers
+    hybrid = [layer for layer in plan.layers if layer.kind == "hybrid"]
+    by_index: dict[int, set[str]] = {}
+    for layer in hybrid:
+        by_index.setdefault(layer.index, set()).add(layer.attn_type)
+    assert by_index and all(kinds == {"FullAttention", "Mamba"} for kinds in by_index.values())
 
 
 def test_type_that_reuses_another_familys_code_is_resolved_through_its_class():

@@ -255,18 +255,35 @@ class MiniForCausalLM(nn.Module):
         """Every attention layer's cache entries, in layer order, for the paged runtime.
 
         Walks all submodules, so layers held in a ModuleList, a ModuleDict or as sublayers are
-        all reported; layer_idx is the position in that walk.
+        all reported; layer_idx is the position in that walk. A block several decoder layers
+        share (zamba's attention) is reported once per layer with its own caches: the layer's
+        index is the first number in the path it is found under, the index its forward is
+        called with.
         """
-        attentions = [module for module in self.modules() if hasattr(module, "cache_entries")]
-        for module in attentions:
+        found = [
+            (name, module)
+            for name, module in self.named_modules(remove_duplicate=False)
+            if hasattr(module, "cache_entries")
+        ]
+        uses = {}
+        for _, module in found:
+            uses[id(module)] = uses.get(id(module), 0) + 1
+        for module in {id(module): module for _, module in found}.values():
             # Loaders may cast the model after __init__: the caches hold what the layer computes.
             # A layer may pin a cache's dtype (a float32 recurrent state in a bfloat16 model).
             param = next(module.parameters(), None)
             pinned = getattr(module, "pinned_cache_dtypes", {})
             for entry in module.cache_entries:
                 entry.dtype = pinned.get(entry.cache_name, param.dtype if param is not None else entry.dtype)
+        layer_caches, reported = [], set()
+        for name, module in found:
+            if uses[id(module)] > 1 and hasattr(module, "site_cache_entries"):
+                site = next(int(part) for part in name.split(".") if part.isdigit())
+                layer_caches.append(module.site_cache_entries(site))
+            elif id(module) not in reported:
+                layer_caches.append(list(module.cache_entries))
+            reported.add(id(module))
         layer_infos = [
-            LayerCacheInfo(layer_idx=index, caches=list(module.cache_entries))
-            for index, module in enumerate(attentions)
+            LayerCacheInfo(layer_idx=index, caches=caches) for index, caches in enumerate(layer_caches)
         ]
         return ModelCacheInfo(num_layers=len(layer_infos), block_size=self.block_size, layer_infos=layer_infos)

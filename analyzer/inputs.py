@@ -280,11 +280,16 @@ def build_config(
     data = config.to_dict()
     data.setdefault("model_type", model_type)
     derived: dict[str, Any] = {}
-    if "layer_types" not in data:
+    # the per-layer pattern a config class derives as a property: layer_types, or the
+    # layers_block_type of the older hybrids (bamba, granitemoehybrid, falcon_h1 in 4.x)
+    for key in ("layer_types", "layers_block_type"):
+        if isinstance(data.get(key), list) and data[key]:
+            break
         try:
-            layer_types = getattr(config, "layer_types", None)
+            layer_types = getattr(config, key, None)
         except Exception:  # noqa: BLE001 - a property may fail on partial configs
             layer_types = None
         if isinstance(layer_types, list) and layer_types:
-            derived["layer_types"] = list(layer_types)
+            derived[key] = list(layer_types)
+            break
     return data, derived

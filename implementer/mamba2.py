@@ -40,19 +40,42 @@ def _call_ending(*suffixes: str) -> m.Call:
 
 SCAN_CALL = _call_ending("chunk_scan_combined", "mamba2_chunk_scan")
 STATE_UPDATE_CALL = _call_ending("selective_state_update")
-#: ``torch.clamp(dt, self.time_step_limit[0], ...)``: once per branch when decode clamps too
-CLAMP_TIME_STEP = m.Call(
-    func=m.Attribute(attr=m.Name("clamp")) | m.Name("clamp"),
-    args=[
-        m.ZeroOrMore(),
-        m.Arg(
-            value=m.MatchIfTrue(
-                lambda node: bool(m.findall(node, m.Attribute(attr=m.Name("time_step_limit"))))
-            )
+
+
+def _clamp_by(attr: str) -> m.Call:
+    """``torch.clamp(dt, <expression reading self.ATTR>, ...)``"""
+    reads = m.MatchIfTrue(lambda node: bool(m.findall(node, m.Attribute(attr=m.Name(attr)))))
+    return m.Call(
+        func=m.Attribute(attr=m.Name("clamp")) | m.Name("clamp"),
+        args=[m.ZeroOrMore(), m.Arg(value=reads), m.ZeroOrMore()],
+    )
+
+
+#: ``torch.clamp(dt, self.time_step_limit[0], self.time_step_limit[1])``: once per branch when
+#: decode clamps too
+CLAMP_TIME_STEP = _clamp_by("time_step_limit")
+#: ``torch.clamp(dt, self.time_step_min)``: the lower bound alone (transformers 4.46's mamba2
+#: and 4.55's zamba2 ``torch_forward``, in prefill and in decode; their ``time_step_limit`` may
+#: be None there and is read by the CUDA path only)
+CLAMP_TIME_STEP_MIN = _clamp_by("time_step_min")
+#: ``(decay_chunk[..., None, None] * states[:, :, None, ...]).sum(dim=2)``: the naive SSD's
+#: inter-chunk recurrence summed over the target chunk instead of the source one (the decay
+#: matrix left untransposed), as transformers 4.46's mamba2 and 4.55's zamba2 ``torch_forward``
+#: have it; later releases transpose the decay and sum over dim 1
+MIS_SUMMED_RECURRENCE = m.Call(
+    func=m.Attribute(
+        value=m.BinaryOperation(
+            left=m.Subscript(value=m.Name(m.MatchIfTrue(lambda name: name.startswith("decay")))),
+            operator=m.Multiply(),
+            right=m.Subscript(),
         ),
-        m.ZeroOrMore(),
-    ],
+        attr=m.Name("sum"),
+    ),
+    args=[m.Arg(value=m.Integer("2"))],
 )
+#: the (lower, upper) bounds of dt after the softplus, as the paged forward spells them
+LIMIT_BOUNDS = ("self.time_step_limit[0]", "self.time_step_limit[1]")
+MIN_BOUNDS = ("self.time_step_min", 'float("inf")')
 
 #: attributes the paged forward reads; the source ``__init__`` must set each one
 USED_ATTRS = (
@@ -117,9 +140,11 @@ class Mamba2Facts:
     converted: bool
     #: the forward's first argument after self (the hidden states)
     hidden: str = "hidden_states"
-    #: whether the source clamps dt to ``time_step_limit`` in decode too (transformers 4's
-    #: ``torch_forward`` does; transformers 5's forward clamps in the chunk scan only)
+    #: whether the source clamps dt in decode too (transformers 4's ``torch_forward`` does;
+    #: transformers 5's forward clamps in the chunk scan only)
     clamp_decode: bool = False
+    #: the bounds the source clamps dt to: ``time_step_limit``, or ``time_step_min`` alone
+    dt_bounds: tuple[str, str] = LIMIT_BOUNDS
     #: a scalar the source multiplies the hidden states by right before ``in_proj``
     #: (falcon_h1's ``ssm_in_multiplier``), or None
     in_multiplier: str | None = None
@@ -238,19 +263,33 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
         return facts
     facts.hidden = params[1]
     slow = _method(cls, "torch_forward") or forward
-    facts.clamp_decode = len(m.findall(slow, CLAMP_TIME_STEP)) >= 2
+    min_clamps = len(m.findall(slow, CLAMP_TIME_STEP_MIN))
+    if min_clamps:
+        facts.dt_bounds = MIN_BOUNDS
+    facts.clamp_decode = max(min_clamps, len(m.findall(slow, CLAMP_TIME_STEP))) >= 2
     facts.in_multiplier, facts.projection_multiplier = _projection_multipliers(slow)
     facts.norm_flag = _norm_flag(slow)
+    if m.findall(slow, MIS_SUMMED_RECURRENCE):
+        facts.problems.append(
+            f"{facts.name}.{slow.name.value} sums the chunked scan's inter-chunk recurrence over "
+            "the target chunk (decay * states .sum(dim=2), a bug of this transformers release), "
+            "so its prompts longer than chunk_size disagree with the Mamba-2 scan the paged "
+            "forward (and the model's CUDA kernels) compute: nothing converted from it could "
+            "verify; convert it under a transformers whose scan sums over the source chunk (5.x)"
+        )
     applied = {facts.in_multiplier, facts.projection_multiplier, facts.norm_flag} - {None}
-    missing = [a for a in USED_ATTRS if a not in _self_attrs_set(init)]
+    used = USED_ATTRS
+    if facts.dt_bounds == MIN_BOUNDS:
+        applied.add("time_step_min")
+        used = tuple(a for a in USED_ATTRS if a != "time_step_limit") + ("time_step_min",)
+    missing = [a for a in used if a not in _self_attrs_set(init)]
     if missing:
         facts.problems.append(
             f"{facts.name}.__init__ sets none of {', '.join('self.' + a for a in missing)}, "
             "which the paged Mamba-2 forward reads"
         )
     body = cst.ensure_type(cls.body, cst.IndentedBlock)
-    # NOTE: weight initialisers (init_mamba2_weights) read init-only settings such as
-    # time_step_min; transformers 4.46 clamps dt with it in torch_forward, which is refused
+    # weight initialisers (init_mamba2_weights) read init-only settings (time_step_max, ...)
     methods = [
         s
         for s in body.body
@@ -290,6 +329,8 @@ class Mamba2Command(ClassRewriteCommand):
             config,
             hidden=facts.hidden,
             clamp_decode=facts.clamp_decode,
+            dt_min=facts.dt_bounds[0],
+            dt_max=facts.dt_bounds[1],
             in_multiplier=facts.in_multiplier,
             projection_multiplier=facts.projection_multiplier,
             norm_flag=facts.norm_flag,

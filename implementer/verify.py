@@ -54,6 +54,7 @@ from kvskill.implementer.real_weights import (
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference
 from kvskill.implementer.reference_drive import drives_own_tuple_cache, tuple_cache_generate
+from kvskill.implementer.reference_recompute import cache_path_note
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, judge
 from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
@@ -540,6 +541,18 @@ def _verify(
                 f"prompt {index}: near tie at step {result.first_mismatch} (the "
                 f"reference scores both tokens within atol {report.atol:g}); compared up to it"
             )
+    differing = [r for r in report.prompts if not r.passed_tokens]
+    if differing and drive is reference_generate:
+        first = min(differing, key=lambda r: r.prompt_len)
+        note = cache_path_note(
+            pair.reference,
+            first.index,
+            prompts[first.index],
+            first.reference_tokens,
+            first.runtime_tokens,
+        )
+        if note:
+            report.notes.append(note)
 
 
 def vocabulary_size(

@@ -72,6 +72,71 @@ def test_falcon_h1_multipliers_and_gate_flag_are_read_from_the_mixer():
     assert (plain.in_multiplier, plain.projection_multiplier, plain.norm_flag) == (None,) * 3
 
 
+def _clamped_by_time_step_min(source: str) -> str:
+    """SOURCE (5.x mamba2) with ``dt = torch.clamp(dt, self.time_step_min)`` before both the
+    recurrent and the chunk form, as transformers 4.46's mamba2 and 4.55's zamba2 clamp it."""
+    for anchor in (
+        "dt = dt.transpose(1, 2).expand(-1, -1, self.head_dim)",
+        "output_final_state = cache is not None",
+    ):
+        (line,) = [ln for ln in source.splitlines() if ln.strip() == anchor]
+        indent = line[: len(line) - len(line.lstrip())]
+        source = source.replace(line, f"{indent}dt = torch.clamp(dt, self.time_step_min)\n{line}")
+    return source
+
+
+def test_a_mixer_clamping_dt_by_time_step_min_alone_keeps_that_bound_in_both_forms():
+    from kvskill.analyzer import analyze_model
+    from kvskill.implementer.mamba2 import MIN_BOUNDS
+
+    (mixer,) = [
+        c
+        for c in cst.parse_module(_clamped_by_time_step_min(_source("mamba2"))).body
+        if isinstance(c, cst.ClassDef) and is_mamba2_class(c)
+    ]
+    facts = mamba2_facts(mixer)
+    assert facts.problems == []
+    assert facts.dt_bounds == MIN_BOUNDS and facts.clamp_decode
+    forward = _paged_forward(_converted_class(mixer, analyze_model("mamba2")))
+    assert 'dt_limit=(self.time_step_min, float("inf"))' in forward
+    assert 'dt = dt.clamp(self.time_step_min, float("inf"))' in forward
+    assert "time_step_limit" not in forward
+    # the 5.x source clamps in the chunk scan only, to time_step_limit
+    plain = mamba2_facts(_mixer("mamba2"))
+    assert not plain.clamp_decode and plain.dt_bounds != MIN_BOUNDS
+
+
+@pytest.mark.parametrize(
+    ("recurrence", "refused"),
+    [
+        # the decay left untransposed, summed over the target chunk (4.46 mamba2, 4.55 zamba2)
+        ("(decay_chunk[..., None, None] * states[:, :, None, ...]).sum(dim=2)", True),
+        # transposed and summed over the source chunk: the scan itself
+        (
+            "(decay_chunk.transpose(1, 3)[..., None, None] * states[:, :, None, ...]).sum(dim=1)",
+            False,
+        ),
+    ],
+)
+def test_a_chunked_scan_summing_its_recurrence_over_the_target_chunk_is_refused(
+    recurrence, refused
+):
+    anchor = "output_final_state = cache is not None"
+    (line,) = [ln for ln in _source("mamba2").splitlines() if ln.strip() == anchor]
+    indent = line[: len(line) - len(line.lstrip())]
+    source = _source("mamba2").replace(line, f"{indent}new_states = {recurrence}\n{line}")
+    (mixer,) = [
+        c
+        for c in cst.parse_module(source).body
+        if isinstance(c, cst.ClassDef) and is_mamba2_class(c)
+    ]
+    problems = mamba2_facts(mixer).problems
+    if refused:
+        assert len(problems) == 1 and "inter-chunk recurrence over the target chunk" in problems[0]
+    else:
+        assert problems == []
+
+
 def _mamba2_converted(source: str) -> str:
     from kvskill.analyzer import analyze_model
     from kvskill.implementer.spec import ConversionSpec

@@ -318,11 +318,6 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
     d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
     if d_state:
         expand = cfg.get("mamba_expand") or cfg.get("expand") or 2
-        inner = cfg.get("mamba_d_inner") or cfg.get("intermediate_size") or int(expand * hidden)
-        if "mamba_d_ssm" in cfg:
-            # falcon_h1: the mixer's width is mamba_d_ssm, else mamba_expand x hidden
-            # (its intermediate_size is the MLP's)
-            inner = cfg["mamba_d_ssm"] or int(expand * hidden)
         n_heads = (
             cfg.get("mamba_n_heads")
             or cfg.get("mamba_num_heads")
@@ -337,6 +332,18 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
         )
         groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or cfg.get("mamba_ngroups") or 1
         kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or cfg.get("mamba_conv_kernel")
+        # the mixer's width. A hybrid's intermediate_size is its MLP's (jamba, bamba, zamba,
+        # nemotron_h), so it counts only where nothing mamba-specific is there (mamba).
+        if "mamba_d_ssm" in cfg:  # falcon_h1: mamba_d_ssm, else mamba_expand x hidden
+            inner = cfg["mamba_d_ssm"] or int(expand * hidden)
+        elif cfg.get("mamba_d_inner"):
+            inner = cfg["mamba_d_inner"]
+        elif isinstance(n_heads, int) and isinstance(head_dim, int) and n_heads * head_dim:
+            inner = n_heads * head_dim  # Mamba-2: heads x head_dim channels
+        elif "mamba_expand" in cfg:
+            inner = int(cfg["mamba_expand"] * hidden)
+        else:
+            inner = cfg.get("intermediate_size") or int(expand * hidden)
         if isinstance(n_heads, int) and isinstance(head_dim, int) and n_heads * head_dim:
             # Mamba-2: per-head [head_dim, d_state] state; conv over x, B and C
             return {

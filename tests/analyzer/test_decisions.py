@@ -557,3 +557,39 @@ def test_falcon_adds_alibi_only_when_its_config_says_so():
     assert alibi.position_bias == "alibi" and alibi.kv_mode == "legacy"
     # falcon's multi_query: one KV head shared by all 71 query heads
     assert (rotary.attention, rotary.num_key_value_heads) == ("mqa", 1)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "mixer_attr"),
+    [
+        # hybrids whose config's intermediate_size is the MLP's, not the mixer's
+        ("jamba", "mamba"),
+        ("bamba", "mamba"),
+        ("nemotron_h", "mixer"),
+        ("zamba", "mamba"),
+        ("zamba2", "mamba"),
+        # a pure state model, whose intermediate_size is the mixer's
+        ("mamba", "mixer"),
+    ],
+)
+def test_the_plans_state_shapes_are_those_of_the_mixer_the_model_builds(model_type, mixer_attr):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plan = analyze_model(model_type)
+    conv, ssm = plan.state_cache["states"]
+    config = AutoConfig.for_model(model_type)
+    with torch.device("meta"):  # the default sizes, nothing allocated
+        model = AutoModelForCausalLM.from_config(config)
+    # the mixer's conv runs over its own channels: conv_state is [kernel - 1, channels]
+    convs = [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Conv1d) and f".{mixer_attr}." in f".{name}"
+    ]
+    assert convs, "the model builds a conv1d in its mixers"
+    conv1d = convs[0]
+    assert conv["shape"] == [conv1d.kernel_size[0] - 1, conv1d.in_channels]
+    if plan.state_cache["layers"][0]["mixer"] == "mamba1":
+        # a Mamba-1 state is [channels, state size]: the conv's channels (x alone)
+        assert ssm["shape"][0] == conv1d.in_channels

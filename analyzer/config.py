@@ -38,11 +38,11 @@ _LAYER_KIND = {
 
 #: model types whose every layer is a state-space mixer (no attention at all)
 STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
-#: model types whose "hybrid" layers each hold an attention KV cache and a Mamba-2 state:
-#: falcon_h1 runs its attention and its mixer side by side on the layer's input; zamba2 runs a
-#: shared attention block (weights tied across layers, one cache per call site), then the
-#: layer's own mixer.
-ATTENTION_AND_STATE_MODEL_TYPES = frozenset({"falcon_h1", "zamba2"})
+#: model types whose "hybrid" layers each hold an attention KV cache and a Mamba state:
+#: falcon_h1 runs its attention and its Mamba-2 mixer side by side on the layer's input; zamba
+#: and zamba2 run a shared attention block (weights tied across layers, one cache per call
+#: site), then the layer's own mixer (zamba's a multi-head Mamba-1, zamba2's a Mamba-2).
+ATTENTION_AND_STATE_MODEL_TYPES = frozenset({"falcon_h1", "zamba", "zamba2"})
 
 
 @dataclass(frozen=True, kw_only=True)

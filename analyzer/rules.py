@@ -53,11 +53,11 @@ class CodeView:
 
 def holds_attention_and_state(spec: ModelSpec, kind: str) -> bool:
     """A "hybrid" layer of a family whose every such layer holds an attention KV cache and a
-    Mamba-2 state (``ATTENTION_AND_STATE_MODEL_TYPES``)."""
+    Mamba state (``ATTENTION_AND_STATE_MODEL_TYPES``)."""
     return (
         kind == "hybrid"
         and spec.model_type in ATTENTION_AND_STATE_MODEL_TYPES
-        and spec.state.get("mixer") == "mamba2"
+        and spec.state.get("mixer") in ("mamba1", "mamba2")
     )
 
 
@@ -70,7 +70,7 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
         if kind in STATE_KINDS:
             layers.append(LayerPlan(index=index, kind=kind, attn_type=AttnType.MAMBA.value))
         elif holds_attention_and_state(spec, kind):
-            # attention and a Mamba-2 mixer in one layer: one entry per cache group, same index
+            # attention and a Mamba mixer in one layer: one entry per cache group, same index
             for attn_type in (AttnType.FULL_ATTENTION, AttnType.MAMBA):
                 layers.append(LayerPlan(index=index, kind=kind, attn_type=attn_type.value))
         elif kind == "sliding":

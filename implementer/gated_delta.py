@@ -170,7 +170,9 @@ def _arguments(
 #: transformers' causal conv signatures, and the keywords the rewrite knows the meaning of
 CONV_FN_PARAMS = ["hidden_states", "weight", "bias", "activation"]
 CONV_UPDATE_PARAMS = ["hidden_states", "conv_state", "weight", "bias", "activation"]
-CONV_KEYWORDS = {"hidden_states", "conv_state", "weight", "bias", "activation"}
+#: (``seq_idx`` marks the sequences of a packed batch for the source's kernel; the paged conv
+#: separates the step's requests by query_start_loc instead)
+CONV_KEYWORDS = {"hidden_states", "conv_state", "weight", "bias", "activation", "seq_idx"}
 #: transformers' delta rule signature (both forms)
 RULE_PARAMS = [
     "query",

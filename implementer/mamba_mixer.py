@@ -112,6 +112,10 @@ class Mamba1Facts:
     output: str = ""
     #: the forward's first argument after self (the hidden states)
     hidden: str = "hidden_states"
+    #: a scan run once per head (zamba's multi-head mixer): the loop's variable and its
+    #: ``range(...)`` count; head h owns the h-th equal slice of the state's channels
+    loop_var: str | None = None
+    heads: str | None = None
     problems: list[str] = field(default_factory=list)
 
 
@@ -143,18 +147,50 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
     if facts.write_index is not None and facts.write_index < facts.scan_index:
         facts.problems.append(f"{facts.name}.forward writes its SSM state before the scan")
         return facts
-    if m.findall(body.body[facts.scan_index], m.For() | m.While()):
-        facts.problems.append(
-            f"{facts.name}.forward runs its selective scan in a loop (one scan per head); "
-            "selective_scan_fn takes the heads as groups of one scan, which this rewrite does "
-            "not derive from the loop"
-        )
+    _loop_facts(facts, body.body[facts.scan_index])
+    if facts.problems:
         return facts
     before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
     _conv_facts(facts, body.body[facts.conv_index], before)
     if not facts.problems:
         _scan_facts(facts, body)
     return facts
+
+
+#: the names the per-head scan binds (framework_mamba1_scan.py.j2)
+HEAD_LOCALS = frozenset(
+    {"paged_head_outputs", "paged_head_channels", "paged_head_state", "paged_head_output"}
+)
+#: ``for <name> in range(<count>):``
+HEAD_LOOP = m.For(
+    target=m.Name(),
+    iter=m.Call(func=m.Name("range"), args=[m.Arg(keyword=None)]),
+)
+
+
+def _loop_facts(facts: Mamba1Facts, stmt: cst.CSTNode) -> None:
+    """A scan statement that runs the scan in a loop: one ``for h in range(n)`` around the
+    one scan call (the source's per-head scans, each on its own slice of the channels)."""
+    if m.findall(stmt, m.While()):
+        facts.problems.append(f"{facts.name}.forward runs its selective scan in a while loop")
+        return
+    loops = [
+        cst.ensure_type(loop, cst.For)
+        for loop in m.findall(stmt, m.For())
+        if m.findall(loop, SCAN_CALL)
+    ]
+    if not loops:
+        return
+    if len(loops) != 1 or not m.matches(loops[0], HEAD_LOOP):
+        facts.problems.append(
+            f"{facts.name}.forward runs its selective scan in loops other than one "
+            "'for head in range(heads)' (the per-head form the rewrite keeps)"
+        )
+        return
+    loop = loops[0]
+    facts.loop_var = cst.ensure_type(loop.target, cst.Name).value
+    count = cst.ensure_type(loop.iter, cst.Call).args[0].value
+    facts.heads = cst.Module(body=[]).code_for_node(count)
 
 
 def _scan_facts(facts: Mamba1Facts, body: cst.IndentedBlock) -> None:
@@ -188,7 +224,8 @@ def _scan_facts(facts: Mamba1Facts, body: cst.IndentedBlock) -> None:
     replaced_at = {facts.read_index, facts.conv_index, facts.scan_index, facts.write_index}
     replaced = [s for i, s in enumerate(body.body) if i in replaced_at]
     others = [s for i, s in enumerate(body.body) if i not in replaced_at]
-    clash = EMITTED_LOCALS & (_used_names(others) | _assigned_names(others))
+    emitted = EMITTED_LOCALS | (HEAD_LOCALS if facts.loop_var else frozenset())
+    clash = emitted & (_used_names(others) | _assigned_names(others))
     if clash:
         facts.problems.append(
             f"{facts.name}.forward uses {sorted(clash)}, names the rewrite binds for the "
@@ -221,6 +258,8 @@ def _scan_values(facts: Mamba1Facts) -> dict:
         "z": None if z in (None, "None") else z,
         "delta_bias": _operand(values, "delta_bias"),
         "softplus": values.get("delta_softplus", "False"),
+        "loop_var": facts.loop_var,
+        "heads": facts.heads,
     }
 
 

@@ -77,6 +77,12 @@ def _per_layer_lists(
     }
 
 
+#: layer kinds that call one shared block (zamba's and zamba2's "hybrid" layers): two of them
+#: are kept, since transformers ties the block's weights from the first such layer to the
+#: others (a model with one cannot be built) and each call site keeps a cache of its own
+SHARED_BLOCK_KINDS = frozenset({"hybrid"})
+
+
 def _num_layers(config: dict[str, Any], names: dict[str, str] | None = None) -> int:
     """Fewest leading layers that still hold every layer kind (at least MIN_LAYERS).
 
@@ -90,6 +96,9 @@ def _num_layers(config: dict[str, Any], names: dict[str, str] | None = None) -> 
         for i, value in enumerate(values):
             first_seen.setdefault(repr(value), i)
         needed = max(needed, max(first_seen.values()) + 1)
+        shared = [i for i, value in enumerate(values) if value in SHARED_BLOCK_KINDS]
+        if len(shared) > 1:
+            needed = max(needed, shared[1] + 1)
     for key, offset in config.items():
         # a pattern by period and offset (Jamba's attn_layer_offset / expert_layer_offset):
         # the first layer of that kind is layer ``offset``

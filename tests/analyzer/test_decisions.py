@@ -353,19 +353,13 @@ def test_falcon_h1_layers_each_hold_an_attention_kv_and_a_mamba_state():
     assert dict(summary_rows(plan))["layers"] == "3: FullAttention x3, Mamba x3"
 
 
-def test_zamba_hybrid_layers_stay_a_blocker():
-    # zamba's hybrid layers run a multi-head Mamba-1 mixer after the shared attention block:
-    # its state is not planned beside the attention
-    plan = analyze_model("zamba")
-    assert plan.kv_mode == "paged"
-    assert any("both attention KV and a Mamba state" in b for b in plan.implementer_blockers)
-    assert {layer.index for layer in plan.layers if layer.kind == "hybrid"}
-    assert len({layer.index for layer in plan.layers}) == len(plan.layers)
-
-
-def test_zamba2_hybrid_layers_hold_an_attention_and_a_mamba2_entry():
-    plan = analyze_model("zamba2")
+@pytest.mark.parametrize(("model_type", "mixer"), [("zamba", "mamba1"), ("zamba2", "mamba2")])
+def test_zamba_hybrid_layers_hold_an_attention_and_a_mamba_entry(model_type, mixer):
+    # the shared attention block's KV (one cache per calling layer), then the layer's own
+    # mixer: a multi-head Mamba-1 in zamba, a Mamba-2 in zamba2
+    plan = analyze_model(model_type)
     assert not plan.implementer_blockers
+    assert {row["mixer"] for row in plan.state_cache["layers"]} == {mixer}
     hybrid = [layer for layer in plan.layers if layer.kind == "hybrid"]
     by_index: dict[int, set[str]] = {}
     for layer in hybrid:

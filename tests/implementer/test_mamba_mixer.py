@@ -62,11 +62,35 @@ def test_the_facts_find_the_statements_the_rewrite_replaces(model_type):
     }
 
 
-def test_a_scan_per_head_in_a_loop_is_refused_with_the_reason():
-    # Zamba's mixer runs one scan per Mamba head in a for loop
+def test_a_scan_per_head_in_a_loop_is_kept_per_head():
+    # Zamba's mixer runs one scan per Mamba head in a for loop, each head on its channels
     (mixer,) = _mixers("zamba")
+    facts = mamba1_facts(mixer)
+    assert facts.problems == []
+    assert (facts.loop_var, facts.heads) == ("head_idx", "self.n_mamba_heads")
+    assert facts.operands["hidden_states"] == "hidden_states_B_C[head_idx]"
+    assert facts.output == "scan_output"
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        "for head_idx in range(0, self.n_mamba_heads):",  # not range(heads)
+        "for head_idx in self.head_order:",
+    ],
+)
+def test_a_scan_loop_of_another_shape_is_refused(loop):
+    source = _source("zamba")
+    old = "for head_idx in range(self.n_mamba_heads):"
+    # the full-sequence form's loop (the last one) around the scan
+    at = source.rindex(old)
+    (mixer,) = [
+        c
+        for c in parse(source[:at] + loop + source[at + len(old) :]).body
+        if isinstance(c, cst.ClassDef) and is_mamba1_class(c)
+    ]
     problems = mamba1_facts(mixer).problems
-    assert problems and "in a loop" in problems[0] and "selective_scan_fn" in problems[0]
+    assert len(problems) == 1 and "for head in range(heads)" in problems[0]
 
 
 def test_an_output_read_under_another_name_is_refused():
@@ -77,6 +101,20 @@ def test_an_output_read_under_another_name_is_refused():
     module = parse(broken)
     (mixer,) = [c for c in module.body if isinstance(c, cst.ClassDef) and is_mamba1_class(c)]
     assert "binds ['final_state', 'scan_output']" in mamba1_facts(mixer).problems[0]
+
+
+#: zamba with its shared attention block called from two hybrid layers, two Mamba heads
+SMALL_ZAMBA = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_mamba_heads": 2,
+    "mamba_d_state": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "num_hidden_layers": 4,
+    "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +144,24 @@ def _tokens(llm, prompts, max_tokens=8) -> list[list[int]]:
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.slow
+def test_zamba_per_head_scans_and_shared_attention_serve_transformers_tokens(tmp_path):
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path / "zamba"
+    apply_model("zamba", out, ApplyOptions(config_overrides=SMALL_ZAMBA))
+    code = (out / "modeling_zamba.py").read_text()
+    assert code.count("for head_idx in range(self.n_mamba_heads):") == 1
+    assert "self.use_call_site(layer_idx)" in code
+    prompts = _prompts()
+    # a 12-token budget: longer prompts continue from the states their last chunk left
+    llm = _llm(out, num_blocks=48, max_num_batched_tokens=12)
+    tokens = _tokens(llm, prompts)
+    assert tokens == transformers_tokens(out, llm.model.state_dict(), prompts)
+    mixers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
+    assert len(mixers) == 4  # every layer's mixer, the hybrid ones included
 
 
 @pytest.mark.slow

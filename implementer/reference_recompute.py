@@ -13,21 +13,30 @@ changed: the note tells the reader where to look.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 
-def recompute_tokens(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens of ``generate(use_cache=False)``: a full forward per step."""
+def greedy_config(max_new_tokens: int, **options: Any):
+    """transformers' ``GenerationConfig`` for exactly MAX_NEW_TOKENS greedy tokens (no EOS
+    stop: the runtime runs with ignore_eos), with OPTIONS added."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
-        use_cache=False,
+        **options,
     )
+
+
+def recompute_tokens(model: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of ``generate(use_cache=False)``: a full forward per step."""
+    config = greedy_config(max_new_tokens, use_cache=False)
+    model.generation_config.eos_token_id = None  # as verify's reference: no early stop
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(

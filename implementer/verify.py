@@ -54,7 +54,7 @@ from kvskill.implementer.real_weights import (
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference
 from kvskill.implementer.reference_drive import drives_own_tuple_cache, tuple_cache_generate
-from kvskill.implementer.reference_recompute import cache_path_note
+from kvskill.implementer.reference_recompute import cache_path_note, greedy_config
 from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
 from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, judge
 from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
@@ -190,16 +190,7 @@ def reference_generate(
     model: nn.Module, prompt: list[int], max_new_tokens: int
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and raw logits ``[steps, vocab]`` from transformers ``generate``."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    config = greedy_config(max_new_tokens, output_logits=True, return_dict_in_generate=True)
     # NOTE: both sides generate exactly max_new_tokens; the model's own EOS must not stop
     # the reference early (the runtime runs with ignore_eos).
     model.generation_config.eos_token_id = None

@@ -10,7 +10,10 @@ class _Generator:
     """A model whose ``generate`` answers CACHED with its cache and RECOMPUTED without."""
 
     def __init__(self, cached: list[int], recomputed: list[int] | None) -> None:
+        from types import SimpleNamespace
+
         self.cached, self.recomputed = cached, recomputed
+        self.generation_config = SimpleNamespace(eos_token_id=2)
 
     def generate(self, input_ids, attention_mask, generation_config):
         assert attention_mask.shape == input_ids.shape

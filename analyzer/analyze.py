@@ -294,7 +294,12 @@ def plan_for_source(
         "sum of cache_entries dim x num_head x dtype size x layers",
     )
     facts_dict = code_facts(code, source)
-    _code_notes(facts_dict, spec, book)
+    _code_notes(
+        facts_dict,
+        spec,
+        book,
+        null_layer_types="layer_types" in source.config and source.config["layer_types"] is None,
+    )
     _per_layer_heads(source, book)
     add_pitfalls(
         spec=spec,
@@ -576,7 +581,9 @@ def _per_layer_heads(source: ModelSource, book: Notebook) -> None:
         book.cite(model_wide, f"{key} differs from {model_wide}", book.cfg(key))
 
 
-def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
+def _code_notes(
+    facts: dict[str, Any], spec, book: Notebook, *, null_layer_types: bool = False
+) -> None:
     if facts.get("already_converted"):
         book.warn("the modeling code is already converted (cache_entries / get_cache_info)")
         book.cite(
@@ -629,11 +636,19 @@ def _code_notes(facts: dict[str, Any], spec, book: Notebook) -> None:
             book.block(msg)
     mixers = facts.get("linear_attention_classes") or []
     if mixers and spec.layer_pattern_source.startswith("default"):
-        # falcon-h1 style: every decoder layer runs an SSM mixer next to its attention
-        msg = (
-            f"state mixer {mixers[0]} runs beside attention in every layer (no layer pattern "
-            "in the config); its conv/SSM state is not planned"
-        )
+        if null_layer_types:
+            # lfm2_moe's default config: the per-layer pattern is left to the checkpoint
+            msg = (
+                f"the config's layer_types is null, so which layers run the state mixer "
+                f"{mixers[0]} and which attend is not stated; set layer_types as the "
+                "checkpoint's config.json does (--config-overrides layer_types=[...])"
+            )
+        else:
+            # falcon-h1 style: every decoder layer runs an SSM mixer next to its attention
+            msg = (
+                f"state mixer {mixers[0]} runs beside attention in every layer (no layer "
+                "pattern in the config); its conv/SSM state is not planned"
+            )
         book.warn(msg)
         book.block(msg)
     if spec.num_mtp_layers:

@@ -587,3 +587,15 @@ def test_the_plans_state_shapes_are_those_of_the_mixer_the_model_builds(model_ty
     if plan.state_cache["layers"][0]["mixer"] == "mamba1":
         # a Mamba-1 state is [channels, state size]: the conv's channels (x alone)
         assert ssm["shape"][0] == conv1d.in_channels
+
+
+def test_a_null_layer_pattern_beside_a_state_mixer_is_named_and_a_given_one_converts():
+    # lfm2_moe's default config leaves layer_types null: the checkpoint's config states it
+    plan = analyze_model("lfm2_moe")
+    (blocker,) = plan.implementer_blockers
+    assert "layer_types is null" in blocker and "Lfm2MoeShortConv" in blocker
+    pattern = ["conv", "conv", "full_attention", "conv"] * 8
+    given = analyze_model("lfm2_moe", config_overrides={"layer_types": pattern})
+    assert not given.implementer_blockers
+    kinds = {layer.index: layer.attn_type for layer in given.layers}
+    assert kinds[2] == "FullAttention" and kinds[0] == kinds[1] == kinds[3] == "Mamba"

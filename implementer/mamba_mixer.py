@@ -19,6 +19,11 @@ statements of the forward are replaced:
               ``selective_state_update`` (decode, one token per request), as vLLM's Mamba-1
               layer does, reading and writing the paged SSM states
 
+A scan statement that runs the scan once per head in ``for h in range(heads)`` (zamba's
+multi-head mixer, each head with its own x/dt projections) keeps that loop: head h scans on
+the h-th equal slice of the paged state's channels, which is where the source's reshape
+``[batch, heads, head_dim, L]`` puts that head's channels; verify checks the layout holds.
+
 ``__init__`` declares two ``MambaCacheEntry`` (conv and SSM state) under attn_type "Mamba".
 """
 

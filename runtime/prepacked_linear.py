@@ -14,6 +14,14 @@ explicit choice (``LLM(..., prepack_linear=True)``, ``prepack_linears(model)``).
 The original ``weight`` parameter stays (state dicts, tied embeddings, the output head's
 checks read it); the packed copy is an extra buffer of the same size, so a model's linear
 weights take twice the memory.
+
+Sibling projections of one input (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``)
+are packed as one weight: the first of them called on an input runs one GEMM for all, the
+others return their columns of it. At decode batches a GEMM is bound by reading its weight
+and by per-call overhead, so one wide call costs less than two or three narrow ones. No model
+code changes: a member called on another input (or on the same tensor changed in place, where
+torch tracks it) runs the fused GEMM again, so results do not depend on call order, only the
+saving does.
 """
 
 from __future__ import annotations
@@ -21,10 +29,18 @@ from __future__ import annotations
 import types
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 #: Batch-size hint for the weight reorder: oneDNN picks the packed layout for this many rows.
 _ROWS_HINT = 16
+
+#: Names of sibling ``nn.Linear`` modules that read the same input in the model families the
+#: runtime serves (attention's q/k/v, gated MLPs' gate/up); fused when at least two are present.
+FUSABLE_SIBLINGS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+)
 
 
 def unavailable_reason() -> str | None:
@@ -44,8 +60,91 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self._kvskill_packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module) -> int:
+class _FusedSiblings:
+    """One packed weight for sibling projections; remembers the last input and its output."""
+
+    def __init__(self, members: list[nn.Linear]) -> None:
+        weights = [m.weight.detach() for m in members]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), _ROWS_HINT)
+        if any(m.bias is not None for m in members):
+            self.bias = torch.cat(
+                [
+                    m.bias.detach() if m.bias is not None else w.new_zeros(w.shape[0])
+                    for m, w in zip(members, weights, strict=True)
+                ]
+            )
+        else:
+            self.bias = None
+        bounds = [0]
+        for w in weights:
+            bounds.append(bounds[-1] + w.shape[0])
+        self.columns = [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        self._input: Tensor | None = None
+        self._input_version = -1
+        self._output: Tensor | None = None
+        #: members that have taken their columns of the current output
+        self._served: set[int] = set()
+
+    def output_of(self, index: int, x: Tensor) -> Tensor:
+        # NOTE: a different tensor object (or a member asking twice) always recomputes, and
+        # so does an input changed in place between the siblings' calls, except under
+        # inference mode, whose tensors keep no version counter: there the same object is
+        # taken as the same values (model code does not modify a projection's input in
+        # place between its q/k/v or gate/up calls).
+        version = -1 if x.is_inference() else x._version
+        if x is not self._input or version != self._input_version or index in self._served:
+            self._output = torch.ops.mkldnn._linear_pointwise(
+                x, self.packed, self.bias, "none", [], ""
+            )
+            self._input, self._input_version = x, version
+            self._served = set()
+        # Contiguous like nn.Linear's output: model code may view it in any shape.
+        out = self._output[..., self.columns[index]].contiguous()
+        self._served.add(index)
+        if len(self._served) == len(self.columns):
+            # Every sibling has its columns: hold no activation between forwards.
+            self._input = self._output = None
+        return out
+
+
+def _fused_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return nn.functional.linear(x, self.weight, self.bias)
+    return self._kvskill_fused.output_of(self._kvskill_fused_index, x)
+
+
+def _packable(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+    )
+
+
+def _fuse_siblings(model: nn.Module) -> set[int]:
+    """Fuse every group of FUSABLE_SIBLINGS found; returns the ids of the modules fused."""
+    fused: set[int] = set()
+    for parent in model.modules():
+        for names in FUSABLE_SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            members = [m for m in members if m is not None and _packable(m)]
+            if len(members) < 2 or len({m.in_features for m in members}) != 1:
+                continue
+            if len({id(m.weight) for m in members}) != len(members):
+                continue  # a weight shared between siblings: packing each alone is simpler
+            group = _FusedSiblings(members)
+            for index, member in enumerate(members):
+                member._kvskill_fused = group
+                member._kvskill_fused_index = index
+                member.forward = types.MethodType(_fused_forward, member)
+                fused.add(id(member))
+    return fused
+
+
+def prepack_linears(model: nn.Module, *, fuse_siblings: bool = True) -> int:
     """Prepack every fp32 CPU ``nn.Linear`` of ``model``; returns how many were packed.
+
+    ``fuse_siblings``: pack FUSABLE_SIBLINGS groups as one weight (one GEMM per group).
 
     Raises:
         RuntimeError: when this torch cannot (``unavailable_reason``).
@@ -53,15 +152,13 @@ def prepack_linears(model: nn.Module) -> int:
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"cannot prepack linear layers: {reason}")
-    count = 0
     with torch.no_grad():
+        fused = _fuse_siblings(model) if fuse_siblings else set()
+        count = len(fused)
         for module in model.modules():
-            if type(module) is not nn.Linear:
+            if id(module) in fused or not _packable(module):
                 continue
-            w = module.weight
-            if w.dtype != torch.float32 or w.device.type != "cpu":
-                continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _ROWS_HINT)
             # Not a registered buffer: it must not show up in state dicts or be moved by .to().
             module._kvskill_packed = packed
             module.forward = types.MethodType(_packed_forward, module)

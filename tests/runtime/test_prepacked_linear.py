@@ -55,3 +55,58 @@ def test_toy_model_greedy_tokens_are_the_same_with_prepacked_linear(tmp_path):
         llm = LLM(toy_dir, trust_remote_code=True, block_size=4, prepack_linear=on)
         outs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+class _Attention(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(32, 64, bias=bias)
+        self.k_proj = nn.Linear(32, 16, bias=False)
+        self.v_proj = nn.Linear(32, 16, bias=bias)
+
+    def forward(self, x, other=None):
+        # k first and v on another input when given: order and inputs must not matter
+        k = self.k_proj(x)
+        q = self.q_proj(x)
+        v = self.v_proj(x if other is None else other)
+        return q, k, v
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_siblings_give_each_projection_its_own_columns(bias):
+    torch.manual_seed(1)
+    module = _Attention(bias)
+    x, other = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    with torch.inference_mode():
+        expected = [module(x), module(x, other)]
+    assert prepack_linears(module) == 3
+    assert module.q_proj._kvskill_fused is module.v_proj._kvskill_fused
+    with torch.inference_mode():
+        got = [module(x), module(x, other)]
+    for want, have in zip(expected, got, strict=True):
+        for w, h in zip(want, have, strict=True):
+            assert h.is_contiguous() and h.shape == w.shape
+            torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        module(x)
+    # every member served from one input: the group holds no activation between calls
+    assert module.q_proj._kvskill_fused._output is None
+
+
+def test_a_sibling_input_changed_in_place_is_projected_again():
+    torch.manual_seed(2)
+    module = _Attention(False)
+    prepack_linears(module)
+    x = torch.randn(4, 32)
+    with torch.no_grad():  # (inference tensors keep no version counter)
+        module.q_proj(x)
+        x.mul_(2)
+        k = module.k_proj(x)
+        torch.testing.assert_close(k, nn.functional.linear(x, module.k_proj.weight))
+
+
+def test_fusing_can_be_turned_off():
+    module = _Attention(False)
+    prepack_linears(module, fuse_siblings=False)
+    assert not hasattr(module.q_proj, "_kvskill_fused")
+    assert hasattr(module.q_proj, "_kvskill_packed")

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--cprofile", action="store_true", help="also a cProfile run")
+    parser.add_argument(
+        "--prepack", action="store_true", help="LLM(prepack_linear=True), as kvskill_prepack"
+    )
     parser.add_argument("--json", type=Path, help="write the breakdown here")
     args = parser.parse_args(argv)
 
@@ -125,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     spec = ALL_MODELS[args.model]
     workload = make_workload(args.workload, spec.vocab_size)
     reference = build_reference_model(spec)
-    rt = KvskillRuntime(spec, reference, kv_capacity_tokens=workload.kv_capacity_tokens)
+    rt = KvskillRuntime(
+        spec,
+        reference,
+        kv_capacity_tokens=workload.kv_capacity_tokens,
+        prepack_linear=args.prepack,
+    )
     try:
         rt.run(workload.warmup())
         load = load_average()
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         ops[_category(evt.key)] += evt.self_cpu_time_total / 1e6
     total_ops = sum(ops.values())
     print(
-        f"{args.workload} {args.model} threads={args.threads} (load average {load}): wall "
+        f"{args.workload} {args.model} threads={args.threads} prepack={args.prepack} "
+        f"(load average {load}): wall "
         f"{plain.wall_s:.2f} s, CPU {cpu_plain:.2f} s (CPU/wall {cpu_plain / plain.wall_s:.2f}); "
         f"{staged.wall_s:.2f} s with stage timers, {profiled.wall_s:.2f} s under torch.profiler"
     )
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     "workload": args.workload,
                     "model": args.model,
                     "threads": args.threads,
+                    "prepack_linear": args.prepack,
                     "load_average": load,
                     "wall_s": plain.wall_s,
                     "cpu_s": cpu_plain,

@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -407,6 +408,23 @@ def test_two_threads_split_the_work_without_changing_it():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """Built with OpenMP, the kernel's threads are torch's: one libgomp in the process."""
+    status = cpu_kernels.status()
+    if not status.available:
+        pytest.skip(status.reason)
+    paged_fia_v1(
+        _decode_case([64, 80], head_dim=16), num_heads=4, num_kv_heads=2, scale=0.25, mode=3
+    )
+    with open("/proc/self/maps") as maps:
+        gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    torch_gomp = {g for g in gomps if "torch" in g}
+    if not torch_gomp:
+        pytest.skip("this torch does not ship GNU OpenMP")
+    assert gomps == torch_gomp
 
 
 def _status_in_subprocess(env: dict[str, str]) -> str:

@@ -28,6 +28,16 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 # linking it would flush denormals process-wide, changing torch's numerics.
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 _NATIVE_FLAG = "-march=native"
+# A kernel that splits its work over threads does it on torch's OpenMP pool when built with
+# -fopenmp (see paged_decode.c); without OpenMP it starts threads of its own.
+_OPENMP_FLAG = "-fopenmp"
+#: Flag sets tried in order until one compiles.
+_FLAG_SETS = (
+    (*_FLAGS, _NATIVE_FLAG, _OPENMP_FLAG),
+    (*_FLAGS, _NATIVE_FLAG),
+    (*_FLAGS, _OPENMP_FLAG),
+    _FLAGS,
+)
 _LIBS = ("-lpthread", "-lm")
 _COMPILE_TIMEOUT_S = 120
 
@@ -112,7 +122,7 @@ def _name(compiler: list[str]) -> str:
 
 def _built(compiler: list[str], source: Path) -> Path:
     text = source.read_bytes()
-    for flags in ((*_FLAGS, _NATIVE_FLAG), _FLAGS):
+    for flags in _FLAG_SETS:
         digest = hashlib.sha256(
             b"\0".join(
                 [text, " ".join(flags).encode(), _cpu_model().encode(), " ".join(compiler).encode()]

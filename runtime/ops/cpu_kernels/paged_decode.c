@@ -387,6 +387,18 @@ int64_t kvskill_paged_decode(const decode_args *a, int64_t threads) {
         }
         jobs[j].last = item;
     }
+#ifdef _OPENMP
+    /* Built with -fopenmp, this library needs libgomp.so.1, which the dynamic loader resolves
+     * to the copy torch already loaded (Linux wheels of torch ship GNU OpenMP; with another
+     * OpenMP runtime in torch this would be a second pool, as correct as pthreads): the jobs
+     * run on torch's own OpenMP threads, which are
+     * awake (spinning) after the step's matrix products. Threads of our own would compete
+     * with them for the cores; measured in a decode step, that made two threads slower than
+     * one. */
+    (void)ids;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t j = 0; j < threads; j++) run_job(&jobs[j]);
+#else
     int64_t started = 0;
     for (int64_t j = 1; j < threads; j++) {
         if (pthread_create(&ids[j], NULL, run_job, &jobs[j]) != 0) break;
@@ -396,6 +408,7 @@ int64_t kvskill_paged_decode(const decode_args *a, int64_t threads) {
     run_job(&jobs[0]);
     for (int64_t j = started + 1; j < threads; j++) run_job(&jobs[j]);
     for (int64_t j = 1; j <= started; j++) pthread_join(ids[j], NULL);
+#endif
     for (int64_t j = 0; j < threads; j++) {
         if (jobs[j].bad_request == -2) return -1;
         if (jobs[j].bad_request >= 0) return 1 + jobs[j].bad_request;

@@ -227,6 +227,8 @@ def _fused(
         return _attend_newest(q.float(), kf, vf, kv_lens, scale)
     if _chunk_after_prefix(adm, q_lens, kv_lens, sq, skv):
         return _attend_chunk(q.float(), kf, vf, scale)
+    if _bottom_right_batch(adm, q_lens):
+        return _attend_each_request(q.float(), kf, vf, q_lens, kv_lens, scale)
     q_lens_t, kv_lens_t = _as_tensor(q_lens, q.device), _as_tensor(kv_lens, q.device)
     out = q.new_zeros((b, n, sq, dv), dtype=torch.float32)
     rows_per_chunk = max(1, _MASK_BUDGET // max(1, b * g * skv))
@@ -259,6 +261,47 @@ def _attend_newest(q: Tensor, k: Tensor, v: Tensor, kv_lens: list[int], scale: f
         # unconfirmed: device output for rows with no admitted key (most likely zeros).
         empty = _as_tensor(kv_lens, q.device).eq(0).view(b, 1, 1, 1)
         out = out.masked_fill(empty, 0.0)
+    return out
+
+
+def _attend_each_request(
+    q: Tensor, k: Tensor, v: Tensor, q_lens: list[int], kv_lens: list[int], scale: float
+) -> Tensor:
+    """Bottom-right causal attention request by request, on each one's own rows and keys.
+
+    A batch of prefill chunks after cached prefixes (prefix-cache hits, chunked prefill next
+    to new prompts) padded to its longest query and key lengths is mostly padding; a masked
+    call over the whole padded batch computed every padded score. Here each request runs
+    the path of its own shape: a full causal square, one newest row, or a chunk after a
+    prefix. Padding rows stay zeros, as on the masked path.
+    """
+    b, n, sq, _ = q.shape
+    out = q.new_zeros((b, n, sq, v.shape[3]), dtype=torch.float32)
+    for i, (s1, s2) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if s1 == 0 or s2 == 0:
+            continue  # no query row, or no key for any row: zeros, like the masked path
+        qi, ki, vi = q[i : i + 1, :, :s1], k[i : i + 1, :, :s2], v[i : i + 1, :, :s2]
+        if s1 == s2:
+            part = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=k.shape[1] != n
+            )
+        elif s1 == 1:
+            part = _attend_newest(qi, ki, vi, [s2], scale)
+        elif s1 < s2:
+            part = _attend_chunk(qi, ki, vi, scale)
+        else:
+            # More queries than keys: the first s1 - s2 rows see no key (zeros); the rest
+            # are a causal square over the keys.
+            part = qi.new_zeros((1, n, s1, v.shape[3]))
+            part[:, :, s1 - s2 :] = F.scaled_dot_product_attention(
+                qi[:, :, s1 - s2 :],
+                ki,
+                vi,
+                is_causal=True,
+                scale=scale,
+                enable_gqa=k.shape[1] != n,
+            )
+        out[i : i + 1, :, :s1] = part
     return out
 
 
@@ -316,6 +359,17 @@ def _chunk_after_prefix(
     if len(q_lens) != 1 or adm.decode_branch or adm.sparse_mode != 3:
         return False
     return q_lens[0] == sq and kv_lens[0] == skv and 0 < sq < skv
+
+
+def _bottom_right_batch(adm: Admission, q_lens: list[int]) -> bool:
+    """True for several requests under plain bottom-right causality (sparse mode 3).
+
+    Run request by request, such a batch was faster than one masked call over its padding in
+    every shape measured (2 threads, 16 heads over 8 kv heads of 128): 8 new prompts of
+    16-256 tokens 58 -> 14 ms, 4 of 16-64 tokens 5.9 -> 1.6 ms, 29 chunks of 16-64 tokens
+    after a 1024-token cached prefix 138 -> 101 ms, one chunk among 16 decode rows 51 -> 6 ms.
+    """
+    return len(q_lens) >= 2 and not adm.decode_branch and adm.sparse_mode == 3
 
 
 def newest_rows_only(adm: Admission, q_lens: list[int], sq: int) -> bool:

@@ -513,3 +513,80 @@ def test_kernel_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert build._cache_dir() == tmp_path / "kv" / "cpu_kernels"
     monkeypatch.setenv("KVSKILL_KERNEL_CACHE", str(tmp_path / "exact"))
     assert build._cache_dir() == tmp_path / "exact"
+
+
+def _shared_prefix_case(own_lens, *, shared, layout, heads=4, kv_heads=2, dim=32, block_size=4):
+    """q, caches and block table of requests whose first `shared` blocks are the same blocks,
+    and a twin where each request holds its own copy of them (same values, nothing shared)."""
+    g = torch.Generator().manual_seed(len(own_lens) * 31 + shared)
+    batch = len(own_lens)
+    own_blocks = [-(-n // block_size) for n in own_lens]
+    width = shared + max(own_blocks)
+
+    def cache(num_blocks):
+        if layout == "BSH":
+            return torch.empty(num_blocks, block_size, kv_heads * dim)
+        return torch.empty(num_blocks, kv_heads, block_size, dim)
+
+    prefix_k = torch.randn(shared, *cache(1).shape[1:], generator=g)
+    prefix_v = torch.randn(shared, *cache(1).shape[1:], generator=g)
+    own_k = [torch.randn(n, *cache(1).shape[1:], generator=g) for n in own_blocks]
+    own_v = [torch.randn(n, *cache(1).shape[1:], generator=g) for n in own_blocks]
+
+    def build(copies):
+        k_parts, v_parts = [cache(1).zero_()], [cache(1).zero_()]  # block 0 is the null block
+        table = torch.zeros(batch, width, dtype=torch.int32)
+        next_id = 1
+        if not copies:
+            k_parts.append(prefix_k), v_parts.append(prefix_v)
+            ids = list(range(1, shared + 1))
+            next_id += shared
+        for b in range(batch):
+            if copies:
+                k_parts.append(prefix_k), v_parts.append(prefix_v)
+                ids = list(range(next_id, next_id + shared))
+                next_id += shared
+            k_parts.append(own_k[b]), v_parts.append(own_v[b])
+            own_ids = list(range(next_id, next_id + own_blocks[b]))
+            next_id += own_blocks[b]
+            table[b, : shared + own_blocks[b]] = torch.tensor(ids + own_ids, dtype=torch.int32)
+        return torch.cat(k_parts), torch.cat(v_parts), table
+
+    q = torch.randn(batch, heads, 1, dim, generator=g)
+    kv_lens = [shared * block_size + n for n in own_lens]
+    return q, build(copies=False), build(copies=True), kv_lens
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+@pytest.mark.parametrize("own_lens", [[0, 5, 9, 1], [3, 3], [13, 0, 2, 7, 4, 11]])
+def test_a_shared_prefix_gives_bit_for_bit_the_per_request_result(layout, own_lens):
+    """Blocks every request shares are read once for all of them (the shared-prefix stages);
+    each (request, head) still sums in the per-request order, so the outputs are equal."""
+    from kvskill.runtime.ops.cpu_kernels import paged_decode
+
+    q, (k, v, table), (k2, v2, table2), kv_lens = _shared_prefix_case(
+        own_lens, shared=5, layout=layout
+    )
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(paged_decode(q, k, v, table, kv_lens, 2, 0.3))
+            outs.append(paged_decode(q, k2, v2, table2, kv_lens, 2, 0.3))
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0] is not None
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_a_bad_block_after_a_shared_prefix_names_its_request():
+    from kvskill.runtime.ops.cpu_kernels.paged_decode import BlockOutOfRangeError, paged_decode
+
+    q, (k, v, table), _, kv_lens = _shared_prefix_case([6, 6, 6], shared=4, layout="BSH")
+    table[2, 4] = k.size(0) + 3
+    table[1, 5] = -1
+    with pytest.raises(BlockOutOfRangeError) as err:
+        paged_decode(q, k, v, table, kv_lens, 2, 0.3)
+    assert err.value.request == 1

@@ -439,15 +439,29 @@ def _summarise(wl: Workload, model, threads, systems, runs, errors) -> list[dict
 # --- the whole run ------------------------------------------------------------------------
 
 
+def _load_note(result: dict) -> str:
+    """Whether other work shared the cores, from the load average before the run started
+    (during it the benchmark's own threads raise it to about its thread count)."""
+    before = (result.get("load_average_before") or [None])[0]
+    if before is None:
+        return "Load before the run unknown."
+    if before > 1.0:
+        return (
+            f"The 1-min load average was {before} when the run started: other work was running "
+            "or had just ended (a decaying average), so the cores may have been shared."
+        )
+    return "Started on an otherwise idle machine."
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Peer benchmark, {result['date']} — {result['machine']['cores']} cores "
         f"({result['machine']['cpu']}); torch {result['versions']['torch']}, transformers "
         f"{result['versions']['transformers']}, vLLM {result.get('vllm') or '-'}, kvskill "
-        f"{result['versions']['kvskill_commit']}. Measured under load (other processes shared "
-        f"the cores): load average before/after {result['load_average_before']} / "
-        f"{result['load_average_after']}, per round in the JSON. Ratios are within one cell "
-        "(same process, same minutes); absolute numbers are noisy.",
+        f"{result['versions']['kvskill_commit']}. {_load_note(result)} Load average "
+        f"before/after {result['load_average_before']} / {result['load_average_after']}, per "
+        "round in the JSON. Ratios are within one cell (same process, same minutes); absolute "
+        "numbers are noisy.",
         "",
         "| model | thr | workload | system | tok/s | vs kvskill | mean TTFT s | tok/CPU-s "
         "| peak RSS MB | match kvskill | loads (1-min) per round |",

@@ -446,6 +446,46 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
+/* Stage 2 of run_shared for kv head h and requests [lo, lo + span): scores over the shared
+ * blocks, each block's rows of the head packed once into `tile` for all of them. */
+static void shared_scores(const decode_args *a, int64_t h, int64_t lo, int64_t span,
+                          int64_t shared, const float *qs, float *scores, int64_t longest,
+                          float *tile) {
+    int64_t heads = a->heads, d = a->dim, bs = a->block_size, g_count = heads / a->kv_heads;
+    int64_t hi = lo + span < a->batch ? lo + span : a->batch;
+    for (int64_t c = 0; c < shared && lo < hi; c++) {
+        const float *keys = tile_rows(
+            (const float *)a->k + a->table[c] * a->k_sblk + h * a->k_shead, a->k_srow, bs, d,
+            tile);
+        for (int64_t b = lo; b < hi; b++) {
+            int64_t len = a->kv_lens[b];
+            float *sc = scores + b * heads * longest;
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                score_rows(qs + (b * heads + n) * d, keys, d, bs, d, 0, sc + n * len + c * bs);
+        }
+    }
+}
+
+/* Stage 4 of run_shared for kv head h and requests [lo, lo + span): the shared blocks'
+ * values, weighted by the softmaxed scores, into the output rows. */
+static void shared_values(const decode_args *a, int64_t h, int64_t lo, int64_t span,
+                          int64_t shared, const float *scores, int64_t longest, float *tile) {
+    int64_t heads = a->heads, dv = a->dim_v, bs = a->block_size, g_count = heads / a->kv_heads;
+    int64_t hi = lo + span < a->batch ? lo + span : a->batch;
+    for (int64_t c = 0; c < shared && lo < hi; c++) {
+        const float *values = tile_rows(
+            (const float *)a->v + a->table[c] * a->v_sblk + h * a->v_shead, a->v_srow, bs, dv,
+            tile);
+        for (int64_t b = lo; b < hi; b++) {
+            int64_t len = a->kv_lens[b];
+            const float *sc = scores + b * heads * longest;
+            float *out = a->out + b * heads * dv;
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                accumulate_rows(out + n * dv, sc + n * len + c * bs, values, dv, bs, dv);
+        }
+    }
+}
+
 /* Shared-prefix decode: the first `shared` blocks are the same blocks for every request, so
  * their rows are read once per kv head for all requests' queries (from L1) instead of once per
  * request. Stages, each split over threads without two threads writing one value:
@@ -460,7 +500,7 @@ static void *run_job(void *arg) {
  * the per-request path). */
 static int64_t run_shared(const decode_args *a, int64_t shared, int64_t threads) {
     int64_t batch = a->batch, heads = a->heads, d = a->dim, dv = a->dim_v;
-    int64_t kv_heads = a->kv_heads, g_count = heads / kv_heads, bs = a->block_size;
+    int64_t kv_heads = a->kv_heads, bs = a->block_size;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = a->kv_lens[b] > longest ? a->kv_lens[b] : longest;
     /* 256 MiB of scores at most; beyond that the per-request path (one request's scores at a
@@ -495,24 +535,9 @@ static int64_t run_shared(const decode_args *a, int64_t shared, int64_t threads)
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t it = 0; it < items; it++) {
-                int64_t h = it / ranges, lo = (it % ranges) * span;
-                int64_t hi = lo + span < batch ? lo + span : batch;
-                for (int64_t c = 0; c < shared && lo < hi; c++) {
-                    int64_t id = a->table[c];
-                    const float *keys = tile_rows((const float *)a->k + id * a->k_sblk +
-                                                      h * a->k_shead,
-                                                  a->k_srow, bs, d, tiles[thread_index()]);
-                    int64_t stride = d;
-                    for (int64_t b = lo; b < hi; b++) {
-                        int64_t len = a->kv_lens[b];
-                        float *sc = scores + b * heads * longest;
-                        for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                            score_rows(qs + (b * heads + n) * d, keys, stride, bs, d, 0,
-                                       sc + n * len + c * bs);
-                    }
-                }
-            }
+            for (int64_t it = 0; it < items; it++)
+                shared_scores(a, it / ranges, (it % ranges) * span, span, shared, qs, scores,
+                              longest, tiles[thread_index()]);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -528,25 +553,9 @@ static int64_t run_shared(const decode_args *a, int64_t shared, int64_t threads)
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t it = 0; it < items; it++) {
-                int64_t h = it / ranges, lo = (it % ranges) * span;
-                int64_t hi = lo + span < batch ? lo + span : batch;
-                for (int64_t c = 0; c < shared && lo < hi; c++) {
-                    int64_t id = a->table[c];
-                    const float *values = tile_rows((const float *)a->v + id * a->v_sblk +
-                                                        h * a->v_shead,
-                                                    a->v_srow, bs, dv, tiles[thread_index()]);
-                    int64_t stride = dv;
-                    for (int64_t b = lo; b < hi; b++) {
-                        int64_t len = a->kv_lens[b];
-                        const float *sc = scores + b * heads * longest;
-                        float *out = a->out + b * heads * dv;
-                        for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                            accumulate_rows(out + n * dv, sc + n * len + c * bs, values, stride,
-                                            bs, dv);
-                    }
-                }
-            }
+            for (int64_t it = 0; it < items; it++)
+                shared_values(a, it / ranges, (it % ranges) * span, span, shared, scores,
+                              longest, tiles[thread_index()]);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif

@@ -52,3 +52,12 @@ def transformers_tokens(directory, state_dict, prompts, max_tokens=8) -> list[li
             )
             out.append(generated[0, len(prompt) :].tolist())
     return out
+
+
+def runtime_tokens(llm, prompts, max_tokens=8) -> list[list[int]]:
+    """Greedy tokens of kvskill's runtime ``llm`` for ``prompts`` (EOS ignored), the
+    counterpart of ``transformers_tokens``."""
+    from kvskill.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, params)]

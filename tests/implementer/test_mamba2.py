@@ -7,7 +7,7 @@ import importlib
 
 import libcst as cst
 import pytest
-from hf_generate import transformers_tokens
+from hf_generate import runtime_tokens, transformers_tokens
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.mamba2 import is_mamba2_class, mamba2_facts
 from kvskill.implementer.pipeline import convert_source
@@ -265,13 +265,6 @@ def _llm(directory, **options):
     return LLM(directory, random_weights=True, seed=3, block_size=4, **options)
 
 
-def _tokens(llm, prompts) -> list[list[int]]:
-    from kvskill.runtime import SamplingParams
-
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    return [list(o.token_ids) for o in llm.generate(prompts, params)]
-
-
 def _prompts() -> list[list[int]]:
     import torch
 
@@ -294,11 +287,11 @@ def test_mamba2_verifies_and_serves_a_mixed_batch_from_state_groups_alone(small_
     prompts = _prompts()
     roomy = _llm(small_mamba2, num_blocks=40, max_num_batched_tokens=256)
     assert list(roomy.engine.kv_manager.groups) == ["Mamba"]  # no attention group
-    expected = _tokens(roomy, prompts)
+    expected = runtime_tokens(roomy, prompts)
     # 3 state blocks (null + 2) admit two requests at a time, and a 6-token budget splits
     # every longer prompt over several prefill steps, each continuing from the saved states
     tight = _llm(small_mamba2, num_blocks=3, max_num_batched_tokens=6)
-    assert _tokens(tight, prompts) == expected
+    assert runtime_tokens(tight, prompts) == expected
     # and both equal transformers' own generate on the same weights
     assert expected == transformers_tokens(small_mamba2, tight.model.state_dict(), prompts)
     assert tight.engine.stats.num_prefill_steps > 2 * roomy.engine.stats.num_prefill_steps
@@ -308,13 +301,13 @@ def test_mamba2_verifies_and_serves_a_mixed_batch_from_state_groups_alone(small_
 def test_a_request_never_reads_the_state_a_block_held_before(small_mamba2):
     prompts = _prompts()
     llm = _llm(small_mamba2, num_blocks=40, max_num_batched_tokens=12)
-    expected = _tokens(llm, prompts)
+    expected = runtime_tokens(llm, prompts)
     layers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
     assert len(layers) == 2
     for layer in layers:
         layer.conv_state.fill_(50.0)
         layer.ssm_state.fill_(50.0)
-    assert _tokens(llm, prompts) == expected
+    assert runtime_tokens(llm, prompts) == expected
 
 
 @pytest.mark.slow
@@ -328,9 +321,9 @@ def test_bamba_hybrid_verifies_and_preempted_requests_keep_their_tokens(tmp_path
     assert report.error is None, report.error
     assert report.passed, report.failures()
     prompts = _prompts()
-    expected = _tokens(_llm(out, num_blocks=200, max_num_batched_tokens=256), prompts)
+    expected = runtime_tokens(_llm(out, num_blocks=200, max_num_batched_tokens=256), prompts)
     tight = _llm(out, num_blocks=24, max_num_batched_tokens=12)
-    assert _tokens(tight, prompts) == expected
+    assert runtime_tokens(tight, prompts) == expected
     assert tight.engine.stats.num_preemptions > 0
 
 
@@ -386,11 +379,11 @@ def test_falcon_h1_verifies_with_attention_and_mamba_states_in_every_layer(tmp_p
     assert sorted(llm.engine.kv_manager.groups) == ["FullAttention", "Mamba"]
     kinds = [info.caches[0].attn_type for info in llm.model.get_cache_info().layer_infos]
     assert sorted(kinds) == ["FullAttention"] * 2 + ["Mamba"] * 2
-    expected = _tokens(llm, prompts)
+    expected = runtime_tokens(llm, prompts)
     # one page pool for both groups, prompts split over prefill steps: each step continues
     # from the K/V and the states the one before stored
     tight = _llm(out, num_blocks=40, max_num_batched_tokens=6, use_hybrid_blocks=True)
-    assert _tokens(tight, prompts) == expected
+    assert runtime_tokens(tight, prompts) == expected
     assert tight.engine.stats.num_prefill_steps > 2 * llm.engine.stats.num_prefill_steps
 
 
@@ -425,7 +418,7 @@ def test_a_bfloat16_run_keeps_each_state_in_the_dtype_the_plan_reports(pinned_ma
                 max_num_batched_tokens=budget,
                 use_hybrid_blocks=use_hybrid_blocks,
             )
-            runs.append(_tokens(llm, prompts))
+            runs.append(runtime_tokens(llm, prompts))
             layers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
             infos = llm.model.get_cache_info().layer_infos
             assert len(layers) == len(infos) == 2

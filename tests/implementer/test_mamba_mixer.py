@@ -8,7 +8,7 @@ import importlib
 
 import libcst as cst
 import pytest
-from hf_generate import transformers_tokens
+from hf_generate import runtime_tokens, transformers_tokens
 from kvskill.implementer.mamba_mixer import is_mamba1_class, mamba1_facts
 from kvskill.implementer.pipeline import parse
 
@@ -139,13 +139,6 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (23, 41, 9, 30, 17, 35)]
 
 
-def _tokens(llm, prompts, max_tokens=8) -> list[list[int]]:
-    from kvskill.runtime import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.token_ids) for o in llm.generate(prompts, params)]
-
-
 @pytest.mark.slow
 def test_zamba_per_head_scans_and_shared_attention_serve_transformers_tokens(tmp_path):
     from kvskill.implementer.writer import ApplyOptions, apply_model
@@ -158,7 +151,7 @@ def test_zamba_per_head_scans_and_shared_attention_serve_transformers_tokens(tmp
     prompts = _prompts()
     # a 12-token budget: longer prompts continue from the states their last chunk left
     llm = _llm(out, num_blocks=48, max_num_batched_tokens=12)
-    tokens = _tokens(llm, prompts)
+    tokens = runtime_tokens(llm, prompts)
     assert tokens == transformers_tokens(out, llm.model.state_dict(), prompts)
     mixers = [m for m in llm.model.modules() if getattr(m, "attn_type", None) == "Mamba"]
     assert len(mixers) == 4  # every layer's mixer, the hybrid ones included
@@ -171,7 +164,7 @@ def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     # continues from the states the one before left); 24 blocks of 4 tokens cannot hold all
     # six requests, so some are preempted and recomputed from their prompt.
     tight = _llm(small_jamba, num_blocks=24, max_num_batched_tokens=12)
-    tokens = _tokens(tight, prompts)
+    tokens = runtime_tokens(tight, prompts)
     assert tight.engine.stats.num_preemptions > 0
     expected = transformers_tokens(small_jamba, tight.model.state_dict(), prompts)
     assert tokens == expected
@@ -182,10 +175,10 @@ def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     for layer in layers:
         layer.conv_state.fill_(50.0)
         layer.ssm_state.fill_(50.0)
-    assert _tokens(tight, prompts) == expected
+    assert runtime_tokens(tight, prompts) == expected
     # and on the one page-aligned pool shared by the attention and Mamba groups
     pooled = _llm(small_jamba, num_blocks=200, max_num_batched_tokens=12, use_hybrid_blocks=True)
-    assert _tokens(pooled, prompts) == expected
+    assert runtime_tokens(pooled, prompts) == expected
 
 
 @pytest.mark.slow

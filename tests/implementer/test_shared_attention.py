@@ -6,6 +6,7 @@ one instance in every hybrid layer. Both must serve the same tokens from the run
 from __future__ import annotations
 
 import pytest
+from hf_generate import runtime_tokens
 
 #: two hybrid layers, so the shared block is called from two sites
 SMALL_ZAMBA2 = {
@@ -23,13 +24,6 @@ SMALL_ZAMBA2 = {
 }
 
 
-def _tokens(llm, prompts) -> list[list[int]]:
-    from kvskill.runtime import SamplingParams
-
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    return [list(o.token_ids) for o in llm.generate(prompts, params)]
-
-
 @pytest.mark.slow
 def test_one_block_held_by_two_layers_serves_each_layer_its_own_cache(tmp_path):
     import torch
@@ -43,7 +37,7 @@ def test_one_block_held_by_two_layers_serves_each_layer_its_own_cache(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (21, 6, 13)]
     tied = LLM(out, random_weights=True, seed=3, block_size=4, num_blocks=64)
-    expected = _tokens(tied, prompts)
+    expected = runtime_tokens(tied, prompts)
 
     # the same weights with one block instance in both hybrid layers (the transformers 4 form)
     shared = type(tied.model)(tied.model.config)
@@ -57,6 +51,6 @@ def test_one_block_held_by_two_layers_serves_each_layer_its_own_cache(tmp_path):
     block = layers[1].shared_transformer.self_attn
     assert sorted(block.site_caches) == [1, 3]
     assert block.site_caches[1]["k_cache"].data_ptr() != block.site_caches[3]["k_cache"].data_ptr()
-    assert _tokens(llm, prompts) == expected
+    assert runtime_tokens(llm, prompts) == expected
     with pytest.raises(KeyError, match="called for layer 2"):
         block.use_call_site(2)

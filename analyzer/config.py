@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvskill.analyzer.config_keys import kv_heads as kv_head_count
-from kvskill.analyzer.config_keys import lookup
+from kvskill.analyzer.config_keys import lookup, ssm_value
 from kvskill.core.cache_bytes import dtype_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
@@ -315,23 +315,13 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
             "state_dtype": "float32",
             "mixer": "gated_delta",
         }
-    d_state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size") or cfg.get("state_size")
+    d_state = ssm_value(cfg, "state")
     if d_state:
-        expand = cfg.get("mamba_expand") or cfg.get("expand") or 2
-        n_heads = (
-            cfg.get("mamba_n_heads")
-            or cfg.get("mamba_num_heads")
-            or cfg.get("num_heads")
-            or cfg.get("n_mamba_heads")  # zamba2's
-        )
-        head_dim = (
-            cfg.get("mamba_d_head")
-            or cfg.get("mamba_head_dim")
-            or cfg.get("head_dim")
-            or cfg.get("mamba_headdim")
-        )
-        groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or cfg.get("mamba_ngroups") or 1
-        kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel") or cfg.get("mamba_conv_kernel")
+        expand = ssm_value(cfg, "expand") or 2
+        n_heads = ssm_value(cfg, "heads")  # (zamba2's is n_mamba_heads)
+        head_dim = ssm_value(cfg, "head_dim")
+        groups = ssm_value(cfg, "groups") or 1
+        kernel = ssm_value(cfg, "conv_kernel")
         # the mixer's width. A hybrid's intermediate_size is its MLP's (jamba, bamba, zamba,
         # nemotron_h), so it counts only where nothing mamba-specific is there (mamba).
         if "mamba_d_ssm" in cfg:  # falcon_h1: mamba_d_ssm, else mamba_expand x hidden

@@ -44,6 +44,27 @@ ALIASES: dict[str, tuple[str, ...]] = {
 #: the standard key of each value (what a plain transformers config calls it)
 STANDARD = {name: keys[0] for name, keys in ALIASES.items()}
 
+#: A Mamba mixer's sizes -> the config keys that hold them, in the order they are tried
+#: (transformers' Mamba, Mamba-2, jamba, bamba, falcon_h1, nemotron_h, zamba, zamba2 and vendor
+#: files); read by the state-shape decision and written by the verify shrink.
+SSM_ALIASES: dict[str, tuple[str, ...]] = {
+    "heads": ("mamba_n_heads", "mamba_num_heads", "num_heads", "n_mamba_heads"),
+    "head_dim": ("mamba_d_head", "mamba_head_dim", "head_dim", "mamba_headdim"),
+    "state": ("mamba_d_state", "ssm_state_size", "state_size"),
+    "groups": ("mamba_n_groups", "n_groups", "mamba_ngroups"),
+    "chunk": ("mamba_chunk_size", "chunk_size"),
+    "expand": ("mamba_expand", "expand"),
+    "conv_kernel": ("mamba_d_conv", "conv_kernel", "mamba_conv_kernel"),
+}
+
+
+def ssm_value(cfg: dict[str, Any], role: str) -> Any:
+    """The first set (truthy) value among ``SSM_ALIASES[role]``, or None."""
+    for key in SSM_ALIASES[role]:
+        if cfg.get(key):
+            return cfg[key]
+    return None
+
 
 def _present(value: Any) -> bool:
     return value is not None and not isinstance(value, (dict, list))

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.analyzer.config import text_config
-from kvskill.analyzer.config_keys import kv_heads, kv_heads_keys, lookup, write_keys
+from kvskill.analyzer.config_keys import SSM_ALIASES, kv_heads, kv_heads_keys, lookup, write_keys
 from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
@@ -263,16 +263,6 @@ def _put(
 SSM_HEAD_DIM = 16
 SSM_STATE_SIZE = 16
 SSM_CHUNK_SIZE = 8
-_SSM_KEYS = {
-    "heads": ("mamba_n_heads", "mamba_num_heads", "num_heads", "n_mamba_heads"),
-    "head_dim": ("mamba_d_head", "mamba_head_dim", "head_dim", "mamba_headdim"),
-    "state": ("mamba_d_state", "ssm_state_size", "state_size"),
-    "groups": ("mamba_n_groups", "n_groups", "mamba_ngroups"),
-    "chunk": ("mamba_chunk_size", "chunk_size"),
-    "expand": ("mamba_expand", "expand"),
-}
-
-
 #: widths a config stores as a whole multiple of hidden_size (zamba2 saves its derived
 #: attention_hidden_size = 2 x hidden, and reads the saved value back over the derivation)
 _HIDDEN_MULTIPLE_KEYS = ("attention_hidden_size",)
@@ -295,7 +285,7 @@ def _ssm_sizes(config: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Mamba-2 sizes that stay consistent with the shrunk hidden size: heads x head_dim =
     expand x hidden (the configs check it), groups dividing the heads."""
     keys = {
-        role: next((k for k in names if k in config), None) for role, names in _SSM_KEYS.items()
+        role: next((k for k in names if k in config), None) for role, names in SSM_ALIASES.items()
     }
     if keys["heads"] is None or keys["state"] is None or keys["expand"] is None:
         return {}

@@ -59,8 +59,9 @@ class LLM:
     nets) keeps it off: ``prefix_caching_disabled_reason`` says why.
 
     ``prepack_linear=True`` runs the fp32 linear layers through oneDNN with weights reordered
-    once (``runtime/prepacked_linear.py``): 2-3x faster than MKL on the CPU measured, but not
-    bit-exact against the default path, so off by default.
+    once, q/k/v and gate/up packed as one weight each (``runtime/prepacked_linear.py``): 2-3x
+    faster than MKL on the CPU measured, but not bit-exact against the default path, so off by
+    default.
 
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a

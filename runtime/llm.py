@@ -113,6 +113,15 @@ class LLM:
         self.npu_profile = npu_profile
         #: rank 0's handle on the tensor-parallel ranks (None in one process)
         self.tensor_parallel = None
+        #: fp32 CPU linear layers run through oneDNN (0 unless prepack_linear)
+        self.num_prepacked_linears = 0
+        if prepack_linear and tensor_parallel_size != 1:
+            # Only this process's model would be packed: the ranks would sum partial products
+            # computed two different ways.
+            raise BadInputError(
+                "prepack_linear runs in one process; it cannot be combined with "
+                f"tensor_parallel_size={tensor_parallel_size}"
+            )
         if tensor_parallel_size != 1:
             from kvskill.runtime.distributed.start import start_tensor_parallel
 
@@ -197,7 +206,7 @@ class LLM:
             # Opt-in and not bit-exact against the default MKL path (see prepacked_linear).
             from kvskill.runtime.prepacked_linear import prepack_linears
 
-            prepack_linears(self.model)
+            self.num_prepacked_linears = prepack_linears(self.model)
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)

@@ -178,6 +178,13 @@ class _Progress:
     help="Reuse the KV of full blocks of prompt prefixes already computed (shared by "
     "requests, evicted least recently used). Off by itself for models with state layers.",
 )
+@click.option(
+    "--prepack-linear",
+    is_flag=True,
+    help="Run fp32 linear layers on the CPU through oneDNN with weights reordered once (q/k/v "
+    "and gate/up as one weight each): about 2x faster than the default MKL path on the CPUs "
+    "measured, but not bit-exact against it. One process only (not with --tp).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
 @tp_option
@@ -232,6 +239,7 @@ def run(directory: Path, **options) -> None:
         log_layout=options["log_layout"],
         use_hybrid_blocks=options["kv_layout"] == "page_pool",
         enable_prefix_caching=options["prefix_caching"],
+        prepack_linear=options["prepack_linear"],
         tensor_parallel_size=options["tp"] or 1,
         tp_backend=options["tp_backend"],
         npu_profile=profile,
@@ -300,6 +308,10 @@ def _run_standalone(directory: Path, options: dict, profile) -> None:
     if options["temperature"] > 0 or options["top_k"] or options["top_p"] < 1.0:
         raise BadInputError(
             "the standalone runner decodes greedily; drop --temperature/--top-k/--top-p"
+        )
+    if options["prepack_linear"]:
+        raise BadInputError(
+            "--prepack-linear is a runtime option; a standalone output runs its own runner"
         )
     run = StandaloneRun.load(
         directory,
@@ -402,6 +414,8 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         },
         "kv_cache": kv,
         "prefix_cache": _prefix_cache_report(llm),
+        #: fp32 CPU linear layers run through oneDNN (--prepack-linear; 0 = the default path)
+        "prepacked_linear_layers": llm.num_prepacked_linears,
         "requests": [o.to_dict() for o in outputs],
     }
 
@@ -468,6 +482,8 @@ def _render_table(report: dict) -> str:
     rows.append(("KV budget", report["kv_budget"]["reason"]))
     rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
+    if report.get("prepacked_linear_layers"):
+        rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))

@@ -1,6 +1,7 @@
 """The opt-in oneDNN prepacked linear layers: close to nn.Linear (not bit-exact), the weights
 and state dict untouched, and the toy model's greedy tokens unchanged with it on."""
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -110,3 +111,36 @@ def test_fusing_can_be_turned_off():
     prepack_linears(module, fuse_siblings=False)
     assert not hasattr(module.q_proj, "_kvskill_fused")
     assert hasattr(module.q_proj, "_kvskill_packed")
+
+
+def _run(capsys, *args):
+    from kvskill.cli import main
+    from kvskill.core.errors import ExitCode
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args])
+    out, err = capsys.readouterr()
+    return ExitCode(exc.value.code), out, err
+
+
+def test_run_prepack_linear_reports_the_packed_layers_and_keeps_the_toy_tokens(tmp_path, capsys):
+    toy_dir = write_toy_dir(tmp_path / "model", seed=7)
+    common = [str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3,4,5;6,7,8"]
+    common += ["--max-tokens", "5", "--ignore-eos", "--format", "json"]
+    reports = {}
+    for flag in ([], ["--prepack-linear"]):
+        code, out, _ = _run(capsys, *common, *flag)
+        assert code == 0, out
+        reports[bool(flag)] = json.loads(out)
+    assert reports[False]["prepacked_linear_layers"] == 0
+    assert reports[True]["prepacked_linear_layers"] > 0
+    tokens = {k: [r["token_ids"] for r in v["requests"]] for k, v in reports.items()}
+    assert tokens[True] == tokens[False]
+
+
+def test_prepack_linear_with_tensor_parallel_is_bad_input(tmp_path):
+    from kvskill.core.errors import BadInputError
+
+    toy_dir = write_toy_dir(tmp_path / "model", seed=7)
+    with pytest.raises(BadInputError, match="one process"):
+        LLM(toy_dir, trust_remote_code=True, prepack_linear=True, tensor_parallel_size=2)

@@ -125,6 +125,7 @@ class KvskillRuntime:
         kv_capacity_tokens: int,
         enable_prefix_caching: bool = True,
         prepack_linear: bool = False,
+        fuse_layers: bool = False,
     ):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
@@ -145,6 +146,7 @@ class KvskillRuntime:
             max_num_seqs=256,
             enable_prefix_caching=enable_prefix_caching,
             prepack_linear=prepack_linear,
+            fuse_layers=fuse_layers,
         )
         self.probe = _StepProbe(self.llm.engine)
 

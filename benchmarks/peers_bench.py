@@ -8,6 +8,8 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
   (prefix caching off);
 - `kvskill_prepack`: the same with `prepack_linear=True` (oneDNN linear layers with weights
   reordered at load time, not bit-exact against the default MKL path);
+- `kvskill_fused`: `prepack_linear=True` and `fuse_layers=True` (RMSNorm and SiLU x up in
+  one-pass compiled kernels, within fp32 rounding of the default path);
 - `hf_padded`: transformers' padded `generate`, all requests in one batch;
 - `hf_cb`: transformers' continuous batching, when the installed transformers has it;
 - `vllm`: vLLM's CPU build, in its own venv and process (`_vllm_runner.py`, built by
@@ -72,6 +74,7 @@ SYSTEMS = (
     "kvskill",
     "kvskill_nopc",
     "kvskill_prepack",
+    "kvskill_fused",
     "hf_padded",
     "hf_cb",
     "vllm",
@@ -271,7 +274,7 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
     bpt = kv_bytes_per_token(spec)
     for name in systems:
         try:
-            if name in ("kvskill", "kvskill_nopc", "kvskill_prepack"):
+            if name in ("kvskill", "kvskill_nopc", "kvskill_prepack", "kvskill_fused"):
                 from _kvskill_system import KvskillRuntime
 
                 rt = KvskillRuntime(
@@ -279,7 +282,8 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
                     reference,
                     kv_capacity_tokens=workload.kv_capacity_tokens,
                     enable_prefix_caching=name != "kvskill_nopc",
-                    prepack_linear=name == "kvskill_prepack",
+                    prepack_linear=name in ("kvskill_prepack", "kvskill_fused"),
+                    fuse_layers=name == "kvskill_fused",
                 )
                 runners[name] = ((lambda wl, rt=rt: _in_process(rt.run, wl)), rt.close)
             elif name == "hf_padded":

@@ -61,7 +61,10 @@ class LLM:
     ``prepack_linear=True`` runs the fp32 linear layers through oneDNN with weights reordered
     once, q/k/v and gate/up packed as one weight each (``runtime/prepacked_linear.py``): 2-3x
     faster than MKL on the CPU measured, but not bit-exact against the default path, so off by
-    default.
+    default. ``fuse_layers=True`` runs the fp32 RMSNorm and gated-MLP (SiLU x up) modules
+    through one-pass compiled kernels (``runtime/fused_layers.py``), each module switched only
+    when it agrees with its own forward on a probe input; also within fp32 rounding, not
+    bit-exact, so also off by default.
 
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a
@@ -97,6 +100,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_backend: str = "auto",
         prepack_linear: bool = False,
+        fuse_layers: bool = False,
         cpu_only_shapes: bool | None = None,
         npu_profile: NpuProfile | None = None,
     ) -> None:
@@ -115,13 +119,16 @@ class LLM:
         self.tensor_parallel = None
         #: fp32 CPU linear layers run through oneDNN (0 unless prepack_linear)
         self.num_prepacked_linears = 0
-        if prepack_linear and tensor_parallel_size != 1:
-            # Only this process's model would be packed: the ranks would sum partial products
-            # computed two different ways.
-            raise BadInputError(
-                "prepack_linear runs in one process; it cannot be combined with "
-                f"tensor_parallel_size={tensor_parallel_size}"
-            )
+        #: RMSNorm and gated-MLP modules on the fused kernels (0 unless fuse_layers)
+        self.num_fused_layers = 0
+        for name, wanted in (("prepack_linear", prepack_linear), ("fuse_layers", fuse_layers)):
+            if wanted and tensor_parallel_size != 1:
+                # Only this process's model would change: the ranks would combine results
+                # computed two different ways.
+                raise BadInputError(
+                    f"{name} runs in one process; it cannot be combined with "
+                    f"tensor_parallel_size={tensor_parallel_size}"
+                )
         if tensor_parallel_size != 1:
             from kvskill.runtime.distributed.start import start_tensor_parallel
 
@@ -157,6 +164,7 @@ class LLM:
                 step_hooks=step_hooks,
                 enable_prefix_caching=enable_prefix_caching,
                 prepack_linear=prepack_linear,
+                fuse_layers=fuse_layers,
             )
         except BaseException:
             self.close(graceful=False)
@@ -185,6 +193,7 @@ class LLM:
         step_hooks,
         enable_prefix_caching,
         prepack_linear,
+        fuse_layers,
     ) -> None:
         if self.tensor_parallel is not None:
             shard = self.tensor_parallel.shard
@@ -207,6 +216,11 @@ class LLM:
             from kvskill.runtime.prepacked_linear import prepack_linears
 
             self.num_prepacked_linears = prepack_linears(self.model)
+        if fuse_layers:
+            # After prepacking: a gated MLP then reads gate and up from their one GEMM.
+            from kvskill.runtime.fused_layers import fuse_layers as fuse
+
+            self.num_fused_layers = fuse(self.model)
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)

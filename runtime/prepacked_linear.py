@@ -85,6 +85,10 @@ class _FusedSiblings:
         #: members that have taken their columns of the current output
         self._served: set[int] = set()
 
+    def compute(self, x: Tensor) -> Tensor:
+        """Every member's output of ``x`` side by side (``columns`` index it), uncached."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
     def output_of(self, index: int, x: Tensor) -> Tensor:
         # NOTE: a different tensor object (or a member asking twice) always recomputes, and
         # so does an input changed in place between the siblings' calls, except under
@@ -93,9 +97,7 @@ class _FusedSiblings:
         # place between its q/k/v or gate/up calls).
         version = -1 if x.is_inference() else x._version
         if x is not self._input or version != self._input_version or index in self._served:
-            self._output = torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "none", [], ""
-            )
+            self._output = self.compute(x)
             self._input, self._input_version = x, version
             self._served = set()
         # Contiguous like nn.Linear's output: model code may view it in any shape.

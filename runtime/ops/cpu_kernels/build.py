@@ -121,7 +121,11 @@ def _name(compiler: list[str]) -> str:
 
 
 def _built(compiler: list[str], source: Path) -> Path:
-    text = source.read_bytes()
+    # The headers the kernels include are part of what is compiled: a change to one must
+    # build anew rather than load a library made from the old text.
+    text = b"\0".join(
+        [source.read_bytes(), *(h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))]
+    )
     for flags in _FLAG_SETS:
         digest = hashlib.sha256(
             b"\0".join(

@@ -25,9 +25,8 @@ from __future__ import annotations
 import types
 
 import torch
-from torch import Tensor, nn
-
 from kvskill.runtime.ops.cpu_kernels import fused_elementwise
+from torch import Tensor, nn
 
 #: how closely a module's own forward and the fused one must agree on the probe input
 _PROBE_RTOL, _PROBE_ATOL = 1e-5, 1e-6

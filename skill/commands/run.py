@@ -185,6 +185,14 @@ class _Progress:
     "and gate/up as one weight each): about 2x faster than the default MKL path on the CPUs "
     "measured, but not bit-exact against it. One process only (not with --tp).",
 )
+@click.option(
+    "--fuse-layers",
+    is_flag=True,
+    help="Run fp32 RMSNorm and gated-MLP (SiLU x up) modules on the CPU through one-pass "
+    "compiled kernels, each module only if it agrees with its own forward on a probe input. "
+    "Within fp32 rounding of the default path, not bit-exact. Best with --prepack-linear. One "
+    "process only (not with --tp).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
 @tp_option
@@ -240,6 +248,7 @@ def run(directory: Path, **options) -> None:
         use_hybrid_blocks=options["kv_layout"] == "page_pool",
         enable_prefix_caching=options["prefix_caching"],
         prepack_linear=options["prepack_linear"],
+        fuse_layers=options["fuse_layers"],
         tensor_parallel_size=options["tp"] or 1,
         tp_backend=options["tp_backend"],
         npu_profile=profile,
@@ -309,10 +318,12 @@ def _run_standalone(directory: Path, options: dict, profile) -> None:
         raise BadInputError(
             "the standalone runner decodes greedily; drop --temperature/--top-k/--top-p"
         )
-    if options["prepack_linear"]:
-        raise BadInputError(
-            "--prepack-linear is a runtime option; a standalone output runs its own runner"
-        )
+    for flag in ("prepack_linear", "fuse_layers"):
+        if options[flag]:
+            raise BadInputError(
+                f"--{flag.replace('_', '-')} is a runtime option; a standalone output runs its "
+                "own runner"
+            )
     run = StandaloneRun.load(
         directory,
         dtype=options["dtype"],
@@ -416,6 +427,8 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         "prefix_cache": _prefix_cache_report(llm),
         #: fp32 CPU linear layers run through oneDNN (--prepack-linear; 0 = the default path)
         "prepacked_linear_layers": llm.num_prepacked_linears,
+        #: RMSNorm and gated-MLP modules on the fused kernels (--fuse-layers; 0 = default)
+        "fused_layers": llm.num_fused_layers,
         "requests": [o.to_dict() for o in outputs],
     }
 
@@ -484,6 +497,8 @@ def _render_table(report: dict) -> str:
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     if report.get("prepacked_linear_layers"):
         rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
+    if report.get("fused_layers"):
+        rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up)"))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))

@@ -60,8 +60,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
 
 def _fp32_cpu(*tensors: Tensor) -> bool:
     return all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
-        for t in tensors
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
     )
 
 

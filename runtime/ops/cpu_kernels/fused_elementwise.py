@@ -17,8 +17,11 @@ from torch import Tensor
 from .build import load
 
 # Each thread gets at least this many elements: below it, waking the second thread costs
-# more than the pass (ATen's own elementwise grain size is 32768 too).
+# more than the pass (ATen's own elementwise grain size is 32768 too). SiLU's exp makes an
+# element cost several times more, so it splits sooner: at 16 x 3072 elements one thread
+# took 44 us and PyTorch's two 42 (benchmarks/bench_fused_layers.py).
 _ELEMENTS_PER_THREAD = 32_768
+_SILU_ELEMENTS_PER_THREAD = 8_192
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -37,7 +40,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     out = torch.empty(x.shape, dtype=torch.float32)
     outer, inner, so, si = rows
     fn(x.data_ptr(), outer, inner, so, si, weight.data_ptr(), dim, eps, out.data_ptr(),
-       _threads(out.numel()))  # fmt: skip
+       _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
     return out
 
 
@@ -54,7 +57,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
         return None
     out = torch.empty(gate.shape, dtype=torch.float32)
     fn(gate.data_ptr(), g_rows[2], up.data_ptr(), u_rows[2], g_rows[0], gate.size(-1),
-       out.data_ptr(), _threads(out.numel()))  # fmt: skip
+       out.data_ptr(), _threads(out.numel(), _SILU_ELEMENTS_PER_THREAD))  # fmt: skip
     return out
 
 
@@ -84,8 +87,8 @@ def _row_layout(x: Tensor) -> tuple[int, int, int, int] | None:
     return None
 
 
-def _threads(elements: int) -> int:
-    return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
+def _threads(elements: int, per_thread: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // per_thread))
 
 
 def _function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:

@@ -260,3 +260,12 @@ def test_run_refuses_sampling_flags(capsys, outputs):
         "0.7",
     )
     assert code == 2 and "greedily" in err
+
+
+@pytest.mark.parametrize("flag", ["--prepack-linear", "--fuse-layers"])
+def test_run_refuses_runtime_only_speed_flags(capsys, outputs, flag):
+    directory = outputs.directory("qwen3", "paged")
+    code, _, err = run_cli(
+        capsys, "run", str(directory), "--random-weights", "--prompt-ids", "1,2", flag
+    )
+    assert code == 2 and f"{flag} is a runtime option" in err

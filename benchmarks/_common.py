@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -375,6 +376,23 @@ def environment() -> dict:
         # whether kvskill's paged decode ran in the compiled CPU kernel or in PyTorch
         "cpu_kernels": {"available": kernel.available, "reason": kernel.reason},
     }
+
+
+def write_kernel_report(
+    out: Path, benchmark: str, threads: int, load_before: list[float] | None, rows: list[dict]
+) -> None:
+    """A per-shape kernel benchmark's result file: its rows, the load around them and the
+    environment."""
+    report = {
+        "benchmark": benchmark,
+        "threads": threads,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "rows": rows,
+        "environment": environment(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def as_dict(obj) -> dict:

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from _common import environment, load_average, set_threads  # noqa: E402
+from _common import load_average, set_threads, write_kernel_report  # noqa: E402
 
 #: (rows, in features, out features)
 SHAPES = (
@@ -79,16 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    report = {
-        "benchmark": "bench_linear",
-        "threads": args.threads,
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-        "rows": rows,
-        "environment": environment(),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_kernel_report(args.out, "bench_linear", args.threads, load_before, rows)
     return 0
 
 

@@ -27,18 +27,8 @@
 
 static void rms_row(const float *restrict x, const float *restrict w, float *restrict y,
                     int64_t n, float eps) {
-    /* sixteen lane-wise partial sums: the loop vectorises without reassociation by the
-     * compiler */
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += x[i + j] * x[i + j];
-    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
-    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
-    float sum = (part[0] + part[2]) + (part[1] + part[3]);
-    for (; i < n; i++) sum += x[i] * x[i];
-    float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    for (i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
+    float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
 }
 
 /* y[r] = rms_norm(x[r]) for rows r = o * inner + i of x at o * so + i * si. */

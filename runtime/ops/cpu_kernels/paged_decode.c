@@ -76,21 +76,6 @@ typedef struct {
     int64_t bad_request; /* -1, or the request with an out-of-range block */
 } decode_job;
 
-/* x . y with sixteen lane-wise partial sums: two vector registers, i.e. two independent
- * chains of multiply-adds, so the loop vectorises (without letting the compiler reassociate
- * sums on its own) and does not wait on one chain's latency. */
-static inline float dot(const float *restrict x, const float *restrict y, int64_t n) {
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += x[i + j] * y[i + j];
-    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
-    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
-    float s = (part[0] + part[2]) + (part[1] + part[3]);
-    for (; i < n; i++) s += x[i] * y[i];
-    return s;
-}
-
 /* Softmax of s[0..n) in place (n >= 1), partial maxima and sums kept lane-wise. */
 static void softmax(float *restrict s, int64_t n) {
     float lane[8];

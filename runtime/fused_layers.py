@@ -59,15 +59,15 @@ def fuse_layers(model: nn.Module) -> int:
     with torch.no_grad():
         for module in model.modules():
             if _rms_norm_shaped(module):
-                fused = _fused_rms_norm_forward
+                fused, width = _fused_rms_norm_forward, module.weight.size(0)
             elif _gated_mlp_shaped(module):
-                fused = _fused_mlp_forward
+                fused, width = _fused_mlp_forward, module.gate_proj.in_features
             else:
                 continue
-            width = module.weight.size(0) if fused is _fused_rms_norm_forward else None
-            if _agrees(module, types.MethodType(fused, module), width, generator):
+            fused = types.MethodType(fused, module)
+            if _agrees(module, fused, width, generator):
                 module._kvskill_own_forward = module.forward
-                module.forward = types.MethodType(fused, module)
+                module.forward = fused
                 count += 1
     return count
 
@@ -87,8 +87,10 @@ def _rms_norm_shaped(module: nn.Module) -> bool:
 
 def _gated_mlp_shaped(module: nn.Module) -> bool:
     parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    return all(isinstance(p, nn.Linear) for p in parts) and callable(
-        getattr(module, "act_fn", None)
+    return (
+        all(isinstance(p, nn.Linear) for p in parts)
+        and parts[0].weight.dtype == torch.float32
+        and callable(getattr(module, "act_fn", None))
     )
 
 
@@ -100,12 +102,9 @@ def _eps(module: nn.Module) -> float | None:
     return None
 
 
-def _agrees(module: nn.Module, fused, width: int | None, generator: torch.Generator) -> bool:
-    """Whether the module's forward and ``fused`` give the same probe output."""
-    if width is None:
-        width = module.gate_proj.in_features
-        if module.gate_proj.weight.dtype != torch.float32:
-            return False
+def _agrees(module: nn.Module, fused, width: int, generator: torch.Generator) -> bool:
+    """Whether the module's forward and ``fused`` give the same output on a probe input of
+    ``width`` features."""
     x = torch.randn(_PROBE_ROWS, width, generator=generator)
     try:
         own = module.forward(x)

@@ -35,10 +35,10 @@ from _common import (  # noqa: E402
     PEER_ONLY_MODELS,
     build_reference_model,
     load_average,
-    make_workload,
     set_threads,
 )
 from _kvskill_system import KvskillRuntime  # noqa: E402
+from peers_bench import get_workload  # noqa: E402
 
 ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
 
@@ -117,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prepack", action="store_true", help="LLM(prepack_linear=True), as kvskill_prepack"
     )
+    parser.add_argument(
+        "--fuse-layers",
+        action="store_true",
+        help="LLM(prepack_linear=True, fuse_layers=True), as kvskill_fused",
+    )
     parser.add_argument("--json", type=Path, help="write the breakdown here")
     args = parser.parse_args(argv)
 
@@ -126,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     set_threads(args.threads)
     spec = ALL_MODELS[args.model]
-    workload = make_workload(args.workload, spec.vocab_size)
+    workload = get_workload(args.workload, spec.vocab_size)
     reference = build_reference_model(spec)
     rt = KvskillRuntime(
         spec,
         reference,
         kv_capacity_tokens=workload.kv_capacity_tokens,
-        prepack_linear=args.prepack,
+        prepack_linear=args.prepack or args.fuse_layers,
+        fuse_layers=args.fuse_layers,
     )
     try:
         rt.run(workload.warmup())
@@ -163,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     total_ops = sum(ops.values())
     print(
         f"{args.workload} {args.model} threads={args.threads} prepack={args.prepack} "
+        f"fuse_layers={args.fuse_layers} "
         f"(load average {load}): wall "
         f"{plain.wall_s:.2f} s, CPU {cpu_plain:.2f} s (CPU/wall {cpu_plain / plain.wall_s:.2f}); "
         f"{staged.wall_s:.2f} s with stage timers, {profiled.wall_s:.2f} s under torch.profiler"
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     "workload": args.workload,
                     "model": args.model,
                     "threads": args.threads,
-                    "prepack_linear": args.prepack,
+                    "prepack_linear": args.prepack or args.fuse_layers,
+                    "fuse_layers": args.fuse_layers,
                     "load_average": load,
                     "wall_s": plain.wall_s,
                     "cpu_s": cpu_plain,

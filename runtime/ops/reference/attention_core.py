@@ -306,28 +306,55 @@ def _attend_each_request(
 
 
 def _attend_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """One request's chunk of S queries after P = Skv - S cached keys, bottom-right causal.
+    """One request's chunk of S queries after P = Skv - S cached keys, bottom-right causal."""
+    parts = attend_chunk_with_lse(q, k, v, scale)
+    if parts is None:
+        return _attend_chunk_masked(q, k, v, scale)
+    return parts[0]
 
-    Every query sees the whole prefix and the chunk causally. Both halves run without a mask
-    (the prefix in full, the chunk on the kernel's causal path) and are merged by their
-    log-sum-exps, instead of one masked call over all Skv keys.
+
+def attend_chunk_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) of one request's S queries over Skv >= S keys, bottom-right causal.
+
+    Every query sees the first P = Skv - S keys (a cached prefix) and the last S causally.
+    Both halves run without a mask (the prefix in full, the chunk on the kernel's causal
+    path) and are merged by their log-sum-exps, instead of one masked call over all Skv
+    keys. None where PyTorch has no CPU flash kernel (see ``flash_with_lse``).
     """
     sq, skv = q.shape[2], k.shape[2]
     p = skv - sq
-    parts = [
-        _flash_with_lse(q, k[:, :, :p], v[:, :, :p], scale, causal=False),
-        _flash_with_lse(q, k[:, :, p:], v[:, :, p:], scale, causal=True),
-    ]
+    if p == 0:
+        return flash_with_lse(q, k, v, scale, causal=True)
+    parts = (
+        flash_with_lse(q, k[:, :, :p], v[:, :, :p], scale, causal=False),
+        flash_with_lse(q, k[:, :, p:], v[:, :, p:], scale, causal=True),
+    )
     if parts[0] is None or parts[1] is None:
-        return _attend_chunk_masked(q, k, v, scale)
-    (o1, l1), (o2, l2) = parts
-    top = torch.maximum(l1, l2)
-    w1 = torch.exp(l1 - top).unsqueeze(-1)
-    w2 = torch.exp(l2 - top).unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+        return None
+    return merge_by_lse(*parts)
 
 
-def _flash_with_lse(
+def merge_by_lse(*parts: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Attention over disjoint key sets merged into attention over their union.
+
+    Each part is (out [..., S, Dv], lse [..., S]) of the same query rows: the merged output
+    weighs each part by its share exp(lse_i) of the total softmax denominator.
+    """
+    top = parts[0][1]
+    for _, lse in parts[1:]:
+        top = torch.maximum(top, lse)
+    weights = [torch.exp(lse - top).unsqueeze(-1) for _, lse in parts]
+    total = weights[0]
+    acc = parts[0][0] * weights[0]
+    for (out, _), w in zip(parts[1:], weights[1:], strict=True):
+        acc = acc + out * w
+        total = total + w
+    return acc / total, top + torch.log(total.squeeze(-1))
+
+
+def flash_with_lse(
     q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool
 ) -> tuple[Tensor, Tensor] | None:
     """(output, natural-log lse [B, N, S]) from PyTorch's CPU flash kernel, if it has one.

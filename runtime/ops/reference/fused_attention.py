@@ -22,6 +22,7 @@ from .attention_inputs import (
     format_output,
     gather_paged,
     packed_to_padded,
+    paged_block_size,
     split_heads_bsh,
 )
 from .batch_groups import Group, plan_groups
@@ -29,6 +30,7 @@ from .fa_call import MAX_GQA_RATIO, MLA_NOPE_DIMS, MLA_ROPE_DIM, FaCall, Shapes
 from .fa_lengths import resolve_lengths
 from .fa_masks import admission as build_admission
 from .npu_limits import check_fused_attention
+from .shared_prefix import attend_shared_prefix, shared_blocks
 
 
 def run(call: FaCall) -> tuple[Tensor, Tensor]:
@@ -62,6 +64,8 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     check_fused_attention(call, layout, shapes)
     q, q_rope = _padded_query(call, layout, shapes)
     out = _decode_in_kernel(call, layout, shapes, kvn, admission, q, q_rope) if paged else None
+    if out is None and paged:
+        out = _attend_shared_prefix(call, layout, shapes, kvn, admission, q, q_rope)
     groups = None if out is not None else _batch_groups(call, shapes, paged, q)
     if out is not None:
         lse = None
@@ -129,6 +133,55 @@ def _decode_in_kernel(
         )
     except BlockOutOfRangeError as exc:
         raise OpInputError(f"{call.names.op}: {exc}") from None
+
+
+def _attend_shared_prefix(
+    call: FaCall,
+    layout: Layout,
+    shapes: Shapes,
+    kvn: int,
+    admission: Admission,
+    q: Tensor,
+    q_rope: Tensor | None,
+) -> Tensor | None:
+    """The padded output of a prefill whose requests start with the same cached blocks.
+
+    Covers plain bottom-right causal attention (sparse mode 3) without lse, bias, sink or
+    rope parts, where ``shared_prefix`` finds enough shared leading blocks; else None.
+    """
+    if call.return_lse or call.pse_shift is not None or call.learnable_sink is not None:
+        return None
+    if q_rope is not None or call.key_rope is not None or _same_view(call.value, call.key):
+        return None
+    if admission.decode_branch or admission.sparse_mode != 3:
+        return None
+    if layout.query in ("BSH", "BSND") and call.key.dim() == 4:
+        return None  # the operator rejects this pairing; the PyTorch path says so
+    block_size = paged_block_size(call.key)
+    table = call.block_table[: shapes.batch]
+    shared = shared_blocks(table, shapes.q_lens, shapes.kv_lens, block_size)
+    if not shared:
+        return None
+
+    def gather(rows: Tensor, kv_lens: list[int], role: str) -> tuple[Tensor, Tensor]:
+        # Own workspace roles: the prefix's keys must survive the gather of the own keys.
+        try:
+            k = gather_paged(call.key, rows, kv_lens, kvn, f"key ({role})")
+            v = gather_paged(call.value, rows, kv_lens, kvn, f"value ({role})")
+        except BlockIdError as exc:
+            raise OpInputError(f"{call.names.op}: {exc}") from None
+        return k.float(), v.float()
+
+    return attend_shared_prefix(
+        q.float(),
+        table,
+        shapes.q_lens,
+        shapes.kv_lens,
+        shared,
+        block_size,
+        float(call.scale),
+        gather,
+    )
 
 
 def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

@@ -31,8 +31,10 @@ SHAPES = {
 def always_split(monkeypatch):
     """Groups cost nothing extra: the planner splits whenever padding can be saved.
 
-    Decode calls stay on the PyTorch path (the compiled decode kernel would take them).
+    Decode calls stay on the PyTorch path (the compiled decode kernel would take them), and
+    TND prefills too (the packed request-by-request path would).
     """
+    monkeypatch.setattr(fused_attention, "_prefill_packed", lambda *args: None)
     monkeypatch.setattr(batch_groups, "GROUP_OVERHEAD", 0)
     batch_groups._plan.cache_clear()
     calls = []

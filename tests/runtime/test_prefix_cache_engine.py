@@ -64,28 +64,27 @@ def test_shared_prefix_tokens_are_the_same_with_and_without_the_cache(toy_dir, o
 
 
 def test_requests_sharing_cached_blocks_attend_to_them_in_one_pass(toy_dir, monkeypatch):
-    from kvskill.runtime.ops.reference import fused_attention, shared_prefix
+    from kvskill.runtime.ops.reference import packed_prefill
 
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 8)
-    answered: list[bool] = []
-    original = fused_attention.attend_shared_prefix
+    monkeypatch.setattr(packed_prefill, "MIN_SHARED_TOKENS", 8)
+    shared: list[int] = []
+    original = packed_prefill.shared_blocks
 
     def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        answered.append(out is not None)
-        return out
+        shared.append(original(*args, **kwargs))
+        return shared[-1]
 
-    monkeypatch.setattr(fused_attention, "attend_shared_prefix", spy)
+    monkeypatch.setattr(packed_prefill, "shared_blocks", spy)
     # one request first, so the others find its blocks cached and come in one step
     prompts = _shared_prefix_prompts(random.Random(4), 9, 37)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected, _ = _generate(toy_dir, prompts, params, enable_prefix_caching=False, num_blocks=200)
-    assert not answered
+    assert not any(shared)
     llm = LLM(toy_dir, trust_remote_code=True, block_size=4, num_blocks=200)
     first = llm.generate(prompts[:1], params)[0].token_ids
     rest = [o.token_ids for o in llm.generate(prompts[1:], params)]
     assert [first, *rest] == expected
-    assert answered and all(answered)
+    assert any(shared)
 
 
 def test_mixed_workload_tokens_are_the_same_and_a_second_round_hits(toy_dir):

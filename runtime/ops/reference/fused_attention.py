@@ -30,7 +30,7 @@ from .fa_call import MAX_GQA_RATIO, MLA_NOPE_DIMS, MLA_ROPE_DIM, FaCall, Shapes
 from .fa_lengths import resolve_lengths
 from .fa_masks import admission as build_admission
 from .npu_limits import check_fused_attention
-from .shared_prefix import attend_shared_prefix, shared_blocks
+from .packed_prefill import attend_packed
 
 
 def run(call: FaCall) -> tuple[Tensor, Tensor]:
@@ -62,10 +62,14 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     admission = build_admission(call, shapes, paged)
     # after the mask checks, whose messages are more specific than the operator-wide limits
     check_fused_attention(call, layout, shapes)
+    packed = _prefill_packed(call, layout, shapes, kvn, admission) if paged else None
+    if packed is not None:
+        # Never read: an empty fp32 lse, as torch_npu >= 7.2 returns (npu_ops.md §1.9).
+        return packed.to(call.query.dtype), torch.empty(
+            0, dtype=torch.float32, device=packed.device
+        )
     q, q_rope = _padded_query(call, layout, shapes)
     out = _decode_in_kernel(call, layout, shapes, kvn, admission, q, q_rope) if paged else None
-    if out is None and paged:
-        out = _attend_shared_prefix(call, layout, shapes, kvn, admission, q, q_rope)
     groups = None if out is not None else _batch_groups(call, shapes, paged, q)
     if out is not None:
         lse = None
@@ -135,53 +139,42 @@ def _decode_in_kernel(
         raise OpInputError(f"{call.names.op}: {exc}") from None
 
 
-def _attend_shared_prefix(
-    call: FaCall,
-    layout: Layout,
-    shapes: Shapes,
-    kvn: int,
-    admission: Admission,
-    q: Tensor,
-    q_rope: Tensor | None,
+def _prefill_packed(
+    call: FaCall, layout: Layout, shapes: Shapes, kvn: int, admission: Admission
 ) -> Tensor | None:
-    """The padded output of a prefill whose requests start with the same cached blocks.
+    """The packed [T, N, Dv] output of a TND paged prefill, computed request by request.
 
     Covers plain bottom-right causal attention (sparse mode 3) without lse, bias, sink or
-    rope parts, where ``shared_prefix`` finds enough shared leading blocks; else None.
+    rope parts, where every request has 1 <= q_len <= kv_len and at least one has more than
+    one query row (decode batches go to the compiled kernel); else None.
     """
-    if call.return_lse or call.pse_shift is not None or call.learnable_sink is not None:
+    if layout.query != "TND" or layout.output != "TND" or call.return_lse:
         return None
-    if q_rope is not None or call.key_rope is not None or _same_view(call.value, call.key):
+    if call.pse_shift is not None or call.learnable_sink is not None:
+        return None
+    if call.query_rope is not None or call.key_rope is not None or _same_view(call.value, call.key):
         return None
     if admission.decode_branch or admission.sparse_mode != 3:
         return None
-    if layout.query in ("BSH", "BSND") and call.key.dim() == 4:
-        return None  # the operator rejects this pairing; the PyTorch path says so
-    block_size = paged_block_size(call.key)
-    table = call.block_table[: shapes.batch]
-    shared = shared_blocks(table, shapes.q_lens, shapes.kv_lens, block_size)
-    if not shared:
+    q_lens, kv_lens = shapes.q_lens, shapes.kv_lens
+    if not q_lens or max(q_lens) < 2 or min(q_lens) < 1:
+        return None
+    if any(q > kv for q, kv in zip(q_lens, kv_lens, strict=True)):
         return None
 
-    def gather(rows: Tensor, kv_lens: list[int], role: str) -> tuple[Tensor, Tensor]:
-        # Own workspace roles: the prefix's keys must survive the gather of the own keys.
+    def gather(rows: Tensor, lens: list[int], role: str) -> tuple[Tensor, Tensor]:
+        # Own workspace roles: the shared prefix's keys must survive the own keys' gathers.
         try:
-            k = gather_paged(call.key, rows, kv_lens, kvn, f"key ({role})")
-            v = gather_paged(call.value, rows, kv_lens, kvn, f"value ({role})")
+            k = gather_paged(call.key, rows, lens, kvn, f"key ({role})")
+            v = gather_paged(call.value, rows, lens, kvn, f"value ({role})")
         except BlockIdError as exc:
             raise OpInputError(f"{call.names.op}: {exc}") from None
         return k.float(), v.float()
 
-    return attend_shared_prefix(
-        q.float(),
-        table,
-        shapes.q_lens,
-        shapes.kv_lens,
-        shared,
-        block_size,
-        float(call.scale),
-        gather,
-    )
+    rows = call.query[: sum(q_lens)].float()
+    table = call.block_table[: shapes.batch]
+    block_size = paged_block_size(call.key)
+    return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)
 
 
 def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

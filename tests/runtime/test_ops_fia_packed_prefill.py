@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvskill.runtime.ops.reference import OpInputError, fused_attention, shared_prefix
+from kvskill.runtime.ops.reference import OpInputError, fused_attention, packed_prefill
 from ops_golden import INT_MAX, make_paged_case, naive_batch, paged_fia_v1, rule_for
 
 BLOCK = 4
@@ -12,18 +12,25 @@ BLOCK = 4
 
 @pytest.fixture
 def answered(monkeypatch):
-    """Small prefixes count; records whether the shared-prefix path answered each call."""
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 2 * BLOCK)
-    calls: list[bool] = []
-    original = fused_attention.attend_shared_prefix
+    """Small prefixes count. Records whether the packed path answered each call ("answered")
+    and how many blocks it found shared ("shared")."""
+    monkeypatch.setattr(packed_prefill, "MIN_SHARED_TOKENS", 2 * BLOCK)
+    record: dict[str, list] = {"answered": [], "shared": []}
+    original, original_shared = fused_attention.attend_packed, packed_prefill.shared_blocks
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
-        calls.append(out is not None)
+        record["answered"].append(out is not None)
         return out
 
-    monkeypatch.setattr(fused_attention, "attend_shared_prefix", spy)
-    return calls
+    def spy_shared(*args, **kwargs):
+        count = original_shared(*args, **kwargs)
+        record["shared"].append(count)
+        return count
+
+    monkeypatch.setattr(fused_attention, "attend_packed", spy)
+    monkeypatch.setattr(packed_prefill, "shared_blocks", spy_shared)
+    return record
 
 
 def _shared_case(q_lens, kv_lens, shared_blocks, *, seed=3):
@@ -51,22 +58,40 @@ def test_shared_prefix_matches_naive(answered, q_lens, kv_lens, shared):
     case = _shared_case(q_lens, kv_lens, shared)
     out, _ = paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
     want, _ = naive_batch(case, 0.3, rule_for(3))
-    assert answered == [True]
+    assert answered == {"answered": [True], "shared": [shared]}
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "q_lens,kv_lens",
+    [
+        ([12, 2, 30, 5], [12, 2, 30, 5]),  # new prompts of different lengths
+        ([3, 1, 9], [20, 2, 9]),  # a chunk after its cached tokens, a decode row, a prompt
+        ([64], [64]),
+    ],
+)
+def test_requests_without_a_shared_prefix_match_naive(answered, q_lens, kv_lens):
+    case = make_paged_case(
+        q_lens, kv_lens, num_heads=4, num_kv_heads=2, head_dim=8, block_size=BLOCK, seed=5
+    )
+    out, _ = paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+    want, _ = naive_batch(case, 0.3, rule_for(3))
+    assert answered["answered"] == [True] and answered["shared"] == [0]
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_shared_blocks_stops_at_the_first_differing_column(monkeypatch):
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 2 * BLOCK)
+    monkeypatch.setattr(packed_prefill, "MIN_SHARED_TOKENS", 2 * BLOCK)
     table = torch.tensor([[7, 8, 9, 10, 11], [7, 8, 9, 3, 4], [7, 8, 9, 10, 5]], dtype=torch.int32)
-    assert shared_prefix.shared_blocks(table, [1, 1, 1], [20, 20, 20], BLOCK) == 3
+    assert packed_prefill.shared_blocks(table, [1, 1, 1], [20, 20, 20], BLOCK) == 3
     # request 1's query rows start inside block 2 (kv 14 - q 5 = 9 cached tokens): cap 2
-    assert shared_prefix.shared_blocks(table, [1, 5, 1], [20, 14, 20], BLOCK) == 2
+    assert packed_prefill.shared_blocks(table, [1, 5, 1], [20, 14, 20], BLOCK) == 2
     # under the minimum, one request, or nothing shared: the general path
-    assert shared_prefix.shared_blocks(table, [1, 9, 1], [20, 14, 20], BLOCK) == 0
-    assert shared_prefix.shared_blocks(table[:1], [1], [20], BLOCK) == 0
-    assert shared_prefix.shared_blocks(table[[0, 1]].flip(0), [1, 1], [20, 20], BLOCK) == 3
+    assert packed_prefill.shared_blocks(table, [1, 9, 1], [20, 14, 20], BLOCK) == 0
+    assert packed_prefill.shared_blocks(table[:1], [1], [20], BLOCK) == 0
+    assert packed_prefill.shared_blocks(table[[0, 1]].flip(0), [1, 1], [20, 20], BLOCK) == 3
     other = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
-    assert shared_prefix.shared_blocks(other, [1, 1], [12, 12], BLOCK) == 0
+    assert packed_prefill.shared_blocks(other, [1, 1], [12, 12], BLOCK) == 0
 
 
 @pytest.mark.parametrize("mode,pre,nxt,lse", [(3, INT_MAX, INT_MAX, True), (4, 5, 0, False)])
@@ -76,10 +101,20 @@ def test_lse_or_a_window_takes_the_general_path(answered, mode, pre, nxt, lse):
         case, num_heads=4, num_kv_heads=2, scale=0.3, mode=mode, pre=pre, nxt=nxt, lse=lse
     )
     want, want_lse = naive_batch(case, 0.3, rule_for(mode, pre, nxt))
-    assert answered == []
+    assert answered["answered"] == []
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     if lse:
         torch.testing.assert_close(got_lse[..., 0].double(), want_lse, atol=2e-5, rtol=0)
+
+
+def test_more_query_rows_than_keys_takes_the_general_path(answered):
+    case = make_paged_case(
+        [6, 3], [4, 9], num_heads=4, num_kv_heads=2, head_dim=8, block_size=BLOCK, seed=2
+    )
+    out, _ = paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+    want, _ = naive_batch(case, 0.3, rule_for(3))
+    assert answered["answered"] == []
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_a_shared_block_outside_the_cache_is_an_operator_error(answered):

@@ -14,6 +14,12 @@ the fused one agree on a probe input (to fp32 rounding). Variants that compute s
 keep their code. A switched module still runs its own forward for inputs the kernels do not
 cover (another dtype or device).
 
+Rotary embedding is no module: models call a function of their modeling file,
+``apply_rotary_pos_emb(q, k, cos, sin)``, on the per-head query and key. That function is
+switched in the modeling file's namespace (so for every model of that file in the process)
+when its result and the kernel's are equal bit for bit on a probe input; calls the kernel
+does not cover (other dtypes, layouts or arguments) run the file's own function.
+
 Not exact: the kernels sum mean(x^2) in another order and their exp differs in the last bits,
 so results differ from the default path by about 1e-7 relative and a greedy token can in
 principle flip where two logits tie that closely; the default path stays token-exact against
@@ -22,6 +28,7 @@ transformers.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -69,7 +76,64 @@ def fuse_layers(model: nn.Module) -> int:
                 module._kvskill_own_forward = module.forward
                 module.forward = fused
                 count += 1
+        count += _fuse_rope(model, generator)
     return count
+
+
+def _fuse_rope(model: nn.Module, generator: torch.Generator) -> int:
+    """Switch the rotary embedding function of the modeling file(s) of ``model``'s attention
+    modules (those with an int ``head_dim``); returns how many attention modules use it."""
+    count = 0
+    verdicts: dict[str, bool] = {}
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+            continue
+        name = type(module).__module__
+        if name not in verdicts:
+            verdicts[name] = _switch_rope(sys.modules.get(name), head_dim, generator)
+        count += verdicts[name]
+    return count
+
+
+def _switch_rope(namespace, head_dim: int, generator: torch.Generator) -> bool:
+    """Whether ``namespace.apply_rotary_pos_emb`` is (now) the fused one."""
+    own = getattr(namespace, "apply_rotary_pos_emb", None)
+    if not callable(own):
+        return False
+    if getattr(own, "_kvskill_own_rope", None) is not None:
+        return True  # switched for an earlier model of this file
+    fused = _fused_rope(own)
+    # the model's layout: q_proj(x).view(1, T, H, D).transpose(1, 2); one angle per token
+    q = torch.randn(1, _PROBE_ROWS, 2, head_dim, generator=generator).transpose(1, 2)
+    k = torch.randn(1, _PROBE_ROWS, 1, head_dim, generator=generator).transpose(1, 2)
+    cos, sin = (torch.randn(1, _PROBE_ROWS, head_dim, generator=generator) for _ in range(2))
+    try:
+        with torch.no_grad():
+            expected, got = own(q, k, cos, sin), fused(q, k, cos, sin)
+        same = all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    except Exception:  # noqa: BLE001 - any failure means: keep the file's own function
+        return False
+    if same:
+        namespace.apply_rotary_pos_emb = fused
+    return same
+
+
+def _fused_rope(own):
+    """``own`` (a modeling file's apply_rotary_pos_emb) with the kernel for the calls it covers:
+    fp32 [1, H, T, D] query and key with [1, T, D] angles and no other arguments."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not args and (not kwargs or kwargs == {"unsqueeze_dim": 1}):
+            q_out = fused_elementwise.rope(q, cos, sin)
+            k_out = fused_elementwise.rope(k, cos, sin) if q_out is not None else None
+            if k_out is not None:
+                return q_out, k_out
+        return own(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._kvskill_own_rope = own
+    apply_rotary_pos_emb.__doc__ = own.__doc__
+    return apply_rotary_pos_emb
 
 
 def _rms_norm_shaped(module: nn.Module) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kvskill.runtime.fused_layers import fuse_layers, unavailable_reason
 from kvskill.runtime.ops.cpu_kernels import build
-from kvskill.runtime.ops.cpu_kernels.fused_elementwise import rms_norm, silu_mul
+from kvskill.runtime.ops.cpu_kernels.fused_elementwise import rms_norm, rope, silu_mul
 from torch import nn
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -142,6 +142,90 @@ def test_fusing_needs_the_kernels():
             fuse_layers(_block())
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_reference(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rope_interleaved(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-J style: rotates pairs (x0, x1), (x2, x3)... instead of halves."""
+
+    def rotate(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 2, 8), (7, 4, 16), (300, 16, 128)])
+def test_rope_kernel_is_bit_for_bit_the_formula_on_the_models_layout(tokens, heads, dim):
+    q = torch.randn(1, tokens, heads, dim).transpose(1, 2)  # q_proj(x).view(..).transpose
+    cos, sin = torch.randn(1, tokens, dim), torch.randn(1, tokens, dim)
+    expected, _ = _rope_reference(q, q, cos, sin)
+    got = rope(q, cos, sin)
+    assert torch.equal(got, expected)
+    # laid out as [1, T, H, D]: the model's transpose(1, 2).reshape(T, H, D) is a view
+    assert got.transpose(1, 2).is_contiguous()
+
+
+def test_rope_kernel_declines_what_it_does_not_cover():
+    q = torch.randn(1, 4, 5, 8)
+    cos = torch.randn(1, 5, 8)
+    assert rope(q.double(), cos.double(), cos.double()) is None
+    assert rope(torch.randn(2, 4, 5, 8), cos, cos) is None  # a batch of two
+    assert rope(q, torch.randn(2, 5, 8), torch.randn(2, 5, 8)) is None  # angles per batch row
+    assert rope(torch.randn(1, 4, 5, 7), torch.randn(1, 5, 7), torch.randn(1, 5, 7)) is None
+    assert rope(q, torch.randn(1, 5, 4), torch.randn(1, 5, 4)) is None  # partial rotary
+
+
+def _model_of_file(monkeypatch, name, function):
+    """A module namespace ``name`` holding ``function`` and an attention class using it."""
+    import sys
+    import types
+
+    namespace = types.ModuleType(name)
+    namespace.apply_rotary_pos_emb = function
+
+    class Attention(nn.Module):
+        head_dim = 8
+
+        def forward(self, q, k, cos, sin):
+            return namespace.apply_rotary_pos_emb(q, k, cos, sin)
+
+    Attention.__module__ = name
+    monkeypatch.setitem(sys.modules, name, namespace)
+    return namespace, nn.ModuleList([Attention(), Attention()])
+
+
+def test_the_files_rope_function_is_switched_when_bit_for_bit_equal(monkeypatch):
+    namespace, model = _model_of_file(monkeypatch, "kvskill_test_rope_file", _rope_reference)
+    assert fuse_layers(model) == 2
+    switched = namespace.apply_rotary_pos_emb
+    assert switched is not _rope_reference and switched._kvskill_own_rope is _rope_reference
+    q = torch.randn(1, 6, 4, 8).transpose(1, 2)
+    k = torch.randn(1, 6, 2, 8).transpose(1, 2)
+    cos, sin = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    got, expected = model[0](q, k, cos, sin), _rope_reference(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # arguments the kernel does not take run the file's own function
+    q2 = torch.randn(1, 6, 4, 8)
+    got = switched(q2, q2, cos, sin, unsqueeze_dim=2)
+    assert torch.equal(got[0], _rope_reference(q2, q2, cos, sin, unsqueeze_dim=2)[0])
+    # a second model of the same file finds it switched and keeps it
+    assert fuse_layers(model) == 2 and namespace.apply_rotary_pos_emb is switched
+
+
+def test_a_rope_of_another_formula_keeps_the_files_function(monkeypatch):
+    namespace, model = _model_of_file(monkeypatch, "kvskill_test_rope_gptj", _rope_interleaved)
+    assert fuse_layers(model) == 0
+    assert namespace.apply_rotary_pos_emb is _rope_interleaved
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     from kvskill.implementer.writer import ApplyOptions, apply_model
@@ -170,8 +254,9 @@ def test_converted_qwen3_greedy_tokens_are_the_same_with_fused_layers(qwen3_dir)
         counts[on] = llm.num_fused_layers
     assert outs[True] == outs[False]
     layers = llm.config.num_hidden_layers
-    # per layer: input, post-attention, q and k norms and the MLP; plus the final norm
-    assert counts == {False: 0, True: 5 * layers + 1}
+    # per layer: input, post-attention, q and k norms, the MLP and the attention's rotary
+    # embedding; plus the final norm
+    assert counts == {False: 0, True: 6 * layers + 1}
 
 
 def test_fuse_layers_with_tensor_parallel_is_bad_input(qwen3_dir):

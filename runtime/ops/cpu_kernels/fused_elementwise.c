@@ -7,10 +7,13 @@
  *
  *   rms_norm:  y = w * (x * 1 / sqrt(mean(x^2) + eps))       per row of `dim` floats
  *   silu_mul:  y = silu(g) * u,  silu(g) = g / (1 + exp(-g))  element by element
+ *   rope:      y = x * cos + rotate_half(x) * sin,  rotate_half(x) = [-x[D/2:], x[:D/2]]
  *
  * Same formulas, same order of the per-element operations as the PyTorch modules they stand
  * in for; what differs is the order in which mean(x^2) is summed and exp's last bits (two fp32
- * ulps at most), so results agree to within fp32 rounding, not bit for bit.
+ * ulps at most), so results agree to within fp32 rounding, not bit for bit. rope is bit for
+ * bit: two products and a sum per element, each rounded once, as PyTorch's three passes do
+ * (the compiler must not contract them into a fused multiply-add, see rope_row).
  *
  * Input rows are addressed as [outer, inner, dim] with element strides (so, si, 1): a
  * contiguous tensor, or one head's columns of a fused projection's output, read in place.
@@ -61,5 +64,29 @@ void kvskill_silu_mul(const float *g, int64_t gs, const float *u, int64_t us, in
         const float *restrict ur = u + r * us;
         float *restrict yr = y + r * n;
         for (int64_t i = 0; i < n; i++) yr[i] = silu(gr[i]) * ur[i];
+    }
+}
+
+/* Not contracted into fma(x, c, r * s): that rounds once less than PyTorch's separate
+ * multiply and add passes and would change the last bit. */
+__attribute__((optimize("fp-contract=off"))) static void rope_row(
+    const float *restrict x, const float *restrict c, const float *restrict s, float *restrict y,
+    int64_t half) {
+    for (int64_t i = 0; i < half; i++) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (int64_t i = 0; i < half; i++) y[half + i] = x[half + i] * c[half + i] + x[i] * s[half + i];
+}
+
+/* y[t, h, :] = rope(x[t, h, :]) with cos and sin of token t; x row (t, h) at t * st + h * sh,
+ * cos and sin rows cs and ss elements apart; y is contiguous [tokens, heads, dim]. */
+void kvskill_rope(const float *x, int64_t tokens, int64_t heads, int64_t st, int64_t sh,
+                  int64_t dim, const float *cos, int64_t cs, const float *sin, int64_t ss,
+                  float *y, int64_t threads) {
+    int64_t rows = tokens * heads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = r / heads, h = r % heads;
+        rope_row(x + t * st + h * sh, cos + t * cs, sin + t * ss, y + r * dim, dim / 2);
     }
 }

@@ -1,10 +1,11 @@
-"""RMSNorm and SiLU(gate) * up through the compiled one-pass kernels (``fused_elementwise.c``).
+"""RMSNorm, SiLU(gate) * up and rotary embedding through the compiled one-pass kernels
+(``fused_elementwise.c``).
 
 Each function returns its result, or None when the call is not one the kernel covers (not
 fp32 on the CPU, a last dimension that is not contiguous, rows that are not two levels of
 strides, kernels off); the caller then runs its PyTorch form. Results agree with PyTorch's to
 within fp32 rounding (the sum of squares is added in another order, exp may differ in its last
-two bits), not bit for bit.
+two bits), not bit for bit; rope's are bit for bit.
 """
 
 from __future__ import annotations
@@ -59,6 +60,31 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
     fn(gate.data_ptr(), g_rows[2], up.data_ptr(), u_rows[2], g_rows[0], gate.size(-1),
        out.data_ptr(), _threads(out.numel(), _SILU_ELEMENTS_PER_THREAD))  # fmt: skip
     return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """``x * cos + rotate_half(x) * sin`` for x [1, H, T, D] and cos, sin [1, T, D] or [T, D]
+    (one angle per token, shared by the heads), or None.
+
+    The result has x's shape with the memory of a contiguous [1, T, H, D], as PyTorch's own
+    passes give for the transposed views models pass (``q.view(..).transpose(1, 2)``): the
+    model's later ``transpose(1, 2).reshape(T, H, D)`` is then a view, not a copy.
+    """
+    if not _fp32_cpu(x, cos, sin) or x.dim() != 4 or x.size(0) != 1 or x.size(-1) % 2:
+        return None
+    _, heads, tokens, dim = x.shape
+    if cos.shape != sin.shape or cos.shape[-2:] != (tokens, dim) or cos.numel() != tokens * dim:
+        return None
+    fn = _function(
+        "kvskill_rope", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+    )
+    if fn is None or tokens == 0:
+        return None
+    out = torch.empty((1, tokens, heads, dim), dtype=torch.float32)
+    fn(x.data_ptr(), tokens, heads, x.stride(2), x.stride(1), dim, cos.data_ptr(),
+       cos.stride(-2), sin.data_ptr(), sin.stride(-2), out.data_ptr(),
+       _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def _fp32_cpu(*tensors: Tensor) -> bool:

@@ -102,6 +102,51 @@ class StageTimer:
         return out
 
 
+class StepLog:
+    """Each step's wall time with the tokens and requests it scheduled."""
+
+    def __init__(self, engine) -> None:
+        self.rows: list[tuple[float, int, int]] = []  # (seconds, tokens, requests)
+        self.engine = engine
+        self._schedule, self._step = engine.scheduler.schedule, engine.step
+        scheduled: list[tuple[int, int]] = []
+
+        def schedule():
+            out = self._schedule()
+            scheduled.append((sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled)))
+            return out
+
+        def step():
+            t0 = time.perf_counter()
+            try:
+                return self._step()
+            finally:
+                if scheduled and scheduled[-1][1]:
+                    self.rows.append((time.perf_counter() - t0, *scheduled.pop()))
+                scheduled.clear()
+
+        engine.scheduler.schedule, engine.step = schedule, step
+
+    def close(self) -> None:
+        self.engine.scheduler.schedule, self.engine.step = self._schedule, self._step
+
+    def report(self) -> list[str]:
+        """Prefill steps one by one (any step with more tokens than requests), then the
+        decode steps' median."""
+        lines = [
+            f"  prefill step {sec * 1000:7.0f} ms  {tokens:5d} tokens  {reqs:3d} requests"
+            for sec, tokens, reqs in self.rows
+            if tokens > reqs
+        ]
+        decode = sorted(sec for sec, tokens, reqs in self.rows if tokens == reqs)
+        if decode:
+            lines.append(
+                f"  decode steps: {len(decode)}, median {decode[len(decode) // 2] * 1000:.1f} ms, "
+                f"{sum(decode):.2f} s in all"
+            )
+        return lines
+
+
 def _cpu_s() -> float:
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
@@ -147,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         plain = rt.run(workload)
         cpu_plain = _cpu_s() - cpu0
         timer = StageTimer(rt.llm.engine)
+        steps = StepLog(rt.llm.engine)
         try:
             staged = rt.run(workload)
         finally:
+            steps.close()
             timer.close()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             profiled = rt.run(workload)
@@ -177,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== stages of a step (wall s, share of the run) ==")
     for k, v in sorted(stages.items(), key=lambda kv: -kv[1]):
         print(f"  {k:30s} {v:8.3f}  {v / staged.wall_s:6.1%}")
+    print("\n== steps (the stage-timed run) ==")
+    print("\n".join(steps.report()))
     print("\n== forward operators by category (self CPU s summed over threads) ==")
     for k, v in sorted(ops.items(), key=lambda kv: -kv[1]):
         print(f"  {k:30s} {v:8.3f}  {v / total_ops:6.1%}")
@@ -201,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_s": cpu_plain,
                     "stages_s": stages,
                     "staged_wall_s": staged.wall_s,
+                    "steps": [
+                        {"s": sec, "tokens": tokens, "requests": reqs}
+                        for sec, tokens, reqs in steps.rows
+                    ],
                     "op_categories_cpu_s": dict(ops),
                 },
                 indent=1,

@@ -188,8 +188,9 @@ class _Progress:
 @click.option(
     "--fuse-layers",
     is_flag=True,
-    help="Run fp32 RMSNorm and gated-MLP (SiLU x up) modules on the CPU through one-pass "
-    "compiled kernels, each module only if it agrees with its own forward on a probe input. "
+    help="Run fp32 RMSNorm and gated-MLP (SiLU x up) modules and the rotary embedding on the "
+    "CPU through one-pass compiled kernels, each only if it agrees with the model's own code "
+    "on a probe input. "
     "Within fp32 rounding of the default path, not bit-exact. Best with --prepack-linear. One "
     "process only (not with --tp).",
 )
@@ -427,7 +428,8 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         "prefix_cache": _prefix_cache_report(llm),
         #: fp32 CPU linear layers run through oneDNN (--prepack-linear; 0 = the default path)
         "prepacked_linear_layers": llm.num_prepacked_linears,
-        #: RMSNorm and gated-MLP modules on the fused kernels (--fuse-layers; 0 = default)
+        #: RMSNorm and gated-MLP modules, and attention modules whose rotary embedding runs on
+        #: the fused kernels (--fuse-layers; 0 = default)
         "fused_layers": llm.num_fused_layers,
         "requests": [o.to_dict() for o in outputs],
     }
@@ -498,7 +500,7 @@ def _render_table(report: dict) -> str:
     if report.get("prepacked_linear_layers"):
         rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
     if report.get("fused_layers"):
-        rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up)"))
+        rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up, rope)"))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))

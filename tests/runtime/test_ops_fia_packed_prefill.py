@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from kvskill.runtime.ops.reference import OpInputError, fused_attention, packed_prefill
-from ops_golden import INT_MAX, make_paged_case, naive_batch, paged_fia_v1, rule_for
+from ops_golden import (
+    CAUSAL_TILE,
+    INT_MAX,
+    make_paged_case,
+    naive_batch,
+    paged_fia_v1,
+    rule_for,
+)
 
 BLOCK = 4
 
@@ -122,3 +129,24 @@ def test_a_shared_block_outside_the_cache_is_an_operator_error(answered):
     case.block_table[:, 1] = case.key_cache.shape[0] + 5
     with pytest.raises(OpInputError, match="block_table row 0 names a block outside"):
         paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.3, mode=3)
+
+
+@pytest.mark.parametrize(
+    "width,message",
+    [
+        (2 * 6, "query head dim 8 differs from key head dim 6"),
+        (13, "key cache hidden size 13 is not divisible by num_key_value_heads=2"),
+    ],
+)
+def test_a_cache_of_the_wrong_width_gets_the_operators_message(answered, width, message):
+    from kvskill.runtime.ops import reference as npu
+
+    case = make_paged_case([5, 3], [9, 7], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    cache = torch.randn(case.key_cache.shape[0], BLOCK, width)
+    with pytest.raises(OpInputError, match=message):
+        npu.npu_fused_infer_attention_score(
+            case.query_tnd, cache, cache, num_heads=4, num_key_value_heads=2,
+            input_layout="TND", scale=0.3, sparse_mode=3, atten_mask=CAUSAL_TILE,
+            block_table=case.block_table, block_size=BLOCK,
+            actual_seq_lengths=case.cu_q, actual_seq_lengths_kv=case.kv_lens,
+        )  # fmt: skip

@@ -158,9 +158,18 @@ def release_workspace() -> None:
 
 
 def gather_paged(
-    cache: Tensor, block_table: Tensor, kv_lens: list[int], num_kv_heads: int, what: str
+    cache: Tensor,
+    block_table: Tensor,
+    kv_lens: list[int],
+    num_kv_heads: int,
+    what: str,
+    *,
+    workspace: str | None = None,
 ) -> Tensor:
     """Gather each request's blocks once -> [B, KVN, max(kv_lens), D].
+
+    ``what`` names the tensor in errors; the result lives in the reused buffer of
+    ``workspace`` (default ``what``) until the next gather into it.
 
     Cache forms by rank (npu_ops.md §1.7):
       3-D [num_blocks, block_size, KVN*D]           token t: [blk, t % bs, n*D:(n+1)*D]
@@ -180,17 +189,17 @@ def gather_paged(
                 f"{what} cache hidden size {cache.size(2)} is not divisible by "
                 f"num_key_value_heads={num_kv_heads}"
             )
-        g = _gather_blocks(cache, ids, what)  # [B, nb, bs, KVN*D]
+        g = _gather_blocks(cache, ids, workspace or what)  # [B, nb, bs, KVN*D]
         g = g.view(b, num_used * block_size, num_kv_heads, cache.size(2) // num_kv_heads)
         g = g[:, :max_len]
         return g.permute(0, 2, 1, 3)
     check_heads(cache.size(1), num_kv_heads, f"{what} cache")
     if cache.dim() == 4:
-        g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, bs, D]
+        g = _gather_blocks(cache, ids, workspace or what)  # [B, nb, KVN, bs, D]
         g = g.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, num_used * block_size, cache.size(3))
         return g[:, :, :max_len]
     if cache.dim() == 5:
-        g = _gather_blocks(cache, ids, what)  # [B, nb, KVN, D/C0, bs, C0]
+        g = _gather_blocks(cache, ids, workspace or what)  # [B, nb, KVN, D/C0, bs, C0]
         g = g.permute(0, 2, 1, 4, 3, 5)  # [B, KVN, nb, bs, D/C0, C0]
         g = g.reshape(b, num_kv_heads, num_used * block_size, cache.size(2) * cache.size(4))
         return g[:, :, :max_len]

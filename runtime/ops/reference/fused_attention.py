@@ -162,16 +162,18 @@ def _prefill_packed(
     if any(q > kv for q, kv in zip(q_lens, kv_lens, strict=True)):
         return None
 
-    def gather(rows: Tensor, lens: list[int], role: str) -> tuple[Tensor, Tensor]:
-        # Own workspace roles: the shared prefix's keys must survive the own keys' gathers.
+    rows = call.query[: sum(q_lens)].float()
+
+    def gather(table_rows: Tensor, lens: list[int], role: str) -> tuple[Tensor, Tensor]:
+        # Own workspaces: the shared prefix's keys must survive the own keys' gathers.
         try:
-            k = gather_paged(call.key, rows, lens, kvn, f"key ({role})")
-            v = gather_paged(call.value, rows, lens, kvn, f"value ({role})")
+            k = gather_paged(call.key, table_rows, lens, kvn, "key", workspace=f"key {role}")
+            v = gather_paged(call.value, table_rows, lens, kvn, "value", workspace=f"value {role}")
         except BlockIdError as exc:
             raise OpInputError(f"{call.names.op}: {exc}") from None
+        _check_kv(call, layout, rows.unsqueeze(0), k, v)  # head dims, as the padded path does
         return k.float(), v.float()
 
-    rows = call.query[: sum(q_lens)].float()
     table = call.block_table[: shapes.batch]
     block_size = paged_block_size(call.key)
     return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)

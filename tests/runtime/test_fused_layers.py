@@ -171,6 +171,13 @@ def test_rope_kernel_is_bit_for_bit_the_formula_on_the_models_layout(tokens, hea
     assert torch.equal(got, expected)
     # laid out as [1, T, H, D]: the model's transpose(1, 2).reshape(T, H, D) is a view
     assert got.transpose(1, 2).is_contiguous()
+    # a contiguous input gives a contiguous result, as PyTorch's passes do
+    q = q.contiguous()
+    got = rope(q, cos, sin)
+    assert torch.equal(got, _rope_reference(q, q, cos, sin)[0]) and got.is_contiguous()
+    # a strided input (one head's columns of a wider output) is read in place
+    wide = torch.randn(1, tokens, heads, dim + 6)[..., 3 : 3 + dim].transpose(1, 2)
+    assert torch.equal(rope(wide, cos, sin), _rope_reference(wide, wide, cos, sin)[0])
 
 
 def test_rope_kernel_declines_what_it_does_not_cover():

@@ -76,17 +76,17 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row(
     for (int64_t i = 0; i < half; i++) y[half + i] = x[half + i] * c[half + i] + x[i] * s[half + i];
 }
 
-/* y[t, h, :] = rope(x[t, h, :]) with cos and sin of token t; x row (t, h) at t * st + h * sh,
- * cos and sin rows cs and ss elements apart; y is contiguous [tokens, heads, dim]. */
+/* y[t, h, :] = rope(x[t, h, :]) with cos and sin of token t; row (t, h) of x at
+ * t * st + h * sh, of y at t * yt + h * yh; cos and sin rows cs and ss elements apart. */
 void kvskill_rope(const float *x, int64_t tokens, int64_t heads, int64_t st, int64_t sh,
                   int64_t dim, const float *cos, int64_t cs, const float *sin, int64_t ss,
-                  float *y, int64_t threads) {
+                  float *y, int64_t yt, int64_t yh, int64_t threads) {
     int64_t rows = tokens * heads;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
 #endif
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = r / heads, h = r % heads;
-        rope_row(x + t * st + h * sh, cos + t * cs, sin + t * ss, y + r * dim, dim / 2);
+        rope_row(x + t * st + h * sh, cos + t * cs, sin + t * ss, y + t * yt + h * yh, dim / 2);
     }
 }

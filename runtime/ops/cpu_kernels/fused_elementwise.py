@@ -66,9 +66,11 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     """``x * cos + rotate_half(x) * sin`` for x [1, H, T, D] and cos, sin [1, T, D] or [T, D]
     (one angle per token, shared by the heads), or None.
 
-    The result has x's shape with the memory of a contiguous [1, T, H, D], as PyTorch's own
-    passes give for the transposed views models pass (``q.view(..).transpose(1, 2)``): the
-    model's later ``transpose(1, 2).reshape(T, H, D)`` is then a view, not a copy.
+    The result is laid out as x is (``empty_like``), as PyTorch's own elementwise passes lay
+    out theirs: for the transposed views models pass (``q.view(..).transpose(1, 2)``) the
+    memory of a contiguous [1, T, H, D], so the model's later ``transpose(1, 2).reshape(T,
+    H, D)`` is a view, not a copy; for a contiguous x a contiguous result, which model code
+    may ``view`` as it likes.
     """
     if not _fp32_cpu(x, cos, sin) or x.dim() != 4 or x.size(0) != 1 or x.size(-1) % 2:
         return None
@@ -76,15 +78,18 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     if cos.shape != sin.shape or cos.shape[-2:] != (tokens, dim) or cos.numel() != tokens * dim:
         return None
     fn = _function(
-        "kvskill_rope", [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
+        "kvskill_rope",
+        [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
     )
     if fn is None or tokens == 0:
         return None
-    out = torch.empty((1, tokens, heads, dim), dtype=torch.float32)
+    out = torch.empty_like(x, memory_format=torch.preserve_format)
+    if out.stride(-1) != 1:
+        return None
     fn(x.data_ptr(), tokens, heads, x.stride(2), x.stride(1), dim, cos.data_ptr(),
-       cos.stride(-2), sin.data_ptr(), sin.stride(-2), out.data_ptr(),
-       _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
-    return out.transpose(1, 2)
+       cos.stride(-2), sin.data_ptr(), sin.stride(-2), out.data_ptr(), out.stride(2),
+       out.stride(1), _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
+    return out
 
 
 def _fp32_cpu(*tensors: Tensor) -> bool:

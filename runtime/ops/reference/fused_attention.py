@@ -64,10 +64,7 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     check_fused_attention(call, layout, shapes)
     packed = _prefill_packed(call, layout, shapes, kvn, admission) if paged else None
     if packed is not None:
-        # Never read: an empty fp32 lse, as torch_npu >= 7.2 returns (npu_ops.md §1.9).
-        return packed.to(call.query.dtype), torch.empty(
-            0, dtype=torch.float32, device=packed.device
-        )
+        return packed.to(call.query.dtype), _unread_lse(packed.device)
     q, q_rope = _padded_query(call, layout, shapes)
     out = _decode_in_kernel(call, layout, shapes, kvn, admission, q, q_rope) if paged else None
     groups = None if out is not None else _batch_groups(call, shapes, paged, q)
@@ -96,9 +93,14 @@ def run(call: FaCall) -> tuple[Tensor, Tensor]:
     if call.return_lse:
         softmax_lse = format_lse(lse, layout, shapes.q_lens)
     else:
-        # Never read: an empty fp32 tensor, as torch_npu >= 7.2 returns (npu_ops.md §1.9).
-        softmax_lse = torch.empty(0, dtype=torch.float32, device=q.device)
+        softmax_lse = _unread_lse(q.device)
     return attention_out, softmax_lse
+
+
+def _unread_lse(device: torch.device) -> Tensor:
+    """The softmax_lse of a call that did not ask for it: never read, an empty fp32 tensor, as
+    torch_npu >= 7.2 returns (npu_ops.md §1.9)."""
+    return torch.empty(0, dtype=torch.float32, device=device)
 
 
 def _decode_in_kernel(

@@ -86,7 +86,7 @@ def attend_packed(
         if base is None:
             return None
     own_lens = [kv - prefix for kv in kv_lens]
-    table = block_table[:, shared:] if shared else block_table
+    table = block_table[:, shared:]  # each request's own blocks
     out: Tensor | None = None
     start = 0
     for b, (s1, s2) in enumerate(zip(q_lens, own_lens, strict=True)):

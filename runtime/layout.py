@@ -37,6 +37,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import hybrid_block_size
 from kvskill.core.errors import BadInputError
+from kvskill.runtime import huge_pages
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
 from kvskill.runtime.kv_cache_groups import KVCacheGroup
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
@@ -218,7 +219,7 @@ def allocate_cache_tensors(
             nb = num_blocks[key]
             for layer, entries in g.layers:
                 dense = {
-                    e.cache_name: torch.zeros(
+                    e.cache_name: huge_pages.zeros(
                         (nb, *e.block_shape(g.block_size)), dtype=e.dtype, device=device
                     )
                     for e in entries
@@ -238,7 +239,7 @@ def allocate_cache_tensors(
     num_raw = max(len(g.layers) for g in groups.values())
     has_mamba = any(_is_mamba_group(g) for g in groups.values())
     mode = "hybrid" if has_mamba or len(groups) > 1 else "gqa"
-    pool = torch.zeros(num_raw * nb * page, dtype=torch.int8, device=device)
+    pool = huge_pages.zeros((num_raw * nb * page,), dtype=torch.int8, device=device)
     raws = [pool[j * nb * page : (j + 1) * nb * page].view(nb, page) for j in range(num_raw)]
     layout = CacheLayout(
         mode=mode, total_bytes=pool.numel(), page_size_bytes=page, pool=pool, raw_views=raws

@@ -400,8 +400,16 @@ def run_cell(
 
 
 def _summarise(wl: Workload, model, threads, systems, runs, errors) -> list[dict]:
-    ref = runs.get("kvskill") or []
-    ref_tokens = ref[0]["tokens"] if ref else None
+    def first_tokens(system: str):
+        done = runs.get(system) or []
+        return done[0]["tokens"] if done else None
+
+    def matches(tokens, ref_tokens):
+        if ref_tokens is None:
+            return None
+        return sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))
+
+    ref_tokens, vllm_tokens = first_tokens("kvskill"), first_tokens("vllm")
     out = []
     for name in systems:
         base = {"model": model, "threads": threads, "workload": wl.name, "system": name}
@@ -422,9 +430,8 @@ def _summarise(wl: Workload, model, threads, systems, runs, errors) -> list[dict
                 "peak_rss_mb": max(m["peak_rss_mb"] for m in ms),
                 "deterministic": all(m["tokens"] == tokens for m in ms),
                 "lengths_ok": [len(t) for t in tokens] == wl.max_tokens,
-                "match_kvskill": None
-                if ref_tokens is None
-                else sum(a == b for a, b in zip(tokens, ref_tokens, strict=True)),
+                "match_kvskill": matches(tokens, ref_tokens),
+                "match_vllm": matches(tokens, vllm_tokens),
                 "num_requests": wl.num_requests,
                 "per_round": [
                     {
@@ -468,8 +475,8 @@ def markdown(result: dict) -> str:
         "numbers are noisy.",
         "",
         "| model | thr | workload | system | tok/s | vs kvskill | mean TTFT s | tok/CPU-s "
-        "| peak RSS MB | match kvskill | loads (1-min) per round |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| peak RSS MB | match kvskill | match vLLM | loads (1-min) per round |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     rows = result["records"]
     rates = {
@@ -480,7 +487,7 @@ def markdown(result: dict) -> str:
     for r in rows:
         head = f"| {r['model']} | {r['threads']} | {r['workload']} | {r['system']} "
         if "error" in r:
-            lines.append(head + f"| - | - | - | - | - | skipped: {r['error']} | - |")
+            lines.append(head + f"| - | - | - | - | - | skipped: {r['error']} | - | - |")
             continue
         kv = rates.get((r["model"], r["threads"], r["workload"]))
         loads = ", ".join(str(p["load_average"][0]) for p in r["per_round"] if p["load_average"])
@@ -491,9 +498,16 @@ def markdown(result: dict) -> str:
         )
         lines[-1] += (
             f"| {r['ttft_s']:.2f} | {r['tokens_per_cpu_s']:.1f} | {r['peak_rss_mb']:.0f} "
-            f"| {r['match_kvskill']}/{r['num_requests']} | {loads} |"
+            f"| {_match(r, 'match_kvskill')} | {_match(r, 'match_vllm')} | {loads} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _match(record: dict, key: str) -> str:
+    """ "equal/requests", or "-" when the system compared with did not run (older results
+    have no vLLM comparison at all)."""
+    found = record.get(key)
+    return "-" if found is None else f"{found}/{record['num_requests']}"
 
 
 def main(argv: list[str] | None = None) -> int:

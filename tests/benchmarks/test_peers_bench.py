@@ -1,6 +1,6 @@
 """The peer benchmark's pieces that run without vLLM: the vLLM venv reports itself missing
 with a reason, W5 is the issue's workload, and the summary counts requests matching
-kvskill's tokens and keeps each round's load average."""
+kvskill's and vLLM's tokens and keeps each round's load average."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_summary_counts_matching_requests_and_keeps_round_loads():
     )
     by = {r["system"]: r for r in rows}
     assert by["vllm"]["match_kvskill"] == 2 and by["kvskill"]["match_kvskill"] == 3
+    assert by["kvskill"]["match_vllm"] == 2 and by["vllm"]["match_vllm"] == 3
     assert by["vllm"]["tokens_per_s"] == 3.0 and by["vllm"]["tokens_per_cpu_s"] == 1.5
     assert by["vllm"]["per_round"][0]["load_average"] == [2.5]
     assert by["hf_cb"] == {

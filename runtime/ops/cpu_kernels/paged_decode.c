@@ -273,6 +273,57 @@ static inline void weighted_rows_4_by_32(float *const *acc, const float *const *
             for (int e = 0; e < 4; e++) _mm256_storeu_ps(acc[j] + c + 8 * e, s[j][e]);
     }
 }
+
+/* Two query rows against eight key rows (n a multiple of 8): each key slice loaded once for
+ * both. out[j][0..8) gets q[j]'s dot products, each summed as dot_8_rows sums it. (A GQA group
+ * of two query heads reads its kv head's rows this way on the per-request path.) */
+static inline void dot_2_by_8(const float *const *q, const float *k, int64_t stride, int64_t n,
+                              float *const *out) {
+    __m256 p[2][8];
+    for (int j = 0; j < 2; j++)
+        for (int r = 0; r < 8; r++) p[j][r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 x0 = _mm256_loadu_ps(q[0] + i), x1 = _mm256_loadu_ps(q[1] + i);
+        for (int r = 0; r < 8; r++) {
+            __m256 kr = _mm256_loadu_ps(k + r * stride + i);
+            HOLD(kr);
+            p[0][r] = _mm256_fmadd_ps(x0, kr, p[0][r]);
+            p[1][r] = _mm256_fmadd_ps(x1, kr, p[1][r]);
+        }
+    }
+    for (int j = 0; j < 2; j++)
+        _mm256_storeu_ps(out[j], lane_sums_8(p[j][0], p[j][1], p[j][2], p[j][3], p[j][4], p[j][5],
+                                             p[j][6], p[j][7]));
+}
+
+/* weighted_rows_32 for two output rows at once; the sums are weighted_rows_32's. */
+static inline void weighted_rows_2_by_32(float *const *acc, const float *const *p,
+                                         const float *rows, int64_t stride, int64_t count,
+                                         int64_t n) {
+    for (int64_t c = 0; c < n; c += 32) {
+        __m256 s[2][4];
+        for (int j = 0; j < 2; j++)
+            for (int e = 0; e < 4; e++) s[j][e] = _mm256_loadu_ps(acc[j] + c + 8 * e);
+        for (int64_t r = 0; r < count; r++) {
+            const float *row = rows + r * stride + c;
+            __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+            __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+            HOLD(v0);
+            HOLD(v1);
+            HOLD(v2);
+            HOLD(v3);
+            for (int j = 0; j < 2; j++) {
+                __m256 w = _mm256_set1_ps(p[j][r]);
+                s[j][0] = _mm256_fmadd_ps(w, v0, s[j][0]);
+                s[j][1] = _mm256_fmadd_ps(w, v1, s[j][1]);
+                s[j][2] = _mm256_fmadd_ps(w, v2, s[j][2]);
+                s[j][3] = _mm256_fmadd_ps(w, v3, s[j][3]);
+            }
+        }
+        for (int j = 0; j < 2; j++)
+            for (int e = 0; e < 4; e++) _mm256_storeu_ps(acc[j] + c + 8 * e, s[j][e]);
+    }
+}
 #endif
 
 /* scores[r] (+)= x . rows[r * stride] for r < count; `add` keeps what scores holds (the rope
@@ -311,8 +362,8 @@ static void accumulate_rows(float *restrict acc, const float *p, const float *ro
 }
 
 /* score_rows for `count` query rows q[j] against the same key rows, scores into out[j]: four
- * queries at a time share each key load (dot_4_by_4) where the key rows come in full groups
- * of eight; the scores are score_rows's, bit for bit. */
+ * queries at a time (dot_4_by_4), then two (dot_2_by_8), share each key load where the key
+ * rows come in full groups of eight; the scores are score_rows's, bit for bit. */
 static void score_rows_many(const float *const *q, float *const *out, int64_t count,
                             const float *rows, int64_t stride, int64_t rows_count, int64_t n) {
     int64_t j = 0;
@@ -328,21 +379,34 @@ static void score_rows_many(const float *const *q, float *const *out, int64_t co
                 score_rows(q[e], rows + grouped * stride, stride, rows_count - grouped, n, 0,
                            out[e] + grouped);
         }
+        for (; j + 2 <= count; j += 2) {
+            for (int64_t r = 0; r < grouped; r += 8) {
+                float *at[2] = {out[j] + r, out[j + 1] + r};
+                dot_2_by_8(q + j, rows + r * stride, stride, n, at);
+            }
+            for (int64_t e = j; e < j + 2 && grouped < rows_count; e++)
+                score_rows(q[e], rows + grouped * stride, stride, rows_count - grouped, n, 0,
+                           out[e] + grouped);
+        }
     }
 #endif
     for (; j < count; j++) score_rows(q[j], rows, stride, rows_count, n, 0, out[j]);
 }
 
 /* accumulate_rows for `count` output rows acc[j] with weights p[j] over the same value rows,
- * four at a time where the vector loop applies; the sums are accumulate_rows's, bit for bit. */
+ * four (then two) at a time where the vector loop applies; the sums are accumulate_rows's,
+ * bit for bit. */
 static void accumulate_rows_many(float *const *acc, const float *const *p, int64_t count,
                                  const float *rows, int64_t stride, int64_t rows_count,
                                  int64_t n) {
     int64_t j = 0;
 #ifdef KVSKILL_AVX2
-    if (n % 32 == 0)
+    if (n % 32 == 0) {
         for (; j + 4 <= count; j += 4)
             weighted_rows_4_by_32(acc + j, p + j, rows, stride, rows_count, n);
+        for (; j + 2 <= count; j += 2)
+            weighted_rows_2_by_32(acc + j, p + j, rows, stride, rows_count, n);
+    }
 #endif
     for (; j < count; j++) accumulate_rows(acc[j], p[j], rows, stride, rows_count, n);
 }
@@ -377,8 +441,16 @@ static int score_blocks(const decode_args *a, int64_t b, const float *qs, float 
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *keys = block_rows_f32(a, a->k, id * a->k_sblk + h * a->k_shead,
                                                a->k_srow, rows, d, w->block_rows, &stride);
-            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                score_rows(qs + n * d, keys, stride, rows, d, 0, scores + n * len + t0);
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n += 4) {
+                int64_t m = (h + 1) * g_count - n < 4 ? (h + 1) * g_count - n : 4;
+                const float *q_rows[4];
+                float *score_out[4];
+                for (int64_t e = 0; e < m; e++) {
+                    q_rows[e] = qs + (n + e) * d;
+                    score_out[e] = scores + (n + e) * len + t0;
+                }
+                score_rows_many(q_rows, score_out, m, keys, stride, rows, d);
+            }
             if (!dr) continue;
             keys = block_rows_f32(a, a->kr, id * a->kr_sblk + h * a->kr_shead, a->kr_srow, rows,
                                   dr, w->block_rows, &stride);
@@ -404,8 +476,16 @@ static void value_blocks(const decode_args *a, int64_t b, const float *scores, f
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *values = block_rows_f32(a, a->v, id * a->v_sblk + h * a->v_shead,
                                                  a->v_srow, rows, dv, w->block_rows, &stride);
-            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                accumulate_rows(acc + n * dv, scores + n * len + t0, values, stride, rows, dv);
+            for (int64_t n = h * g_count; n < (h + 1) * g_count; n += 4) {
+                int64_t m = (h + 1) * g_count - n < 4 ? (h + 1) * g_count - n : 4;
+                const float *weights[4];
+                float *acc_rows[4];
+                for (int64_t e = 0; e < m; e++) {
+                    weights[e] = scores + (n + e) * len + t0;
+                    acc_rows[e] = acc + (n + e) * dv;
+                }
+                accumulate_rows_many(acc_rows, weights, m, values, stride, rows, dv);
+            }
         }
     }
 }
@@ -576,6 +656,9 @@ static void shared_values(const decode_args *a, int64_t h, int64_t lo, int64_t s
  *   3. per request: scores over its own blocks, softmax;
  *   4. per kv head (and request range): the shared blocks' values into the output;
  *   5. per request: its own blocks' values.
+ * Stages 2 and 4 take the query rows of a kv head four at a time, so each key or value slice
+ * loaded serves four of them (on a batch of 32 requests over a 1024-token shared prefix, 16
+ * heads over 8 kv heads of 128, 2 threads: 4.8 -> 4.0 ms a call, median of 400 interleaved).
  * Every (request, head) sees the same operations in the same order as on the per-request path,
  * so the results are identical to it, bit for bit. fp32 caches without a rope part only.
  * Returns as kvskill_paged_decode, or 2 when the buffers cannot be had (the caller then runs

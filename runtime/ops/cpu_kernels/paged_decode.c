@@ -243,15 +243,16 @@ static inline void weighted_rows_32(float *acc, const float *p, const float *row
     }
 }
 
-/* weighted_rows_32 for four output rows at once: acc[j] += sum over r of p[j][r] * rows[r *
- * stride]. A value slice is loaded once for four outputs; every output element still takes
- * its rows in order, one multiply-add each, so the sums are weighted_rows_32's. */
-static inline void weighted_rows_4_by_32(float *const *acc, const float *const *p,
-                                         const float *rows, int64_t stride, int64_t count,
-                                         int64_t n) {
+/* weighted_rows_32 for m (at most four) output rows at once: acc[j] += sum over r of p[j][r] *
+ * rows[r * stride]. A value slice is loaded once for all m outputs; every output element still
+ * takes its rows in order, one multiply-add each, so the sums are weighted_rows_32's. Always
+ * inlined, so that each constant m gets its own fully unrolled loop in registers. */
+static inline __attribute__((always_inline)) void weighted_rows_by_32(
+    int m, float *const *acc, const float *const *p, const float *rows, int64_t stride,
+    int64_t count, int64_t n) {
     for (int64_t c = 0; c < n; c += 32) {
         __m256 s[4][4];
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < m; j++)
             for (int e = 0; e < 4; e++) s[j][e] = _mm256_loadu_ps(acc[j] + c + 8 * e);
         for (int64_t r = 0; r < count; r++) {
             const float *row = rows + r * stride + c;
@@ -261,7 +262,7 @@ static inline void weighted_rows_4_by_32(float *const *acc, const float *const *
             HOLD(v1);
             HOLD(v2);
             HOLD(v3);
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < m; j++) {
                 __m256 w = _mm256_set1_ps(p[j][r]);
                 s[j][0] = _mm256_fmadd_ps(w, v0, s[j][0]);
                 s[j][1] = _mm256_fmadd_ps(w, v1, s[j][1]);
@@ -269,7 +270,7 @@ static inline void weighted_rows_4_by_32(float *const *acc, const float *const *
                 s[j][3] = _mm256_fmadd_ps(w, v3, s[j][3]);
             }
         }
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < m; j++)
             for (int e = 0; e < 4; e++) _mm256_storeu_ps(acc[j] + c + 8 * e, s[j][e]);
     }
 }
@@ -296,34 +297,6 @@ static inline void dot_2_by_8(const float *const *q, const float *k, int64_t str
                                              p[j][6], p[j][7]));
 }
 
-/* weighted_rows_32 for two output rows at once; the sums are weighted_rows_32's. */
-static inline void weighted_rows_2_by_32(float *const *acc, const float *const *p,
-                                         const float *rows, int64_t stride, int64_t count,
-                                         int64_t n) {
-    for (int64_t c = 0; c < n; c += 32) {
-        __m256 s[2][4];
-        for (int j = 0; j < 2; j++)
-            for (int e = 0; e < 4; e++) s[j][e] = _mm256_loadu_ps(acc[j] + c + 8 * e);
-        for (int64_t r = 0; r < count; r++) {
-            const float *row = rows + r * stride + c;
-            __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-            __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
-            HOLD(v0);
-            HOLD(v1);
-            HOLD(v2);
-            HOLD(v3);
-            for (int j = 0; j < 2; j++) {
-                __m256 w = _mm256_set1_ps(p[j][r]);
-                s[j][0] = _mm256_fmadd_ps(w, v0, s[j][0]);
-                s[j][1] = _mm256_fmadd_ps(w, v1, s[j][1]);
-                s[j][2] = _mm256_fmadd_ps(w, v2, s[j][2]);
-                s[j][3] = _mm256_fmadd_ps(w, v3, s[j][3]);
-            }
-        }
-        for (int j = 0; j < 2; j++)
-            for (int e = 0; e < 4; e++) _mm256_storeu_ps(acc[j] + c + 8 * e, s[j][e]);
-    }
-}
 #endif
 
 /* scores[r] (+)= x . rows[r * stride] for r < count; `add` keeps what scores holds (the rope
@@ -403,9 +376,9 @@ static void accumulate_rows_many(float *const *acc, const float *const *p, int64
 #ifdef KVSKILL_AVX2
     if (n % 32 == 0) {
         for (; j + 4 <= count; j += 4)
-            weighted_rows_4_by_32(acc + j, p + j, rows, stride, rows_count, n);
+            weighted_rows_by_32(4, acc + j, p + j, rows, stride, rows_count, n);
         for (; j + 2 <= count; j += 2)
-            weighted_rows_2_by_32(acc + j, p + j, rows, stride, rows_count, n);
+            weighted_rows_by_32(2, acc + j, p + j, rows, stride, rows_count, n);
     }
 #endif
     for (; j < count; j++) accumulate_rows(acc[j], p[j], rows, stride, rows_count, n);

@@ -8,8 +8,8 @@ took 0.96 ms instead of 1.11 ms (median of 300 interleaved calls each).
 
 Only these long-lived buffers: torch's own switch (``THP_MEM_ALLOC_ENABLE``) advises every
 allocation of 2 MiB or more, and with it a serving run of the 0.6B benchmark model was slower
-(about 8.3-9.1 s against 7.3-8.0 s for W2), each step's large activations then faulting in
-and zeroing fresh huge pages.
+(8.0-9.1 s against 7.3-8.0 s for W2, six runs each) - likely each step's large activations
+faulting in and zeroing fresh huge pages (not confirmed by a profile).
 
 The advice is given before the first write, so the pages are faulted in huge where the kernel
 allows it. It is only advice: on a kernel with transparent huge pages off, outside Linux, or

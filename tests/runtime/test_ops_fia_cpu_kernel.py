@@ -557,25 +557,31 @@ def _shared_prefix_case(own_lens, *, shared, layout, heads=4, kv_heads=2, dim=32
     return q, build(copies=False), build(copies=True), kv_lens
 
 
-#: (heads, kv_heads, head dim, block size): the shared stages score four query rows at a time
-#: against key rows in groups of eight (the rest one by one) and weight value slices of 32;
-#: these cover both, their leftovers (query rows not a multiple of four, a block of 12 rows)
-#: and two threads (enough key rows to split).
-SHARED_SHAPES = [(4, 2, 32, 4), (6, 2, 64, 12), (16, 8, 128, 16)]
+#: (heads, kv_heads, head dim, block size, shared blocks): the shared stages score four query
+#: rows at a time against key rows in groups of eight (the rest one by one) and weight value
+#: slices of 32; these cover both, their leftovers (query rows not a multiple of four, a block
+#: of 12 rows), two threads (enough key rows to split), and a prefix packed in two parts
+#: (over 512 rows) read by several groups of 16 query rows (8 query heads a kv head).
+SHARED_SHAPES = [
+    (4, 2, 32, 4, 5),
+    (6, 2, 64, 12, 5),
+    (16, 8, 128, 16, 5),
+    (16, 2, 32, 16, 40),
+]
 
 
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 @pytest.mark.parametrize("own_lens", [[0, 5, 9, 1], [3, 3], [13, 0, 2, 7, 4, 11]])
-@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}x{}".format(*s))
 def test_a_shared_prefix_gives_bit_for_bit_the_per_request_result(layout, own_lens, shape):
     """Blocks every request shares are read once for all of them (the shared-prefix stages);
     each (request, head) still sums in the per-request order, so the outputs are equal."""
     from kvskill.runtime.ops.cpu_kernels import paged_decode
 
-    heads, kv_heads, dim, block_size = shape
+    heads, kv_heads, dim, block_size, shared = shape
     q, (k, v, table), (k2, v2, table2), kv_lens = _shared_prefix_case(
         own_lens,
-        shared=5,
+        shared=shared,
         layout=layout,
         heads=heads,
         kv_heads=kv_heads,

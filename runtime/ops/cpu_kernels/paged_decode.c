@@ -207,6 +207,7 @@ static inline void dot_4_by_4(const float *const *q, const float *k, int64_t str
         HOLD(k3);
         for (int j = 0; j < 4; j++) {
             __m256 x = _mm256_loadu_ps(q[j] + i);
+            HOLD(x);
             p[j][0] = _mm256_fmadd_ps(x, k0, p[j][0]);
             p[j][1] = _mm256_fmadd_ps(x, k1, p[j][1]);
             p[j][2] = _mm256_fmadd_ps(x, k2, p[j][2]);
@@ -285,6 +286,8 @@ static inline void dot_2_by_8(const float *const *q, const float *k, int64_t str
         for (int r = 0; r < 8; r++) p[j][r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) {
         __m256 x0 = _mm256_loadu_ps(q[0] + i), x1 = _mm256_loadu_ps(q[1] + i);
+        HOLD(x0);
+        HOLD(x1);
         for (int r = 0; r < 8; r++) {
             __m256 kr = _mm256_loadu_ps(k + r * stride + i);
             HOLD(kr);
@@ -336,31 +339,31 @@ static void accumulate_rows(float *restrict acc, const float *p, const float *ro
 
 /* score_rows for `count` query rows q[j] against the same key rows, scores into out[j]: four
  * queries at a time (dot_4_by_4), then two (dot_2_by_8), share each key load where the key
- * rows come in full groups of eight; the scores are score_rows's, bit for bit. */
+ * rows come in full groups of eight; the scores are score_rows's, bit for bit. Key rows are
+ * the outer loop, so a few key rows serve every query row from L1 while they are there: the
+ * caller keeps `count` small enough (QUERY_GROUP) for the query rows to stay in L1 too. */
 static void score_rows_many(const float *const *q, float *const *out, int64_t count,
                             const float *rows, int64_t stride, int64_t rows_count, int64_t n) {
     int64_t j = 0;
 #ifdef KVSKILL_AVX2
     if (n % 8 == 0) {
-        int64_t grouped = rows_count / 8 * 8;
-        for (; j + 4 <= count; j += 4) {
-            for (int64_t r = 0; r < grouped; r += 4) {
-                float *at[4] = {out[j] + r, out[j + 1] + r, out[j + 2] + r, out[j + 3] + r};
-                dot_4_by_4(q + j, rows + r * stride, stride, n, at);
+        int64_t grouped = rows_count / 8 * 8, quads = count / 4 * 4;
+        for (int64_t r = 0; r < grouped && quads; r += 4)
+            for (int64_t e = 0; e < quads; e += 4) {
+                float *at[4] = {out[e] + r, out[e + 1] + r, out[e + 2] + r, out[e + 3] + r};
+                dot_4_by_4(q + e, rows + r * stride, stride, n, at);
             }
-            for (int64_t e = j; e < j + 4 && grouped < rows_count; e++)
-                score_rows(q[e], rows + grouped * stride, stride, rows_count - grouped, n, 0,
-                           out[e] + grouped);
-        }
-        for (; j + 2 <= count; j += 2) {
+        j = quads;
+        if (j + 2 <= count) {
             for (int64_t r = 0; r < grouped; r += 8) {
                 float *at[2] = {out[j] + r, out[j + 1] + r};
                 dot_2_by_8(q + j, rows + r * stride, stride, n, at);
             }
-            for (int64_t e = j; e < j + 2 && grouped < rows_count; e++)
-                score_rows(q[e], rows + grouped * stride, stride, rows_count - grouped, n, 0,
-                           out[e] + grouped);
+            j += 2;
         }
+        for (int64_t e = 0; e < j && grouped < rows_count; e++)
+            score_rows(q[e], rows + grouped * stride, stride, rows_count - grouped, n, 0,
+                       out[e] + grouped);
     }
 #endif
     for (; j < count; j++) score_rows(q[j], rows, stride, rows_count, n, 0, out[j]);
@@ -540,19 +543,6 @@ static inline int64_t thread_index(void) {
 #endif
 }
 
-/* `rows` rows of n floats, `row_stride` apart, copied next to each other into `tile`. In the
- * cache's token-major layouts one head's rows of a block are a whole token (all heads) apart,
- * often 4 KiB: every row then falls in the same L1 set, and rows read again and again (a
- * shared block, for every request) keep evicting each other. Packed, they stay in L1 (one
- * copy of a 16-row block for 32 requests: 3.3 ms instead of 5.2 ms a layer on the 2-core
- * machine the kernel was measured on). Copying is exact, so results do not change. */
-static const float *tile_rows(const float *src, int64_t row_stride, int64_t rows, int64_t n,
-                              float *restrict tile) {
-    if (row_stride == n) return src;
-    for (int64_t r = 0; r < rows; r++) memcpy(tile + r * n, src + r * row_stride, sizeof(float) * n);
-    return tile;
-}
-
 static void *run_job(void *arg) {
     decode_job *job = (decode_job *)arg;
     const decode_args *a = job->a;
@@ -576,48 +566,90 @@ typedef struct {
     float **to;
 } row_ptrs;
 
+/* Query rows the shared stages take at a time: 16 rows of 128 floats (8 KiB) stay in L1
+ * beside the key rows being read. */
+#define QUERY_GROUP 16
+
+/* Packed value rows stage 4 applies at a time to every output row: 64 rows of 128 floats
+ * (32 KiB) are read from L1 by all the output rows before the next 64 are loaded. */
+#define VALUE_ROWS 64
+
+/* Shared blocks packed at a time for one kv head: about 512 rows (256 KiB at 128 floats a
+ * row), read from L2 by every query row group. */
+static inline int64_t pack_blocks(int64_t block_size) {
+    return block_size >= 512 ? 1 : 512 / block_size;
+}
+
+/* Rows of kv head h in shared blocks [c0, c1), one block after another, into `tile` (rows of
+ * n floats). In the cache's token-major layouts one head's rows of a block are a whole token
+ * (all heads) apart, often 4 KiB: every row then falls in the same L1 set, and rows read again
+ * and again (for every query row) keep evicting each other; packed, they are read in order.
+ * Copying is exact, so results do not change. */
+static void pack_shared(const decode_args *a, const float *cache, int64_t blk_stride,
+                        int64_t row_stride, int64_t head_offset, int64_t c0, int64_t c1,
+                        int64_t n, float *restrict tile) {
+    int64_t bs = a->block_size;
+    for (int64_t c = c0; c < c1; c++) {
+        const float *src = cache + a->table[c] * blk_stride + head_offset;
+        float *dst = tile + (c - c0) * bs * n;
+        for (int64_t r = 0; r < bs; r++) memcpy(dst + r * n, src + r * row_stride, sizeof(float) * n);
+    }
+}
+
 /* Stage 2 of run_shared for kv head h and requests [lo, lo + span): scores over the shared
- * blocks, each block's rows of the head packed once into `tile` for all of them, four query
- * rows at a time. */
+ * blocks, packed a few hundred rows at a time and read by QUERY_GROUP query rows at a time. */
 static void shared_scores(const decode_args *a, int64_t h, int64_t lo, int64_t span,
                           int64_t shared, const float *qs, float *scores, int64_t longest,
                           float *tile, row_ptrs rows) {
     int64_t heads = a->heads, d = a->dim, bs = a->block_size, g_count = heads / a->kv_heads;
-    int64_t hi = lo + span < a->batch ? lo + span : a->batch, count = 0;
+    int64_t hi = lo + span < a->batch ? lo + span : a->batch, count = 0, step = pack_blocks(bs);
     for (int64_t b = lo; b < hi; b++)
         for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
             rows.from[count++] = qs + (b * heads + n) * d;
-    for (int64_t c = 0; c < shared && count; c++) {
-        const float *keys = tile_rows(
-            (const float *)a->k + a->table[c] * a->k_sblk + h * a->k_shead, a->k_srow, bs, d,
-            tile);
-        int64_t j = 0;
-        for (int64_t b = lo; b < hi; b++)
-            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                rows.to[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c * bs;
-        score_rows_many(rows.from, rows.to, count, keys, d, bs, d);
+    for (int64_t c0 = 0; c0 < shared && count; c0 += step) {
+        int64_t c1 = c0 + step < shared ? c0 + step : shared;
+        pack_shared(a, (const float *)a->k, a->k_sblk, a->k_srow, h * a->k_shead, c0, c1, d, tile);
+        /* score_rows_many takes key rows in groups of eight and the rest one by one, each
+         * way in its own order of addition; the per-request path groups each block's rows, so
+         * blocks not a multiple of eight rows are scored one by one here too. */
+        int64_t packed = (c1 - c0) * bs, run = bs % 8 == 0 ? packed : bs;
+        for (int64_t r0 = 0; r0 < packed; r0 += run) {
+            int64_t j = 0;
+            for (int64_t b = lo; b < hi; b++)
+                for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                    rows.to[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c0 * bs + r0;
+            for (int64_t g = 0; g < count; g += QUERY_GROUP)
+                score_rows_many(rows.from + g, rows.to + g,
+                                count - g < QUERY_GROUP ? count - g : QUERY_GROUP,
+                                tile + r0 * d, d, run, d);
+        }
     }
 }
 
 /* Stage 4 of run_shared for kv head h and requests [lo, lo + span): the shared blocks'
- * values, weighted by the softmaxed scores, into the output rows, four rows at a time. */
+ * values, weighted by the softmaxed scores, into the output rows, packed as in stage 2; each
+ * output row takes the packed rows in order (four output rows at a time). */
 static void shared_values(const decode_args *a, int64_t h, int64_t lo, int64_t span,
                           int64_t shared, const float *scores, int64_t longest, float *tile,
                           row_ptrs rows) {
     int64_t heads = a->heads, dv = a->dim_v, bs = a->block_size, g_count = heads / a->kv_heads;
-    int64_t hi = lo + span < a->batch ? lo + span : a->batch, count = 0;
+    int64_t hi = lo + span < a->batch ? lo + span : a->batch, count = 0, step = pack_blocks(bs);
     for (int64_t b = lo; b < hi; b++)
         for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
             rows.to[count++] = a->out + (b * heads + n) * dv;
-    for (int64_t c = 0; c < shared && count; c++) {
-        const float *values = tile_rows(
-            (const float *)a->v + a->table[c] * a->v_sblk + h * a->v_shead, a->v_srow, bs, dv,
-            tile);
-        int64_t j = 0;
-        for (int64_t b = lo; b < hi; b++)
-            for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                rows.from[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c * bs;
-        accumulate_rows_many(rows.to, rows.from, count, values, dv, bs, dv);
+    for (int64_t c0 = 0; c0 < shared && count; c0 += step) {
+        int64_t c1 = c0 + step < shared ? c0 + step : shared;
+        pack_shared(a, (const float *)a->v, a->v_sblk, a->v_srow, h * a->v_shead, c0, c1, dv,
+                    tile);
+        int64_t packed = (c1 - c0) * bs;
+        for (int64_t r0 = 0; r0 < packed; r0 += VALUE_ROWS) {
+            int64_t j = 0;
+            for (int64_t b = lo; b < hi; b++)
+                for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+                    rows.from[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c0 * bs + r0;
+            accumulate_rows_many(rows.to, rows.from, count, tile + r0 * dv, dv,
+                                 packed - r0 < VALUE_ROWS ? packed - r0 : VALUE_ROWS, dv);
+        }
     }
 }
 
@@ -630,8 +662,11 @@ static void shared_values(const decode_args *a, int64_t h, int64_t lo, int64_t s
  *   4. per kv head (and request range): the shared blocks' values into the output;
  *   5. per request: its own blocks' values.
  * Stages 2 and 4 take the query rows of a kv head four at a time, so each key or value slice
- * loaded serves four of them (on a batch of 32 requests over a 1024-token shared prefix, 16
- * heads over 8 kv heads of 128, 2 threads: 4.8 -> 4.0 ms a call, median of 400 interleaved).
+ * loaded serves four of them, and pack the shared rows of the head so that a few of them serve
+ * every query row from L1 (a batch of 32 requests over a 1024-token shared prefix, 16 heads
+ * over 8 kv heads of 128, medians of 200 interleaved calls: four rows at a time 4.8 -> 4.0 ms
+ * a call at 2 threads; then with the packing and the query loads held, 3.39 -> 2.90 ms at 2
+ * threads and 7.35 -> 5.95 ms at one).
  * Every (request, head) sees the same operations in the same order as on the per-request path,
  * so the results are identical to it, bit for bit. fp32 caches without a rope part only.
  * Returns as kvskill_paged_decode, or 2 when the buffers cannot be had (the caller then runs
@@ -653,7 +688,7 @@ static int64_t run_shared(const decode_args *a, int64_t shared, int64_t threads)
     int64_t ok = scores && qs && failed, most_rows = batch * (heads / kv_heads);
     for (int64_t j = 0; j < threads; j++) {
         ws[j] = alloc_scratch(a, 1);
-        tiles[j] = malloc(sizeof(float) * bs * (d > dv ? d : dv));
+        tiles[j] = malloc(sizeof(float) * pack_blocks(bs) * bs * (d > dv ? d : dv));
         ptrs[j].from = malloc(sizeof(float *) * most_rows);
         ptrs[j].to = malloc(sizeof(float *) * most_rows);
         ok = ok && scratch_ok(&ws[j]) && tiles[j] && ptrs[j].from && ptrs[j].to;

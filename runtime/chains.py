@@ -107,6 +107,7 @@ class _StepFacts:
     prompt_tokens: list[int]
     num_output_tokens: list[int]
     seq_lengths_kv: list[int]
+    seq_lengths_q: list[int]
     #: group key -> (block table shape, dtype, slot mapping length)
     groups: dict[str, tuple[tuple[int, ...], torch.dtype, int]]
     preempted_ids: list[str]
@@ -138,6 +139,7 @@ class RuntimeChainRecorder:
                 prompt_tokens=list(md.prompt_tokens),
                 num_output_tokens=list(record.num_output_tokens),
                 seq_lengths_kv=list(md.actual_seq_lengths_kv),
+                seq_lengths_q=list(md.actual_seq_lengths_q),
                 groups=groups,
                 preempted_ids=list(record.preempted_ids),
                 first_blocks=first_blocks,
@@ -163,15 +165,18 @@ class RuntimeChainRecorder:
             preempted.update(step.preempted_ids)
             failures += _check_tables(i, step, group_keys, frozenset(state_group_keys))
             failures += _check_state_blocks(i, step, state_group_keys, owners)
-            if step.is_prefill:
-                continue
-            for rid, prompt, outputs, kv in zip(
+            for rid, prompt, outputs, kv, q in zip(
                 step.request_ids,
                 step.prompt_tokens,
                 step.num_output_tokens,
                 step.seq_lengths_kv,
+                step.seq_lengths_q,
                 strict=True,
             ):
+                # In a prefill step only the decoding requests riding along are checked: one
+                # token fed after at least one generated, by a request not recomputing.
+                if step.is_prefill and (q != 1 or outputs == 0 or rid in preempted):
+                    continue
                 if rid not in seen_decode:
                     seen_decode.add(rid)
                     if rid not in preempted:

@@ -350,7 +350,10 @@ class LLMEngine:
         stats.num_steps += 1
         if output.is_prefill:
             stats.num_prefill_steps += 1
-            stats.num_prompt_tokens += output.num_tokens
+            # (decoding requests riding along feed a generated token, not a prompt token)
+            stats.num_prompt_tokens += sum(
+                s.num_new_tokens for s in output.scheduled if s.start < s.request.num_prefill_tokens
+            )
         else:
             stats.num_decode_steps += 1
         stats.num_generated_tokens += len(sampled) - sampled.count(None)

@@ -66,6 +66,10 @@ class LLM:
     when it agrees with its own forward on a probe input; also within fp32 rounding, not
     bit-exact, so also off by default.
 
+    ``mix_decode_with_prefill=True`` (with chunked prefill): a step that computes prompt
+    tokens also feeds every decoding request its next token, out of the same token budget, so
+    running requests keep generating while new prompts are computed (``runtime/scheduler.py``).
+
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a
     multiple of 128 in [128, 512]), its head counts and dims, and, in float16/bfloat16, its
@@ -90,6 +94,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
         enable_chunked_prefill: bool = True,
+        mix_decode_with_prefill: bool = True,
         free_block_order_seed: int | None = None,
         use_hybrid_blocks: bool = False,
         log_layout: bool = False,
@@ -157,6 +162,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
+                mix_decode_with_prefill=mix_decode_with_prefill,
                 free_block_order_seed=free_block_order_seed,
                 use_hybrid_blocks=use_hybrid_blocks,
                 log_layout=log_layout,
@@ -186,6 +192,7 @@ class LLM:
         max_num_batched_tokens,
         max_num_seqs,
         enable_chunked_prefill,
+        mix_decode_with_prefill,
         free_block_order_seed,
         use_hybrid_blocks,
         log_layout,
@@ -255,6 +262,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_chunked_prefill=enable_chunked_prefill,
+            mix_decode_with_prefill=mix_decode_with_prefill,
             max_model_len=self._resolve_max_model_len(
                 max_model_len, max_num_batched_tokens, enable_chunked_prefill
             ),

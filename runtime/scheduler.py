@@ -1,12 +1,17 @@
 """Continuous-batching scheduler: waiting/running queues, packed prefill, decode, preemption.
 
-Policy (one step is either all-prefill or all-decode, ``ForwardMetaData.is_prefill``):
+Policy (``ForwardMetaData.is_prefill`` is set on every step that computes prompt tokens):
 
 1. Prefill first. Requests part-way through a chunked prefill continue, then waiting
    requests are admitted in arrival order while the token budget
    (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the KV manager
    allow. A prompt longer than the remaining budget is chunked (or, with chunking off,
-   admitted alone in a step of its own).
+   admitted alone in a step of its own). With ``mix_decode_with_prefill`` (the default;
+   chunked prefill only), the running requests that are done with their prompt ride along:
+   each feeds its last sampled token in the same step, ahead of the prompt tokens and out of
+   the same budget, as far as the KV manager grows them without preempting anyone. Requests
+   admitted earlier then keep generating while later prompts are computed, instead of
+   waiting for every prompt.
 2. Otherwise a decode step feeds every running request its last sampled token. When the
    KV manager cannot grow a request, the most recently admitted running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue to
@@ -41,6 +46,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     #: a request stops with "length" when prompt + output reaches this
     max_model_len: int = 2048
+    #: steps that compute prompt tokens also feed the decoding requests their next token
+    #: (with chunked prefill only: an unchunked prompt longer than the budget runs alone)
+    mix_decode_with_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -101,9 +109,7 @@ class Scheduler:
         """Build the next step. Preempts running requests when the pool cannot serve any."""
         preempted: list[Request] = []
         while True:
-            output = self._schedule_prefill()
-            if not output.scheduled:
-                output = self._schedule_decode()
+            output = self._schedule_prefill()  # a decode step when no prompt token fits
             output.preempted[:0] = preempted
             if output.scheduled or not self.running:
                 assert output.scheduled or not self.waiting, (
@@ -118,6 +124,51 @@ class Scheduler:
     def _schedule_prefill(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput(is_prefill=True)
+        config = self.config
+        mixing = config.mix_decode_with_prefill and config.enable_chunked_prefill
+        decoding = self._ride_along(budget) if mixing else []
+        budget -= len(decoding)
+        self._schedule_prompts(output, budget)
+        if not output.scheduled:
+            # No prompt token fits after all: what was grown is an ordinary decode step,
+            # completed (and, where the pool is full, preempted for) by _schedule_decode.
+            output = self._schedule_decode(grown=decoding)
+        else:
+            output.scheduled[:0] = decoding
+        return output
+
+    def _ride_along(self, budget: int) -> list[ScheduledRequest]:
+        """The decoding requests grown by one token each for a step that computes prompt
+        tokens, in running order, while the budget lasts and the pool grows them; none when
+        there is no prompt to compute."""
+        if not self.waiting and all(
+            r.num_computed_tokens >= r.num_prefill_tokens for r in self.running
+        ):
+            return []
+        candidates = [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
+        # one token of the budget stays for a prompt
+        candidates = candidates[: max(0, budget - 1)]
+        if not candidates:
+            return []
+        computed = [r.num_computed_tokens for r in candidates]
+        served = self.kv_manager.allocate_slots_batch(
+            [r.request_id for r in candidates], [c + 1 for c in computed], computed
+        )
+        grown = [
+            ScheduledRequest(r, 1, c)
+            for r, c in zip(candidates[:served], computed[:served], strict=True)
+        ]
+        # A manager that served fewer than it could (the batched call is an optimisation, not
+        # a promise) gets the rest one by one, up to the first that does not fit.
+        for request, c in zip(candidates[served:], computed[served:], strict=True):
+            if not self._allocate(request, 1):
+                break
+            grown.append(ScheduledRequest(request, 1, c))
+        return grown
+
+    def _schedule_prompts(self, output: SchedulerOutput, budget: int) -> None:
+        """Prompt chunks of running requests part-way through their prefill, then waiting
+        requests admitted, into ``output`` within ``budget`` tokens."""
         for request in self.running:
             # (is_prefilling, spelled out: this runs over every running request each step)
             if request.num_computed_tokens >= request.num_prefill_tokens or budget <= 0:
@@ -126,7 +177,7 @@ class Scheduler:
             num_new = self._num_new_tokens(remaining, budget, output)
             if num_new == 0 or not self._allocate(request, num_new):
                 # NOTE: admitting newcomers now would take the blocks this request waits for.
-                return output
+                return
             budget -= num_new
             if self._caching:
                 self.kv_manager.cache_blocks(request, request.num_computed_tokens + num_new)
@@ -154,7 +205,6 @@ class Scheduler:
             self.running.append(request)
             budget -= num_new
             output.scheduled.append(ScheduledRequest(request, num_new, hit))
-        return output
 
     def _num_new_tokens(self, remaining: int, budget: int, output: SchedulerOutput) -> int:
         if remaining <= budget:
@@ -164,16 +214,20 @@ class Scheduler:
         # Unchunked: a prompt longer than the budget runs alone in its own step.
         return 0 if output.scheduled else remaining
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_decode(self, grown: list[ScheduledRequest] = ()) -> SchedulerOutput:
+        """Every decoding request's next token. ``grown``: the first of them, in running
+        order, already grown by one token (by ``_ride_along`` for a step that then found no
+        prompt to compute)."""
         output = SchedulerOutput(is_prefill=False)
         candidates = [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
+        candidates = candidates[len(grown) :]
         # One batched allocation grows every request that fits, in running order; only the
         # requests crossing a block boundary touch the pools.
         computed = [r.num_computed_tokens for r in candidates]
         served = self.kv_manager.allocate_slots_batch(
             [r.request_id for r in candidates], [c + 1 for c in computed], computed
         )
-        output.scheduled = [
+        output.scheduled = list(grown) + [
             ScheduledRequest(r, 1, c)
             for r, c in zip(candidates[:served], computed[:served], strict=True)
         ]

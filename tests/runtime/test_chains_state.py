@@ -16,6 +16,7 @@ def _step(request_ids, blocks, preempted=()):
         prompt_tokens=[1] * batch,
         num_output_tokens=[0] * batch,
         seq_lengths_kv=[1] * batch,
+        seq_lengths_q=[1] * batch,
         groups={"Mamba": ((batch, 1), torch.int32, -1)},
         preempted_ids=list(preempted),
         first_blocks={"Mamba": list(blocks)},

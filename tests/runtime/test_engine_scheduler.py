@@ -42,7 +42,7 @@ def run_step(scheduler: Scheduler, token: int = 1):
 
 
 def test_prefill_packs_prompts_and_chunks_the_one_that_overflows():
-    scheduler = make_scheduler(64, max_num_batched_tokens=12)
+    scheduler = make_scheduler(64, max_num_batched_tokens=12, mix_decode_with_prefill=False)
     for rid in "abc":
         scheduler.add(make_request(rid, 5))
     # Step 1: a and b whole (10 tokens), then 2 tokens of c fill the budget of 12.
@@ -65,6 +65,50 @@ def test_prefill_packs_prompts_and_chunks_the_one_that_overflows():
         ("a", 5),
         ("b", 5),
         ("c", 5),
+    ]
+
+
+def test_decoding_requests_ride_along_with_a_prompt_chunk():
+    scheduler = make_scheduler(64, max_num_batched_tokens=12)
+    for rid in "abc":
+        scheduler.add(make_request(rid, 5))
+    output = run_step(scheduler)  # a, b whole and 2 tokens of c, as without mixing
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("a", 5),
+        ("b", 5),
+        ("c", 2),
+    ]
+    # Step 2: a and b feed their first sampled token ahead of c's last 3 prompt tokens.
+    output = run_step(scheduler)
+    assert output.is_prefill
+    assert [(s.request.request_id, s.num_new_tokens, s.start) for s in output.scheduled] == [
+        ("a", 1, 5),
+        ("b", 1, 5),
+        ("c", 3, 2),
+    ]
+    assert [len(r.output_token_ids) for r in scheduler.running] == [2, 2, 1]
+    # Step 3: no prompt left, a plain decode step at everyone's own position.
+    output = run_step(scheduler)
+    assert not output.is_prefill
+    assert [(s.request.request_id, s.start) for s in output.scheduled] == [
+        ("a", 6),
+        ("b", 6),
+        ("c", 5),
+    ]
+
+
+def test_riding_along_takes_the_budget_first_and_leaves_a_prompt_one_token():
+    scheduler = make_scheduler(64, max_num_batched_tokens=3)
+    for rid in "ab":
+        scheduler.add(make_request(rid, 1))
+    run_step(scheduler)  # a and b's one-token prompts
+    scheduler.add(make_request("c", 4))
+    output = run_step(scheduler)
+    # a and b take 2 of the 3 tokens; c gets a chunk of 1.
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("a", 1),
+        ("b", 1),
+        ("c", 1),
     ]
 
 

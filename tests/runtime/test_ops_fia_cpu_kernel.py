@@ -374,7 +374,7 @@ def test_table_entries_a_request_does_not_need_are_never_read_on_either_path(ker
     ["lse", "window", "float16", "prefill"],
 )
 def test_calls_outside_the_kernel_stay_on_pytorch(kernel_calls, what):
-    q_lens = [3, 1] if what == "prefill" else [1, 1]
+    q_lens = [3, 2] if what == "prefill" else [1, 1]
     case = make_paged_case(
         q_lens,
         [30, 9],
@@ -394,6 +394,26 @@ def test_calls_outside_the_kernel_stay_on_pytorch(kernel_calls, what):
     )
     assert not any(kernel_calls)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("q_lens", [[3, 1], [1, 5, 1, 2, 1]])
+def test_the_one_row_requests_of_a_prefill_call_go_to_the_kernel(kernel_calls, q_lens):
+    """Decoding requests riding along with prompt chunks (one query row each, every key
+    visible) are answered by the kernel in one call, the others by the packed path; the rows
+    land where the operator puts them."""
+    case = make_paged_case(
+        q_lens,
+        [30, 9, 12, 40, 7][: len(q_lens)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+    )
+    got, want = _both_paths(
+        lambda: paged_fia_v1(case, num_heads=4, num_kv_heads=2, scale=0.25, mode=3)[0]
+    )
+    assert kernel_calls == [True, False]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_two_threads_split_the_work_without_changing_it():

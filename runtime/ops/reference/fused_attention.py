@@ -7,6 +7,8 @@ user reads ``actual_seq_qlen`` and a v1 user ``actual_seq_lengths``.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from kvskill.core.npu_limits import MLA_LATENT_DIM
 from torch import Tensor
@@ -178,7 +180,58 @@ def _prefill_packed(
 
     table = call.block_table[: shapes.batch]
     block_size = paged_block_size(call.key)
+    if 1 in q_lens:
+        mixed = _one_row_requests_in_kernel(call, table, q_lens, kv_lens, kvn)
+        if mixed is not None:
+            single, out_single = mixed
+            multi = [b for b, q in enumerate(q_lens) if q > 1]
+            starts = [0, *accumulate(q_lens)]
+            rows_multi = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi])
+            out_multi = attend_packed(
+                rows.index_select(0, rows_multi),
+                table.index_select(0, torch.tensor(multi)),
+                [q_lens[b] for b in multi],
+                [kv_lens[b] for b in multi],
+                block_size,
+                float(call.scale),
+                gather,
+            )
+            if out_multi is None:
+                return None
+            out = out_multi.new_empty((rows.size(0), *out_multi.shape[1:]))
+            out.index_copy_(0, rows_multi, out_multi)
+            out.index_copy_(0, torch.tensor([starts[b] for b in single]), out_single)
+            return out
     return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)
+
+
+def _one_row_requests_in_kernel(
+    call: FaCall, table: Tensor, q_lens: list[int], kv_lens: list[int], kvn: int
+) -> tuple[list[int], Tensor] | None:
+    """A prefill call's one-row requests (decoding requests riding along with prompt chunks)
+    through the compiled decode kernel in one call: (their indices, [B1, N, Dv] fp32), or None
+    where the kernel does not take the inputs (the packed path then takes them too).
+
+    A request's one query row sees all of its kv_len keys, so bottom-right causal attention
+    of it is the decode kernel's attention, read from the paged cache in place instead of one
+    gather and one flash call per request.
+    """
+    single = [b for b, q in enumerate(q_lens) if q == 1]
+    starts = [0, *accumulate(q_lens)]
+    q = call.query.index_select(0, torch.tensor([starts[b] for b in single])).unsqueeze(2)
+    try:
+        out = paged_decode(
+            q,
+            call.key,
+            call.value,
+            table.index_select(0, torch.tensor(single)),
+            [kv_lens[b] for b in single],
+            kvn,
+            float(call.scale),
+        )
+    except BlockOutOfRangeError as exc:
+        raise OpInputError(f"{call.names.op}: {exc}") from None
+    return None if out is None else (single, out[:, :, 0])
 
 
 def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

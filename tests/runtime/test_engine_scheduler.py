@@ -78,13 +78,14 @@ def test_decoding_requests_ride_along_with_a_prompt_chunk():
         ("b", 5),
         ("c", 2),
     ]
-    # Step 2: a and b feed their first sampled token ahead of c's last 3 prompt tokens.
+    # Step 2: c's last 3 prompt tokens leave 9 of the budget: a and b feed their first
+    # sampled token in the same step.
     output = run_step(scheduler)
     assert output.is_prefill
     assert [(s.request.request_id, s.num_new_tokens, s.start) for s in output.scheduled] == [
+        ("c", 3, 2),
         ("a", 1, 5),
         ("b", 1, 5),
-        ("c", 3, 2),
     ]
     assert [len(r.output_token_ids) for r in scheduler.running] == [2, 2, 1]
     # Step 3: no prompt left, a plain decode step at everyone's own position.
@@ -97,18 +98,27 @@ def test_decoding_requests_ride_along_with_a_prompt_chunk():
     ]
 
 
-def test_riding_along_takes_the_budget_first_and_leaves_a_prompt_one_token():
-    scheduler = make_scheduler(64, max_num_batched_tokens=3)
+def test_decoding_requests_ride_along_only_in_what_the_prompts_leave():
+    scheduler = make_scheduler(64, max_num_batched_tokens=4)
     for rid in "ab":
         scheduler.add(make_request(rid, 1))
     run_step(scheduler)  # a and b's one-token prompts
-    scheduler.add(make_request("c", 4))
+    scheduler.add(make_request("c", 7))
+    # c's prompt takes the whole budget: a and b wait.
     output = run_step(scheduler)
-    # a and b take 2 of the 3 tokens; c gets a chunk of 1.
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("c", 4)]
+    # Its last 3 tokens leave one: a rides along, b waits for the decode step.
+    output = run_step(scheduler)
     assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("c", 3),
         ("a", 1),
+    ]
+    output = run_step(scheduler)
+    assert not output.is_prefill
+    assert [(s.request.request_id, s.start) for s in output.scheduled] == [
+        ("a", 2),
         ("b", 1),
-        ("c", 1),
+        ("c", 7),
     ]
 
 

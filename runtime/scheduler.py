@@ -110,7 +110,7 @@ class Scheduler:
         """Build the next step. Preempts running requests when the pool cannot serve any."""
         preempted: list[Request] = []
         while True:
-            output = self._schedule_prefill()  # a decode step when no prompt token fits
+            output = self._schedule_step()
             output.preempted[:0] = preempted
             if output.scheduled or not self.running:
                 assert output.scheduled or not self.waiting, (
@@ -122,7 +122,9 @@ class Scheduler:
             # room by recomputing the newest one later.
             preempted.append(self._preempt(self.running[-1]))
 
-    def _schedule_prefill(self) -> SchedulerOutput:
+    def _schedule_step(self) -> SchedulerOutput:
+        """Prompt tokens first (and decoding requests riding along); a decode step when no
+        prompt token fits."""
         output = SchedulerOutput(is_prefill=True)
         budget = self._schedule_prompts(output, self.config.max_num_batched_tokens)
         if not output.scheduled:

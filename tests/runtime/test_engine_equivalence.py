@@ -172,3 +172,36 @@ def test_decode_attention_on_either_cpu_path_matches_twin(toy_dir, twin, kernels
         outputs = llm.generate(prompts, SamplingParams(max_tokens=9))
         assert any(answered) == cpu_kernels.status().available
     assert_matches_twin(twin, prompts, outputs, 9)
+
+
+def test_decoding_requests_riding_along_with_prompts_keep_the_twins_tokens(toy_dir, twin):
+    """Requests admitted early keep decoding in the budget later prompts leave (mixed steps:
+    prompt chunks beside one-row decode requests) and still generate the dense twin's tokens."""
+    steps = []
+
+    def hook(record):
+        # (prefill step?, whether a request that already generated fed one token in it)
+        md = record.metadata
+        riding = any(
+            q == 1 and n > 0
+            for q, n in zip(md.actual_seq_lengths_q, record.num_output_tokens, strict=True)
+        )
+        steps.append((md.is_prefill, riding))
+
+    llm = make_llm(toy_dir, max_num_batched_tokens=16, max_num_seqs=4, step_hooks=[hook])
+    prompts = [list(range(2, 2 + n)) for n in (5, 6, 23, 9, 14, 3)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10))
+    assert_matches_twin(twin, prompts, outputs, 10)
+    assert any(is_prefill and riding for is_prefill, riding in steps), steps
+    # The same run without mixing: no generated token is fed in a prefill step.
+    steps.clear()
+    plain = make_llm(
+        toy_dir,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        step_hooks=[hook],
+        mix_decode_with_prefill=False,
+    )
+    again = plain.generate(prompts, SamplingParams(max_tokens=10))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    assert not any(is_prefill and riding for is_prefill, riding in steps)

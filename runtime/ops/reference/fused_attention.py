@@ -180,29 +180,29 @@ def _prefill_packed(
 
     table = call.block_table[: shapes.batch]
     block_size = paged_block_size(call.key)
-    if 1 in q_lens:
-        mixed = _one_row_requests_in_kernel(call, table, q_lens, kv_lens, kvn)
-        if mixed is not None:
-            single, out_single = mixed
-            multi = [b for b, q in enumerate(q_lens) if q > 1]
-            starts = [0, *accumulate(q_lens)]
-            rows_multi = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi])
-            out_multi = attend_packed(
-                rows.index_select(0, rows_multi),
-                table.index_select(0, torch.tensor(multi)),
-                [q_lens[b] for b in multi],
-                [kv_lens[b] for b in multi],
-                block_size,
-                float(call.scale),
-                gather,
-            )
-            if out_multi is None:
-                return None
-            out = out_multi.new_empty((rows.size(0), *out_multi.shape[1:]))
-            out.index_copy_(0, rows_multi, out_multi)
-            out.index_copy_(0, torch.tensor([starts[b] for b in single]), out_single)
-            return out
-    return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)
+    mixed = _one_row_requests_in_kernel(call, table, q_lens, kv_lens, kvn) if 1 in q_lens else None
+    if mixed is None:
+        return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)
+    # the other requests' rows on the packed path, then every row where the operator puts it
+    single, out_single = mixed
+    multi = [b for b, q in enumerate(q_lens) if q > 1]
+    starts = [0, *accumulate(q_lens)]
+    rows_multi = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi])
+    out_multi = attend_packed(
+        rows.index_select(0, rows_multi),
+        table.index_select(0, torch.tensor(multi)),
+        [q_lens[b] for b in multi],
+        [kv_lens[b] for b in multi],
+        block_size,
+        float(call.scale),
+        gather,
+    )
+    if out_multi is None:
+        return None
+    out = out_multi.new_empty((rows.size(0), *out_multi.shape[1:]))
+    out.index_copy_(0, rows_multi, out_multi)
+    out.index_copy_(0, torch.tensor([starts[b] for b in single]), out_single)
+    return out
 
 
 def _one_row_requests_in_kernel(

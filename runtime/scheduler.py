@@ -137,10 +137,25 @@ class Scheduler:
     def _ride_along(self, budget: int) -> list[ScheduledRequest]:
         """Decoding requests grown by one token each, in running order, for the budget the
         prompts left, up to the first the KV manager cannot grow (nobody is preempted)."""
-        candidates = [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
-        candidates = candidates[:budget]
-        if not candidates:
-            return []
+        grown, rest = self._grow_decoding(self._decoding()[:budget])
+        # A manager that served fewer than it could (the batched call is an optimisation, not
+        # a promise) gets the rest one by one, up to the first that does not fit.
+        for request in rest:
+            if not self._allocate(request, 1):
+                break
+            grown.append(ScheduledRequest(request, 1, request.num_computed_tokens))
+        return grown
+
+    def _decoding(self) -> list[Request]:
+        """The running requests done with their prompt, in running order."""
+        return [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
+
+    def _grow_decoding(
+        self, candidates: list[Request]
+    ) -> tuple[list[ScheduledRequest], list[Request]]:
+        """One batched allocation of one more token for each candidate, in order: (those
+        grown, the rest from the first that was not). Only the requests crossing a block
+        boundary touch the pools."""
         computed = [r.num_computed_tokens for r in candidates]
         served = self.kv_manager.allocate_slots_batch(
             [r.request_id for r in candidates], [c + 1 for c in computed], computed
@@ -149,13 +164,7 @@ class Scheduler:
             ScheduledRequest(r, 1, c)
             for r, c in zip(candidates[:served], computed[:served], strict=True)
         ]
-        # A manager that served fewer than it could (the batched call is an optimisation, not
-        # a promise) gets the rest one by one, up to the first that does not fit.
-        for request, c in zip(candidates[served:], computed[served:], strict=True):
-            if not self._allocate(request, 1):
-                break
-            grown.append(ScheduledRequest(request, 1, c))
-        return grown
+        return grown, candidates[served:]
 
     def _schedule_prompts(self, output: SchedulerOutput, budget: int) -> int:
         """Prompt chunks of running requests part-way through their prefill, then waiting
@@ -208,20 +217,10 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput:
         output = SchedulerOutput(is_prefill=False)
-        candidates = [r for r in self.running if r.num_computed_tokens >= r.num_prefill_tokens]
-        # One batched allocation grows every request that fits, in running order; only the
-        # requests crossing a block boundary touch the pools.
-        computed = [r.num_computed_tokens for r in candidates]
-        served = self.kv_manager.allocate_slots_batch(
-            [r.request_id for r in candidates], [c + 1 for c in computed], computed
-        )
-        output.scheduled = [
-            ScheduledRequest(r, 1, c)
-            for r, c in zip(candidates[:served], computed[:served], strict=True)
-        ]
+        output.scheduled, rest = self._grow_decoding(self._decoding())
         # The first request that could not grow, and every later one, go through the
         # preempting path one by one, exactly as if the whole batch had.
-        for request in candidates[served:]:
+        for request in rest:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while not self._allocate(request, 1):

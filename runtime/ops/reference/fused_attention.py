@@ -180,13 +180,18 @@ def _prefill_packed(
 
     table = call.block_table[: shapes.batch]
     block_size = paged_block_size(call.key)
-    mixed = _one_row_requests_in_kernel(call, table, q_lens, kv_lens, kvn) if 1 in q_lens else None
-    if mixed is None:
+    single = [b for b, q in enumerate(q_lens) if q == 1]
+    starts = [0, *accumulate(q_lens)]  # each request's first packed row
+    single_rows = torch.tensor([starts[b] for b in single]) if single else None
+    out_single = (
+        _one_row_requests_in_kernel(call, table, single, single_rows, kv_lens, kvn)
+        if single
+        else None
+    )
+    if out_single is None:
         return attend_packed(rows, table, q_lens, kv_lens, block_size, float(call.scale), gather)
     # the other requests' rows on the packed path, then every row where the operator puts it
-    single, out_single = mixed
     multi = [b for b, q in enumerate(q_lens) if q > 1]
-    starts = [0, *accumulate(q_lens)]
     rows_multi = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi])
     out_multi = attend_packed(
         rows.index_select(0, rows_multi),
@@ -201,24 +206,28 @@ def _prefill_packed(
         return None
     out = out_multi.new_empty((rows.size(0), *out_multi.shape[1:]))
     out.index_copy_(0, rows_multi, out_multi)
-    out.index_copy_(0, torch.tensor([starts[b] for b in single]), out_single)
+    out.index_copy_(0, single_rows, out_single)
     return out
 
 
 def _one_row_requests_in_kernel(
-    call: FaCall, table: Tensor, q_lens: list[int], kv_lens: list[int], kvn: int
-) -> tuple[list[int], Tensor] | None:
-    """A prefill call's one-row requests (decoding requests riding along with prompt chunks)
-    through the compiled decode kernel in one call: (their indices, [B1, N, Dv] fp32), or None
-    where the kernel does not take the inputs (the packed path then takes them too).
+    call: FaCall,
+    table: Tensor,
+    single: list[int],
+    single_rows: Tensor,
+    kv_lens: list[int],
+    kvn: int,
+) -> Tensor | None:
+    """A prefill call's one-row requests ``single`` (decoding requests riding along with
+    prompt chunks; ``single_rows``: their packed rows) through the compiled decode kernel in
+    one call: [B1, N, Dv] fp32, or None where the kernel does not take the inputs (the packed
+    path then takes them too).
 
     A request's one query row sees all of its kv_len keys, so bottom-right causal attention
     of it is the decode kernel's attention, read from the paged cache in place instead of one
     gather and one flash call per request.
     """
-    single = [b for b, q in enumerate(q_lens) if q == 1]
-    starts = [0, *accumulate(q_lens)]
-    q = call.query.index_select(0, torch.tensor([starts[b] for b in single])).unsqueeze(2)
+    q = call.query.index_select(0, single_rows).unsqueeze(2)
     try:
         out = paged_decode(
             q,
@@ -231,7 +240,7 @@ def _one_row_requests_in_kernel(
         )
     except BlockOutOfRangeError as exc:
         raise OpInputError(f"{call.names.op}: {exc}") from None
-    return None if out is None else (single, out[:, :, 0])
+    return None if out is None else out[:, :, 0]
 
 
 def _check_kv(call: FaCall, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

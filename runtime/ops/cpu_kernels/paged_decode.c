@@ -596,6 +596,16 @@ static void pack_shared(const decode_args *a, const float *cache, int64_t blk_st
     }
 }
 
+/* ptrs[j] = the score row of the j-th (request, query head) of kv head h over requests
+ * [lo, hi), at token `at` of each request's row. */
+static void point_at_scores(const decode_args *a, int64_t h, int64_t lo, int64_t hi,
+                            const float *scores, int64_t longest, int64_t at, const float **ptrs) {
+    int64_t heads = a->heads, g_count = heads / a->kv_heads, j = 0;
+    for (int64_t b = lo; b < hi; b++)
+        for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
+            ptrs[j++] = scores + b * heads * longest + n * a->kv_lens[b] + at;
+}
+
 /* Stage 2 of run_shared for kv head h and requests [lo, lo + span): scores over the shared
  * blocks, packed a few hundred rows at a time and read by QUERY_GROUP query rows at a time. */
 static void shared_scores(const decode_args *a, int64_t h, int64_t lo, int64_t span,
@@ -611,13 +621,12 @@ static void shared_scores(const decode_args *a, int64_t h, int64_t lo, int64_t s
         pack_shared(a, (const float *)a->k, a->k_sblk, a->k_srow, h * a->k_shead, c0, c1, d, tile);
         /* score_rows_many takes key rows in groups of eight and the rest one by one, each
          * way in its own order of addition; the per-request path groups each block's rows, so
-         * blocks not a multiple of eight rows are scored one by one here too. */
+         * blocks not a multiple of eight rows are scored block by block here too. */
         int64_t packed = (c1 - c0) * bs, run = bs % 8 == 0 ? packed : bs;
         for (int64_t r0 = 0; r0 < packed; r0 += run) {
-            int64_t j = 0;
-            for (int64_t b = lo; b < hi; b++)
-                for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                    rows.to[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c0 * bs + r0;
+            /* (the rows are written here: `scores` is this stage's own, not const) */
+            point_at_scores(a, h, lo, hi, scores, longest, c0 * bs + r0,
+                            (const float **)rows.to);
             for (int64_t g = 0; g < count; g += QUERY_GROUP)
                 score_rows_many(rows.from + g, rows.to + g,
                                 count - g < QUERY_GROUP ? count - g : QUERY_GROUP,
@@ -643,10 +652,7 @@ static void shared_values(const decode_args *a, int64_t h, int64_t lo, int64_t s
                     tile);
         int64_t packed = (c1 - c0) * bs;
         for (int64_t r0 = 0; r0 < packed; r0 += VALUE_ROWS) {
-            int64_t j = 0;
-            for (int64_t b = lo; b < hi; b++)
-                for (int64_t n = h * g_count; n < (h + 1) * g_count; n++)
-                    rows.from[j++] = scores + b * heads * longest + n * a->kv_lens[b] + c0 * bs + r0;
+            point_at_scores(a, h, lo, hi, scores, longest, c0 * bs + r0, rows.from);
             accumulate_rows_many(rows.to, rows.from, count, tile + r0 * dv, dv,
                                  packed - r0 < VALUE_ROWS ? packed - r0 : VALUE_ROWS, dv);
         }

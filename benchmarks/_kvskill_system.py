@@ -126,6 +126,7 @@ class KvskillRuntime:
         enable_prefix_caching: bool = True,
         prepack_linear: bool = False,
         fuse_layers: bool = False,
+        screen_output_head: bool = False,
     ):
         from kvskill.runtime import LLM
         from kvskill.runtime.loader import load_model
@@ -147,6 +148,7 @@ class KvskillRuntime:
             enable_prefix_caching=enable_prefix_caching,
             prepack_linear=prepack_linear,
             fuse_layers=fuse_layers,
+            screen_output_head=screen_output_head,
         )
         self.probe = _StepProbe(self.llm.engine)
 

@@ -10,6 +10,9 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
   reordered at load time, not bit-exact against the default MKL path);
 - `kvskill_fused`: `prepack_linear=True` and `fuse_layers=True` (RMSNorm and SiLU x up in
   one-pass compiled kernels, within fp32 rounding of the default path);
+- `kvskill_screen`: `kvskill_fused` with `screen_output_head=True` (greedy steps read the
+  output head in bf16 and compute fp32 logits only for the tokens a rounding bound keeps;
+  each token the exact argmax of fp32 dot products);
 - `hf_padded`: transformers' padded `generate`, all requests in one batch;
 - `hf_cb`: transformers' continuous batching, when the installed transformers has it;
 - `vllm`: vLLM's CPU build, in its own venv and process (`_vllm_runner.py`, built by
@@ -75,11 +78,13 @@ SYSTEMS = (
     "kvskill_nopc",
     "kvskill_prepack",
     "kvskill_fused",
+    "kvskill_screen",
     "hf_padded",
     "hf_cb",
     "vllm",
     "vllm_nopc",
 )
+_KVSKILL_SYSTEMS = ("kvskill", "kvskill_nopc", "kvskill_prepack", "kvskill_fused", "kvskill_screen")
 #: Systems that only differ from another one by prefix caching run on W5 only.
 _W5_ONLY = ("kvskill_nopc", "vllm_nopc")
 
@@ -274,7 +279,7 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
     bpt = kv_bytes_per_token(spec)
     for name in systems:
         try:
-            if name in ("kvskill", "kvskill_nopc", "kvskill_prepack", "kvskill_fused"):
+            if name in _KVSKILL_SYSTEMS:
                 from _kvskill_system import KvskillRuntime
 
                 rt = KvskillRuntime(
@@ -282,8 +287,9 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
                     reference,
                     kv_capacity_tokens=workload.kv_capacity_tokens,
                     enable_prefix_caching=name != "kvskill_nopc",
-                    prepack_linear=name in ("kvskill_prepack", "kvskill_fused"),
-                    fuse_layers=name == "kvskill_fused",
+                    prepack_linear=name in ("kvskill_prepack", "kvskill_fused", "kvskill_screen"),
+                    fuse_layers=name in ("kvskill_fused", "kvskill_screen"),
+                    screen_output_head=name == "kvskill_screen",
                 )
                 runners[name] = ((lambda wl, rt=rt: _in_process(rt.run, wl)), rt.close)
             elif name == "hf_padded":

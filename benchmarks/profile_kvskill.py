@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="LLM(prepack_linear=True, fuse_layers=True), as kvskill_fused",
     )
+    parser.add_argument(
+        "--screen-output-head",
+        action="store_true",
+        help="with --fuse-layers: also LLM(screen_output_head=True), as kvskill_screen",
+    )
     parser.add_argument("--json", type=Path, help="write the breakdown here")
     args = parser.parse_args(argv)
 
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_capacity_tokens=workload.kv_capacity_tokens,
         prepack_linear=args.prepack or args.fuse_layers,
         fuse_layers=args.fuse_layers,
+        screen_output_head=args.screen_output_head,
     )
     try:
         rt.run(workload.warmup())
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                     "threads": args.threads,
                     "prepack_linear": args.prepack or args.fuse_layers,
                     "fuse_layers": args.fuse_layers,
+                    "screen_output_head": args.screen_output_head,
                     "load_average": load,
                     "wall_s": plain.wall_s,
                     "cpu_s": cpu_plain,

@@ -6,7 +6,9 @@ import inspect
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvskill.core.errors import BadInputError
@@ -17,6 +19,9 @@ from kvskill.runtime.sampler import Sampler, make_generator
 from kvskill.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvskill.runtime.step_inputs import build_step_inputs
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from kvskill.runtime.screened_head import ScreenedHead
 
 
 @dataclass(slots=True)
@@ -104,8 +109,11 @@ class LLMEngine:
         device: torch.device,
         seed: int = 0,
         step_hooks: Sequence[StepHook] = (),
+        screened_head: ScreenedHead | None = None,
     ) -> None:
         self.model = model
+        #: the output head's bf16 screen, used on steps whose requests are all greedy
+        self.screened_head = screened_head
         #: whether model.forward takes logits_to_keep (read on the first step)
         self._takes_logits_to_keep: bool | None = None
         self.kv_manager = kv_manager
@@ -233,9 +241,10 @@ class LLMEngine:
             output, self.kv_manager, attention_mask=self.attention_mask, device=self.device
         )
         forward_started = time.perf_counter()
-        logits = self._forward(
-            inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
-        )
+        with self._head_screening(output):
+            logits = self._forward(
+                inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
+            )
         forward_s = time.perf_counter() - forward_started
 
         sampled = self._sample(output, logits)
@@ -260,6 +269,16 @@ class LLMEngine:
             for hook in self.step_hooks:
                 hook(record)
         return step_outputs
+
+    def _head_screening(self, output: SchedulerOutput) -> AbstractContextManager:
+        """Screen the output head this step when it can: every request greedy (a screened row
+        holds -inf outside its candidates, no distribution to sample from) and no step hook
+        (verify and the chains record the logits)."""
+        head = self.screened_head
+        if head is None:
+            return nullcontext()
+        greedy = all(s.request.sampling_params.is_greedy for s in output.scheduled)
+        return head.screening(greedy and not self.step_hooks)
 
     def _forward(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md

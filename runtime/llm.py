@@ -64,7 +64,10 @@ class LLM:
     default. ``fuse_layers=True`` runs the fp32 RMSNorm and gated-MLP (SiLU x up) modules
     through one-pass compiled kernels (``runtime/fused_layers.py``), each module switched only
     when it agrees with its own forward on a probe input; also within fp32 rounding, not
-    bit-exact, so also off by default.
+    bit-exact, so also off by default. ``screen_output_head=True`` finds a greedy step's
+    tokens from a bf16 pass over the output head and fp32 logits of the few tokens that pass
+    could not rule out (``runtime/screened_head.py``): each token is the exact argmax of fp32
+    dot products, by a proven rounding bound; off by default for the same last-bits reason.
 
     ``mix_decode_with_prefill=True`` (with chunked prefill): a step that computes prompt
     tokens also feeds every decoding request its next token, out of the same token budget, so
@@ -106,6 +109,7 @@ class LLM:
         tp_backend: str = "auto",
         prepack_linear: bool = False,
         fuse_layers: bool = False,
+        screen_output_head: bool = False,
         cpu_only_shapes: bool | None = None,
         npu_profile: NpuProfile | None = None,
     ) -> None:
@@ -126,7 +130,13 @@ class LLM:
         self.num_prepacked_linears = 0
         #: RMSNorm and gated-MLP modules on the fused kernels (0 unless fuse_layers)
         self.num_fused_layers = 0
-        for name, wanted in (("prepack_linear", prepack_linear), ("fuse_layers", fuse_layers)):
+        #: the output head's bf16 screen for greedy steps (None unless screen_output_head)
+        self.output_head_screen = None
+        for name, wanted in (
+            ("prepack_linear", prepack_linear),
+            ("fuse_layers", fuse_layers),
+            ("screen_output_head", screen_output_head),
+        ):
             if wanted and tensor_parallel_size != 1:
                 # Only this process's model would change: the ranks would combine results
                 # computed two different ways.
@@ -171,6 +181,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 prepack_linear=prepack_linear,
                 fuse_layers=fuse_layers,
+                screen_output_head=screen_output_head,
             )
         except BaseException:
             self.close(graceful=False)
@@ -201,6 +212,7 @@ class LLM:
         enable_prefix_caching,
         prepack_linear,
         fuse_layers,
+        screen_output_head,
     ) -> None:
         if self.tensor_parallel is not None:
             shard = self.tensor_parallel.shard
@@ -228,6 +240,14 @@ class LLM:
             from kvskill.runtime.fused_layers import fuse_layers as fuse
 
             self.num_fused_layers = fuse(self.model)
+        if screen_output_head:
+            # Last: the screen falls back to whatever forward the head has by now.
+            from kvskill.runtime.screened_head import screen_output_head as screen
+
+            try:
+                self.output_head_screen = screen(self.model)
+            except RuntimeError as error:
+                raise BadInputError(str(error)) from None
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
@@ -277,6 +297,7 @@ class LLM:
             device=self.device,
             seed=seed,
             step_hooks=step_hooks,
+            screened_head=self.output_head_screen,
         )
         self._batch_ids = itertools.count()
 

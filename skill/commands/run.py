@@ -194,6 +194,14 @@ class _Progress:
     "Within fp32 rounding of the default path, not bit-exact. Best with --prepack-linear. One "
     "process only (not with --tp).",
 )
+@click.option(
+    "--screen-output-head",
+    is_flag=True,
+    help="On greedy steps, read the fp32 output head in bf16 first (oneDNN, CPUs with "
+    "AVX512-BF16 or AMX) and compute fp32 logits only for the tokens a proven rounding bound "
+    "cannot rule out: each token is the exact argmax of fp32 dot products, in another "
+    "summation order than the default head, so not bit-exact. One process only (not with --tp).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
 @click.option("--random-weights", is_flag=True, help="Initialise random weights when DIR has none.")
 @tp_option
@@ -250,6 +258,7 @@ def run(directory: Path, **options) -> None:
         enable_prefix_caching=options["prefix_caching"],
         prepack_linear=options["prepack_linear"],
         fuse_layers=options["fuse_layers"],
+        screen_output_head=options["screen_output_head"],
         tensor_parallel_size=options["tp"] or 1,
         tp_backend=options["tp_backend"],
         npu_profile=profile,
@@ -319,7 +328,7 @@ def _run_standalone(directory: Path, options: dict, profile) -> None:
         raise BadInputError(
             "the standalone runner decodes greedily; drop --temperature/--top-k/--top-p"
         )
-    for flag in ("prepack_linear", "fuse_layers"):
+    for flag in ("prepack_linear", "fuse_layers", "screen_output_head"):
         if options[flag]:
             raise BadInputError(
                 f"--{flag.replace('_', '-')} is a runtime option; a standalone output runs its "
@@ -431,6 +440,11 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         #: RMSNorm and gated-MLP modules, and attention modules whose rotary embedding runs on
         #: the fused kernels (--fuse-layers; 0 = default)
         "fused_layers": llm.num_fused_layers,
+        #: rows of greedy steps decided by the output head's bf16 screen (--screen-output-head;
+        #: None = off)
+        "output_head_screen": (
+            None if llm.output_head_screen is None else llm.output_head_screen.stats.to_dict()
+        ),
         "requests": [o.to_dict() for o in outputs],
     }
 
@@ -501,6 +515,16 @@ def _render_table(report: dict) -> str:
         rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
     if report.get("fused_layers"):
         rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up, rope)"))
+    screen = report.get("output_head_screen")
+    if screen is not None:
+        rows.append(
+            (
+                "output head screen",
+                f"{screen['num_screened_rows']} rows screened in bf16, "
+                f"{screen['candidates_per_row']:.1f} fp32 candidates a row, "
+                f"{screen['num_fallback_rows']} rows on the plain head",
+            )
+        )
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))

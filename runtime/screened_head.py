@@ -23,8 +23,8 @@ The last factor of ``c`` covers the rounding of the norms themselves, the absolu
 bf16's flushing of values below 2**-126; ``ScreenedHead.threshold`` turns the bound into each
 row's cut-off. oneDNN documents fp32 accumulation for bf16 GEMMs; that is the one property of
 the library the bound rests on, and ``tests/runtime/test_screened_head.py`` checks it on
-inputs built to round the same way in every product (where the error comes within 2 % of
-``c |x| max|w|``).
+inputs built to round the same way in every product, for 256 to 4096 features (where the
+error comes within 5 % of the rounding term ``(2u + u**2) |x| max|w|``).
 
 So each row's token is exactly the argmax (first maximal index, as ``torch.argmax``) of the
 fp32 dot products ``x . w`` over the whole vocabulary. Those dot products are summed in

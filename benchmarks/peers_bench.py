@@ -12,7 +12,7 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
   one-pass compiled kernels, within fp32 rounding of the default path);
 - `kvskill_screen`: `kvskill_fused` with `screen_output_head=True` (greedy steps read the
   output head in bf16 and compute fp32 logits only for the tokens a rounding bound keeps;
-  each token the exact argmax of fp32 dot products);
+  each token the exact argmax of fp32 dot products); on W5 also `kvskill_screen_nopc`;
 - `hf_padded`: transformers' padded `generate`, all requests in one batch;
 - `hf_cb`: transformers' continuous batching, when the installed transformers has it;
 - `vllm`: vLLM's CPU build, in its own venv and process (`_vllm_runner.py`, built by
@@ -73,20 +73,20 @@ ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
 VLLM_BLOCK_SIZE = 32
 PEER_MODELS = ("qwen3-4l-h256", "qwen3-0.6b-8l")
 PEER_WORKLOADS = ("W1", "W2", "W5")
-SYSTEMS = (
-    "kvskill",
-    "kvskill_nopc",
-    "kvskill_prepack",
-    "kvskill_fused",
-    "kvskill_screen",
-    "hf_padded",
-    "hf_cb",
-    "vllm",
-    "vllm_nopc",
-)
-_KVSKILL_SYSTEMS = ("kvskill", "kvskill_nopc", "kvskill_prepack", "kvskill_fused", "kvskill_screen")
+_FAST = {"prepack_linear": True, "fuse_layers": True}
+_SCREEN = {**_FAST, "screen_output_head": True}
+#: kvskill's systems: the runtime's options each one runs with
+KVSKILL_OPTIONS = {
+    "kvskill": {},
+    "kvskill_nopc": {"enable_prefix_caching": False},
+    "kvskill_prepack": {"prepack_linear": True},
+    "kvskill_fused": _FAST,
+    "kvskill_screen": _SCREEN,
+    "kvskill_screen_nopc": {**_SCREEN, "enable_prefix_caching": False},
+}
+SYSTEMS = (*KVSKILL_OPTIONS, "hf_padded", "hf_cb", "vllm", "vllm_nopc")
 #: Systems that only differ from another one by prefix caching run on W5 only.
-_W5_ONLY = ("kvskill_nopc", "vllm_nopc")
+_W5_ONLY = ("kvskill_nopc", "kvskill_screen_nopc", "vllm_nopc")
 
 
 def make_w5(vocab: int, *, requests: int = 32, prefix_len: int = 1024, max_tokens: int = 32):
@@ -279,17 +279,14 @@ def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
     bpt = kv_bytes_per_token(spec)
     for name in systems:
         try:
-            if name in _KVSKILL_SYSTEMS:
+            if name in KVSKILL_OPTIONS:
                 from _kvskill_system import KvskillRuntime
 
                 rt = KvskillRuntime(
                     spec,
                     reference,
                     kv_capacity_tokens=workload.kv_capacity_tokens,
-                    enable_prefix_caching=name != "kvskill_nopc",
-                    prepack_linear=name in ("kvskill_prepack", "kvskill_fused", "kvskill_screen"),
-                    fuse_layers=name in ("kvskill_fused", "kvskill_screen"),
-                    screen_output_head=name == "kvskill_screen",
+                    **KVSKILL_OPTIONS[name],
                 )
                 runners[name] = ((lambda wl, rt=rt: _in_process(rt.run, wl)), rt.close)
             elif name == "hf_padded":

@@ -126,25 +126,29 @@ def test_a_head_with_a_bias_cannot_be_screened():
         ScreenedHead(nn.Linear(8, 16))
 
 
+def _tokens_without_and_with_the_screen(toy_dir, prompts, params):
+    """Each run's tokens, off then on, and the screened LLM (for its stats)."""
+    tokens = []
+    for on in (False, True):
+        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, screen_output_head=on)
+        tokens.append([o.token_ids for o in llm.generate(prompts, params)])
+    return tokens, llm
+
+
 def test_toy_model_tokens_are_the_same_with_the_screen_and_only_greedy_steps_use_it(tmp_path):
     toy_dir = write_toy_dir(tmp_path / "model", seed=7)
     prompts = toy_prompts(random.Random(3), 5)
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    outs = {}
-    for on in (False, True):
-        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, screen_output_head=on)
-        outs[on] = [o.token_ids for o in llm.generate(prompts, greedy)]
-    assert outs[True] == outs[False]
+    (plain, screened), llm = _tokens_without_and_with_the_screen(toy_dir, prompts, greedy)
+    assert screened == plain
     stats = llm.output_head_screen.stats
     assert stats.num_screened_rows >= 5 * 6 and stats.num_fallback_rows == 0
 
     # A sampled request in the batch: no step is screened, and its tokens are the seeded ones.
     sampled = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=5)
-    runs = {}
-    for on in (False, True):
-        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, screen_output_head=on)
-        runs[on] = [o.token_ids for o in llm.generate(prompts, [sampled] + [greedy] * 4)]
-    assert runs[True] == runs[False]
+    mixed = [sampled] + [greedy] * 4
+    (plain, screened), llm = _tokens_without_and_with_the_screen(toy_dir, prompts, mixed)
+    assert screened == plain
     assert llm.output_head_screen.stats.num_screened_rows == 0
 
 

@@ -32,7 +32,10 @@ another order than the fp32 GEMM of the plain head, so, as with ``prepack_linear
 greedy token can differ from the plain path's only where two logits tie to the last bits.
 
 A screened step returns logits that hold the candidates' fp32 values and ``-inf`` everywhere
-else: right for greedy sampling and nothing else, so the engine screens only steps whose
+else: right for greedy sampling and nothing else (a model that maps its logits on, by scale or
+soft-capping, keeps the order; only where fp32 soft-capping saturates, at logits beyond about
+nine times the cap, could a token tied there with a lower index than every candidate win on
+the plain path instead), so the engine screens only steps whose
 requests are all greedy and that no step hook records. A step with a row whose bound is not
 finite (NaN or inf in the hidden state), or with more than ``MAX_CANDIDATES_PER_ROW``
 candidates a row, runs the plain head instead.

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--screen-output-head",
         action="store_true",
-        help="with --fuse-layers: also LLM(screen_output_head=True), as kvskill_screen",
+        help="LLM(screen_output_head=True); with --fuse-layers as kvskill_screen",
     )
     parser.add_argument("--json", type=Path, help="write the breakdown here")
     args = parser.parse_args(argv)

@@ -190,3 +190,15 @@ def test_run_reports_the_screen_and_keeps_the_toy_tokens(tmp_path, capsys):
     assert reports[True]["output_head_screen"]["num_screened_rows"] == 2 * 5
     tokens = {k: [r["token_ids"] for r in v["requests"]] for k, v in reports.items()}
     assert tokens[True] == tokens[False]
+
+
+def test_a_bf16_model_cannot_be_screened_and_says_why(tmp_path):
+    toy_dir = write_toy_dir(tmp_path / "model", seed=7)
+    with pytest.raises(BadInputError, match="not float32"):
+        LLM(
+            toy_dir,
+            trust_remote_code=True,
+            dtype="bfloat16",
+            cpu_only_shapes=True,
+            screen_output_head=True,
+        )

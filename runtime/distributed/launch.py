@@ -139,6 +139,9 @@ class DriverModel(nn.Module):
     def _forward(self, *args, **kwargs):
         md = get_forward_metadata()
         light = dataclasses.replace(md, attention_mask=None)
+        # A rank already gone is found here, at the cost of a waitpid per rank: gloo's send to
+        # a dead peer sometimes fails at once and sometimes waits out the group's timeout.
+        self._check()
         try:
             self._group.broadcast_object(
                 ("step", args, kwargs, light, md.attention_mask is not None)

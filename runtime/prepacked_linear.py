@@ -54,6 +54,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def packed_weight(weight: Tensor) -> Tensor:
+    """``weight`` ([out, in], fp32 or bf16) reordered once into oneDNN's layout for
+    ``torch.ops.mkldnn._linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return nn.functional.linear(x, self.weight, self.bias)
@@ -65,7 +71,7 @@ class _FusedSiblings:
 
     def __init__(self, members: list[nn.Linear]) -> None:
         weights = [m.weight.detach() for m in members]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), _ROWS_HINT)
+        self.packed = packed_weight(torch.cat(weights))
         if any(m.bias is not None for m in members):
             self.bias = torch.cat(
                 [
@@ -160,7 +166,7 @@ def prepack_linears(model: nn.Module, *, fuse_siblings: bool = True) -> int:
         for module in model.modules():
             if id(module) in fused or not _packable(module):
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _ROWS_HINT)
+            packed = packed_weight(module.weight.detach())
             # Not a registered buffer: it must not show up in state dicts or be moved by .to().
             module._kvskill_packed = packed
             module.forward = types.MethodType(_packed_forward, module)

@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from kvskill.runtime import prepacked_linear
 from torch import Tensor, nn
 
 #: bf16 unit roundoff (8 significant bits, round to nearest even)
@@ -59,18 +60,16 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 MAX_CANDIDATES_PER_ROW = 256
 #: logits per tile of the candidate search (a vocabulary not a multiple of it is one tile)
 TILE = 64
-#: batch-size hint for the weight reorder, as prepacked_linear's
-_ROWS_HINT = 16
 
 
 def unavailable_reason() -> str | None:
     """Why this torch and CPU cannot screen the head at speed, or None when they can."""
-    if not torch.backends.mkldnn.is_available():
-        return "this torch has no oneDNN (mkldnn) backend"
+    reason = prepacked_linear.unavailable_reason()  # the same oneDNN linear ops, in bf16
+    if reason is not None:
+        return reason
     ops = torch.ops.mkldnn
-    for name in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"):
-        if not hasattr(ops, name):
-            return f"this torch has no torch.ops.mkldnn.{name}"
+    if not hasattr(ops, "_is_mkldnn_bf16_supported"):
+        return "this torch has no torch.ops.mkldnn._is_mkldnn_bf16_supported"
     if not ops._is_mkldnn_bf16_supported():
         # Without native bf16 dot products oneDNN emulates them, slower than the fp32 head.
         return "this CPU has no native bf16 support for oneDNN (AVX512-BF16 or AMX)"
@@ -123,12 +122,9 @@ class ScreenedHead:
                 "cannot screen the output head: its weight is "
                 f"{head.weight.dtype} on {head.weight.device.type}, not float32 on the CPU"
             )
-        self.head = head
         weight = head.weight.detach()
         self.weight = weight
-        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(
-            weight.to(torch.bfloat16), _ROWS_HINT
-        )
+        self.packed_bf16 = prepacked_linear.packed_weight(weight.to(torch.bfloat16))
         self.max_row_norm = float(weight.norm(dim=1).max())
         self.coefficient = error_coefficient(head.in_features)
         self.stats = ScreenStats()

@@ -34,8 +34,8 @@ class StateEntry:
 
     @property
     def shape_text(self) -> str:
-        """The shape as a tuple expression (``(a, b)``, ``(a,)``)."""
-        return "(" + ", ".join(self.shape) + ("," if len(self.shape) == 1 else "") + ")"
+        """The shape as a list expression (``[a, b]``): MambaCacheEntry takes a list."""
+        return "[" + ", ".join(self.shape) + "]"
 
 
 def with_pinned_dtypes(entries: list[StateEntry], pinned: dict[str, str]) -> list[StateEntry]:

@@ -3,11 +3,13 @@
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
 from kvskill.runtime.cache_info import (
     AttnType,
+    CacheAllocator,
     CacheEntry,
     CacheInfoError,
     LayerCacheInfo,
     MambaCacheEntry,
     ModelCacheInfo,
+    validate_cache_info,
 )
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
 from kvskill.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -37,6 +39,7 @@ __all__ = [
     "NULL_BLOCK_ID",
     "AttnType",
     "BlockPool",
+    "CacheAllocator",
     "CacheEntry",
     "CacheInfoError",
     "FullAttentionManager",
@@ -56,6 +59,7 @@ __all__ = [
     "get_forward_metadata",
     "get_init_attn_mask",
     "kv_lane_view",
+    "validate_cache_info",
     "legacy_attention_inputs",
     "packed_output",
     "prepare_block_tables",

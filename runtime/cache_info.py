@@ -1,15 +1,25 @@
-"""Cache declarations a converted model hands to the runtime: entries, layers, the model.
+"""Cache declarations a converted model hands to its host: entries, layers, the model.
 
-The model declares, the runtime allocates: each attention (or Mamba) layer lists one
+The model declares, the host allocates: each attention (or state) layer lists one
 ``CacheEntry`` per cache tensor it needs, the model wraps them in ``ModelCacheInfo`` from
 ``get_cache_info()``, and ``KVCacheManager`` sizes, allocates and injects the tensors.
-Validation happens here, once, at the boundary; every message names the layer and the entry.
+
+These classes equal the Ascend framework's (hicann/cann-recipes-infer at ``fbc225d``,
+``executor/core/kv_cache/cache_info.py``) field for field, with the same defaults and the same
+construction rules, so one converted file runs in either host with only its imports changed
+(``tests/runtime/test_executor_contract.py`` pins them). What kvskill's runtime adds lives
+outside the fields: Legacy rows are a registered attn_type, a layer may carry a
+``bind_kv_cache`` attribute for the page-pool layout, and the runtime fills the block size of
+entries that leave it None. Validation of a whole model happens once, at the runtime's
+boundary (``validate_cache_info``), and every message names the layer and the entry.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 from kvskill.core.attn_types import AttnType
@@ -17,43 +27,81 @@ from kvskill.core.cache_bytes import entry_bytes
 from kvskill.core.errors import BadInputError
 from torch import Tensor
 
+#: memory layouts of a paged cache tensor: [blocks, block_size, heads, dim] or
+#: [blocks, heads, block_size, dim]
+SUPPORTED_CACHE_LAYOUTS = ("BnBsND", "BnNBsD")
 
-class CacheInfoError(BadInputError):
-    """A model declared caches the runtime cannot serve (bad field, unknown type, ...)."""
+
+class CacheInfoError(BadInputError, ValueError):
+    """A model declared caches no host can serve (bad field, unknown type, ...).
+
+    A ValueError too, as the framework raises for the same declarations.
+    """
 
     code = "bad_cache_info"
 
 
+class CacheAllocator(str, Enum):
+    """Where a cache entry's tensor is allocated."""
+
+    HBM = "hbm"
+    #: host memory the device reads through swapping (``torch_npu.empty_with_swapped_memory``)
+    SWAPPED_MEMORY = "swapped_memory"
+
+
 @dataclass(eq=False)
 class CacheEntry:
-    """One cache tensor of one layer, allocated as ``[num_blocks, block_size, num_head, *dim]``."""
+    """One cache tensor of one layer, allocated as ``[num_blocks, block_size, num_head, *dim]``.
+
+    ``eq=False``: entries are compared by identity, so a list of them can be searched while
+    they hold tensors (field equality would compare the tensors).
+    """
 
     #: name of the cache inside its layer, e.g. ``"k_cache"``
     cache_name: str
-    #: "FullAttention" | "SlidingWindow" | "Mamba" | a registered type
+    #: "FullAttention" | "SlidingWindow" | "Mamba" (kvskill's runtime also serves "Legacy")
     attn_type: str
     #: trailing size per head; a list means several trailing dims (e.g. ``[D // 16, 16]``)
     dim: int | list[int]
     #: heads per rank stored in this cache (``num_key_value_heads_per_rank``; 1 for MLA latent)
     num_head: int
     dtype: torch.dtype
-    #: called once with the allocated tensor (the layer stores it, e.g. as ``self.k_cache``)
-    tensor_setter: Callable[[Tensor], None] | None
-    #: window W of a SlidingWindow cache: a query at position p sees keys (p - W, p]
-    sliding_window: int | None = None
-    #: False for caches that hold no per-block data (never allocated by the runtime)
-    needs_block: bool = True
-    #: tokens per block for this entry's group; None = the model's block size
+    #: False for caches that hold no per-block data (never allocated)
+    needs_block: bool
+    #: tokens per block; the framework's models set ``infer_config.scheduler_config.block_size``
     block_size: int | None = None
     #: groups entries under this key instead of ``attn_type`` (same manager class)
     manager_key: str | None = None
-    #: the allocated tensor, set by the runtime
+    #: called once with the allocated tensor (the layer stores it, e.g. as ``self.k_cache``)
+    tensor_setter: Callable[[Tensor], None] | None = None
+    #: window W of a SlidingWindow cache: a query at position p sees keys (p - W, p]
+    sliding_window: int | None = None
+    allocator: CacheAllocator = CacheAllocator.HBM
+    #: tokens folded into one stored row (compressed caches store block_size // ratio rows)
+    compress_ratio: int = 1
+    #: the allocated tensor, set by the host
     tensor: Tensor | None = None
+    #: "BnBsND" ([blocks, block_size, heads, dim]) or "BnNBsD" ([blocks, heads, block_size, dim])
+    cache_layout: str = "BnBsND"
 
     @property
     def group_key(self) -> str:
         """Entries with the same key share one manager, one block table and one slot mapping."""
-        return self.manager_key or self.attn_type
+        return self.manager_key if self.manager_key is not None else self.attn_type
+
+    def cache_dim_numel(self) -> int:
+        """Elements of one head's trailing dims."""
+        return math.prod(self.dims)
+
+    @property
+    def storage_block_size(self) -> int:
+        """Rows one block stores: ``block_size // compress_ratio``."""
+        if self.block_size % self.compress_ratio:
+            raise CacheInfoError(
+                f"cache {self.cache_name!r} has block_size {self.block_size}, which "
+                f"compress_ratio {self.compress_ratio} does not divide"
+            )
+        return self.block_size // self.compress_ratio
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -68,72 +116,100 @@ class CacheEntry:
         return block_size * entry_bytes(self.dims, self.num_head, element_size)
 
 
-@dataclass(init=False, eq=False)
+@dataclass(eq=False)
 class MambaCacheEntry(CacheEntry):
     """A recurrent state (conv or SSM) of one request: one block holds the whole ``shape``.
 
-    Allocated as ``[num_blocks, *shape]``; a Mamba group's block size is 1 because the state
-    does not grow with the sequence.
+    Allocated as ``[num_blocks, *shape]``. Keyword arguments only, as in the framework: the
+    fields below are keyword-only, which moves the positional order away from CacheEntry's.
+    ``dim`` and ``num_head`` are unused; ``shape`` is the whole state of one request.
     """
 
-    #: the state of one request, e.g. ``(conv_dim, kernel - 1)`` or ``(heads, k_dim, v_dim)``
-    shape: tuple[int, ...] = field(default=())
+    attn_type: str = field(default=AttnType.MAMBA.value, kw_only=True)
+    dim: int | list[int] | None = field(default=None, kw_only=True)
+    num_head: int | None = field(default=None, kw_only=True)
+    block_size: int = field(default=1, kw_only=True)
+    #: the state of one request, e.g. ``[kernel - 1, conv_dim]`` or ``[heads, k_dim, v_dim]``
+    shape: list[int] = field(default_factory=list, kw_only=True)
+    #: speculative depth: the manager keeps 1 + next_n state blocks per decoding request
+    next_n: int = field(default=0, kw_only=True)
 
-    def __init__(
-        self,
-        cache_name: str,
-        shape: tuple[int, ...] | list[int],
-        dtype: torch.dtype,
-        tensor_setter: Callable[[Tensor], None] | None,
-        attn_type: str = AttnType.MAMBA.value,
-        manager_key: str | None = None,
-        tensor: Tensor | None = None,
-    ) -> None:
-        self.shape = tuple(int(s) for s in shape)
-        super().__init__(
-            cache_name=cache_name,
-            attn_type=attn_type,
-            dim=list(self.shape),
-            num_head=1,
-            dtype=dtype,
-            tensor_setter=tensor_setter,
-            block_size=1,
-            manager_key=manager_key,
-            tensor=tensor,
-        )
+    def __post_init__(self) -> None:
+        where = f"Mamba cache {self.cache_name!r}"
+        if self.attn_type != AttnType.MAMBA.value:
+            raise CacheInfoError(f"{where} must keep attn_type='Mamba', got {self.attn_type!r}")
+        if self.block_size != 1:
+            raise CacheInfoError(f"{where} must have block_size 1, got {self.block_size!r}")
+        if not isinstance(self.shape, list) or not self.shape:
+            raise CacheInfoError(
+                f"{where} needs shape as a non-empty list (e.g. [heads, k_dim, v_dim]), "
+                f"got {self.shape!r}"
+            )
+        if not all(_positive_int(d) for d in self.shape):
+            raise CacheInfoError(f"{where} has shape {self.shape}; every dim must be > 0")
+        if not isinstance(self.next_n, int) or self.next_n < 0:
+            raise CacheInfoError(f"{where} has next_n {self.next_n!r}; expected >= 0")
+
+    def cache_dim_numel(self) -> int:
+        """Elements of one request's state."""
+        return math.prod(self.shape)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(self.shape)
 
     def block_shape(self, block_size: int) -> tuple[int, ...]:
-        return self.shape
+        return tuple(self.shape)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return entry_bytes(self.shape, 1, element_size)
 
 
 @dataclass(eq=False)
 class LayerCacheInfo:
-    """The caches of one (sub)layer, in declaration order."""
+    """The caches of one (sub)layer, in declaration order.
+
+    kvskill's page-pool layout also honours an optional ``bind_kv_cache`` attribute set on an
+    instance (not a field; the framework has none): called with the layer's raw page view
+    ``[num_blocks, page_size_bytes]`` (int8), or with ``{cache_name: tensor}`` in the
+    contiguous layout, instead of each entry's ``tensor_setter``.
+    """
 
     layer_idx: int
     caches: list[CacheEntry]
-    #: optional override of how this layer receives its storage: called with the layer's raw
-    #: page view ``[num_blocks, page_size_bytes]`` (int8) in the page-pool layout, or with the
-    #: dict ``{cache_name: tensor}`` in the contiguous layout. None = each entry's
-    #: ``tensor_setter`` is called with its own view.
-    bind_kv_cache: Callable[[Tensor | dict[str, Tensor]], None] | None = None
 
 
 @dataclass(eq=False)
 class ModelCacheInfo:
-    """Everything the runtime needs to know about a model's caches."""
+    """Everything a host needs to know about a model's caches."""
 
     num_layers: int
-    #: default tokens per block for groups whose entries do not set their own
-    block_size: int
     layer_infos: list[LayerCacheInfo]
-    #: MLA latent caches (one head, not split across ranks)
+    #: MLA latent caches, replicated on every attention TP rank. Set explicitly: a GQA model
+    #: whose KV heads per rank come to 1 is not MLA.
     is_mla_backend: bool = False
 
-    def __post_init__(self) -> None:
-        # NOTE: the attn_type check needs the managers' registry; KVCacheManager runs it
-        # (``known_attn_types``) before it builds anything, so this module stays below it.
-        validate_cache_info(self)
+    def merge(self, other: ModelCacheInfo) -> ModelCacheInfo:
+        """This model's layers followed by OTHER's (e.g. its MTP layers), renumbered after them.
+
+        As in the framework, OTHER's LayerCacheInfo objects are renumbered in place.
+        """
+        if self.is_mla_backend != other.is_mla_backend:
+            raise CacheInfoError(
+                "is_mla_backend differs between the merged cache infos: "
+                f"{self.is_mla_backend} vs {other.is_mla_backend}"
+            )
+        layer_infos = list(self.layer_infos)
+        offset = len(layer_infos)
+        for layer in other.layer_infos:
+            layer.layer_idx += offset
+        layer_infos.extend(other.layer_infos)
+        return ModelCacheInfo(
+            num_layers=len(layer_infos),
+            layer_infos=layer_infos,
+            is_mla_backend=self.is_mla_backend,
+        )
 
     def entries(self) -> list[tuple[int, CacheEntry]]:
         """``(layer_idx, entry)`` for every entry that needs blocks, in declaration order."""
@@ -144,8 +220,25 @@ class ModelCacheInfo:
             if entry.needs_block
         ]
 
-    def group_block_size(self, entry: CacheEntry) -> int:
-        return entry.block_size or self.block_size
+
+def layer_binder(layer: LayerCacheInfo) -> Callable[[Tensor | dict[str, Tensor]], None] | None:
+    """The layer's own ``bind_kv_cache``, if it set one (see ``LayerCacheInfo``)."""
+    return getattr(layer, "bind_kv_cache", None)
+
+
+def fill_block_sizes(info: ModelCacheInfo, block_size: int, *, override: bool = False) -> None:
+    """Give growing caches (FullAttention, SlidingWindow and registered types other than
+    Mamba and Legacy) ``block_size`` where they left it None, or everywhere with OVERRIDE.
+
+    The framework's models set each entry's block size from the scheduler config; kvskill's
+    runtime chooses it per run (verify runs small blocks), which is what this does.
+    """
+    fixed = {AttnType.MAMBA.value, AttnType.LEGACY.value}
+    for _, entry in info.entries():
+        if entry.attn_type in fixed or isinstance(entry, MambaCacheEntry):
+            continue
+        if override or entry.block_size is None:
+            entry.block_size = block_size
 
 
 def _positive_int(value: object) -> bool:
@@ -156,29 +249,57 @@ def _validate_entry(
     layer: LayerCacheInfo, entry: CacheEntry, known: Collection[str] | None
 ) -> None:
     where = f"cache {entry.cache_name!r} in layer {layer.layer_idx}"
+    if not isinstance(entry.needs_block, bool):
+        raise CacheInfoError(f"{where} has needs_block={entry.needs_block!r}; expected a bool")
+    if not entry.needs_block:
+        return
     if known is not None and entry.attn_type not in known:
         raise CacheInfoError(
             f"{where} has unknown attn_type {entry.attn_type!r}; known types are "
             f"{sorted(known)}. Register a SingleTypeKVCacheManager subclass for it "
             "with kvskill.runtime.managers.register_attn_type."
         )
-    if not all(_positive_int(d) for d in entry.dims) or not _positive_int(entry.num_head):
+    if entry.attn_type == AttnType.MAMBA.value and not isinstance(entry, MambaCacheEntry):
+        raise CacheInfoError(
+            f"{where} declares attn_type 'Mamba' and must be a MambaCacheEntry, "
+            f"not {type(entry).__name__}"
+        )
+    if not all(_positive_int(d) for d in entry.dims) or not (
+        isinstance(entry, MambaCacheEntry) or _positive_int(entry.num_head)
+    ):
         raise CacheInfoError(
             f"{where} has dim={entry.dim!r}, num_head={entry.num_head!r}; both must be "
             "positive integers"
         )
     if not isinstance(entry.dtype, torch.dtype):
         raise CacheInfoError(f"{where} has dtype {entry.dtype!r}; expected a torch.dtype")
-    if entry.block_size is not None and not _positive_int(entry.block_size):
-        raise CacheInfoError(f"{where} has block_size {entry.block_size!r}; expected > 0")
+    if not _positive_int(entry.block_size):
+        raise CacheInfoError(
+            f"{where} has block_size {entry.block_size!r}; every entry that needs blocks "
+            "carries its own positive block size"
+        )
+    if entry.cache_layout not in SUPPORTED_CACHE_LAYOUTS:
+        raise CacheInfoError(
+            f"{where} has cache_layout {entry.cache_layout!r}; supported: "
+            f"{list(SUPPORTED_CACHE_LAYOUTS)}"
+        )
+    try:
+        CacheAllocator(entry.allocator)
+    except ValueError:
+        raise CacheInfoError(
+            f"{where} has allocator {entry.allocator!r}; supported: "
+            f"{[a.value for a in CacheAllocator]}"
+        ) from None
+    if not _positive_int(entry.compress_ratio):
+        raise CacheInfoError(f"{where} has compress_ratio {entry.compress_ratio!r}; expected > 0")
     if entry.attn_type == AttnType.SLIDING_WINDOW.value and not _positive_int(entry.sliding_window):
         raise CacheInfoError(
             f"{where} is SlidingWindow but sliding_window={entry.sliding_window!r}; "
             "set the model's window W (a positive number of tokens)"
         )
-    if entry.needs_block and entry.tensor_setter is None and layer.bind_kv_cache is None:
+    if entry.tensor_setter is None and layer_binder(layer) is None:
         raise CacheInfoError(
-            f"{where} has no tensor_setter and the layer has no bind_kv_cache; the runtime "
+            f"{where} has no tensor_setter and the layer has no bind_kv_cache; the host "
             "cannot hand it its tensor"
         )
 
@@ -186,17 +307,18 @@ def _validate_entry(
 def validate_cache_info(
     info: ModelCacheInfo, *, known_attn_types: Collection[str] | None = None
 ) -> None:
-    """Check a ModelCacheInfo, before any manager is built.
+    """Check a ModelCacheInfo before any manager is built.
+
+    Everything the framework's own check rejects is rejected here too; kvskill adds checks
+    that catch a declaration before it fails later (duplicate names, groups that disagree).
 
     Args:
         known_attn_types: the attn_types some manager serves (``ATTN_TYPE_MANAGER_MAP``);
-            None skips that check, which is how ``ModelCacheInfo`` checks itself when built.
+            None skips that check.
 
     Raises:
         CacheInfoError: naming the layer and entry at fault, the value and what is allowed.
     """
-    if not _positive_int(info.block_size):
-        raise CacheInfoError(f"ModelCacheInfo.block_size is {info.block_size!r}; expected > 0")
     if info.num_layers != len(info.layer_infos):
         raise CacheInfoError(
             f"ModelCacheInfo.num_layers is {info.num_layers} but {len(info.layer_infos)} "
@@ -204,19 +326,23 @@ def validate_cache_info(
         )
     known = None if known_attn_types is None else set(known_attn_types)
     seen_layers: set[int] = set()
-    group_window: dict[str, tuple[int | None, int, str]] = {}
+    group_shape: dict[str, tuple[int | None, int | None, str]] = {}
     for layer in info.layer_infos:
         if layer.layer_idx in seen_layers:
             raise CacheInfoError(f"layer_idx {layer.layer_idx} appears twice in layer_infos")
         seen_layers.add(layer.layer_idx)
+        if not layer.caches:
+            raise CacheInfoError(f"layer {layer.layer_idx} declares no cache entry")
         names = [entry.cache_name for entry in layer.caches]
         if len(names) != len(set(names)):
             raise CacheInfoError(f"layer {layer.layer_idx} declares duplicate caches {names}")
         for entry in layer.caches:
             _validate_entry(layer, entry, known)
+            if not entry.needs_block:
+                continue
             key = entry.group_key
-            shape = (entry.sliding_window, info.group_block_size(entry), entry.attn_type)
-            first = group_window.setdefault(key, shape)
+            shape = (entry.sliding_window, entry.block_size, entry.attn_type)
+            first = group_shape.setdefault(key, shape)
             if first != shape:
                 raise CacheInfoError(
                     f"cache {entry.cache_name!r} in layer {layer.layer_idx} has "

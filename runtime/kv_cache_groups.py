@@ -50,7 +50,7 @@ def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
                 group = groups[entry.group_key] = KVCacheGroup(
                     key=entry.group_key,
                     attn_type=entry.attn_type,
-                    block_size=cache_info.group_block_size(entry),
+                    block_size=entry.block_size,
                     sliding_window=entry.sliding_window,
                 )
             if not group.layers or group.layers[-1][0] is not layer:

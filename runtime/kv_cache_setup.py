@@ -15,7 +15,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.runtime.cache_info import ModelCacheInfo
+from kvskill.runtime.cache_info import ModelCacheInfo, fill_block_sizes
 from kvskill.runtime.device import available_memory_bytes, total_memory_bytes
 from kvskill.runtime.kv_cache_groups import build_groups
 from kvskill.runtime.kv_cache_manager import KVCacheManager
@@ -29,6 +29,8 @@ DEFAULT_KV_MEMORY_FRACTION = 0.1
 DEFAULT_KV_MEMORY_CAP_BYTES = 4 << 30
 #: tokens per request assumed by the default budget when no max_model_len is given
 DEFAULT_BUDGET_MODEL_LEN = 4096
+#: tokens per block of a model that names none (the fused attention's usual paged size)
+DEFAULT_BLOCK_SIZE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +102,8 @@ def prepare_kv_cache(
             "expected kvskill.runtime.ModelCacheInfo"
         )
     size_legacy_rows(info, max_model_len or DEFAULT_BUDGET_MODEL_LEN)
-    if block_size is not None and info.block_size != block_size:
-        info = ModelCacheInfo(
-            num_layers=info.num_layers,
-            block_size=block_size,
-            layer_infos=info.layer_infos,
-            is_mla_backend=info.is_mla_backend,
-        )
+    # Entries that chose their block size keep it; the others take the run's.
+    fill_block_sizes(info, block_size or getattr(model, "block_size", None) or DEFAULT_BLOCK_SIZE)
     if num_blocks is not None:
         budget = KVBudget(
             rule="num_blocks",

@@ -38,7 +38,7 @@ from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import hybrid_block_size
 from kvskill.core.errors import BadInputError
 from kvskill.runtime import huge_pages
-from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo
+from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, layer_binder
 from kvskill.runtime.kv_cache_groups import KVCacheGroup
 from kvskill.runtime.managers import ATTN_TYPE_MANAGER_MAP
 from torch import Tensor
@@ -143,8 +143,9 @@ def bind_kv_cache(
     views = storage if isinstance(storage, dict) else split_page(storage, entries, block_size)
     for entry in entries:
         entry.tensor = views[entry.cache_name]
-    if layer.bind_kv_cache is not None:
-        layer.bind_kv_cache(storage)
+    binder = layer_binder(layer)
+    if binder is not None:
+        binder(storage)
     else:
         for entry in entries:
             entry.tensor_setter(views[entry.cache_name])

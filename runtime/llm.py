@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
@@ -274,8 +275,15 @@ class LLM:
             # every rank builds its own pool (its heads) with rank 0's block count
             self.tensor_parallel.share_kv_setup(kv_kwargs, setup)
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
-        if self.npu_profile.shapes:  # the block size asked for, else the model's own default
-            check_run_block_size(self.cache_info.block_size)
+        if self.npu_profile.shapes:  # the paged attention's block sizes, as the run chose them
+            for size in sorted(
+                {
+                    entry.block_size
+                    for _, entry in self.cache_info.entries()
+                    if entry.attn_type in (AttnType.FULL_ATTENTION, AttnType.SLIDING_WINDOW)
+                }
+            ):
+                check_run_block_size(size)
         #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
         self.kv_budget = setup.budget
         scheduler_config = SchedulerConfig(

@@ -17,9 +17,9 @@ INIT = """\
         self.v_cache = torch.Tensor([])
         self.cache_entries = [
             CacheEntry(cache_name="k_cache", attn_type="FullAttention", dim=64, num_head=2,
-                       dtype=torch.float16, tensor_setter=self.set_k_cache),
+                       dtype=torch.float16, needs_block=True, tensor_setter=self.set_k_cache),
             CacheEntry(cache_name="v_cache", attn_type="FullAttention", dim=64, num_head=2,
-                       dtype=torch.float16, tensor_setter=self.set_v_cache),
+                       dtype=torch.float16, needs_block=True, tensor_setter=self.set_v_cache),
         ]
 """
 #: the generated helper's shape: both of its paths write both caches
@@ -222,8 +222,8 @@ def test_recurrent_state_layers_are_not_attention_caches():
 class GatedDelta(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.cache_entries = [MambaCacheEntry(cache_name="ssm_state", shape=(2, 4), dtype=None,
-                                              tensor_setter=None)]
+        self.cache_entries = [MambaCacheEntry(cache_name="ssm_state", shape=[2, 4], dtype=None,
+                                              needs_block=True, tensor_setter=None)]
 
     def forward(self, x):
         return fla.recurrent_gated_delta_rule(x)

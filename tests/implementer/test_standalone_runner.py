@@ -54,6 +54,8 @@ class _Attention(nn.Module):
                 dim=4,
                 num_head=2,
                 dtype=torch.float32,
+                needs_block=True,
+                block_size=4,
                 tensor_setter=lambda t, name=name: setattr(self, name, t),
                 sliding_window=3 if attn_type == "SlidingWindow" else None,
             )
@@ -75,7 +77,7 @@ class RecordingModel(nn.Module):
             LayerCacheInfo(layer_idx=i, caches=list(layer.cache_entries))
             for i, layer in enumerate(self.layers)
         ]
-        return ModelCacheInfo(num_layers=len(infos), block_size=4, layer_infos=infos)
+        return ModelCacheInfo(num_layers=len(infos), layer_infos=infos)
 
     def forward(self, *, input_ids, position_ids, use_cache, logits_to_keep):
         assert use_cache is False

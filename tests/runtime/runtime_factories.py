@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from kvskill.runtime import CacheEntry, LayerCacheInfo, MambaCacheEntry, ModelCacheInfo
+from kvskill.runtime import (
+    CacheEntry,
+    LayerCacheInfo,
+    MambaCacheEntry,
+    ModelCacheInfo,
+    validate_cache_info,
+)
+from kvskill.runtime.cache_info import fill_block_sizes
 
 
 class Sink:
@@ -36,7 +43,8 @@ def attn_layer(
             head_dim,
             num_head,
             dtype,
-            sink.setter(layer_idx, name),
+            True,
+            tensor_setter=sink.setter(layer_idx, name),
             sliding_window=sliding_window,
         )
         for name in ("k_cache", "v_cache")
@@ -52,14 +60,25 @@ def mamba_layer(
     dtype: torch.dtype = torch.float32,
 ) -> LayerCacheInfo:
     caches = [
-        MambaCacheEntry("conv_state", conv_shape, dtype, sink.setter(layer_idx, "conv_state")),
-        MambaCacheEntry("ssm_state", ssm_shape, dtype, sink.setter(layer_idx, "ssm_state")),
+        MambaCacheEntry(
+            cache_name=name,
+            shape=list(shape),
+            dtype=dtype,
+            needs_block=True,
+            tensor_setter=sink.setter(layer_idx, name),
+        )
+        for name, shape in (("conv_state", conv_shape), ("ssm_state", ssm_shape))
     ]
     return LayerCacheInfo(layer_idx, caches)
 
 
 def model_info(layers: list[LayerCacheInfo], block_size: int = 4) -> ModelCacheInfo:
-    return ModelCacheInfo(num_layers=len(layers), block_size=block_size, layer_infos=layers)
+    """The model's declaration with BLOCK_SIZE on its attention entries, checked as the
+    runtime checks it."""
+    info = ModelCacheInfo(num_layers=len(layers), layer_infos=layers)
+    fill_block_sizes(info, block_size)
+    validate_cache_info(info)
+    return info
 
 
 def full_and_sliding(sink: Sink, *, window: int = 6, block_size: int = 4) -> ModelCacheInfo:

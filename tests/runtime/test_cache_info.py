@@ -9,6 +9,7 @@ from kvskill.runtime import (
     KVCacheManager,
     LayerCacheInfo,
     ModelCacheInfo,
+    validate_cache_info,
 )
 from runtime_factories import Sink, attn_layer, mamba_layer, model_info
 
@@ -20,6 +21,8 @@ def _entry(**overrides):
         dim=8,
         num_head=2,
         dtype=torch.float16,
+        needs_block=True,
+        block_size=16,
         tensor_setter=lambda t: None,
     )
     fields.update(overrides)
@@ -35,12 +38,17 @@ def _entry(**overrides):
         ({"num_head": 0}, "num_head=0"),
         ({"dtype": "float16"}, "dtype 'float16'"),
         ({"block_size": -1}, "block_size -1"),
+        ({"block_size": None}, "block_size None; every entry that needs blocks"),
+        ({"needs_block": 1}, "needs_block=1; expected a bool"),
+        ({"cache_layout": "BSND"}, "cache_layout 'BSND'"),
+        ({"allocator": "disk"}, "allocator 'disk'"),
+        ({"compress_ratio": 0}, "compress_ratio 0"),
     ],
 )
 def test_bad_entry_is_reported_with_layer_and_entry(overrides, message):
     layer = LayerCacheInfo(3, [_entry(**overrides)])
     with pytest.raises(CacheInfoError, match=message) as exc:
-        ModelCacheInfo(num_layers=1, block_size=16, layer_infos=[layer])
+        validate_cache_info(ModelCacheInfo(num_layers=1, layer_infos=[layer]))
     assert isinstance(exc.value, BadInputError)
     assert "\n" not in str(exc.value)
 
@@ -48,7 +56,8 @@ def test_bad_entry_is_reported_with_layer_and_entry(overrides, message):
 def test_unknown_attn_type_is_refused_when_the_kv_manager_is_built():
     # The declaration is well formed, so the model can build it...
     layer = LayerCacheInfo(3, [_entry(attn_type="Linear")])
-    info = ModelCacheInfo(num_layers=1, block_size=16, layer_infos=[layer])
+    info = ModelCacheInfo(num_layers=1, layer_infos=[layer])
+    validate_cache_info(info)
     # ...but no manager serves "Linear": the KV manager refuses it before building anything.
     with pytest.raises(
         CacheInfoError,
@@ -81,19 +90,25 @@ def test_separate_manager_key_allows_a_second_window():
 def test_structural_errors():
     sink = Sink()
     with pytest.raises(CacheInfoError, match="num_layers is 2 but 1 layer_infos"):
-        ModelCacheInfo(num_layers=2, block_size=4, layer_infos=[attn_layer(sink, 0)])
+        validate_cache_info(ModelCacheInfo(num_layers=2, layer_infos=[attn_layer(sink, 0)]))
     with pytest.raises(CacheInfoError, match="layer_idx 0 appears twice"):
         model_info([attn_layer(sink, 0), attn_layer(sink, 0)])
-    with pytest.raises(CacheInfoError, match="block_size is 0"):
+    with pytest.raises(CacheInfoError, match="block_size 0"):
         model_info([attn_layer(sink, 0)], block_size=0)
     layer = LayerCacheInfo(0, [_entry(), _entry()])
     with pytest.raises(CacheInfoError, match="duplicate caches"):
-        ModelCacheInfo(num_layers=1, block_size=4, layer_infos=[layer])
+        validate_cache_info(ModelCacheInfo(num_layers=1, layer_infos=[layer]))
+    with pytest.raises(CacheInfoError, match="layer 0 declares no cache entry"):
+        validate_cache_info(ModelCacheInfo(num_layers=1, layer_infos=[LayerCacheInfo(0, [])]))
 
 
 def test_layer_bind_hook_replaces_tensor_setters():
-    layer = LayerCacheInfo(0, [_entry(tensor_setter=None)], bind_kv_cache=lambda raw: None)
-    info = ModelCacheInfo(num_layers=1, block_size=4, layer_infos=[layer])
+    layer = LayerCacheInfo(0, [_entry(tensor_setter=None)])
+    info = ModelCacheInfo(num_layers=1, layer_infos=[layer])
+    with pytest.raises(CacheInfoError, match="no tensor_setter"):
+        validate_cache_info(info)
+    layer.bind_kv_cache = lambda raw: None  # kvskill's page-pool hook: an attribute, not a field
+    validate_cache_info(info)
     assert info.entries()[0][1].cache_name == "k_cache"
 
 

@@ -13,11 +13,11 @@ def make_manager(num_blocks: int, block_size: int = 4) -> KVCacheManager:
         dim=1,
         num_head=1,
         dtype=torch.float32,
+        needs_block=True,
+        block_size=block_size,
         tensor_setter=lambda t: None,
     )
-    info = ModelCacheInfo(
-        num_layers=1, block_size=block_size, layer_infos=[LayerCacheInfo(0, [entry])]
-    )
+    info = ModelCacheInfo(num_layers=1, layer_infos=[LayerCacheInfo(0, [entry])])
     return KVCacheManager(info, num_blocks=num_blocks)
 
 

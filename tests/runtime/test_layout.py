@@ -39,8 +39,17 @@ def _page_bytes(mgr: KVCacheManager, raw_index: int, block: int) -> torch.Tensor
 def test_seed_example_48_fp16_in_a_128_byte_page_has_block_stride_64():
     # One latent cache per layer: 2 tokens x 3 heads x 8 dims = 48 fp16 = 96 bytes per block.
     sink = Sink()
-    entry = CacheEntry("kv_cache", "FullAttention", 8, 3, torch.float16, sink.setter(0, "kv"))
-    info = ModelCacheInfo(num_layers=1, block_size=2, layer_infos=[LayerCacheInfo(0, [entry])])
+    entry = CacheEntry(
+        "kv_cache",
+        "FullAttention",
+        8,
+        3,
+        torch.float16,
+        True,
+        2,
+        tensor_setter=sink.setter(0, "kv"),
+    )
+    info = ModelCacheInfo(num_layers=1, layer_infos=[LayerCacheInfo(0, [entry])])
     mgr = KVCacheManager(info, num_blocks=5, use_hybrid_blocks=True, page_alignment_bytes=128)
     mgr.allocate_cache_tensors()
     view = sink.tensors[(0, "kv")]
@@ -342,9 +351,20 @@ def test_layout_switch_prints_to_stderr_without_logging_setup():
 def test_mixed_dtype_states_are_aligned_and_do_not_overlap():
     # conv: 5x3 bf16 = 30 B; ssm must start on a 4-byte boundary: byte 32, not 30.
     sink = Sink()
-    conv = MambaCacheEntry("conv_state", (5, 3), torch.bfloat16, sink.setter(0, "conv"))
-    ssm = MambaCacheEntry("ssm_state", (2, 4), torch.float32, sink.setter(0, "ssm"))
-    info = ModelCacheInfo(num_layers=1, block_size=4, layer_infos=[LayerCacheInfo(0, [conv, ssm])])
+    conv, ssm = (
+        MambaCacheEntry(
+            cache_name=name,
+            shape=shape,
+            dtype=dtype,
+            needs_block=True,
+            tensor_setter=sink.setter(0, name.split("_")[0]),
+        )
+        for name, shape, dtype in (
+            ("conv_state", [5, 3], torch.bfloat16),
+            ("ssm_state", [2, 4], torch.float32),
+        )
+    )
+    info = ModelCacheInfo(num_layers=1, layer_infos=[LayerCacheInfo(0, [conv, ssm])])
     mgr = KVCacheManager(info, num_blocks=4, use_hybrid_blocks=True, page_alignment_bytes=64)
     mgr.allocate_cache_tensors()
     conv_view, ssm_view = sink.tensors[(0, "conv")], sink.tensors[(0, "ssm")]

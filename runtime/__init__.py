@@ -11,7 +11,15 @@ from kvskill.runtime.cache_info import (
     ModelCacheInfo,
     validate_cache_info,
 )
-from kvskill.runtime.forward_context import ForwardMetaData, forward_context, get_forward_metadata
+from kvskill.runtime.forward_context import (
+    ForwardMetaData,
+    PrefillCPMetaData,
+    forward_context,
+    get_forward_metadata,
+    reset_forward_metadata,
+    set_forward_metadata,
+    step_metadata,
+)
 from kvskill.runtime.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvskill.runtime.layout import bind_kv_cache, kv_lane_view, split_page, strided_view
 from kvskill.runtime.legacy_attention import legacy_attention_inputs, packed_output
@@ -51,6 +59,7 @@ __all__ = [
     "MambaCacheEntry",
     "MambaManager",
     "ModelCacheInfo",
+    "PrefillCPMetaData",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "bind_kv_cache",
@@ -59,6 +68,9 @@ __all__ = [
     "get_forward_metadata",
     "get_init_attn_mask",
     "kv_lane_view",
+    "reset_forward_metadata",
+    "set_forward_metadata",
+    "step_metadata",
     "validate_cache_info",
     "legacy_attention_inputs",
     "packed_output",

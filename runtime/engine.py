@@ -31,6 +31,8 @@ class StepRecord:
     step_index: int
     metadata: ForwardMetaData
     request_ids: list[str]
+    #: prompt length of each request
+    prompt_lens: list[int]
     #: generated tokens each request had before this step
     num_output_tokens: list[int]
     #: ``[B, V]`` logits of each request's last token this step (fp32)
@@ -261,6 +263,7 @@ class LLMEngine:
                 step_index=self.stats.num_steps - 1,
                 metadata=inputs.metadata,
                 request_ids=[s.request.request_id for s in output.scheduled],
+                prompt_lens=[len(s.request.prompt_token_ids) for s in output.scheduled],
                 num_output_tokens=num_outputs_before,
                 logits=logits,
                 sampled=sampled,

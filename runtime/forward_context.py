@@ -1,60 +1,111 @@
-"""Per-step attention metadata and the scoped context that carries it to every layer."""
+"""Per-step attention metadata, and how every layer reads it.
+
+``ForwardMetaData`` and ``get_forward_metadata`` / ``set_forward_metadata`` /
+``reset_forward_metadata`` equal the Ascend framework's (hicann/cann-recipes-infer at
+``fbc225d``, ``executor/utils/forward_metadata.py``) field for field and in meaning, so a
+converted layer reads the same fields in either host. The framework keeps one module-level
+value; kvskill keeps it in a context variable so ``forward_context`` can scope a step and
+restore the previous value, even when the forward raises.
+
+Field meanings (requests packed, T = sum of this step's query tokens, tensors int64 [B]):
+
+- ``actual_seq_lengths_q`` query tokens per request; ``actual_seq_lengths_kv`` kv tokens per
+  request after this step (context + new), per request, NOT cumulative;
+- ``actual_seq_lengths_cu_q`` / ``_cu_kv`` their running sums, no leading 0 (the TND form);
+- ``*_list_*`` the same as Python lists, for captured graphs (the framework fills them for
+  decode steps only; kvskill's runtime fills them for every step);
+- ``kv_len`` tokens already in the cache before this step (in a decode step, the position of
+  the new token), as the framework's decode steps set it;
+- ``prompt_tokens`` the tokens a prefill step computes, T (0 in decode).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from itertools import accumulate
 
+import torch
 from torch import Tensor
 
 
-@dataclass(slots=True)
+@dataclass
+class PrefillCPMetaData:
+    """Context-parallel metadata of a prefill step (the framework's; kvskill's runtime runs
+    no context parallelism and leaves ``ForwardMetaData.cp_metadata`` None)."""
+
+    enabled: bool = False
+    cp_size: int = 1
+    global_padded_token_num: int = 0
+    local_token_num: int = 0
+    local_indices: Tensor | None = None
+    restore_indices: Tensor | None = None
+    global_valid_indices: Tensor | None = None
+    global_slot_mapping: dict[str, Tensor] | None = None
+    global_block_table: dict[str, Tensor] | None = None
+    persistent_valid_indices: Tensor | None = None
+    persistent_slot_mapping: dict[str, Tensor] | None = None
+    output_request_indices: Tensor | None = None
+    actual_seq_q_prev: Tensor | None = None
+    actual_seq_q_next: Tensor | None = None
+    kv_len_prev: Tensor | None = None
+    kv_len_next: Tensor | None = None
+    local_prev_token_num: int = 0
+    local_next_token_num: int = 0
+
+
+@dataclass
 class ForwardMetaData:
-    """What one forward step tells the converted attention layers.
+    """What one forward step tells the converted attention layers (see the module doc)."""
 
-    Requests are packed: T = sum of this step's query tokens, no padding. Per-request lists
-    are in batch order. Block tables and slot mappings are keyed by group key (the
-    ``attn_type`` unless a ``manager_key`` was set).
-    """
-
-    is_prefill: bool
-    #: tokens in the cache per request after this step, int64 [B]
-    kv_len: Tensor
-    #: query tokens per request this step
-    actual_seq_lengths_q: list[int]
-    #: kv tokens per request after this step (context + new); per request, NOT cumulative
-    actual_seq_lengths_kv: list[int]
-    #: cumulative query lengths, no leading 0, last = T (TND ``actual_seq_lengths``)
-    actual_seq_lengths_cu_q: list[int]
-    #: cumulative kv lengths, no leading 0
-    actual_seq_lengths_cu_kv: list[int]
-    #: group key -> int32 [B, max_blocks], padded with the null block 0
-    block_table: dict[str, Tensor]
-    #: group key -> int64 [T], physical slot of every token of this step
-    slot_mapping: dict[str, Tensor]
-    #: prompt length per request
-    prompt_tokens: list[int]
-    #: T
-    num_tokens: int
+    is_prefill: bool = False
+    is_warm_up: bool = False
     #: bool [2048, 2048], True = masked (``triu(diagonal=1)``), for sparse_mode 2/3/4
     attention_mask: Tensor | None = None
-    #: extras some layers read: the engine always sets "has_initial_state" (bool [B], the
-    #: request already has tokens in the cache), which converted state layers require
-    extra: dict[str, object] = field(default_factory=dict)
+    kv_len: Tensor | None = None
+    actual_seq_lengths_kv: Tensor | None = None
+    actual_seq_lengths_q: Tensor | None = None
+    actual_seq_lengths_cu_kv: Tensor | None = None
+    actual_seq_lengths_cu_q: Tensor | None = None
+    actual_seq_lengths_cu_list_kv: list | None = None
+    actual_seq_lengths_cu_list_q: list | None = None
+    actual_seq_lengths_list_kv: list | None = None
+    actual_seq_lengths_list_q: list | None = None
+    prompt_tokens: int = 0
+    #: group key -> int32 [B, max_blocks], padded with the null block
+    block_table: dict[str, Tensor] | None = None
+    #: group key -> int64 [T], physical slot of every token of this step (none for Mamba)
+    slot_mapping: dict[str, Tensor] | None = None
+    cp_metadata: PrefillCPMetaData | None = None
 
 
+#: None until a step sets it: reads then see fresh defaults, so nothing can mutate a shared one
 _current: ContextVar[ForwardMetaData | None] = ContextVar("kvskill_forward_md", default=None)
+
+
+def get_forward_metadata() -> ForwardMetaData:
+    """The metadata of the step being run; outside any step, empty defaults (as the
+    framework's, whose warm-up reads them)."""
+    md = _current.get()
+    return ForwardMetaData() if md is None else md
+
+
+def set_forward_metadata(**fields) -> None:
+    """Replace the named fields of the current metadata (``dataclasses.replace``)."""
+    _current.set(replace(get_forward_metadata(), **fields))
+
+
+def reset_forward_metadata() -> None:
+    """Back to empty defaults."""
+    _current.set(ForwardMetaData())
 
 
 @contextmanager
 def forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
-    """Make ``metadata`` visible to ``get_forward_metadata`` inside the block.
-
-    The previous value is restored on exit, even when the forward raises, so nested or
-    failed steps never leak metadata into the next one.
-    """
+    """Make ``metadata`` the current metadata inside the block, and restore the previous one
+    on exit, even when the forward raises, so a failed step never leaks into the next."""
     token = _current.set(metadata)
     try:
         yield metadata
@@ -62,17 +113,41 @@ def forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
         _current.reset(token)
 
 
-def get_forward_metadata() -> ForwardMetaData:
-    """The metadata of the step being run.
+def in_paged_step() -> bool:
+    """True inside a step of a paged host (its block tables are set)."""
+    return get_forward_metadata().block_table is not None
 
-    Raises:
-        RuntimeError: when called outside ``forward_context`` (the model was run without
-            the runtime, e.g. by plain ``model(...)``).
-    """
-    md = _current.get()
-    if md is None:
-        raise RuntimeError(
-            "no forward metadata: this converted model must run inside "
-            "kvskill.runtime.forward_context(...) (use kvskill.runtime.LLM or the engine)"
-        )
-    return md
+
+def step_metadata(
+    *,
+    is_prefill: bool,
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_table: dict[str, Tensor],
+    slot_mapping: dict[str, Tensor],
+    attention_mask: Tensor | None,
+    device: torch.device | str,
+) -> ForwardMetaData:
+    """The metadata of a step from each request's query and kv lengths (after the step)."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    cu_q, cu_kv = list(accumulate(q_lens)), list(accumulate(kv_lens))
+    lengths = torch.tensor(
+        [q_lens, kv_lens, cu_q, cu_kv, [k - q for q, k in zip(q_lens, kv_lens, strict=True)]],
+        dtype=torch.int64,
+    ).to(device)
+    return ForwardMetaData(
+        is_prefill=is_prefill,
+        attention_mask=attention_mask,
+        kv_len=lengths[4],
+        actual_seq_lengths_q=lengths[0],
+        actual_seq_lengths_kv=lengths[1],
+        actual_seq_lengths_cu_q=lengths[2],
+        actual_seq_lengths_cu_kv=lengths[3],
+        actual_seq_lengths_list_q=q_lens,
+        actual_seq_lengths_list_kv=kv_lens,
+        actual_seq_lengths_cu_list_q=cu_q,
+        actual_seq_lengths_cu_list_kv=cu_kv,
+        prompt_tokens=sum(q_lens) if is_prefill else 0,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+    )

@@ -22,8 +22,8 @@ def _visible(
     md: ForwardMetaData, device: torch.device, window: int | None, chunk: int | None
 ) -> tuple[Tensor, Tensor]:
     """(visible [B, L, C] bool, query index [B, L] into the packed tokens, -1 for padding)."""
-    q_lens = torch.tensor(md.actual_seq_lengths_q, device=device)
-    kv_lens = torch.tensor(md.actual_seq_lengths_kv, device=device)
+    q_lens = md.actual_seq_lengths_q.to(device)
+    kv_lens = md.actual_seq_lengths_kv.to(device)
     width, context = int(q_lens.max()), int(kv_lens.max())
     step = torch.arange(width, device=device).view(1, -1)
     real = step < q_lens.view(-1, 1)  # [B, L]
@@ -77,7 +77,7 @@ def legacy_attention_inputs(
 
 def packed_output(output: Tensor, md: ForwardMetaData) -> Tensor:
     """The attention output ``[B, L, N, D]`` back as the step's packed ``[1, T, N, D]``."""
-    q_lens = torch.tensor(md.actual_seq_lengths_q, device=output.device)
+    q_lens = md.actual_seq_lengths_q.to(output.device)
     real = torch.arange(output.size(1), device=output.device).view(1, -1) < q_lens.view(-1, 1)
     return output[real].unsqueeze(0)
 

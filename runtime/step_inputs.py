@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
-from kvskill.runtime.forward_context import ForwardMetaData
+from kvskill.runtime.forward_context import ForwardMetaData, step_metadata
 from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.scheduler import SchedulerOutput
-from kvskill.runtime.tables import bool_tensor, int64_tensor
+from kvskill.runtime.tables import int64_tensor
 from torch import Tensor
 
 
@@ -55,8 +55,6 @@ def build_step_inputs(
     starts = [s.start for s in scheduled]
     kv_lens = [s + q for s, q in zip(starts, q_lens, strict=True)]
     cu_q = list(accumulate(q_lens))
-    cu_kv = list(accumulate(kv_lens))
-    num_tokens = cu_q[-1]
     is_decode = q_lens.count(1) == len(q_lens)  # every request feeds exactly one token
 
     if is_decode:
@@ -73,21 +71,14 @@ def build_step_inputs(
     tables = kv_manager.step_tables(
         [r.request_id for r in requests], starts=starts, num_new_tokens=q_lens
     )
-    metadata = ForwardMetaData(
+    metadata = step_metadata(
         is_prefill=output.is_prefill,
-        attention_mask=attention_mask,
-        kv_len=int64_tensor(kv_lens).to(device),
-        actual_seq_lengths_q=q_lens,
-        actual_seq_lengths_kv=kv_lens,
-        actual_seq_lengths_cu_q=cu_q,
-        actual_seq_lengths_cu_kv=cu_kv,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
         block_table={key: t.to(device) for key, t in tables.block_table.items()},
         slot_mapping={key: t.to(device) for key, t in tables.slot_mapping.items()},
-        prompt_tokens=[len(r.prompt_token_ids) for r in requests],
-        num_tokens=num_tokens,
-        # Recurrent (Mamba) layers start from a zero state unless the request already has
-        # tokens in the cache (a later prefill chunk, or a decode step): bool [B].
-        extra={"has_initial_state": bool_tensor([s > 0 for s in starts]).to(device)},
+        attention_mask=attention_mask,
+        device=device,
     )
     return StepInputs(
         input_ids=int64_tensor(token_ids).unsqueeze(0).to(device),

@@ -56,10 +56,11 @@ class _StepRecorder:
             {
                 "is_prefill": md.is_prefill,
                 "kv_len": md.kv_len.tolist(),
-                "actual_seq_lengths_kv": list(md.actual_seq_lengths_kv),
+                "actual_seq_lengths_kv": md.actual_seq_lengths_kv.tolist(),
+                "actual_seq_lengths_q": md.actual_seq_lengths_q.tolist(),
                 "block_table": sorted(md.block_table),
                 "slot_mapping": {k: int(v.numel()) for k, v in md.slot_mapping.items()},
-                "num_tokens": md.num_tokens,
+                "num_tokens": int(md.actual_seq_lengths_q.sum()),
             }
         )
 
@@ -151,11 +152,17 @@ def _runtime_chain(
                 f"{kind}: actual_seq_lengths_kv {step['actual_seq_lengths_kv']}, expected "
                 f"{expected} (prompt + generated): the runner's kv_len went wrong"
             )
-        if step["kv_len"] != step["actual_seq_lengths_kv"]:
+        before = [
+            kv - q
+            for kv, q in zip(
+                step["actual_seq_lengths_kv"], step["actual_seq_lengths_q"], strict=True
+            )
+        ]
+        if step["kv_len"] != before:
             # the runner builds both from one value; only the forward can have changed kv_len
             failures.append(
                 f"{kind}: kv_len is {step['kv_len']} after the forward but the step was built "
-                f"with {step['actual_seq_lengths_kv']}; a layer advanced kv_len (it is the "
+                f"with {before} tokens cached before it; a layer advanced kv_len (it is the "
                 "runner's variable, layers only read it)"
             )
         missing = sorted(set(attn_types) - set(step["block_table"]))

@@ -64,8 +64,8 @@ def test_the_converted_layer_keeps_its_states_in_the_mamba_group(converted):
     layer = code[code.index("class Qwen3NextGatedDeltaNet") : code.index("class Qwen3NextMLP")]
     assert 'self.attn_type = "Mamba"' in layer
     assert 'self.pinned_cache_dtypes = {"ssm_state": torch.float32}' in layer
-    assert "shape=(self.conv_kernel_size - 1, self.conv_dim)" in layer
-    assert "shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim)" in layer
+    assert "shape=[self.conv_kernel_size - 1, self.conv_dim]" in layer
+    assert "shape=[self.num_v_heads, self.head_k_dim, self.head_v_dim]" in layer
     # transformers' cache is gone from the forward; both paths of both operators remain
     assert "cache.get_conv_state" not in layer and "update_recurrent_state" not in layer
     for op in (

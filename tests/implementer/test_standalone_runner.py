@@ -162,7 +162,7 @@ def test_paged_runner_static_block_table_and_slots(runners):
     assert out.token_ids == [[8, 9, 10], [16, 17, 18]]
     prefill, decode1, decode2 = model.steps
     md = prefill["md"]
-    assert md.is_prefill and md.num_tokens == 9
+    assert md.is_prefill and md.prompt_tokens == 9
     assert prefill["input_ids"].tolist() == [[5, 6, 7, 10, 11, 12, 13, 14, 15]]
     assert prefill["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5]]
     # Concatenated ranges at batch_idx * max_seq_len ...
@@ -172,17 +172,21 @@ def test_paged_runner_static_block_table_and_slots(runners):
     rows = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
     positions = prefill["position_ids"][0]
     assert torch.equal(slots, prepare_slot_mapping(runner.block_table, rows, positions, 4))
-    assert md.actual_seq_lengths_cu_q == [3, 9] and md.actual_seq_lengths_kv == [3, 6]
+    assert md.actual_seq_lengths_cu_q.tolist() == [3, 9]
+    assert md.actual_seq_lengths_kv.tolist() == [3, 6]
     assert torch.equal(md.block_table["FullAttention"], runner.block_table)
 
     # Decode: one token per row at kv_len, slot kv_len + kv_len_offset; kv_len grows once per step.
+    # The metadata's kv_len is the tokens cached before the step: the new token's position.
     assert decode1["position_ids"].tolist() == [[3, 6]]
     assert decode1["slots"]["FullAttention"].tolist() == [3, 18]
-    assert decode1["kv_len"].tolist() == [4, 7]
-    assert decode1["md"].actual_seq_lengths_kv == [4, 7]
-    assert decode1["md"].actual_seq_lengths_cu_q == [1, 2]
+    assert decode1["kv_len"].tolist() == [3, 6]
+    assert decode1["md"].actual_seq_lengths_kv.tolist() == [4, 7]
+    assert decode1["md"].actual_seq_lengths_list_kv == [4, 7]
+    assert decode1["md"].actual_seq_lengths_cu_q.tolist() == [1, 2]
+    assert decode1["md"].prompt_tokens == 0
     assert decode2["slots"]["FullAttention"].tolist() == [4, 19]
-    assert decode2["kv_len"].tolist() == [5, 8]
+    assert decode2["kv_len"].tolist() == [4, 7]
     assert runner.kv_len.tolist() == [5, 8]
 
 
@@ -212,11 +216,11 @@ def test_contiguous_runner_pads_rows_and_writes_at_kv_len(runners):
     # Right-padded [batch, longest]; positions restart at 0 in every row.
     assert prefill["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0], [10, 11, 12, 13, 14, 15]]
     assert prefill["position_ids"].tolist() == [list(range(6))] * 2
-    assert prefill["md"].actual_seq_lengths_q == [3, 6]
-    assert prefill["kv_len"].tolist() == [3, 6] and prefill["md"].block_table == {}
+    assert prefill["md"].actual_seq_lengths_q.tolist() == [3, 6]
+    assert prefill["kv_len"].tolist() == [0, 0] and prefill["md"].block_table == {}
     assert decode1["input_ids"].tolist() == [[8], [16]]
     assert decode1["position_ids"].tolist() == [[3], [6]]
-    assert decode1["kv_len"].tolist() == [4, 7]
+    assert decode1["kv_len"].tolist() == [3, 6]
 
 
 def test_runner_stops_rows_at_eos_and_refuses_bad_batches(runners):

@@ -115,7 +115,7 @@ def test_unchunked_long_prompt_runs_alone(toy_dir, twin):
     with llm.step_hook(records.append):
         outputs = llm.generate(prompts, SamplingParams(max_tokens=5))
     assert_matches_twin(twin, prompts, outputs, 5)
-    prefill_sizes = [r.metadata.actual_seq_lengths_q for r in records if r.metadata.is_prefill]
+    prefill_sizes = [r.metadata.actual_seq_lengths_list_q for r in records if r.metadata.is_prefill]
     assert [20] in prefill_sizes  # the long prompt had a prefill step to itself
 
 
@@ -132,7 +132,7 @@ def test_logits_match_twin_per_step(toy_dir, twin):
     checked = 0
     for record in records:
         for row, (rid, kv) in enumerate(
-            zip(record.request_ids, record.metadata.actual_seq_lengths_kv, strict=True)
+            zip(record.request_ids, record.metadata.actual_seq_lengths_list_kv, strict=True)
         ):
             expected = twin.logits(sequences[rid][:kv])[-1]
             torch.testing.assert_close(record.logits[row], expected, atol=1e-4, rtol=0)
@@ -184,7 +184,7 @@ def test_decoding_requests_riding_along_with_prompts_keep_the_twins_tokens(toy_d
         md = record.metadata
         riding = any(
             q == 1 and n > 0
-            for q, n in zip(md.actual_seq_lengths_q, record.num_output_tokens, strict=True)
+            for q, n in zip(md.actual_seq_lengths_list_q, record.num_output_tokens, strict=True)
         )
         steps.append((md.is_prefill, riding))
 

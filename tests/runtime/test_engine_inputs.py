@@ -205,10 +205,17 @@ def test_step_inputs_pack_requests_as_documented(attn_type):
     assert inputs.input_ids.tolist() == [[14, 15, 16, 20, 21]]
     assert inputs.position_ids.tolist() == [[4, 5, 6, 0, 1]]
     assert inputs.logits_indices.tolist() == [2, 4]
-    assert (md.actual_seq_lengths_q, md.actual_seq_lengths_cu_q) == ([3, 2], [3, 5])
-    assert (md.actual_seq_lengths_kv, md.actual_seq_lengths_cu_kv) == ([7, 2], [7, 9])
-    assert md.kv_len.tolist() == [7, 2] and md.num_tokens == 5 and md.prompt_tokens == [7, 2]
-    assert md.extra["has_initial_state"].tolist() == [True, False]
+    assert (md.actual_seq_lengths_q.tolist(), md.actual_seq_lengths_cu_q.tolist()) == (
+        [3, 2],
+        [3, 5],
+    )
+    assert (md.actual_seq_lengths_kv.tolist(), md.actual_seq_lengths_cu_kv.tolist()) == (
+        [7, 2],
+        [7, 9],
+    )
+    # the list twins say the same; kv_len is what each request had cached before the step
+    assert (md.actual_seq_lengths_list_q, md.actual_seq_lengths_cu_list_kv) == ([3, 2], [7, 9])
+    assert md.kv_len.tolist() == [4, 0] and md.prompt_tokens == 5
     assert md.block_table[attn_type].tolist() == [[1, 2], [3, 0]]
     assert md.block_table[attn_type].dtype == torch.int32
     # slot = block * 4 + pos % 4: positions 4,5,6 in block 2; 0,1 in block 3.
@@ -233,12 +240,12 @@ def test_decode_step_inputs(attn_type):
     assert inputs.input_ids.tolist() == [[40, 51]]
     assert inputs.position_ids.tolist() == [[7, 5]]
     assert inputs.logits_indices.tolist() == [0, 1]
-    assert md.actual_seq_lengths_kv == [8, 6] and md.kv_len.tolist() == [8, 6]
-    assert md.actual_seq_lengths_cu_q == [1, 2] and md.actual_seq_lengths_cu_kv == [8, 14]
+    assert md.actual_seq_lengths_kv.tolist() == [8, 6] and md.kv_len.tolist() == [7, 5]
+    assert md.actual_seq_lengths_cu_q.tolist() == [1, 2]
+    assert md.actual_seq_lengths_cu_kv.tolist() == [8, 14]
     assert md.block_table[attn_type].tolist() == [[1, 2], [3, 4]]
     assert md.slot_mapping[attn_type].tolist() == [2 * 4 + 3, 4 * 4 + 1]
-    assert md.extra["has_initial_state"].tolist() == [True, True]
-    assert not md.is_prefill and md.prompt_tokens == [7, 4] and md.num_tokens == 2
+    assert not md.is_prefill and md.prompt_tokens == 0
     # b's position 5 needs a second block; with one the step is refused.
     with pytest.raises(AssertionError, match="do not cover its tokens"):
         build_step_inputs(
@@ -308,4 +315,4 @@ def test_a_request_without_new_tokens_adds_none():
     )
     assert inputs.input_ids.tolist() == [[21]] and inputs.position_ids.tolist() == [[1]]
     assert inputs.metadata.slot_mapping["FullAttention"].tolist() == [2 * 4 + 1]
-    assert inputs.metadata.actual_seq_lengths_cu_q == [0, 1]
+    assert inputs.metadata.actual_seq_lengths_cu_q.tolist() == [0, 1]

@@ -19,9 +19,14 @@ from kvskill.runtime import (
     CacheAllocator,
     CacheEntry,
     CacheInfoError,
+    ForwardMetaData,
     LayerCacheInfo,
     MambaCacheEntry,
     ModelCacheInfo,
+    PrefillCPMetaData,
+    get_forward_metadata,
+    reset_forward_metadata,
+    set_forward_metadata,
 )
 
 REQUIRED = object()
@@ -69,7 +74,55 @@ CONTRACT: dict[type, list[tuple[str, object, bool]]] = {
         ("layer_infos", REQUIRED, False),
         ("is_mla_backend", False, False),
     ],
+    # executor/utils/forward_metadata.py
+    ForwardMetaData: [
+        ("is_prefill", False, False),
+        ("is_warm_up", False, False),
+        ("attention_mask", None, False),
+        ("kv_len", None, False),
+        ("actual_seq_lengths_kv", None, False),
+        ("actual_seq_lengths_q", None, False),
+        ("actual_seq_lengths_cu_kv", None, False),
+        ("actual_seq_lengths_cu_q", None, False),
+        ("actual_seq_lengths_cu_list_kv", None, False),
+        ("actual_seq_lengths_cu_list_q", None, False),
+        ("actual_seq_lengths_list_kv", None, False),
+        ("actual_seq_lengths_list_q", None, False),
+        ("prompt_tokens", 0, False),
+        ("block_table", None, False),
+        ("slot_mapping", None, False),
+        ("cp_metadata", None, False),
+    ],
+    PrefillCPMetaData: [
+        ("enabled", False, False),
+        ("cp_size", 1, False),
+        ("global_padded_token_num", 0, False),
+        ("local_token_num", 0, False),
+        *[
+            (name, None, False)
+            for name in (
+                "local_indices",
+                "restore_indices",
+                "global_valid_indices",
+                "global_slot_mapping",
+                "global_block_table",
+                "persistent_valid_indices",
+                "persistent_slot_mapping",
+                "output_request_indices",
+                "actual_seq_q_prev",
+                "actual_seq_q_next",
+                "kv_len_prev",
+                "kv_len_next",
+            )
+        ],
+        ("local_prev_token_num", 0, False),
+        ("local_next_token_num", 0, False),
+    ],
 }
+
+#: the framework module each class lives in
+HOME = {cls: "executor/core/kv_cache/cache_info.py" for cls in CONTRACT}
+HOME[ForwardMetaData] = HOME[PrefillCPMetaData] = "executor/utils/forward_metadata.py"
 
 
 def _described(cls: type) -> list[tuple[str, object, bool]]:
@@ -172,11 +225,11 @@ def test_merge_appends_and_renumbers_the_other_model_layers():
         main.merge(ModelCacheInfo(num_layers=0, layer_infos=[]))
 
 
-def _framework_cache_info_module(checkout: Path):
-    """The framework's cache_info module loaded from its file alone: it imports only torch,
-    while its package __init__ pulls in torch_npu."""
-    path = checkout / "executor" / "core" / "kv_cache" / "cache_info.py"
-    spec = importlib.util.spec_from_file_location("_framework_cache_info", path)
+def _framework_module(checkout: Path, relative: str):
+    """One framework module loaded from its file alone: these import only torch, while their
+    packages' __init__ pull in torch_npu."""
+    path = checkout / relative
+    spec = importlib.util.spec_from_file_location("_framework_" + path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -187,11 +240,30 @@ def _framework_cache_info_module(checkout: Path):
     reason="set KVSKILL_CANN_RECIPES to a cann-recipes-infer checkout to compare with it",
 )
 def test_the_real_framework_classes_have_the_same_fields():
-    real = _framework_cache_info_module(Path(os.environ["KVSKILL_CANN_RECIPES"]))
+    checkout = Path(os.environ["KVSKILL_CANN_RECIPES"])
+    modules = {home: _framework_module(checkout, home) for home in set(HOME.values())}
     for cls in CONTRACT:
+        real = modules[HOME[cls]]
         theirs = _described(getattr(real, cls.__name__))
         ours = _described(cls)
         # the enum defaults are two classes of the same values
         normalise = [(name, getattr(default, "value", default), kw) for name, default, kw in theirs]
         assert [(n, getattr(d, "value", d), k) for n, d, k in ours] == normalise, cls.__name__
+    real = modules["executor/core/kv_cache/cache_info.py"]
     assert {a.value for a in real.CacheAllocator} == {a.value for a in CacheAllocator}
+    # the same three functions over the metadata
+    forward = modules["executor/utils/forward_metadata.py"]
+    for name in ("get_forward_metadata", "set_forward_metadata", "reset_forward_metadata"):
+        assert callable(getattr(forward, name))
+
+
+def test_forward_metadata_functions_behave_as_the_framework_s():
+    reset_forward_metadata()
+    assert get_forward_metadata() == ForwardMetaData()
+    set_forward_metadata(is_prefill=True, prompt_tokens=7)
+    md = get_forward_metadata()
+    assert md.is_prefill and md.prompt_tokens == 7 and md.block_table is None
+    set_forward_metadata(prompt_tokens=0)
+    assert get_forward_metadata().is_prefill  # other fields kept
+    reset_forward_metadata()
+    assert get_forward_metadata() == ForwardMetaData()

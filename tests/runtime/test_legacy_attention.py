@@ -5,24 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvskill.runtime import ForwardMetaData, legacy_attention_inputs, packed_output
+from kvskill.runtime import (
+    ForwardMetaData,
+    legacy_attention_inputs,
+    packed_output,
+    step_metadata,
+)
 
 HEADS, KV_HEADS, DIM, ROW = 4, 2, 8, 32
 
 
 def _metadata(q_lens: list[int], kv_lens: list[int], rows: list[int]) -> ForwardMetaData:
-    cu_q = torch.tensor(q_lens).cumsum(0).tolist()
-    return ForwardMetaData(
+    return step_metadata(
         is_prefill=max(q_lens) > 1,
-        kv_len=torch.tensor(kv_lens),
-        actual_seq_lengths_q=q_lens,
-        actual_seq_lengths_kv=kv_lens,
-        actual_seq_lengths_cu_q=cu_q,
-        actual_seq_lengths_cu_kv=torch.tensor(kv_lens).cumsum(0).tolist(),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
         block_table={"Legacy": torch.tensor(rows, dtype=torch.int32).view(-1, 1)},
         slot_mapping={},
-        prompt_tokens=kv_lens,
-        num_tokens=sum(q_lens),
+        attention_mask=None,
+        device="cpu",
     )
 
 

@@ -45,6 +45,7 @@ class MiniAttention(tnn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: get_cache_info() updates this to the layer's dtype after any cast.
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_k_cache,
             ),
             CacheEntry(
@@ -54,6 +55,7 @@ class MiniAttention(tnn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: get_cache_info() updates this to the layer's dtype after any cast.
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_v_cache,
             ),
         ]

@@ -107,6 +107,7 @@ class LatentAttention(nn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: models are built under their compute dtype (torch.set_default_dtype).
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_nope_cache,
             ),
             CacheEntry(
@@ -116,6 +117,7 @@ class LatentAttention(nn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: models are built under their compute dtype (torch.set_default_dtype).
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_rope_cache,
             ),
         ]
@@ -187,7 +189,7 @@ class LatentAttention(nn.Module):
         """
         block_table = md.block_table[self.attn_type]
         device = block_table.device
-        kv_lens = torch.tensor(md.actual_seq_lengths_kv, dtype=torch.int64, device=device)
+        kv_lens = md.actual_seq_lengths_kv.to(device=device, dtype=torch.int64)
         request = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=device), kv_lens)  # [S]
         starts = torch.cumsum(kv_lens, 0) - kv_lens
         position = torch.arange(request.numel(), device=device) - starts[request]  # [S]

@@ -46,10 +46,10 @@ class MiniAttention(tnn.Module):
         query_bsh = query_states.transpose(1, 2).reshape(batch, q_len, -1)  # [B, S, N * D]
         key_bsh = key_states.transpose(1, 2).reshape(batch, q_len, -1)  # [B, S, N_kv * D]
         value_bsh = value_states.transpose(1, 2).reshape(batch, q_len, -1)  # [B, S, N_kv * D]
-        # kv_len belongs to the runner (tokens per row after this step); layers only read it.
-        # A prefill writes every row from position 0, a decode step its one token at kv_len - 1.
-        write_start = torch.zeros_like(md.kv_len) if md.is_prefill else md.kv_len - 1
-        self.update_cache(write_start, key_bsh, value_bsh)
+        # kv_len belongs to the runner (tokens per row before this step); layers only read it.
+        # This step's tokens are written from there: position 0 for a prefill, the new token's
+        # position for a decode step.
+        self.update_cache(md.kv_len, key_bsh, value_bsh)
         # Prefill: causal over the 2048 tile (sparse_mode 3). Decode: one query per row, which the
         # operator runs in its decode branch, masked by actual_seq_lengths_kv alone (sparse_mode 0).
         attn_output, _ = torch_npu.npu_fused_infer_attention_score(

@@ -108,6 +108,9 @@ class MiniForCausalLM(tnn.Module):
             pinned = getattr(module, "pinned_cache_dtypes", {})
             for entry in module.cache_entries:
                 entry.dtype = pinned.get(entry.cache_name, param.dtype if param is not None else entry.dtype)
+                if entry.attn_type in ("FullAttention", "SlidingWindow"):
+                    # The run's tokens per block (the runtime may set self.block_size).
+                    entry.block_size = self.block_size
         layer_caches, reported = [], set()
         for name, module in found:
             if uses[id(module)] > 1 and hasattr(module, "site_cache_entries"):
@@ -119,7 +122,7 @@ class MiniForCausalLM(tnn.Module):
         layer_infos = [
             LayerCacheInfo(layer_idx=index, caches=caches) for index, caches in enumerate(layer_caches)
         ]
-        return ModelCacheInfo(num_layers=len(layer_infos), block_size=self.block_size, layer_infos=layer_infos)
+        return ModelCacheInfo(num_layers=len(layer_infos), layer_infos=layer_infos)
 
 
 class MiniVisionForConditionalGeneration(tnn.Module):

@@ -165,13 +165,15 @@ class LatentToyForCausalLM(nn.Module):
             pinned = getattr(module, "pinned_cache_dtypes", {})
             for entry in module.cache_entries:
                 entry.dtype = pinned.get(entry.cache_name, param.dtype if param is not None else entry.dtype)
+                if entry.attn_type in ("FullAttention", "SlidingWindow"):
+                    # The run's tokens per block (the runtime may set self.block_size).
+                    entry.block_size = self.block_size
         layer_infos = [
             LayerCacheInfo(layer_idx=index, caches=list(module.cache_entries))
             for index, module in enumerate(attentions)
         ]
         return ModelCacheInfo(
             num_layers=len(layer_infos),
-            block_size=self.block_size,
             layer_infos=layer_infos,
             is_mla_backend=True,
         )

@@ -12,13 +12,9 @@ from .configuration_mini import MiniConfig
 
 
 def _in_paged_runtime() -> bool:
-    """True inside the paged runtime's forward context, where the fused attention masks by
-    itself (sparse_mode + actual sequence lengths) and dense masks would cost O(T^2)."""
-    try:
-        get_forward_metadata()
-    except RuntimeError:
-        return False
-    return True
+    """True inside a paged step (the host set its block tables), where the fused attention
+    masks by itself (sparse_mode + actual sequence lengths) and dense masks would cost O(T^2)."""
+    return get_forward_metadata().block_table is not None
 
 
 def rotate_half(x):

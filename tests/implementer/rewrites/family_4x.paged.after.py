@@ -44,6 +44,7 @@ class MiniAttention(nn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: get_cache_info() updates this to the layer's dtype after any cast.
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_k_cache,
             ),
             CacheEntry(
@@ -53,6 +54,7 @@ class MiniAttention(nn.Module):
                 num_head=self.num_key_value_heads_per_rank,
                 # NOTE: get_cache_info() updates this to the layer's dtype after any cast.
                 dtype=torch.get_default_dtype(),
+                needs_block=True,
                 tensor_setter=self.set_v_cache,
             ),
         ]
@@ -275,6 +277,9 @@ class MiniForCausalLM(nn.Module):
             pinned = getattr(module, "pinned_cache_dtypes", {})
             for entry in module.cache_entries:
                 entry.dtype = pinned.get(entry.cache_name, param.dtype if param is not None else entry.dtype)
+                if entry.attn_type in ("FullAttention", "SlidingWindow"):
+                    # The run's tokens per block (the runtime may set self.block_size).
+                    entry.block_size = self.block_size
         layer_caches, reported = [], set()
         for name, module in found:
             if uses[id(module)] > 1 and hasattr(module, "site_cache_entries"):
@@ -286,4 +291,4 @@ class MiniForCausalLM(nn.Module):
         layer_infos = [
             LayerCacheInfo(layer_idx=index, caches=caches) for index, caches in enumerate(layer_caches)
         ]
-        return ModelCacheInfo(num_layers=len(layer_infos), block_size=self.block_size, layer_infos=layer_infos)
+        return ModelCacheInfo(num_layers=len(layer_infos), layer_infos=layer_infos)

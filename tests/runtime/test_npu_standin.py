@@ -29,6 +29,7 @@ def test_the_standin_answers_a_models_imports_and_device_calls_and_leaves_nothin
             torch.ops.npu.npu_fused_infer_attention_score
             is reference.npu_fused_infer_attention_score
         )
+        assert not hasattr(torch_npu, "rms_norm")  # the reference's submodules stay private
         # the device is the CPU, and no NPU is claimed
         assert torch.npu is torch_npu.npu
         assert not torch.npu.is_available() and torch.npu.device_count() == 0

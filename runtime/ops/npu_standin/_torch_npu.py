@@ -14,22 +14,26 @@ from ._refusal import with_spec
 VERSION = "2.13.0+kvskill.cpu"
 
 
+def public_attribute(name: str) -> Any:
+    """A reference operator, refusal or dtype name; the reference package's internals (its
+    submodules and helpers) are not part of the torch_npu surface."""
+    if name.startswith("_") or (name not in reference.__all__ and name in vars(reference)):
+        raise AttributeError(f"module 'torch_npu' has no attribute {name!r}")
+    return getattr(reference, name)
+
+
 class StandinTorchNpu(types.ModuleType):
     """``torch_npu`` whose operators, refusals and dtype names come from the reference ops."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(reference, name)
+        return public_attribute(name)
 
 
 class OpsNamespace:
     """``torch.ops.npu``: the same reference operators under the dispatcher's namespace."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(reference, name)
+        return public_attribute(name)
 
 
 def build() -> dict[str, types.ModuleType]:

@@ -318,3 +318,27 @@ def test_collectives_and_the_hifloat8_dtype_are_refused_and_float8_names_are_tor
         _ = npu.hifloat8
     assert npu.float8_e4m3fn is torch.float8_e4m3fn
     assert not hasattr(npu, "npu_no_such_operator")
+
+
+# --- Legacy caches ---------------------------------------------------------------------------
+
+
+def test_fused_attention_never_reads_keys_past_the_kv_lengths_of_an_uninitialised_cache():
+    # the framework's Legacy init_cache allocates with torch.empty: arbitrary bits (NaN, inf)
+    # sit past each request's length, which the device never reads
+    torch.manual_seed(10)
+    q, k, v = torch.randn(2, 1, 32), torch.randn(2, 12, 16), torch.randn(2, 12, 16)
+    lens = [6, 4]
+    want = torch.zeros(2, 1, 32, dtype=torch.float64)
+    for b, s2 in enumerate(lens):
+        for h in range(2):  # two query heads share the one kv head
+            scores = (q[b, 0, h * 16 : h * 16 + 16].double() @ k[b, :s2].double().t()) * 0.25
+            want[b, 0, h * 16 : h * 16 + 16] = torch.softmax(scores, dim=-1) @ v[b, :s2].double()
+    k[0, 6:], v[0, 6:] = float("nan"), float("inf")
+    k[1, 4:], v[1, 4:] = float("inf"), float("nan")
+    for lse_flag in (False, True):
+        out, _ = npu.npu_fused_infer_attention_score(
+            q, k, v, num_heads=2, num_key_value_heads=1, input_layout="BSH", scale=0.25,
+            actual_seq_lengths_kv=lens, softmax_lse_flag=lse_flag,
+        )  # fmt: skip
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)

@@ -342,3 +342,12 @@ def test_fused_attention_never_reads_keys_past_the_kv_lengths_of_an_uninitialise
             actual_seq_lengths_kv=lens, softmax_lse_flag=lse_flag,
         )  # fmt: skip
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_documented_size_limits_of_rotary_and_re_routing():
+    q, cos = torch.randn(1, 0, 2, 8), torch.rand(1, 0, 1, 8)
+    with pytest.raises(OpInputError, match="不支持空Tensor"):
+        npu.npu_apply_rotary_pos_emb(q, q.clone(), cos, cos.clone())
+    counts = torch.tensor([[1]], dtype=torch.int32)
+    with pytest.raises(OpInputError, match=r"token length H must be in \(0, 16384\)"):
+        npu.npu_moe_re_routing(torch.zeros(1, 16384), counts)

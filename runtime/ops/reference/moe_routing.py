@@ -34,6 +34,8 @@ from .refused import QUANTIZED, refuse
 
 #: npu_moe_init_routing_v2 参数说明: expert_num "key_value模式时 (0, 5120]；其他模式 (0, 10240]"
 MAX_EXPERTS = {1: 10240, 2: 5120}
+#: npu_moe_re_routing 参数说明 (op-plugin page): "H：表示token长度，取值要求0<H<16384"
+MAX_TOKEN_LENGTH = 16384
 
 
 def npu_moe_init_routing_v2(
@@ -243,6 +245,10 @@ def npu_moe_re_routing(
     require_dtype(op, "tokens", tokens, FLOAT_DTYPES)
     require_npu_dtype(op, "tokens", tokens, (torch.float16, torch.bfloat16))
     require_rank(op, "tokens", tokens, 2, 2)
+    if not 0 < tokens.size(1) < MAX_TOKEN_LENGTH:
+        raise OpInputError(
+            f"{op}: token length H must be in (0, {MAX_TOKEN_LENGTH}), got {tokens.size(1)}"
+        )
     counts = expert_token_num_per_rank
     require_rank(op, "expert_token_num_per_rank", counts, 2, 2)
     require_dtype(op, "expert_token_num_per_rank", counts, (torch.int32, torch.int64))

@@ -118,6 +118,8 @@ def npu_apply_rotary_pos_emb(
                 f"{op}: `{name}` {tuple(t.shape)} must share query's leading dims "
                 f"{tuple(query.shape[:tokens])}"
             )
+        if t.numel() == 0:
+            raise OpInputError(f"{op}: `{name}` must not be empty on Atlas A2/A3 (不支持空Tensor)")
     d = query.size(-1)
     if (
         d % 2

@@ -45,7 +45,7 @@ OPERATORS = (
     "npu_recurrent_gated_delta_rule_functional",
     "npu_chunk_gated_delta_rule",
     "npu_fused_causal_conv1d",
-    # the framework's models and module/ package (runtime/ops/reference, issue 46)
+    # what cann-recipes-infer's models and its module/ package call (runtime/ops/reference)
     "npu_rms_norm",
     "npu_add_rms_norm",
     "npu_swiglu",

@@ -45,6 +45,17 @@ OPERATORS = (
     "npu_recurrent_gated_delta_rule_functional",
     "npu_chunk_gated_delta_rule",
     "npu_fused_causal_conv1d",
+    # what cann-recipes-infer's models and its module/ package call (runtime/ops/reference)
+    "npu_rms_norm",
+    "npu_add_rms_norm",
+    "npu_swiglu",
+    "npu_rotary_mul",
+    "npu_apply_rotary_pos_emb",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_init_routing_v2",
+    "npu_moe_finalize_routing",
+    "npu_moe_re_routing",
+    "npu_grouped_matmul",
 )
 
 # NOTE: several platform tags are tried because PyPI publishes torch_npu 2.13.0 only as

@@ -104,6 +104,13 @@ def is_operator_rejection(exc: BaseException) -> bool:
     return checks is not None and isinstance(exc, checks.OpInputError)
 
 
+def is_operator_refusal(exc: BaseException) -> bool:
+    """A ``RefusedOperatorError``: a torch_npu operator or feature the CPU reference refuses by
+    name (quantized, collective, graph mode), so the model path is unsupported here, not a bug."""
+    refused = sys.modules.get("kvskill.runtime.ops.reference.refused")
+    return refused is not None and isinstance(exc, refused.RefusedOperatorError)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI and translate every failure into the documented exit codes."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -135,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             _interrupted(as_json)
         if verbose:
             traceback.print_exc()
+        if is_operator_refusal(exc):
+            _report("operator_refused", str(exc), int(ExitCode.UNSUPPORTED), as_json)
         if is_operator_rejection(exc):
             _report(
                 "operator_rejected",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from aten_schema import REQUIRED, load_fixture, load_schemas, parse_schema
 from kvskill.runtime.ops import reference
+from kvskill.runtime.ops.npu_standin import npu_standin
 from signature_diff import signature_differences
 
 SCHEMAS = load_schemas()
@@ -33,6 +34,30 @@ def test_at_least_twelve_reference_operators_are_held_to_a_schema():
 def test_every_public_reference_operator_has_a_schema():
     public = [n for n in reference.__all__ if not n[0].isupper()]
     assert sorted(set(public) - set(SCHEMAS)) == []
+
+
+def test_the_framework_models_operators_are_all_held_to_a_schema():
+    # the unquantized bf16/fp32 paths of cann-recipes-infer's qwen3_5, pangu_7b and module/
+    framework = {
+        "npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_rotary_mul",
+        "npu_apply_rotary_pos_emb", "npu_moe_gating_top_k_softmax", "npu_moe_init_routing_v2",
+        "npu_moe_finalize_routing", "npu_moe_re_routing", "npu_grouped_matmul",
+        "npu_recurrent_gated_delta_rule", "npu_chunk_gated_delta_rule",
+        "npu_fused_infer_attention_score", "scatter_update_", "npu_scatter_nd_update_",
+        "npu_interleave_rope", "npu_format_cast",
+    }  # fmt: skip
+    assert sorted(framework - set(IMPLEMENTED)) == []
+
+
+def test_every_operator_the_standin_defines_is_a_schema_checked_reference_operator():
+    public = [n for n in reference.__all__ if not n[0].isupper()]
+    with npu_standin() as torch_npu:
+        import torch
+
+        for name in public:
+            assert getattr(torch_npu, name) is getattr(reference, name), name
+            assert getattr(torch.ops.npu, name) is getattr(reference, name), name
+    assert sorted(set(public) ^ set(IMPLEMENTED)) == []
 
 
 @pytest.mark.parametrize("name", IMPLEMENTED)

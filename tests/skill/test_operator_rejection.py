@@ -6,8 +6,11 @@ import os
 import subprocess
 import sys
 
-from kvskill.cli import is_operator_rejection
+import pytest
+from kvskill import cli
+from kvskill.cli import is_operator_refusal, is_operator_rejection
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.runtime.ops.reference import RefusedOperatorError
 from kvskill.runtime.ops.reference._checks import OpInputError
 
 SMALL_QWEN3 = (
@@ -19,6 +22,23 @@ SMALL_QWEN3 = (
 def test_an_op_input_error_is_an_operator_rejection_and_other_errors_are_not():
     assert is_operator_rejection(OpInputError("block_size must be a multiple of 16"))
     assert not is_operator_rejection(RuntimeError("something else"))
+
+
+def test_an_operator_refused_by_name_exits_3_on_one_line(monkeypatch, capsys):
+    assert not is_operator_refusal(OpInputError("x")) and not is_operator_rejection(
+        RefusedOperatorError("x")
+    )
+
+    def refuse(**kwargs):
+        raise RefusedOperatorError("torch_npu.npu_quant_matmul: quantized operator")
+
+    monkeypatch.setattr(cli.cli, "main", refuse)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "somewhere"])
+    assert done.value.code == 3
+    assert capsys.readouterr().err == (
+        "kvskill: error: torch_npu.npu_quant_matmul: quantized operator\n"
+    )
 
 
 def test_run_under_the_npu_limits_with_fp32_exits_1_on_one_line(tmp_path):

@@ -105,3 +105,21 @@ def _describe(value: Any) -> str:
 
 
 describe = _describe
+
+
+#: the float dtypes the framework-facing operators document (float16, bfloat16, float32)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def require_dtype(op: str, name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    """A dtype limit the operator's documentation states for every product (always checked)."""
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise OpInputError(f"{op}: `{name}` must be {names}, got {t.dtype}")
+
+
+def require_rank(op: str, name: str, t: torch.Tensor, low: int, high: int) -> None:
+    """A documented rank range ``low <= t.dim() <= high``."""
+    if not low <= t.dim() <= high:
+        want = f"{low}-D" if low == high else f"{low}-D to {high}-D"
+        raise OpInputError(f"{op}: `{name}` must be {want}, got {_describe(t)}")

@@ -132,6 +132,7 @@ def attention(
         lse fp32 [B, N, Sq] (natural log of the softmax denominator; -inf for empty rows), or
         None when not needed.
     """
+    k, v, k_rope = _unread_keys_dropped(k, v, k_rope, kv_lens)
     if not need_lse and sink is None and pse_shift is None:
         if q_rope is not None:
             values_are_keys = v is k
@@ -196,6 +197,36 @@ def attention(
         chunk_lse = torch.where(denom > 0, row_max + torch.log(safe), float("-inf"))
         lse[:, :, rows.start : rows.stop] = chunk_lse.reshape(b, n, len(rows))
     return out, lse
+
+
+def _unread_keys_dropped(
+    k: Tensor, v: Tensor, k_rope: Tensor | None, kv_lens: list[int]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """K/V without the keys no request reads, and zeros for the values a request does not read.
+
+    The device reads key j of request b only for j < kv_lens[b]. A cache allocated with
+    ``torch.empty`` (the framework's Legacy ``init_cache``) holds arbitrary bits there, and
+    a NaN or inf there would still poison the result (0 * inf = NaN). Keys past every
+    request's length are sliced off (a view, no copy); keys and values past a shorter
+    request's own length are zeroed, only when they hold a non-finite value.
+    """
+    skv = k.shape[2]
+    top = max(kv_lens, default=0)
+    if top < skv:
+        k, v = k[:, :, :top], v[:, :, :top]
+        k_rope = k_rope[:, :, :top] if k_rope is not None else None
+    if min(kv_lens, default=top) < top:
+        read = torch.arange(top, device=v.device) < _as_tensor(kv_lens, v.device).view(-1, 1)
+        unread = ~read.view(-1, 1, top, 1)
+        k, v = _finite_where_read(k, unread), _finite_where_read(v, unread)
+        k_rope = _finite_where_read(k_rope, unread) if k_rope is not None else None
+    return k, v, k_rope
+
+
+def _finite_where_read(t: Tensor, unread: Tensor) -> Tensor:
+    # NOTE: SDPA adds its boolean mask as -inf, and NaN + -inf is NaN: unread keys must be
+    # finite too, not only unread values. The copy is made only when something is non-finite.
+    return t if bool(torch.isfinite(t).all()) else t.masked_fill(unread, 0.0)
 
 
 def _fused(

@@ -46,6 +46,8 @@ class ApplyOptions:
     plan_file: Path | None = None
     #: ``--prompt-file``: the task prompt whose ``部署模式:`` line decides an "auto" deploy mode
     prompt_file: Path | None = None
+    #: ``--target``: "runtime" (kvskill's) or "cann-recipes" (the framework's executor tree)
+    target: str = "runtime"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,8 @@ class Conversion:
     standalone: StandaloneRecord | None = None
     #: ``apply --plan``: the reviewed plan file and its choices
     reviewed: ReviewedPlan | None = None
+    #: ``--target cann-recipes``: the class in the executor's model-class contract
+    executor_class: str | None = None
 
     @property
     def modeling_file(self) -> str:

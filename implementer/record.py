@@ -66,6 +66,8 @@ class ConversionRecord:
     #: the Python files kvskill wrote and their signature (``kvskill.core.trust``), so they
     #: run without ``--trust-remote-code``; None when unsigned
     written_code: dict[str, Any] | None = None
+    #: ``apply --target``: "runtime" or "cann-recipes" (the executor's tree beside the code)
+    target: str = "runtime"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", DeployMode(self.mode))
@@ -81,6 +83,8 @@ class ConversionRecord:
             value = getattr(self, f.name)
             if value is None and f.name in ("standalone", "reviewed_plan", "written_code"):
                 continue  # absent, not null: the JSON of a framework record is unchanged
+            if f.name == "target" and value == "runtime":
+                continue  # the default target, as before there was a choice
             if f.name in ("standalone", "reviewed_plan"):
                 value = {g.name: getattr(value, g.name) for g in fields(value)}
             data[f.name] = value.value if isinstance(value, DeployMode) else value

@@ -37,6 +37,11 @@ from kvskill.implementer.convert import (
     Conversion,
     source_package,
 )
+from kvskill.implementer.executor_target import (
+    CANN_RECIPES_TARGET,
+    RUNTIME_TARGET,
+    to_executor_target,
+)
 from kvskill.implementer.preflight import convert_plan
 from kvskill.implementer.record import (
     CONVERSION_FORMAT,
@@ -109,6 +114,8 @@ def convert_model(model: str, options: ApplyOptions) -> Conversion:
             prompt_file=options.prompt_file,
         )
     conversion = convert_plan(plan, options)
+    if options.target == CANN_RECIPES_TARGET:
+        conversion = to_executor_target(conversion)
     return dataclasses.replace(conversion, reviewed=reviewed)
 
 
@@ -124,12 +131,18 @@ def modeling_diff(name: str, original: str, converted: str) -> str:
     )
 
 
-def config_json(plan: Plan) -> dict[str, Any]:
-    """The config.json written next to the converted code (with its architecture)."""
+def config_json(plan: Plan, conversion: Conversion | None = None) -> dict[str, Any]:
+    """The config.json written next to the converted code (with its architecture; for the
+    executor target, ``auto_map`` names the class in the executor's contract)."""
     config = dict(plan.config)
     if not config.get("architectures"):
         config["architectures"] = [plan.architecture]
     config.setdefault("model_type", plan.model_type)
+    if conversion is not None and conversion.executor_class is not None:
+        stem = Path(conversion.modeling_file).stem
+        auto_map = dict(config.get("auto_map") or {})
+        auto_map["AutoModelForCausalLM"] = f"{stem}.{conversion.executor_class}"
+        config["auto_map"] = auto_map
     return config
 
 
@@ -167,6 +180,7 @@ def plan_record(conversion: Conversion, options: ApplyOptions) -> tuple[Plan, Co
         original_source=original,
         standalone=conversion.standalone,
         reviewed_plan=conversion.reviewed,
+        target=CANN_RECIPES_TARGET if conversion.executor_class else RUNTIME_TARGET,
     )
     return plan, record
 
@@ -287,7 +301,7 @@ def write_conversion(
     texts = {
         name: conversion.converted,
         **conversion.added,
-        "config.json": dump_json(config_json(plan)),
+        "config.json": dump_json(config_json(plan, conversion)),
         PLAN_FILE: plan_file_text(plan, record),
     }
     output = OutputFiles.collect(plan, name, texts, copy_weights=options.copy_weights)
@@ -392,6 +406,7 @@ def _write_atomically(
         raise BadInputError(f"cannot write --out {out_dir}: {exc.strerror or exc}") from None
     try:
         for name, text in texts.items():
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)  # the executor tree
             (stage / name).write_text(text, encoding="utf-8")
         for name, path in extras.items():
             shutil.copy2(path, stage / name)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvskill.core.errors import BadInputError
+from kvskill.runtime.executor_host import is_executor_model
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context
 from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
@@ -286,6 +287,8 @@ class LLMEngine:
     def _forward(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
     ) -> Tensor:
+        if is_executor_model(self.model):
+            return self._forward_executor_model(input_ids, position_ids, logits_indices, md)
         if not self._keeps_logit_rows():
             return self._forward_all_logits(input_ids, position_ids, logits_indices, md)
         with torch.inference_mode(), forward_context(md):
@@ -316,6 +319,27 @@ class LLMEngine:
                 params = {}
             self._takes_logits_to_keep = "logits_to_keep" in params
         return self._takes_logits_to_keep
+
+    def _forward_executor_model(
+        self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md
+    ) -> Tensor:
+        """A model of the framework's executor contract: the packed step as [T] tensors and the
+        metadata passed explicitly; it returns [B, 1, vocab], the rows of the requests' last
+        tokens (a prefill step) or of every token (a decode step, one per request here)."""
+        with torch.inference_mode(), forward_context(md):
+            logits = self.model(input_ids.view(-1), position_ids.view(-1), forward_metadata=md)
+        expected = (logits_indices.numel(), 1)
+        if (
+            not isinstance(logits, Tensor)
+            or logits.dim() != 3
+            or tuple(logits.shape[:2]) != expected
+        ):
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise RuntimeError(
+                f"the model returned logits {shape}; the executor contract returns "
+                f"[{expected[0]}, 1, vocab], one row per request of the step"
+            )
+        return logits[:, 0].float()
 
     def _forward_all_logits(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md

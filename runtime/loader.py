@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +29,11 @@ from kvskill.core.trust import no_bytecode_writes, require_trust
 from kvskill.runtime.checkpoint_names import transformers_renamed_state
 from kvskill.runtime.composite_weights import language_model_state
 from kvskill.runtime.device import available_memory_bytes, select_device
+from kvskill.runtime.executor_host import (
+    executor_infer_config,
+    framework_modules,
+    is_executor_model_class,
+)
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -169,8 +175,12 @@ def import_model_package(model_dir: Path) -> str:
 
 
 def _import(package: str, module_name: str, model_dir: Path) -> ModuleType:
+    path = model_dir.joinpath(*module_name.split(".")).with_suffix(".py")
+    # a file written for the framework's executor imports its cache classes from there
+    hosted = path.is_file() and "from executor." in path.read_text(encoding="utf-8")
     try:
-        return importlib.import_module(f"{package}.{module_name}")
+        with framework_modules() if hosted else nullcontext():
+            return importlib.import_module(f"{package}.{module_name}")
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.endswith(module_name):
             raise BadInputError(f"{model_dir} has no {module_name}.py") from exc
@@ -279,8 +289,14 @@ def _config_for_class(model_cls: type[nn.Module], config):
 
 
 def _build(model_cls: type[nn.Module], config, model_dir: Path | None) -> nn.Module:
-    """``model_cls(config)``; a failure of the model's own code is bad input, on one line."""
+    """``model_cls(config)``, or for a class of the executor's contract ``model_cls(config,
+    infer_config, None)``; a failure of the model's own code is bad input, on one line."""
     try:
+        if is_executor_model_class(model_cls):
+            infer_config = executor_infer_config(
+                attn_tp_size=getattr(model_cls, "converted_attn_tp_size", 1)
+            )
+            return model_cls(config, infer_config, None)
         return model_cls(config)
     except Exception as exc:  # the modeling file is user code: any failure is reported as input
         where = f" from {model_dir / 'config.json'}" if model_dir is not None else ""

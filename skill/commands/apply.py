@@ -79,6 +79,15 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
     show_default=True,
     help="MLA models: absorb the up-projections into query and output.",
 )
+@click.option(
+    "--target",
+    type=click.Choice(["runtime", "cann-recipes"]),
+    default="runtime",
+    show_default=True,
+    help="Framework mode's host: kvskill's runtime, or cann-recipes-infer's executor (fbc225d): "
+    "adds models/<name>/ (modeling file in the executor's model-class contract, configuration "
+    "module, YAML config, support_models entry), which kvskill verify and run host too.",
+)
 @attn_tp_size_option
 @block_size_option
 @config_overrides_option
@@ -125,6 +134,7 @@ def apply(model: str, **options) -> None:
         kv_mode=options["kv_mode"],
         plan_file=options["plan_file"],
         prompt_file=options["prompt_file"],
+        target=options["target"],
     )
     result = apply_model(model, options["out_dir"], apply_options)
     if options["output_format"] == "json":

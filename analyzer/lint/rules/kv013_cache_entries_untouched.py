@@ -13,15 +13,17 @@ from kvskill.analyzer.lint.rules._examples import example
 
 _DECLARE = """\
 class Attn(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, infer_config):
         super().__init__()
         self.attn_type = "FullAttention"
+        self.block_size = infer_config.scheduler_config.block_size
         self.num_key_value_heads_per_rank = max(config.num_key_value_heads // 1, 1)
         self.k_cache = torch.Tensor([])
         self.v_cache = torch.Tensor([])
         self.cache_entries = [
             CacheEntry(cache_name=name, attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=getattr(self, "set_" + name))
             for name in ("k_cache", "v_cache")
         ]
@@ -29,14 +31,17 @@ class Attn(nn.Module):
 _DECLARE_NAMED = _DECLARE.replace(
     """            CacheEntry(cache_name=name, attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=getattr(self, "set_" + name))
             for name in ("k_cache", "v_cache")
 """,
     """            CacheEntry(cache_name="k_cache", attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=self.set_k_cache),
             CacheEntry(cache_name="v_cache", attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=self.set_v_cache),
 """,
 )

@@ -203,16 +203,56 @@ def call_access(
 
 
 def may_touch(
-    func: cst.FunctionDef, entries: frozenset[str], helper_writes: Mapping[str, frozenset[str]]
+    func: cst.FunctionDef,
+    entries: frozenset[str],
+    helper_writes: Mapping[str, frozenset[str]],
+    helper_reads: Mapping[str, frozenset[str]] | None = None,
+    readers: Mapping[str, frozenset[str]] | None = None,
 ) -> Access:
-    """Every entry some call of FUNC writes or reads, on any path."""
-    refs = entry_refs(func, entries)
+    """Every entry some call of FUNC writes or reads, on any path.
+
+    A call of a helper method (``self.exec_qkv(...)``, or ``fn(...)`` after
+    ``fn = self.forward_absorb``) does what HELPER_WRITES / HELPER_READS say that method
+    does; READERS (``reader_methods``) make a value a helper returns count as the cache."""
+    refs = entry_refs(func, entries, readers)
+    helper_reads = helper_reads or {}
+    methods = method_aliases(func, frozenset(helper_writes) | frozenset(helper_reads))
     writes: frozenset[str] = frozenset()
     reads: frozenset[str] = frozenset()
     for node in m.findall(func, m.Call()):
-        access = call_access(cst.ensure_type(node, cst.Call), refs, helper_writes)
+        call = cst.ensure_type(node, cst.Call)
+        access = call_access(call, refs, helper_writes)
         writes, reads = writes | access.writes, reads | access.reads
+        for name in _called_methods(call, methods):
+            writes |= helper_writes.get(name, frozenset())
+            reads |= helper_reads.get(name, frozenset())
     return Access(writes=writes, reads=reads)
+
+
+def method_aliases(func: cst.FunctionDef, methods: frozenset[str]) -> dict[str, frozenset[str]]:
+    """Local name -> the METHODS bound to it in FUNC: the executor's MLA forward picks its
+    path as ``fn = self.forward_page_attention_absorb`` (one per branch), then ``fn(...)``."""
+    found: dict[str, frozenset[str]] = {}
+    for targets, value in _bindings(func):
+        options = (value.body, value.orelse) if isinstance(value, cst.IfExp) else (value,)
+        bound = frozenset(
+            o.attr.value
+            for o in options
+            if m.matches(o, m.Attribute(value=m.Name("self"))) and o.attr.value in methods
+        )
+        for name in targets if bound else ():
+            found[name] = found.get(name, frozenset()) | bound
+    return found
+
+
+def _called_methods(call: cst.Call, aliases: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    """The class's methods CALL runs: ``self.<name>(...)`` or a local alias of some."""
+    name = self_method_name(call)
+    if name is not None:
+        return frozenset({name})
+    if isinstance(call.func, cst.Name):
+        return aliases.get(call.func.value, frozenset())
+    return frozenset()
 
 
 def helper_may_writes(
@@ -233,6 +273,28 @@ def helper_may_writes(
         writes = grown
 
 
+def helper_may_reads(
+    cls: cst.ClassDef,
+    entries: frozenset[str],
+    classes: ClassTable | None = None,
+    readers: Mapping[str, frozenset[str]] | None = None,
+) -> dict[str, frozenset[str]]:
+    """Method name -> entries it may pass to the fused attention (directly or through other
+    helpers), for every method of CLS that reads any. The executor's qwen3_moe reads in
+    ``exec_qkv``, which the forward calls, over the caches ``kv_cache_update`` returns."""
+    methods = class_methods(cls, classes)
+    reads: dict[str, frozenset[str]] = {}
+    while True:  # NOTE: a fixpoint, as for the writes
+        grown = {
+            name: found
+            for name, func in methods.items()
+            if (found := may_touch(func, entries, {}, reads, readers).reads)
+        }
+        if grown == reads:
+            return reads
+        reads = grown
+
+
 def _args(call: cst.Call) -> cst.CSTNode:
     """The call's arguments as one node (the callee's own name is no reference)."""
     return cst.Tuple(elements=[cst.Element(value=a.value) for a in call.args])
@@ -246,6 +308,9 @@ __all__ = [
     "cache_entry_names",
     "call_access",
     "entry_refs",
+    "helper_may_reads",
     "helper_may_writes",
     "may_touch",
+    "method_aliases",
+    "reader_methods",
 ]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvskill.analyzer.cache_access import cache_entry_names, helper_may_writes, may_touch
+from kvskill.analyzer.cache_access import (
+    cache_entry_names,
+    helper_may_reads,
+    helper_may_writes,
+    may_touch,
+    reader_methods,
+)
 from kvskill.analyzer.gather import declares_token_caches, resolve_method
 from kvskill.analyzer.lint.context import FileContext
 from kvskill.analyzer.lint.model import Finding
@@ -114,7 +120,10 @@ class CacheEntriesUntouched(Rule):
             if forward is None:
                 continue  # nothing runs the caches here; another class's forward may
             entries = cache_entry_names(cls, classes)
-            touched = may_touch(forward, entries, helper_may_writes(cls, entries, classes))
+            writes = helper_may_writes(cls, entries, classes)
+            readers = reader_methods(cls, entries, classes)
+            reads = helper_may_reads(cls, entries, classes, readers)
+            touched = may_touch(forward, entries, writes, reads, readers)
             owner = f"{cls.name.value}.forward"
             unwritten = sorted(entries - touched.writes)
             unread = sorted(entries - touched.reads)

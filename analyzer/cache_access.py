@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
@@ -88,6 +89,10 @@ class _Refs(cst.CSTVisitor):
         return False
 
 
+# NOTE: the helpers below are memoised by node identity (libcst nodes are immutable and hash
+# by identity): the helper fixpoints of lint's KV013 ask about the same methods again and
+# again, and the executor's large model files made that the slowest rule.
+@lru_cache(maxsize=4096)
 def _refs(node: cst.CSTNode) -> _Refs:
     found = _Refs()
     node.visit(found)
@@ -123,6 +128,7 @@ class EntryRefs:
         return frozenset(found)
 
 
+@lru_cache(maxsize=512)
 def _bindings(func: cst.FunctionDef) -> list[tuple[set[str], cst.CSTNode]]:
     """(names bound, the expression they are bound from) for every binding in FUNC."""
     out: list[tuple[set[str], cst.CSTNode]] = []
@@ -219,14 +225,18 @@ def may_touch(
     methods = method_aliases(func, frozenset(helper_writes) | frozenset(helper_reads))
     writes: frozenset[str] = frozenset()
     reads: frozenset[str] = frozenset()
-    for node in m.findall(func, m.Call()):
-        call = cst.ensure_type(node, cst.Call)
+    for call in _calls(func):
         access = call_access(call, refs, helper_writes)
         writes, reads = writes | access.writes, reads | access.reads
         for name in _called_methods(call, methods):
             writes |= helper_writes.get(name, frozenset())
             reads |= helper_reads.get(name, frozenset())
     return Access(writes=writes, reads=reads)
+
+
+@lru_cache(maxsize=512)
+def _calls(func: cst.FunctionDef) -> tuple[cst.Call, ...]:
+    return tuple(cst.ensure_type(n, cst.Call) for n in m.findall(func, m.Call()))
 
 
 def method_aliases(func: cst.FunctionDef, methods: frozenset[str]) -> dict[str, frozenset[str]]:

@@ -361,6 +361,19 @@ def test_one_contract_mistake_in_an_executor_shape_is_found(name, before, after,
     assert {f.rule for f in found} == {rule}, found
 
 
+def test_a_helper_called_through_an_attribute_counts():
+    # the executor's Kimi attention sets self.attn_func = self.<method> in __init__
+    through_attr = QWEN3_MOE.replace("return self.exec_qkv(", "return self.attn_func(")
+    assert lint_source(through_attr) != []  # an unknown callee touches nothing
+    bound = through_attr.replace(
+        "        self.k_cache = torch.Tensor([])\n",
+        "        self.attn_func = self.exec_qkv\n        self.k_cache = torch.Tensor([])\n",
+        1,
+    )
+    assert bound != through_attr
+    assert lint_source(bound) == []
+
+
 def test_a_method_the_forward_picks_under_a_phase_runs_in_that_phase():
     ctx = FileContext(DEEPSEEK)
     phases = [phase_of(ctx, call.node) for call in fa_calls(ctx)]

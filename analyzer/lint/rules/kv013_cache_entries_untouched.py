@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvskill.analyzer.cache_access import (
+    attribute_methods,
     cache_entry_names,
     helper_may_reads,
     helper_may_writes,
@@ -123,7 +124,8 @@ class CacheEntriesUntouched(Rule):
             writes = helper_may_writes(cls, entries, classes)
             readers = reader_methods(cls, entries, classes)
             reads = helper_may_reads(cls, entries, classes, readers)
-            touched = may_touch(forward, entries, writes, reads, readers)
+            attrs = attribute_methods(cls, classes)
+            touched = may_touch(forward, entries, writes, reads, readers, attrs)
             owner = f"{cls.name.value}.forward"
             unwritten = sorted(entries - touched.writes)
             unread = sorted(entries - touched.reads)

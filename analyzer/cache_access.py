@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
@@ -88,6 +89,10 @@ class _Refs(cst.CSTVisitor):
         return False
 
 
+# NOTE: the helpers below are memoised by node identity (libcst nodes are immutable and hash
+# by identity): the helper fixpoints of lint's KV013 ask about the same methods again and
+# again, and the executor's large model files made that the slowest rule.
+@lru_cache(maxsize=4096)
 def _refs(node: cst.CSTNode) -> _Refs:
     found = _Refs()
     node.visit(found)
@@ -123,6 +128,7 @@ class EntryRefs:
         return frozenset(found)
 
 
+@lru_cache(maxsize=512)
 def _bindings(func: cst.FunctionDef) -> list[tuple[set[str], cst.CSTNode]]:
     """(names bound, the expression they are bound from) for every binding in FUNC."""
     out: list[tuple[set[str], cst.CSTNode]] = []
@@ -203,16 +209,94 @@ def call_access(
 
 
 def may_touch(
-    func: cst.FunctionDef, entries: frozenset[str], helper_writes: Mapping[str, frozenset[str]]
+    func: cst.FunctionDef,
+    entries: frozenset[str],
+    helper_writes: Mapping[str, frozenset[str]],
+    helper_reads: Mapping[str, frozenset[str]] | None = None,
+    readers: Mapping[str, frozenset[str]] | None = None,
+    attr_methods: Mapping[str, frozenset[str]] | None = None,
 ) -> Access:
-    """Every entry some call of FUNC writes or reads, on any path."""
-    refs = entry_refs(func, entries)
+    """Every entry some call of FUNC writes or reads, on any path.
+
+    A call of a helper method (``self.exec_qkv(...)``, ``fn(...)`` after
+    ``fn = self.forward_absorb``, or ``self.attn_func(...)`` with ATTR_METHODS from
+    ``attribute_methods``) does what HELPER_WRITES / HELPER_READS say that method does;
+    READERS (``reader_methods``) make a value a helper returns count as the cache."""
+    refs = entry_refs(func, entries, readers)
+    helper_reads = helper_reads or {}
+    methods = method_aliases(func, frozenset(helper_writes) | frozenset(helper_reads))
+    attr_methods = attr_methods or {}
     writes: frozenset[str] = frozenset()
     reads: frozenset[str] = frozenset()
-    for node in m.findall(func, m.Call()):
-        access = call_access(cst.ensure_type(node, cst.Call), refs, helper_writes)
+    for call in _calls(func):
+        access = call_access(call, refs, helper_writes)
         writes, reads = writes | access.writes, reads | access.reads
+        for name in _called_methods(call, methods, attr_methods):
+            writes |= helper_writes.get(name, frozenset())
+            reads |= helper_reads.get(name, frozenset())
     return Access(writes=writes, reads=reads)
+
+
+@lru_cache(maxsize=512)
+def _calls(func: cst.FunctionDef) -> tuple[cst.Call, ...]:
+    return tuple(cst.ensure_type(n, cst.Call) for n in m.findall(func, m.Call()))
+
+
+def method_aliases(func: cst.FunctionDef, methods: frozenset[str]) -> dict[str, frozenset[str]]:
+    """Local name -> the METHODS bound to it in FUNC: the executor's MLA forward picks its
+    path as ``fn = self.forward_page_attention_absorb`` (one per branch), then ``fn(...)``."""
+    found: dict[str, frozenset[str]] = {}
+    for targets, value in _bindings(func):
+        bound = _self_methods(value, methods)
+        for name in targets if bound else ():
+            found[name] = found.get(name, frozenset()) | bound
+    return found
+
+
+def attribute_methods(
+    cls: cst.ClassDef, classes: ClassTable | None = None
+) -> dict[str, frozenset[str]]:
+    """``self.<attr>`` -> the methods of CLS assigned to it in any method: the executor's
+    Kimi attention sets ``self.attn_func = self.apply_attention_fusion`` in ``__init__``."""
+    methods = class_methods(cls, classes)
+    names = frozenset(methods)
+    found: dict[str, frozenset[str]] = {}
+    for func in methods.values():
+        for node in m.findall(func, _SELF_ATTR_ASSIGN):
+            assign = cst.ensure_type(node, cst.Assign)
+            bound = _self_methods(assign.value, names)
+            for target in assign.targets if bound else ():
+                attr = cst.ensure_type(target.target, cst.Attribute).attr.value
+                found[attr] = found.get(attr, frozenset()) | bound
+    return found
+
+
+_SELF_ATTR_ASSIGN = m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])
+
+
+def _self_methods(value: cst.CSTNode, methods: frozenset[str]) -> frozenset[str]:
+    """The METHODS ``value`` is: ``self.<method>``, or either side of a conditional of them."""
+    options = (value.body, value.orelse) if isinstance(value, cst.IfExp) else (value,)
+    return frozenset(
+        o.attr.value
+        for o in options
+        if m.matches(o, m.Attribute(value=m.Name("self"))) and o.attr.value in methods
+    )
+
+
+def _called_methods(
+    call: cst.Call,
+    aliases: Mapping[str, frozenset[str]],
+    attr_methods: Mapping[str, frozenset[str]],
+) -> frozenset[str]:
+    """The class's methods CALL runs: ``self.<name>(...)`` (or the methods ``self.<name>``
+    was set to) or a local alias of some."""
+    name = self_method_name(call)
+    if name is not None:
+        return frozenset({name}) | attr_methods.get(name, frozenset())
+    if isinstance(call.func, cst.Name):
+        return aliases.get(call.func.value, frozenset())
+    return frozenset()
 
 
 def helper_may_writes(
@@ -221,16 +305,40 @@ def helper_may_writes(
     """Method name -> entries it may write (directly or through other helpers), for every
     method of CLS that writes any."""
     methods = class_methods(cls, classes)
+    attrs = attribute_methods(cls, classes)
     writes: dict[str, frozenset[str]] = {}
     while True:  # NOTE: a fixpoint, so helpers that call helpers count too
         grown = {
             name: found
             for name, func in methods.items()
-            if (found := may_touch(func, entries, writes).writes)
+            if (found := may_touch(func, entries, writes, attr_methods=attrs).writes)
         }
         if grown == writes:
             return writes
         writes = grown
+
+
+def helper_may_reads(
+    cls: cst.ClassDef,
+    entries: frozenset[str],
+    classes: ClassTable | None = None,
+    readers: Mapping[str, frozenset[str]] | None = None,
+) -> dict[str, frozenset[str]]:
+    """Method name -> entries it may pass to the fused attention (directly or through other
+    helpers), for every method of CLS that reads any. The executor's qwen3_moe reads in
+    ``exec_qkv``, which the forward calls, over the caches ``kv_cache_update`` returns."""
+    methods = class_methods(cls, classes)
+    attrs = attribute_methods(cls, classes)
+    reads: dict[str, frozenset[str]] = {}
+    while True:  # NOTE: a fixpoint, as for the writes
+        grown = {
+            name: found
+            for name, func in methods.items()
+            if (found := may_touch(func, entries, {}, reads, readers, attrs).reads)
+        }
+        if grown == reads:
+            return reads
+        reads = grown
 
 
 def _args(call: cst.Call) -> cst.CSTNode:
@@ -243,9 +351,13 @@ __all__ = [
     "NO_ACCESS",
     "Access",
     "EntryRefs",
+    "attribute_methods",
     "cache_entry_names",
     "call_access",
     "entry_refs",
+    "helper_may_reads",
     "helper_may_writes",
     "may_touch",
+    "method_aliases",
+    "reader_methods",
 ]

@@ -27,8 +27,16 @@ from kvskill.core.fa_keywords import FA_V1, FA_V2
 
 #: the fused-attention operators (v1 and v2) the converted code calls
 FA_OPS = (FA_V1, FA_V2)
-#: operators that write a cache in place (Legacy BSH rows, paged slots, MLA's fused write)
-CACHE_WRITE_OPS = ("scatter_update_", "npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache")
+#: operators that write a cache in place (Legacy BSH rows, paged slots, MLA's fused write;
+#: the executor's MLA models write through the ``_v2`` norm-rope-cache and the MLA prolog)
+CACHE_WRITE_OPS = (
+    "scatter_update_",
+    "npu_scatter_nd_update_",
+    "npu_kv_rmsnorm_rope_cache",
+    "npu_kv_rmsnorm_rope_cache_v2",
+    "npu_mla_prolog_v2",
+    "npu_mla_prolog_v3",
+)
 #: callees that run attention in the source model
 ATTENTION_KERNELS = (
     "attention_interface",

@@ -9,6 +9,7 @@ report on answers that are known, because a lint that cries wolf gets disabled.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -165,12 +166,15 @@ class FileContext:
     Args:
         source: the file's text.
         path: shown in findings.
-        config: the ``config.json`` next to the file, if any (some rules read it).
+        config: the model config beside the file (``sibling_config``), None when there is
+            none; some rules read its values before they report.
     """
 
     def __init__(self, source: str, path: str = "<string>", config: dict | None = None) -> None:
         self.path = path
         self.config = config or {}
+        #: a config was found beside the file: a key it lacks is unset, not unknown
+        self.has_config = config is not None
         # NOTE: positions and qualified names are resolved lazily: they cost more than the
         # parse and the rules need them only for files with a fused-attention call or a
         # finding, a small minority of the files a folder holds.
@@ -335,15 +339,72 @@ class FileContext:
 
 
 def sibling_config(path: Path) -> dict | None:
-    """The ``config.json`` in the file's folder, when there is a readable one."""
+    """The config the model in the file's folder ships: the literal ``__init__`` defaults
+    of the config class in a ``configuration_*.py`` there, overlaid with a readable
+    ``config.json`` there (the values a checkpoint sets win, as in transformers). None when
+    the folder holds neither."""
+    defaults = _config_class_defaults(path.parent)
+    shipped = _config_json(path.parent)
+    if defaults is None and shipped is None:
+        return None
+    return {**(defaults or {}), **(shipped or {})}
+
+
+def _config_json(folder: Path) -> dict | None:
     from kvskill.core.errors import BadInputError
     from kvskill.core.inputs import read_json
 
-    candidate = path.parent / "config.json"
+    candidate = folder / "config.json"
     if not candidate.is_file():
         return None
     try:
-        data = read_json(candidate, what="config", root=path.parent)
+        data = read_json(candidate, what="config", root=folder)
     except BadInputError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def _config_class_defaults(folder: Path) -> dict | None:
+    """``{parameter: default}`` of the first config class (a class whose base's name ends
+    in ``Config``) in the folder's ``configuration_*.py`` files, literal defaults only: a
+    parameter whose default is an expression is left out, so it reads as unknown."""
+    from kvskill.core.errors import BadInputError
+    from kvskill.core.inputs import read_source
+
+    for candidate in sorted(folder.glob("configuration_*.py")):
+        try:
+            tree = ast.parse(read_source(candidate, what="file"))
+        except (BadInputError, SyntaxError, ValueError, RecursionError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(base).endswith("Config") for base in node.bases
+            ):
+                init = next(
+                    (
+                        f
+                        for f in node.body
+                        if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+                    ),
+                    None,
+                )
+                if init is not None:
+                    return _literal_defaults(init.args)
+    return None
+
+
+def _literal_defaults(args: ast.arguments) -> dict:
+    out: dict = {}
+    positional = [*args.posonlyargs, *args.args]
+    pairs = list(
+        zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True)
+    )
+    pairs += [
+        (a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None
+    ]
+    for arg, default in pairs:
+        try:
+            out[arg.arg] = ast.literal_eval(default)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            continue
+    return out

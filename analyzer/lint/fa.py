@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import libcst as cst
+import libcst.matchers as m
 from kvskill.analyzer import gather
 from kvskill.analyzer.lint.context import FileContext
 
@@ -128,13 +129,22 @@ def _flag_text(ctx: FileContext, test: cst.BaseExpression) -> str | None:
     return None
 
 
-def phase_of(ctx: FileContext, node: cst.CSTNode) -> Phase | None:
+def phase_of(ctx: FileContext, node: cst.CSTNode, _seen: frozenset = frozenset()) -> Phase | None:
     """Whether ``node`` only runs in prefill, only in decode, or (None) either / unknown.
 
     Reads the innermost ``if`` whose test names prefill or decode (``md.is_prefill``,
     ``not is_prefill``, ``if is_decode``), then the enclosing function's name
-    (``forward_decode``, ``_prefill_attention``).
+    (``forward_decode``, ``_prefill_attention``), then where the class reaches that method:
+    the executor's DeepSeek forward picks ``fn = self.forward_page_attention_normal`` only
+    under ``if is_prefill``, so everything in that method is prefill.
     """
+    phase = _phase_here(ctx, node)
+    if phase is not None:
+        return phase
+    return _phase_of_callers(ctx, node, _seen)
+
+
+def _phase_here(ctx: FileContext, node: cst.CSTNode) -> Phase | None:
     for test, held in ctx.branches(node):
         for part, part_held in _conjuncts(test, held):
             text = _flag_text(ctx, part)
@@ -155,6 +165,33 @@ def phase_of(ctx: FileContext, node: cst.CSTNode) -> Phase | None:
             return Phase.PREFILL
         function = ctx.enclosing_function(function)
     return None
+
+
+def _phase_of_callers(ctx: FileContext, node: cst.CSTNode, seen: frozenset) -> Phase | None:
+    """The one phase every ``self.<method>`` reference to ``node``'s method runs in, or None
+    (no reference, references in both phases or in an unknown one)."""
+    method = ctx.enclosing_function(node)
+    cls = ctx.enclosing_class(method) if method is not None else None
+    if method is None or cls is None or ctx.enclosing_function(method) is not None:
+        return None
+    key = (cls, method.name.value)
+    if key in seen:
+        return None  # a method reaching itself says nothing about its phase
+    refs = _self_refs(ctx, cls).get(method.name.value, [])
+    phases = {phase_of(ctx, ref, seen | {key}) for ref in refs}
+    return phases.pop() if len(phases) == 1 else None
+
+
+def _self_refs(ctx: FileContext, cls: cst.ClassDef) -> dict[str, list[cst.Attribute]]:
+    """``self.<name>`` expressions in CLS's methods, by name (computed once per class)."""
+    memo = ctx.cache.setdefault("self_refs", {})
+    if cls not in memo:
+        found: dict[str, list[cst.Attribute]] = {}
+        for attr in m.findall(cls, m.Attribute(value=m.Name("self"))):
+            attr = cst.ensure_type(attr, cst.Attribute)
+            found.setdefault(attr.attr.value, []).append(attr)
+        memo[cls] = found
+    return memo[cls]
 
 
 def in_sliding_branch(ctx: FileContext, node: cst.CSTNode) -> bool | None:

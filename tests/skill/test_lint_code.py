@@ -19,8 +19,9 @@ CONVERTED_GQA = textwrap.dedent(
 
 
     class Attention(nn.Module):
-        def __init__(self, config, layer_idx, attn_tp_size=1):
+        def __init__(self, config, layer_idx, block_size=128, attn_tp_size=1):
             super().__init__()
+            self.block_size = block_size
             self.head_dim = config.head_dim
             self.num_heads = config.num_attention_heads
             self.num_key_value_heads_per_rank = max(config.num_key_value_heads // attn_tp_size, 1)
@@ -40,6 +41,8 @@ CONVERTED_GQA = textwrap.dedent(
                     dim=self.head_dim,
                     num_head=self.num_key_value_heads_per_rank,
                     dtype=torch.float32,
+                    needs_block=True,
+                    block_size=self.block_size,
                     tensor_setter=self._set_k,
                     sliding_window=self.sliding_window,
                 ),
@@ -49,6 +52,8 @@ CONVERTED_GQA = textwrap.dedent(
                     dim=self.head_dim,
                     num_head=self.num_key_value_heads_per_rank,
                     dtype=torch.float32,
+                    needs_block=True,
+                    block_size=self.block_size,
                     tensor_setter=self._set_v,
                     sliding_window=self.sliding_window,
                 ),
@@ -91,9 +96,8 @@ CONVERTED_GQA = textwrap.dedent(
 
 
     class ForCausalLM(nn.Module):
-        def __init__(self, config, block_size=128):
+        def __init__(self, config):
             super().__init__()
-            self.block_size = block_size
             self.model = nn.Module()
             self.model.layers = nn.ModuleList()
 
@@ -102,9 +106,7 @@ CONVERTED_GQA = textwrap.dedent(
                 LayerCacheInfo(layer_idx=i, caches=list(layer.self_attn.cache_entries))
                 for i, layer in enumerate(self.model.layers)
             ]
-            return ModelCacheInfo(
-                num_layers=len(layer_infos), block_size=self.block_size, layer_infos=layer_infos
-            )
+            return ModelCacheInfo(num_layers=len(layer_infos), layer_infos=layer_infos)
     """
 )
 
@@ -124,9 +126,10 @@ CONVERTED_MLA = textwrap.dedent(
 
 
     class MlaAttention(nn.Module):
-        def __init__(self, config):
+        def __init__(self, config, infer_config):
             super().__init__()
             self.attn_type = "FullAttention"
+            self.block_size = infer_config.scheduler_config.block_size
             self.num_heads = config.num_attention_heads
             self.scaling = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
             rope = config.rope_parameters
@@ -137,9 +140,9 @@ CONVERTED_MLA = textwrap.dedent(
             self.rope_cache = torch.Tensor([])
             self.cache_entries = [
                 CacheEntry("nope_cache", "FullAttention", config.kv_lora_rank, 1,
-                           torch.bfloat16, self._set_nope),
+                           torch.bfloat16, True, self.block_size, tensor_setter=self._set_nope),
                 CacheEntry("rope_cache", "FullAttention", config.qk_rope_head_dim, 1,
-                           torch.bfloat16, self._set_rope),
+                           torch.bfloat16, True, self.block_size, tensor_setter=self._set_rope),
             ]
 
         def _set_nope(self, tensor):
@@ -181,8 +184,6 @@ CONVERTED_MLA = textwrap.dedent(
 
 
     class ForCausalLM(nn.Module):
-        block_size = 128
-
         def get_cache_info(self):
             layer_infos = []
             for idx, layer in enumerate(self.model.layers):
@@ -190,10 +191,7 @@ CONVERTED_MLA = textwrap.dedent(
                     LayerCacheInfo(layer_idx=idx, caches=list(layer.self_attn.cache_entries))
                 )
             return ModelCacheInfo(
-                num_layers=len(layer_infos),
-                block_size=self.block_size,
-                layer_infos=layer_infos,
-                is_mla_backend=True,
+                num_layers=len(layer_infos), layer_infos=layer_infos, is_mla_backend=True
             )
     """
 )
@@ -249,9 +247,13 @@ def test_correct_converted_code_lints_clean(source):
         ("md.block_table[self.attn_type]", "md.block_table"),
         ("scale=self.scaling,", ""),
         ("num_head=self.num_key_value_heads_per_rank", "num_head=config.num_key_value_heads"),
-        ("block_size=self.block_size, layer_infos", "layer_infos"),
+        (
+            "num_layers=len(layer_infos), layer_infos",
+            "num_layers=len(layer_infos), block_size=128, layer_infos",
+        ),
+        ("needs_block=True,", ""),
     ],
-    ids=["KV002", "KV007", "KV006", "KV009", "KV012"],
+    ids=["KV002", "KV007", "KV006", "KV009", "KV012", "KV014"],
 )
 def test_one_mistake_in_converted_code_is_found_once(request, broken, rule):
     # Introduce exactly one mistake of the common-error table into correct code.

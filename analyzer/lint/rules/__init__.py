@@ -16,6 +16,7 @@ from kvskill.analyzer.lint.rules.kv010_yarn_mscale import YarnScaleMissingMscale
 from kvskill.analyzer.lint.rules.kv011_mla_decode_sparse3 import MlaDecodeSparseMode3
 from kvskill.analyzer.lint.rules.kv012_cache_info_incomplete import CacheInfoIncomplete
 from kvskill.analyzer.lint.rules.kv013_cache_entries_untouched import CacheEntriesUntouched
+from kvskill.analyzer.lint.rules.kv014_cache_entry_contract import CacheEntryContract
 
 RULES: tuple[type[Rule], ...] = (
     NoCausalMaskInPrefill,
@@ -31,6 +32,7 @@ RULES: tuple[type[Rule], ...] = (
     MlaDecodeSparseMode3,
     CacheInfoIncomplete,
     CacheEntriesUntouched,
+    CacheEntryContract,
 )
 
 __all__ = ["RULES"]

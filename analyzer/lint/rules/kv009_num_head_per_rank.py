@@ -49,13 +49,15 @@ class NumHeadNotPerRank(Rule):
         example(
             """\
 class Attn(nn.Module):
-    def __init__(self, config, attn_tp_size=1):
+    def __init__(self, config, infer_config, attn_tp_size=1):
         super().__init__()
         self.num_key_value_heads_per_rank = max(config.num_key_value_heads // attn_tp_size, 1)
+        self.block_size = infer_config.scheduler_config.block_size
         self.k_cache = torch.Tensor([])
         self.cache_entries = [
             CacheEntry(cache_name="k_cache", attn_type="FullAttention", dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=self.set_k_cache),
         ]
 """
@@ -63,11 +65,12 @@ class Attn(nn.Module):
         example(
             """\
 class MlaAttn(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, infer_config):
         super().__init__()
+        self.block_size = infer_config.scheduler_config.block_size
         self.cache_entries = [
             CacheEntry("nope_cache", "FullAttention", config.kv_lora_rank, 1, torch.bfloat16,
-                       self.set_nope_cache),
+                       True, self.block_size, tensor_setter=self.set_nope_cache),
         ]
 """
         ),
@@ -81,7 +84,7 @@ class Attn(nn.Module):
         self.cache_entries = [
             CacheEntry(cache_name="k_cache", attn_type="FullAttention", dim=64,
                        num_head=config.num_key_value_heads, dtype=torch.float16,
-                       tensor_setter=self.set_k_cache),
+                       needs_block=True, block_size=128, tensor_setter=self.set_k_cache),
         ]
 """
         ),
@@ -93,7 +96,7 @@ class Attn(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.cache_entries = [
             CacheEntry("v_cache", "FullAttention", 64, self.num_kv_heads, torch.float16,
-                       self.set_v_cache),
+                       True, 128, tensor_setter=self.set_v_cache),
         ]
 """
         ),

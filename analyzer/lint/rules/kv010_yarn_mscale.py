@@ -18,18 +18,23 @@ _INV_SQRT = re.compile(
 _MSCALE = re.compile(r"mscale", re.IGNORECASE)
 
 
-def _uses_mscale_all_dim(ctx: FileContext) -> bool:
-    """The code reads mscale_all_dim, or the config beside it sets it."""
-    if ctx.mentions(r"mscale_all_dim"):
-        return True
+def _config_sets_mscale_all_dim(ctx: FileContext) -> bool | None:
+    """Whether the config beside the file sets a non-zero mscale_all_dim; None when there is
+    no config or it gives no rope scaling value at all (then the code decides)."""
+    if not ctx.has_config:
+        return None
+    given = False
     for key in ("rope_scaling", "rope_parameters"):
-        params = ctx.config.get(key)
+        if key not in ctx.config:
+            continue
+        given = True
+        params = ctx.config[key]
         candidates = [params] if isinstance(params, dict) else []
-        if isinstance(params, dict):
+        if isinstance(params, dict):  # per-layer-type parameters nest one level down
             candidates += [v for v in params.values() if isinstance(v, dict)]
         if any(c.get("mscale_all_dim") for c in candidates):
             return True
-    return False
+    return False if given else None
 
 
 def _origins(ctx: FileContext, expr: cst.BaseExpression, depth: int = 0) -> list[str]:
@@ -51,8 +56,11 @@ class YarnScaleMissingMscale(Rule):
     With YaRN rope scaling and ``mscale_all_dim`` set, the attention scale is
     head_dim ** -0.5 * mscale², mscale = 0.1 * mscale_all_dim * ln(factor) + 1. Leaving
     the factor out lowers every attention logit a little: no error, just drifting output.
-    Reported when the file reads ``mscale_all_dim`` (or the config.json beside it sets it)
-    and the scale reaching FA is a plain inverse square root with no mscale in its making.
+    Reported when the scale reaching FA is a plain inverse square root with no mscale in
+    its making and the model uses mscale_all_dim: the config beside the file decides (a
+    ``config.json`` over the literal defaults of the ``configuration_*.py`` class, so a
+    model shipping ``rope_scaling=None`` or ``mscale_all_dim`` 0 is never asked); with no
+    config there, a file that reads ``mscale_all_dim`` is asked.
     """
 
     id = "KV010"
@@ -96,8 +104,17 @@ class Attn(nn.Module):
     ]
 
     def check(self, ctx: FileContext) -> Iterator[Finding]:
-        if not _uses_mscale_all_dim(ctx):
+        from_config = _config_sets_mscale_all_dim(ctx)
+        if from_config is False:
+            return  # the config the model ships leaves mscale_all_dim 0 or unset
+        if from_config is None and not ctx.mentions(r"mscale_all_dim"):
             return
+        why = (
+            "the config beside it sets mscale_all_dim"
+            if from_config
+            else "it reads mscale_all_dim and no config.json or configuration_*.py beside "
+            "it gives the value"
+        )
         for call in fa_calls(ctx):
             scale = call.kw("scale") or call.kw("softmax_scale")
             if scale is None:
@@ -110,8 +127,8 @@ class Attn(nn.Module):
             yield self.finding(
                 ctx,
                 scale,
-                f"scale `{ctx.code(scale)}` is head_dim ** -0.5 but this model uses YaRN "
-                "mscale_all_dim: the scale must be multiplied by mscale²",
+                f"scale `{ctx.code(scale)}` is head_dim ** -0.5 in a YaRN model ({why}): "
+                "the scale must be multiplied by mscale²",
                 "scale = head_dim ** -0.5 * mscale * mscale with mscale = 0.1 * "
                 "mscale_all_dim * math.log(factor) + 1.0 (when mscale_all_dim is set)",
             )

@@ -17,8 +17,8 @@ class MlaDecodeSparseMode3(Rule):
     MLA absorb decode (one query token per request against the latent cache) must use
     sparse_mode 0 with ``atten_mask=None``; mode 3 there gives badly wrong output. Prefill
     keeps mode 3, so the call needs an explicit prefill / decode split. Reported for an
-    MLA call with sparse_mode 3 in a decode branch, or with a fixed sparse_mode 3 and no
-    prefill / decode branch around it.
+    MLA call that runs sparse_mode 3 and never 0 in a decode branch, or with a fixed
+    sparse_mode 3 and no prefill / decode branch around it.
     """
 
     id = "KV011"
@@ -77,7 +77,10 @@ def attend(q, kv, q_rope, k_rope, md):
             phase = phase_of(ctx, call.node)
             if modes is None or phase is Phase.PREFILL:
                 continue
-            if (phase is Phase.DECODE and 3 in modes) or modes == frozenset({3}):
+            # NOTE: a decode path that can run mode 0 as well picks the mode per step (the
+            # executor's DeepSeek keeps mode 3 for multi-token MTP decode, `q_len > 1`),
+            # which is right; only a mode 3 that decode cannot escape is reported.
+            if 3 in modes and 0 not in modes:
                 where = "in a decode branch" if phase is Phase.DECODE else "for decode too"
                 yield self.finding(
                     ctx,

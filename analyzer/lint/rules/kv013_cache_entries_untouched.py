@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvskill.analyzer.cache_access import cache_entry_names, helper_may_writes, may_touch
+from kvskill.analyzer.cache_access import (
+    attribute_methods,
+    cache_entry_names,
+    helper_may_reads,
+    helper_may_writes,
+    may_touch,
+    reader_methods,
+)
 from kvskill.analyzer.gather import declares_token_caches, resolve_method
 from kvskill.analyzer.lint.context import FileContext
 from kvskill.analyzer.lint.model import Finding
@@ -13,15 +20,17 @@ from kvskill.analyzer.lint.rules._examples import example
 
 _DECLARE = """\
 class Attn(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, infer_config):
         super().__init__()
         self.attn_type = "FullAttention"
+        self.block_size = infer_config.scheduler_config.block_size
         self.num_key_value_heads_per_rank = max(config.num_key_value_heads // 1, 1)
         self.k_cache = torch.Tensor([])
         self.v_cache = torch.Tensor([])
         self.cache_entries = [
             CacheEntry(cache_name=name, attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=getattr(self, "set_" + name))
             for name in ("k_cache", "v_cache")
         ]
@@ -29,14 +38,17 @@ class Attn(nn.Module):
 _DECLARE_NAMED = _DECLARE.replace(
     """            CacheEntry(cache_name=name, attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=getattr(self, "set_" + name))
             for name in ("k_cache", "v_cache")
 """,
     """            CacheEntry(cache_name="k_cache", attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=self.set_k_cache),
             CacheEntry(cache_name="v_cache", attn_type=self.attn_type, dim=64,
                        num_head=self.num_key_value_heads_per_rank, dtype=torch.float16,
+                       needs_block=True, block_size=self.block_size,
                        tensor_setter=self.set_v_cache),
 """,
 )
@@ -109,7 +121,11 @@ class CacheEntriesUntouched(Rule):
             if forward is None:
                 continue  # nothing runs the caches here; another class's forward may
             entries = cache_entry_names(cls, classes)
-            touched = may_touch(forward, entries, helper_may_writes(cls, entries, classes))
+            writes = helper_may_writes(cls, entries, classes)
+            readers = reader_methods(cls, entries, classes)
+            reads = helper_may_reads(cls, entries, classes, readers)
+            attrs = attribute_methods(cls, classes)
+            touched = may_touch(forward, entries, writes, reads, readers, attrs)
             owner = f"{cls.name.value}.forward"
             unwritten = sorted(entries - touched.writes)
             unread = sorted(entries - touched.reads)

@@ -55,12 +55,11 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
         "Declare nope_cache + rope_cache (one latent head) in every MLA attention __init__."
     )
 
-    def selects(self, cls: cst.ClassDef) -> bool:
-        # a variant of an attention family (XFlashAttention2(XAttention)) runs its base's
-        # __init__ and inherits its methods: the caches and helpers are declared there, once
-        return super().selects(cls) and init_owner(cls, self.classes) is cls
-
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        if init_owner(original, self.classes) is not original:
+            # a variant of an attention family (XFlashAttention2(XAttention)) runs its base's
+            # __init__ and inherits its methods: the caches and helpers are declared there, once
+            return updated
         facts = self.facts(original)
         config = self.parser_config()
         cfg = facts.config_param

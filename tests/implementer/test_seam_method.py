@@ -157,3 +157,42 @@ def test_attention_in_a_method_verifies_token_exact(tmp_path):
     assert report.passed, report.failures()
     assert report.tokens_identical
     assert report.max_logit_diff < 1e-4
+
+
+EINSUM_BMM = """        # [sq, b, np, hn] . [sk, b, np, hn] -> [b, np, sq, sk]
+        scores = torch.einsum("sbhd,tbhd->bhst", query_layer, key_layer)
+        scores = scores / (self.hidden_size_per_attention_head**0.5)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        b, heads, sq, sk = probs.shape
+        values = value_layer.permute(1, 2, 0, 3).reshape(b * heads, sk, -1)
+        context_layer = torch.bmm(probs.reshape(b * heads, sq, sk), values).view(b, heads, sq, -1)
+
+"""
+
+
+def test_einsum_and_bmm_attention_after_a_seq_first_tuple_cache_is_refused_naming_them(tmp_path):
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    model = tmp_path / "model"
+    shutil.copytree(VENDOR_ROOT / "mqa_groups_sbhd", model)
+    modeling = next(model.glob("modeling_*.py"))
+    text = modeling.read_text(encoding="utf-8")
+    # the fixture's SDPA kernel (after its seq-first cache, dim=0) computed by hand instead
+    start = text.index("        query_layer, key_layer, value_layer = [\n")
+    end = text.index("        # [b, np, sq, hn] -> [sq, b, hp]\n")
+    text = text[:start] + EINSUM_BMM + text[end:]
+    modeling.write_text(text, encoding="utf-8")
+    with pytest.raises(UnsupportedModelError) as refused:
+        apply_model(str(model), tmp_path / "out", ApplyOptions())
+    message = str(refused.value)
+    assert (
+        "VendorGlmSelfAttention.forward writes the KV cache, then computes attention by hand "
+        "with torch.einsum and torch.bmm and a softmax, which the rewrite does not read"
+    ) in message
+    # what it names is in the file, and it does not send the reader to another module
+    assert "torch.einsum(" in text and "torch.bmm(" in text
+    assert "another method or module" not in message
+    assert not (tmp_path / "out").exists()

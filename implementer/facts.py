@@ -355,6 +355,14 @@ def _seam_facts(
     kernel = _kernel_facts(facts, body, *position, methods)
     if kernel is None:
         return None
+    if kernel.inputs is not None and kernel.inputs != (write.key, write.value):
+        # the fused operator reads the paged cache: the method must attend over what the
+        # cache write holds, not something derived from it
+        facts.problems.append(
+            f"{facts.name}.forward hands its attention method {', '.join(kernel.inputs)}, not "
+            f"the keys and values its cache write holds ({write.key}, {write.value})"
+        )
+        return None
     query = kernel.query
     if write.kind == "cat":
         # the seam is replaced wholesale, so the query it reads is the name as it stood
@@ -396,6 +404,8 @@ class _Kernel:
     sinks: str | None
     targets: list[str]
     bias: str | None = None
+    #: the key and value a method kernel is handed (KernelStyle.METHOD), as the call spells them
+    inputs: tuple[str, str] | None = None
 
 
 def _kernel_position(
@@ -594,6 +604,21 @@ def _method_kernel(
         problems.append(f"{where} rebinds its parameters {rebound} before its scores")
     if kernel.query not in bound:
         problems.append(f"{where} computes its scores from {kernel.query}, not a parameter")
+    # the key the scores read and the value the output mixes, as parameters of the method
+    product = scores_matmul(
+        cst.ensure_type(
+            cst.ensure_type(body.body[position[0]], cst.SimpleStatementLine).body[0], cst.Assign
+        ).value
+    )
+    assert product is not None, "matmul_attention found these scores"
+    key = _root_name(product.args[1].value)
+    value_call = cst.ensure_type(
+        cst.ensure_type(body.body[position[1]], cst.SimpleStatementLine).body[0], cst.Assign
+    ).value
+    value = _root_name(cst.ensure_type(value_call, cst.Call).args[1].value)
+    inputs = tuple(code(bound[n]) if n in bound else "?" for n in (key, value))
+    if "?" in inputs:
+        problems.append(f"{where} attends over keys or values that are not its parameters")
     scale = cst.parse_expression(kernel.scale or "1.0")
     local = sorted(
         _used_names([cst.SimpleStatementLine([cst.Expr(scale)])])
@@ -624,6 +649,7 @@ def _method_kernel(
         scale=code(scale.visit(_BindParams(bound))),
         sinks=None,
         targets=targets,
+        inputs=(inputs[0], inputs[1]),
     )
 
 

@@ -115,6 +115,11 @@ def test_the_method_call_is_replaced_by_the_paged_seam():
             "        query = query * 2\n        attn_weights = torch.matmul(query, key.transpose(-1, -2))",
             "VendorAttention._attn rebinds its parameters ['query'] before its scores",
         ),
+        (
+            "self._attn(query, key, value, attention_mask)",
+            "self._attn(query, key.float(), value, attention_mask)",
+            "VendorAttention.forward hands its attention method key.float(), value, not the keys and values its cache write holds (key, value)",
+        ),
     ],
 )  # fmt: skip
 def test_a_method_the_fused_operator_cannot_stand_for_is_refused_naming_it(old, new, reason):
@@ -123,7 +128,7 @@ def test_a_method_the_fused_operator_cannot_stand_for_is_refused_naming_it(old, 
     with pytest.raises(UnsupportedModelError, match=re.escape(reason)):
         convert_source(source, SPEC, filename="modeling_vendor.py")
     # the construct the refusal names is in the file
-    assert "def _attn(self" in source
+    assert "def _attn(self" in source and new.strip() in source
 
 
 def _attention_in_a_method(model: Path) -> None:

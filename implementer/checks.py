@@ -88,8 +88,10 @@ def check_attention_module(
 
 def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
-    ``self.core_attention(...)``, a ``self._attn(...)`` method): the seam from the cache write to the kernel would span two
-    modules, which the rewrite does not do."""
+    ``self.core_attention(...)``, a method other than hand-written matmul attention, which
+    ``facts._method_kernel`` follows): the seam from the cache write to the kernel would span
+    two modules, which the rewrite does not do; or that compute attention by hand in a form
+    the seam does not read (einsum, bmm)."""
     found = []
     for cls in classes:
         forward = method(cls, "forward")

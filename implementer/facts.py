@@ -690,9 +690,8 @@ def _updated(
 
 def _score_changes(where: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
     """What the statements of WHERE (``X.forward``) between the scores and the output do to
-    the scores WEIGHTS beyond
-    an additive mask and a softmax: a soft cap (tanh), a rescale after the product, an added
-    term that is not a mask (a position bias such as ALiBi)."""
+    the scores WEIGHTS beyond an additive mask and a softmax: a soft cap (tanh), a rescale
+    after the product, an added term that is not a mask (a position bias such as ALiBi)."""
     if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
         return [
             f"{where} soft-caps its attention scores (tanh); the fused operator has no "

@@ -18,7 +18,7 @@ A class is recognised by what its methods do, never by its name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from enum import Enum
 
 import libcst as cst
@@ -323,6 +323,28 @@ def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
     return None
 
 
+def attention_methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+    """CLS's own methods (not ``forward``) that compute attention by hand,
+    :func:`matmul_attention` (GPT-2's and Qwen-7B's ``self._attn(query, key, value, mask)``)."""
+    return {
+        stmt.name.value: stmt
+        for stmt in cls.body.body
+        if isinstance(stmt, cst.FunctionDef)
+        and stmt.name.value not in ("forward", "__init__")
+        and matmul_attention(stmt.body) is not None
+    }
+
+
+def attention_method_call(names: Collection[str]) -> m.BaseMatcherNode:
+    """``self.<name>(query, key, value, ...)`` of one of NAMES (:func:`attention_methods`)."""
+    return m.Call(
+        func=m.Attribute(
+            value=m.Name("self"), attr=m.Name() & m.MatchIfTrue(lambda n: n.value in names)
+        ),
+        args=[m.Arg(), m.Arg(), m.Arg(), m.ZeroOrMore()],
+    )
+
+
 def is_attention_class(cls: cst.ClassDef) -> bool:
     """A class whose forward writes a KV cache and calls an attention kernel (or computes
     attention by hand, :func:`matmul_attention`, or calls the fused attention), or one already
@@ -336,6 +358,8 @@ def is_attention_class(cls: cst.ClassDef) -> bool:
     # NOTE: the fused attention counts as a kernel too, so a forward that writes a cache and
     # attends only through an NPU branch is an attention class, converted or refused by name
     has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL | FA_CALL))
+    if not has_kernel and has_update:
+        has_kernel = bool(m.findall(forward, attention_method_call(attention_methods(cls))))
     return has_update and (has_kernel or matmul_attention(forward.body) is not None)
 
 

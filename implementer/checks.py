@@ -7,7 +7,7 @@ rewrite cannot handle fails with every reason at once and never yields a half-co
 from __future__ import annotations
 
 import libcst as cst
-from kvskill.analyzer.gather import CACHE_WRITE, method
+from kvskill.analyzer.gather import CACHE_WRITE, SOFTMAX_CALL, method
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import (
     attention_facts,
@@ -88,18 +88,55 @@ def check_attention_module(
 
 def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
-    ``self.core_attention(...)``, a ``self._attn(...)`` method): the seam from the cache write to the kernel would span two
-    modules, which the rewrite does not do."""
+    ``self.core_attention(...)``, a method other than hand-written matmul attention, which
+    ``facts._method_kernel`` follows): the seam from the cache write to the kernel would span
+    two modules, which the rewrite does not do; or that compute attention by hand in a form
+    the seam does not read (einsum, bmm)."""
     found = []
     for cls in classes:
         forward = method(cls, "forward")
-        if forward is not None and m.findall(forward, CACHE_WRITE):
+        if forward is None or not m.findall(forward, CACHE_WRITE):
+            continue
+        by_hand = _unread_attention(forward)
+        if by_hand:
             found.append(
-                f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
-                "itself (attention run in another method or module is not rewritten)"
-                + _kernel_elsewhere(cls, forward)
+                f"{cls.name.value}.forward writes the KV cache, then computes attention by "
+                f"hand with {' and '.join(by_hand)} and a softmax, which the rewrite does not "
+                "read (it reads `w = matmul(q, k.transpose(...))`, a softmax and `o = "
+                "matmul(w, v)`, or one attention call)"
             )
+            continue
+        found.append(
+            f"{cls.name.value}.forward writes the KV cache but calls no attention kernel "
+            "itself (attention run in another method or module is not rewritten)"
+            + _kernel_elsewhere(cls, forward)
+        )
     return found
+
+
+#: products hand-written attention may take its scores or output with
+_PRODUCT_CALLS = {
+    name: m.Call(func=m.Name(name) | m.Attribute(attr=m.Name(name)))
+    for name in ("einsum", "bmm", "baddbmm")
+}
+
+
+def _unread_attention(forward: cst.FunctionDef) -> list[str]:
+    """The products (``torch.einsum``, ``torch.bmm``, ...) of attention a forward computes by
+    hand after its cache write in a form the seam does not read, as the file spells them;
+    [] when it has no softmax after the write."""
+    body = cst.ensure_type(forward.body, cst.IndentedBlock).body
+    start = next(i for i, stmt in enumerate(body) if m.findall(stmt, CACHE_WRITE))
+    after = list(body[start + 1 :])
+    if not any(m.findall(stmt, SOFTMAX_CALL) for stmt in after):
+        return []
+    spelled = []
+    for matcher in _PRODUCT_CALLS.values():
+        calls = [c for stmt in after for c in m.findall(stmt, matcher)]
+        if calls:
+            func = cst.ensure_type(calls[0], cst.Call).func
+            spelled.append(_EMPTY.code_for_node(func))
+    return spelled
 
 
 def _kernel_elsewhere(cls: cst.ClassDef, forward: cst.FunctionDef) -> str:

@@ -29,6 +29,8 @@ from kvskill.analyzer.gather import (
     LM_HEAD_ASSIGN,
     SDPA_CALL,
     STATE_ENTRIES_ASSIGN,
+    attention_method_call,
+    attention_methods,
     cache_cat_growths,
     causal_lm_classes,
     class_assigns,
@@ -60,10 +62,13 @@ class KernelStyle(str, Enum):
     #: hand-written ``bias.baddbmm(q, k)`` -> softmax -> ``bmm(w, v)`` over ``[B * N, S, D]``,
     #: the batch folded into the heads (bloom's ALiBi); only Legacy keeps it
     BIAS_BMM = "bias_bmm"
+    #: ``self._attn(q, k, v, mask)``: a method of the class running MATMUL attention and
+    #: returning its output ``[B, N, S, D]`` as it is
+    METHOD = "method"
 
 
 #: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
-BNSD_STYLES = frozenset({KernelStyle.SDPA, KernelStyle.MATMUL})
+BNSD_STYLES = frozenset({KernelStyle.SDPA, KernelStyle.MATMUL, KernelStyle.METHOD})
 
 
 class CacheLayout(str, Enum):
@@ -237,7 +242,7 @@ def attention_facts(
         inlined = inline_npu_branches(f"{facts.name}.forward", forward)
         facts.problems.extend(inlined.problems)
         if not inlined.problems:
-            facts.seam = _seam_facts(facts, inlined.forward)
+            facts.seam = _seam_facts(facts, inlined.forward, attention_methods(cls))
         if facts.seam is not None:
             tail = tail_rotary_problem(facts.name, inlined.forward, facts.seam.update_index)
             if tail is not None:
@@ -333,18 +338,30 @@ def cache_write_facts(
     return CacheWriteFacts(index=cat_index, key=names[0], value=names[1], layout=layout, kind="cat")
 
 
-def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef) -> SeamFacts | None:
+def _seam_facts(
+    facts: AttentionFacts, forward: cst.FunctionDef, methods: dict[str, cst.FunctionDef]
+) -> SeamFacts | None:
+    """METHODS: the class's methods that run attention by hand (``gather.attention_methods``),
+    which the forward may call as its kernel."""
     body = cst.ensure_type(forward.body, cst.IndentedBlock)
     write = cache_write_facts(facts, body, _params(forward)[1:])
-    position = _kernel_position(body)
+    position = _kernel_position(body, methods)
     if write is None or position is None or position[0] < write.index:
         if write is not None or not facts.problems:
             facts.problems.append(
                 f"{facts.name}.forward does not write the cache before calling attention"
             )
         return None
-    kernel = _kernel_facts(facts, body, *position)
+    kernel = _kernel_facts(facts, body, *position, methods)
     if kernel is None:
+        return None
+    if kernel.inputs is not None and kernel.inputs != (write.key, write.value):
+        # the fused operator reads the paged cache: the method must attend over what the
+        # cache write holds, not something derived from it
+        facts.problems.append(
+            f"{facts.name}.forward hands its attention method {', '.join(kernel.inputs)}, not "
+            f"the keys and values its cache write holds ({write.key}, {write.value})"
+        )
         return None
     query = kernel.query
     if write.kind == "cat":
@@ -387,20 +404,33 @@ class _Kernel:
     sinks: str | None
     targets: list[str]
     bias: str | None = None
+    #: the key and value a method kernel is handed (KernelStyle.METHOD), as the call spells them
+    inputs: tuple[str, str] | None = None
 
 
-def _kernel_position(body: cst.IndentedBlock) -> tuple[int, int] | None:
+def _kernel_position(
+    body: cst.IndentedBlock, methods: dict[str, cst.FunctionDef]
+) -> tuple[int, int] | None:
     """(first, last) top-level statement of the attention kernel: one call (an attention
     interface, SDPA, transformers 4's flash helper), or the scores through the output of
-    hand-written matmul attention; None when the forward has neither."""
+    hand-written matmul attention, or one call of a method in METHODS that runs it; None when
+    the forward has none of them."""
     kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL | FLASH_CALL)
     if kernel_index is not None:
         return kernel_index, kernel_index
-    return matmul_attention(body)
+    inline = matmul_attention(body)
+    if inline is not None or not methods:
+        return inline
+    kernel_index = _top_index(body, attention_method_call(methods))
+    return None if kernel_index is None else (kernel_index, kernel_index)
 
 
 def _kernel_facts(
-    facts: AttentionFacts, body: cst.IndentedBlock, first_index: int, kernel_index: int
+    facts: AttentionFacts,
+    body: cst.IndentedBlock,
+    first_index: int,
+    kernel_index: int,
+    methods: dict[str, cst.FunctionDef],
 ) -> _Kernel | None:
     """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say."""
     if first_index != kernel_index:
@@ -423,6 +453,8 @@ def _kernel_facts(
         )
         return None
     call = assign.value
+    if m.matches(call, attention_method_call(methods)):
+        return _method_kernel(facts, kernel_index, assign, call, methods)
     if m.matches(call, SDPA_CALL):
         style = KernelStyle.SDPA
     elif m.matches(call, FLASH_CALL):
@@ -458,19 +490,25 @@ _SOFT_CAP = m.Call(func=m.Name("tanh") | m.Attribute(attr=m.Name("tanh")))
 
 
 def _matmul_kernel(
-    facts: AttentionFacts, body: cst.IndentedBlock, scores_index: int, output_index: int
+    facts: AttentionFacts,
+    body: cst.IndentedBlock,
+    scores_index: int,
+    output_index: int,
+    where: str | None = None,
 ) -> _Kernel | None:
     """Hand-written attention: ``w = matmul(q, k^T) [* s | / s]``, an additive mask, a softmax
     (maybe upcast), dropout, ``o = matmul(w, v)``. The mask and dropout are the runtime's and
     inference's business; anything else done to the scores cannot be expressed by the fused
-    operator and goes to ``fused_limits`` with the reason."""
+    operator and goes to ``fused_limits`` with the reason. WHERE names the function BODY is
+    (``X.forward`` unless told)."""
     scores_stmt = cst.ensure_type(body.body[scores_index], cst.SimpleStatementLine)
     assign = cst.ensure_type(scores_stmt.body[0], cst.Assign)
     weights = cst.ensure_type(assign.targets[0].target, cst.Name).value
     product = scores_matmul(assign.value)
     assert product is not None, "matmul_attention found these scores"
     between = list(body.body[scores_index + 1 : output_index])
-    facts.fused_limits.extend(_score_changes(facts.name, weights, between))
+    where = where or f"{facts.name}.forward"
+    facts.fused_limits.extend(_score_changes(where, weights, between))
     output = _assigned_name(body.body[output_index])
     # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
     probs = _matmul_operand(body.body[output_index])
@@ -525,6 +563,121 @@ def _bias_kernel(
     )
 
 
+def _method_kernel(
+    facts: AttentionFacts,
+    kernel_index: int,
+    assign: cst.Assign | cst.AnnAssign,
+    call: cst.Call,
+    methods: dict[str, cst.FunctionDef],
+) -> _Kernel | None:
+    """``out[, weights] = self.<m>(query, key, value, ...)``, where the class's method ``<m>``
+    runs hand-written matmul attention over its parameters and returns the output as it
+    computed it (``[B, N, S, D]``). Its scores are read as :func:`_matmul_kernel` reads a
+    forward's, and the query and scale it names are mapped back to the call's arguments."""
+    name = cst.ensure_type(call.func, cst.Attribute).attr.value
+    where = f"{facts.name}.{name}"
+    func = methods[name]
+    body = cst.ensure_type(func.body, cst.IndentedBlock)
+    position = matmul_attention(body)
+    assert position is not None, "attention_methods found these scores"
+    kernel = _matmul_kernel(facts, body, *position, where=where)
+    if kernel is None:
+        return None
+    if kernel.style is not KernelStyle.MATMUL:
+        facts.problems.append(
+            f"{where} starts its scores from {kernel.bias} ({kernel.bias}.baddbmm); a method "
+            "is followed for matmul attention only"
+        )
+        return None
+    params = _params(func)[1:]
+    bound = {
+        p: a.value
+        for p, a in zip(params, [a for a in call.args if a.keyword is None], strict=False)
+    }
+    bound.update({a.keyword.value: a.value for a in call.args if a.keyword is not None})
+    before = list(body.body[: position[0]])
+    problems = []
+    if any(a.star for a in call.args):
+        problems.append(f"{facts.name}.forward passes *args/**kwargs to self.{name}")
+    rebound = sorted(_assigned_names(before) & set(params))
+    if rebound:
+        problems.append(f"{where} rebinds its parameters {rebound} before its scores")
+    if kernel.query not in bound:
+        problems.append(f"{where} computes its scores from {kernel.query}, not a parameter")
+    # the key the scores read and the value the output mixes, as parameters of the method
+    product = scores_matmul(
+        cst.ensure_type(
+            cst.ensure_type(body.body[position[0]], cst.SimpleStatementLine).body[0], cst.Assign
+        ).value
+    )
+    assert product is not None, "matmul_attention found these scores"
+    key = _root_name(product.args[1].value)
+    value_call = cst.ensure_type(
+        cst.ensure_type(body.body[position[1]], cst.SimpleStatementLine).body[0], cst.Assign
+    ).value
+    value = _root_name(cst.ensure_type(value_call, cst.Call).args[1].value)
+    inputs = tuple(code(bound[n]) if n in bound else "?" for n in (key, value))
+    if "?" in inputs:
+        problems.append(f"{where} attends over keys or values that are not its parameters")
+    scale = cst.parse_expression(kernel.scale or "1.0")
+    local = sorted(
+        _used_names([cst.SimpleStatementLine([cst.Expr(scale)])])
+        & (_assigned_names(before) - set(params))
+    )
+    if local:
+        problems.append(f"{where} scales its scores by {code(scale)}, which reads its locals")
+    output = kernel.targets[0]
+    after = list(body.body[position[1] + 1 :])
+    returns = [
+        cst.ensure_type(r, cst.Return) for stmt in after for r in m.findall(stmt, m.Return())
+    ]
+    returned = returns[0].value if len(returns) == 1 else None
+    if isinstance(returned, cst.Tuple) and returned.elements:
+        returned = returned.elements[0].value
+    if not m.matches(returned, m.Name(output)) or output in _assigned_names(after):
+        problems.append(f"{where} does not return its attention output {output} as computed")
+    targets = _targets(assign)
+    if not targets:
+        problems.append(f"{facts.name}.forward assigns self.{name}(...) to a non-name")
+    if problems:
+        facts.problems.extend(problems)
+        return None
+    return _Kernel(
+        index=kernel_index,
+        style=KernelStyle.METHOD,
+        query=code(bound[kernel.query]),
+        scale=code(scale.visit(_BindParams(bound))),
+        sinks=None,
+        targets=targets,
+        inputs=(inputs[0], inputs[1]),
+    )
+
+
+class _BindParams(cst.CSTTransformer):
+    """An expression of a method's parameters rewritten in the caller's arguments."""
+
+    def __init__(self, bound: dict[str, cst.BaseExpression]) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        # only the value holds names to bind (leave_Attribute); ``.attr`` is never a parameter
+        return False
+
+    def leave_Attribute(
+        self, original_node: cst.Attribute, updated_node: cst.Attribute
+    ) -> cst.BaseExpression:
+        return updated_node.with_changes(value=original_node.value.visit(self))
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        arg = self.bound.get(original_node.value)
+        if arg is None:
+            return updated_node
+        if isinstance(arg, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+            return arg
+        return arg.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
 def _updated(
     name: str, operator: m.BaseMatcherNode, augmented: m.BaseMatcherNode
 ) -> m.BaseMatcherNode:
@@ -535,32 +688,53 @@ def _updated(
     ) | m.AugAssign(target=m.Name(name), operator=augmented)
 
 
-def _score_changes(name: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
-    """What the statements between the scores and the output do to the scores WEIGHTS beyond
-    an additive mask and a softmax: a soft cap (tanh), a rescale after the product, an added
-    term that is not a mask (a position bias such as ALiBi)."""
+def _score_changes(where: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
+    """What the statements of WHERE (``X.forward``) between the scores and the output do to
+    the scores WEIGHTS beyond an additive mask and a softmax: a soft cap (tanh), a rescale
+    after the product, an added term that is not a mask (a position bias such as ALiBi)."""
     if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
         return [
-            f"{name}.forward soft-caps its attention scores (tanh); the fused operator has no "
+            f"{where} soft-caps its attention scores (tanh); the fused operator has no "
             "soft-capping input"
         ]
     rescaled = _updated(weights, m.Multiply() | m.Divide(), m.MultiplyAssign() | m.DivideAssign())
     if any(m.findall(stmt, rescaled) for stmt in between):
         return [
-            f"{name}.forward rescales its attention scores after the product; the fused "
+            f"{where} rescales its attention scores after the product; the fused "
             "operator takes one softmax scale"
         ]
-    added = _updated(weights, m.Add(), m.AddAssign())
+    added = m.Assign(
+        targets=[m.AssignTarget(target=m.Name(weights))], value=m.BinaryOperation(operator=m.Add())
+    ) | m.AugAssign(target=m.Name(weights), operator=m.AddAssign())
     for stmt in between:
         for node in m.findall(stmt, added):
-            term = node.value.right if isinstance(node, cst.Assign) else node.value
-            names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
-            if not any("mask" in n.lower() for n in names):
-                return [
-                    f"{name}.forward adds {code(term)} to its attention scores (a position "
-                    "bias such as ALiBi); the paged seam adds only the causal mask"
-                ]
+            if isinstance(node, cst.AugAssign):
+                terms = [node.value]
+            else:
+                # w = w + mask + bias parses as ((w + mask) + bias): every term but w
+                terms = _sum_terms(cst.ensure_type(node, cst.Assign).value)
+                if not m.matches(terms[0], m.Name(weights)):
+                    continue
+                terms = terms[1:]
+            for term in terms:
+                names = {cst.ensure_type(n, cst.Name).value for n in m.findall(term, m.Name())}
+                if not any("mask" in n.lower() for n in names):
+                    return [
+                        f"{where} adds {code(term)} to its attention scores (a position "
+                        "bias such as ALiBi); the paged seam adds only the causal mask"
+                    ]
     return []
+
+
+def _sum_terms(value: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The terms of ``a + b + c`` (unparenthesised), left to right."""
+    if (
+        isinstance(value, cst.BinaryOperation)
+        and isinstance(value.operator, cst.Add)
+        and not value.lpar
+    ):
+        return [*_sum_terms(value.left), value.right]
+    return [value]
 
 
 def _matmul_operand(stmt: cst.BaseStatement) -> str | None:

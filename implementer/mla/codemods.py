@@ -23,7 +23,7 @@ from kvskill.implementer._command import (
 )
 from kvskill.implementer.attn_forward import seam_values
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords
-from kvskill.implementer.facts import SeamFacts, seam_forward
+from kvskill.implementer.facts import SeamFacts, init_owner, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.model_class import add_cache_info
@@ -56,6 +56,10 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
     )
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        if init_owner(original, self.classes) is not original:
+            # a variant of an attention family (XFlashAttention2(XAttention)) runs its base's
+            # __init__ and inherits its methods: the caches and helpers are declared there, once
+            return updated
         facts = self.facts(original)
         config = self.parser_config()
         cfg = facts.config_param
@@ -174,7 +178,7 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "decode_kwargs": decode_fa_kwargs(self.spec, seam),
         }
         new = statements("mla_seam.py.j2", self.parser_config(), **values)
-        if facts.query_parts is None:
+        if facts.query_in_seam:
             # the query is built inside the seam: keep the statements that define it
             new = [*_defining(inside, seam.query), *new]
         new[0] = new[0].with_changes(

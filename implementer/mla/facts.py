@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer.facts import SeamFacts, attention_facts, code, seam_forward
+from kvskill.implementer.facts import (
+    SeamFacts,
+    attention_facts,
+    code,
+    init_owner,
+    seam_forward,
+)
 
 LATENT_RANK = "kv_lora_rank"
 ROPE_DIM_KEY = "qk_rope_head_dim"
@@ -68,6 +74,9 @@ class MlaAttentionFacts:
     kv_b_proj: str | None = None
     #: (q_nope, q_rope) names when the query is a concatenation of the two, else None
     query_parts: tuple[str, str] | None = None
+    #: whether the seam itself builds the query (it is unbound at the cache write): the
+    #: statements that build it are kept ahead of the paged seam
+    query_in_seam: bool = False
     #: what the latent cache takes when the source caches decompressed keys and values: the
     #: expression ``kv_b_proj`` reads (``self.kv_a_layernorm(compressed_kv)``) and the name of
     #: the rotated rope key; None when the source's cache write takes the latent itself
@@ -109,29 +118,38 @@ def _positional(call: cst.Call, index: int) -> str:
 def mla_attention_facts(
     cls: cst.ClassDef, classes: dict[str, cst.ClassDef], fused: bool
 ) -> MlaAttentionFacts:
-    """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite."""
-    generic = attention_facts(cls)
+    """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite.
+
+    A variant of an attention family (``XFlashAttention2(XAttention)`` with no ``__init__``
+    of its own, or one that only calls ``super().__init__``) reads its modules from the
+    ``__init__`` of the base that owns them (:func:`init_owner`); its seam is its own.
+    """
+    generic = attention_facts(cls, classes)
     facts = MlaAttentionFacts(
         name=generic.name,
         config_param=generic.config_param,
         seam=generic.seam,
         problems=[*generic.problems, *generic.fused_limits],
     )
-    init = _method(cls, "__init__")
+    owner = init_owner(cls, classes)
     forward = _method(cls, "forward")
-    if init is None or forward is None or facts.seam is None:
+    if owner is None or forward is None or facts.seam is None:
         return facts
+    init = _method(owner, "__init__")
+    assert init is not None, "init_owner returns a class with an __init__"
     forward, _ = seam_forward(cls, forward)
     modules = _module_assigns(init)
     up = [a for a, c in modules.items() if _is_linear(c) and LATENT_RANK in _positional(c, 0)]
     if len(up) != 1:
         facts.problems.append(
-            f"{facts.name}.__init__ has {len(up)} Linear layers reading the latent "
+            f"{owner.name.value}.__init__ has {len(up)} Linear layers reading the latent "
             f"(in-features from {LATENT_RANK}); the absorbed rewrite needs exactly one kv_b_proj"
         )
     else:
         facts.kv_b_proj = up[0]
     facts.query_parts = _query_parts(forward, facts.seam)
+    if facts.query_parts is None:
+        facts.query_in_seam = _query_in_seam(facts, forward, facts.seam)
     if facts.kv_b_proj is not None:
         facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
@@ -237,6 +255,53 @@ def _rotated(stmts: list[cst.BaseStatement], name: str) -> bool:
             args = " ".join(code(a.value) for a in cst.ensure_type(assign.value, cst.Call).args)
             if "cos" in args and "sin" in args:
                 return True
+    return False
+
+
+#: methods that change a tensor's layout or dtype, never its values
+_RELAYOUT_METHODS = frozenset(
+    {"transpose", "permute", "contiguous", "to", "type", "float", "half", "bfloat16"}
+)
+
+
+def _relayout_of(value: cst.BaseExpression, name: str) -> bool:
+    """Whether VALUE is NAME through layout and dtype changes only (``q.transpose(1, 2)``,
+    ``q.to(dtype)``)."""
+    while isinstance(value, cst.Call):
+        func = value.func
+        if not isinstance(func, cst.Attribute) or func.attr.value not in _RELAYOUT_METHODS:
+            return False
+        value = func.value
+    return m.matches(value, m.Name(name))
+
+
+def _query_in_seam(facts: MlaAttentionFacts, forward: cst.FunctionDef, seam: SeamFacts) -> bool:
+    """Whether the query is first bound inside the seam (then its statements are kept).
+
+    A query bound before the cache write is read there, in the write's layout. A flash
+    variant then re-lays it out for its kernel inside the seam (``query_states =
+    query_states.transpose(1, 2)``, a cast under autocast); the paged seam replaces those
+    with its own flattening. Any other rebinding there changes the values the kernel sees,
+    which the seam would miss: a problem.
+    """
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    params = {p.name.value for p in forward.params.params}
+    if seam.query not in _assigned_in(body[: seam.update_index]) | params:
+        return True
+    for stmt in body[seam.update_index : seam.kernel_index]:
+        for node in m.findall(stmt, m.Assign()):
+            assign = cst.ensure_type(node, cst.Assign)
+            if seam.query not in _assigned_in([cst.SimpleStatementLine(body=[assign])]):
+                continue
+            alone = len(assign.targets) == 1 and m.matches(
+                assign.targets[0].target, m.Name(seam.query)
+            )
+            if not (alone and _relayout_of(assign.value, seam.query)):
+                facts.problems.append(
+                    f"{facts.name}.forward rebinds {seam.query} between its cache write and "
+                    f"its attention call ({code(assign)}), beyond a layout or dtype change; "
+                    "the paged seam reads the query as it stands at the cache write"
+                )
     return False
 
 

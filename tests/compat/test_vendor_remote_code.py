@@ -11,12 +11,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvskill.implementer.verify import VerifyOptions, verify_directory
+from kvskill.implementer.writer import ApplyOptions, apply_model
+from transformers.cache_utils import DynamicCache
 
 from tests.compat.roundtrip import MODES, assert_token_exact, round_trip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-from vendor_fixtures import MLA_VENDOR_FIXTURES, VENDOR_FIXTURES, VENDOR_ROOT  # noqa: E402
+from vendor_fixtures import (  # noqa: E402
+    MLA_HUB_FIXTURES,
+    MLA_VENDOR_FIXTURES,
+    VENDOR_FIXTURES,
+    VENDOR_ROOT,
+)
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
@@ -33,4 +41,33 @@ def test_mla_vendor_shape_is_token_exact(name, tmp_path):
     # framework mode only: the absorbed MLA path has no standalone mode 1 (refused), and its
     # standalone mode 3 runs the same attention code (checked in the main suite)
     report = round_trip(str(VENDOR_ROOT / name), tmp_path / "framework", trust_remote_code=True)
+    assert_token_exact(report)
+
+
+#: the hub files' cache API; transformers removed it after 4.4x, and their originals with it
+HUB_CACHE_API = hasattr(DynamicCache, "get_usable_length")
+
+
+@pytest.mark.skipif(
+    not HUB_CACHE_API, reason="the hub shape's original needs Cache.get_usable_length"
+)
+@pytest.mark.parametrize(
+    ("mode", "variant"),
+    [("framework", "eager"), ("standalone", "eager"), ("framework", "flash_attention_2")],
+)
+@pytest.mark.parametrize("name", sorted(MLA_HUB_FIXTURES))
+def test_mla_hub_family_is_token_exact_in_every_variant(name, mode, variant, tmp_path):
+    """Each variant of the ATTENTION_CLASSES family, converted, against the original's eager
+    attention. verify builds both with eager attention (flash-attn is not installed), so the
+    converted file's entry for "eager" is pointed at the converted flash variant: its forward
+    is then the one the runtime (or the standalone runner) drives."""
+    out = tmp_path / "out"
+    apply_model(str(VENDOR_ROOT / name), out, ApplyOptions(deploy_mode=mode, kv_mode="paged"))
+    if variant == "flash_attention_2":
+        modeling = next(out.glob("modeling_*.py"))
+        text = modeling.read_text(encoding="utf-8")
+        eager = '"eager": VendorV3Attention,'
+        assert text.count(eager) == 1
+        modeling.write_text(text.replace(eager, '"eager": VendorV3FlashAttention2,'), "utf-8")
+    report = verify_directory(out, VerifyOptions(trust_remote_code=True))
     assert_token_exact(report)

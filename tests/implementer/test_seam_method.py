@@ -1,0 +1,203 @@
+"""Attention computed in a method of the class (``self._attn(q, k, v, mask)``, GPT-2 and
+Qwen-7B style remote code): the seam runs from the cache write to that call, and the method's
+scores (scale, what is added to them) are read in its own names and mapped back to the
+call's arguments."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.facts import KernelStyle, attention_facts, module_classes
+from kvskill.implementer.pipeline import convert_source, parse
+from kvskill.implementer.spec import ConversionSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+
+from vendor_fixtures import VENDOR_ROOT, convert_and_verify  # noqa: E402
+
+SPEC = ConversionSpec(
+    fa_version="v1",
+    input_layout="TND",
+    uniform_attn_type="FullAttention",
+    sparse_mode={"FullAttention": {"prefill": 3, "decode": 3}},
+)
+
+SOURCE = """
+import math
+
+import torch
+from torch import nn
+
+
+class VendorAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def _attn(self, query, key, value, attention_mask=None):
+        attn_weights = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(value.size(-1))
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+        attn_output = torch.matmul(attn_weights, value)
+        return attn_output, attn_weights
+
+    def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False):
+        b, s, _ = hidden_states.shape
+        query, key, value = self.c_attn(hidden_states).split(hidden_states.shape[-1], dim=2)
+        query = query.view(b, s, -1, self.head_dim).transpose(1, 2)
+        key = key.view(b, s, -1, self.head_dim).transpose(1, 2)
+        value = value.view(b, s, -1, self.head_dim).transpose(1, 2)
+        if layer_past is not None:
+            key = torch.cat((layer_past[0], key), dim=-2)
+            value = torch.cat((layer_past[1], value), dim=-2)
+        present = (key, value) if use_cache else None
+        attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+        attn_output = attn_output.transpose(1, 2).reshape(b, s, -1)
+        return self.c_proj(attn_output), present
+
+
+class VendorForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.h = nn.ModuleList([VendorAttention(config)])
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+"""
+
+
+def test_the_kernel_is_the_method_call_with_its_scale_in_the_callers_names():
+    module = parse(SOURCE)
+    classes = module_classes(module)
+    facts = attention_facts(classes["VendorAttention"], classes)
+    assert facts.problems == [] and facts.fused_limits == []
+    seam = facts.seam
+    assert seam.style is KernelStyle.METHOD
+    assert (seam.query, seam.key, seam.value) == ("query", "key", "value")
+    # the method divides by math.sqrt(value.size(-1)): its parameter value is the call's value
+    assert seam.scale == "1 / math.sqrt(value.size(-1))"
+    assert seam.targets == ["attn_output", "attn_weights"]
+
+
+def test_the_method_call_is_replaced_by_the_paged_seam():
+    out = convert_source(SOURCE, SPEC, filename="modeling_vendor.py")
+    forward = out.split("    def forward(")[1].split("\nclass ")[0]
+    assert "self._attn(" not in forward and "torch.cat(" not in forward
+    assert "torch_npu.npu_fused_infer_attention_score(" in forward
+    assert "scale=1 / math.sqrt(value.size(-1))," in forward
+    # the method returned [b, n, s, d]; the seam hands its output back in that layout
+    assert "attn_output = attn_output.unsqueeze(0).transpose(1, 2)" in forward
+    assert "attn_weights = None" in forward and "present = None" in forward
+    assert convert_source(out, SPEC, filename="modeling_vendor.py") == out
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "reason"),
+    [
+        (
+            "            attn_weights = attn_weights + attention_mask\n",
+            "            attn_weights = attn_weights + attention_mask + self.alibi\n",
+            "VendorAttention._attn adds self.alibi to its attention scores (a position bias",
+        ),
+        (
+            "        return attn_output, attn_weights\n",
+            "        return attn_output.transpose(1, 2), attn_weights\n",
+            "VendorAttention._attn does not return its attention output attn_output as computed",
+        ),
+        (
+            "        attn_weights = torch.matmul(query, key.transpose(-1, -2))",
+            "        query = query * 2\n        attn_weights = torch.matmul(query, key.transpose(-1, -2))",
+            "VendorAttention._attn rebinds its parameters ['query'] before its scores",
+        ),
+        (
+            "self._attn(query, key, value, attention_mask)",
+            "self._attn(query, key.float(), value, attention_mask)",
+            "VendorAttention.forward hands its attention method key.float(), value, not the keys and values its cache write holds (key, value)",
+        ),
+    ],
+)  # fmt: skip
+def test_a_method_the_fused_operator_cannot_stand_for_is_refused_naming_it(old, new, reason):
+    assert SOURCE.count(old) == 1
+    source = SOURCE.replace(old, new)
+    with pytest.raises(UnsupportedModelError, match=re.escape(reason)):
+        convert_source(source, SPEC, filename="modeling_vendor.py")
+    # the construct the refusal names is in the file
+    assert "def _attn(self" in source and new.strip() in source
+
+
+def _attention_in_a_method(model: Path) -> None:
+    """The Baichuan-shape fixture's inline matmul attention moved into ``self._attn``."""
+    modeling = next(model.glob("modeling_*.py"))
+    text = modeling.read_text(encoding="utf-8")
+    start = text.index(
+        "        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3))"
+    )
+    end = text.index("        attn_output = attn_output.transpose(1, 2)\n")
+    inline = text[start:end]
+    call = "        attn_output, attn_weights = self._attn(query_states, key_states, value_states, attention_mask)\n\n"
+    method = (
+        "    def _attn(self, query_states, key_states, value_states, attention_mask=None):\n"
+        + inline.rstrip("\n")
+        + "\n        return attn_output, attn_weights\n\n"
+    )
+    text = text[:start] + call + text[end:]
+    # the method goes right before the attention class's forward
+    at = text.index("    def forward(", text.index("class VendorPackAttention("))
+    text = text[:at] + method + text[at:]
+    modeling.write_text(text, encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_attention_in_a_method_verifies_token_exact(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(VENDOR_ROOT / "w_pack_matmul_bhsd", model)
+    _attention_in_a_method(model)
+    report = convert_and_verify("", tmp_path / "out", "framework", "paged", model=model)
+    assert report.passed, report.failures()
+    assert report.tokens_identical
+    assert report.max_logit_diff < 1e-4
+
+
+EINSUM_BMM = """        # [sq, b, np, hn] . [sk, b, np, hn] -> [b, np, sq, sk]
+        scores = torch.einsum("sbhd,tbhd->bhst", query_layer, key_layer)
+        scores = scores / (self.hidden_size_per_attention_head**0.5)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        b, heads, sq, sk = probs.shape
+        values = value_layer.permute(1, 2, 0, 3).reshape(b * heads, sk, -1)
+        context_layer = torch.bmm(probs.reshape(b * heads, sq, sk), values).view(b, heads, sq, -1)
+
+"""
+
+
+def test_einsum_and_bmm_attention_after_a_seq_first_tuple_cache_is_refused_naming_them(tmp_path):
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    model = tmp_path / "model"
+    shutil.copytree(VENDOR_ROOT / "mqa_groups_sbhd", model)
+    modeling = next(model.glob("modeling_*.py"))
+    text = modeling.read_text(encoding="utf-8")
+    # the fixture's SDPA kernel (after its seq-first cache, dim=0) computed by hand instead
+    start = text.index("        query_layer, key_layer, value_layer = [\n")
+    end = text.index("        # [b, np, sq, hn] -> [sq, b, hp]\n")
+    text = text[:start] + EINSUM_BMM + text[end:]
+    modeling.write_text(text, encoding="utf-8")
+    with pytest.raises(UnsupportedModelError) as refused:
+        apply_model(str(model), tmp_path / "out", ApplyOptions())
+    message = str(refused.value)
+    assert (
+        "VendorGlmSelfAttention.forward writes the KV cache, then computes attention by hand "
+        "with torch.einsum and torch.bmm and a softmax, which the rewrite does not read"
+    ) in message
+    # what it names is in the file, and it does not send the reader to another module
+    assert "torch.einsum(" in text and "torch.bmm(" in text
+    assert "another method or module" not in message
+    assert not (tmp_path / "out").exists()

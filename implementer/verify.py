@@ -386,7 +386,7 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     checked, checked_note = choose_checked(directory, options.shrink, options.dtype)
     options = replace(options, shrink=checked is Checked.SHRUNK_TWIN)
     shrunk = (
-        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names)
+        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names, code=plan.code)
         if options.shrink
         else None
     )

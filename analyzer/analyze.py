@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import code_facts, rope_style
-from kvskill.analyzer.config import ModelSpec, normalise
-from kvskill.analyzer.config_keys import attribute_map_for, cite_vendor_keys
+from kvskill.analyzer.config import ModelSpec, normalise, text_config
+from kvskill.analyzer.config_keys import (
+    attribute_map_for,
+    cite_vendor_keys,
+    source_config_defaults,
+)
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inherited import inherited_attention_reason
@@ -25,6 +29,7 @@ from kvskill.analyzer.inputs import (
     resolve_model,
     transformers_modeling_file,
 )
+from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
@@ -215,8 +220,9 @@ def plan_for_source(
         derived=source.derived,
         attribute_map=attribute_map,
     )
-    check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     book = Notebook(source=source)
+    spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
+    check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
     if source.delegated_from:
         book.cite(
@@ -294,6 +300,8 @@ def plan_for_source(
         "sum of cache_entries dim x num_head x dtype size x layers",
     )
     facts_dict = code_facts(code, source)
+    if code_sizing is not None:
+        facts_dict["kv_heads"] = code_sizing
     _code_notes(
         facts_dict,
         spec,
@@ -560,6 +568,39 @@ PER_LAYER_HEAD_KEYS = {
     "num_attention_heads_per_layer": "num_attention_heads",
     "num_key_value_heads_per_layer": "num_key_value_heads",
 }
+
+
+def _sized_by_code(
+    source: ModelSource, code: CodeView, spec: ModelSpec, attribute_map: dict[str, str], book
+) -> tuple[ModelSpec, dict[str, Any] | None]:
+    """SPEC with the KV heads the primary attention's ``__init__`` sizes its key projection
+    with (``kv_sizing``), the config read as transformers reads it; and the Plan's record of
+    it (``code.kv_heads``: the class, line, expression and the config keys it reads), None
+    when the code does not say."""
+    primary = code.attention_class()
+    if primary is None or spec.mla is not None or not source.modeling_file:
+        return spec, None
+    defaults = {}
+    if source.kind == "remote_code":
+        defaults = source_config_defaults(Path(source.path), source.config)
+    config, _ = text_config(source.config)
+    view = ConfigView(config, attribute_map, defaults)
+    sizing = sizing_of_source(source.modeling_file, primary.name, view)
+    if sizing is None or sizing.kv_heads is None:
+        return spec, None
+    owner = code.facts.classes.get(sizing.owner)
+    attr = next(iter(sizing.projections.values()))
+    line = owner.self_attrs.get(attr) if owner is not None else None
+    record = {
+        "class": sizing.owner,
+        "line": line,
+        "projections": dict(sizing.projections),
+        "kv_heads": sizing.kv_heads,
+        "head_dim": sizing.head_dim,
+        "expr": sizing.kv_heads_expr,
+        "config_keys": list(sizing.kv_heads_keys),
+    }
+    return apply_code_sizing(spec, sizing, code.where(line), book), record
 
 
 def _per_layer_heads(source: ModelSource, book: Notebook) -> None:

@@ -200,6 +200,87 @@ def attribute_map_for(
     return class_attribute_map(model_type)
 
 
+def source_config_defaults(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Attribute -> default of the config class a model directory ships, read with libcst:
+    ``self.X = param`` in its ``__init__`` where ``param`` has a literal default (an int,
+    float, string, bool or None). What transformers' config object holds for a key the
+    config.json omits; {} when the class is not found."""
+    auto = (config.get("auto_map") or {}).get("AutoConfig")
+    class_name = auto.rsplit(".", 1)[-1] if isinstance(auto, str) else None
+    for path in sorted(Path(directory).glob("configuration_*.py")):
+        defaults = _file_config_defaults(str(path), path.stat().st_mtime_ns)
+        for name, (model_type, values) in defaults.items():
+            if name == class_name or (
+                class_name is None and model_type == config.get("model_type")
+            ):
+                return dict(values)
+    return {}
+
+
+@lru_cache(maxsize=64)
+def _file_config_defaults(
+    path: str, mtime_ns: int
+) -> dict[str, tuple[str | None, tuple[tuple[str, Any], ...]]]:
+    """class name -> (its ``model_type`` literal, its ``__init__``'s literal defaults)."""
+    try:
+        module = cst.parse_module(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, cst.ParserSyntaxError):
+        return {}
+    found: dict[str, tuple[str | None, tuple[tuple[str, Any], ...]]] = {}
+    for node in module.body:
+        if not isinstance(node, cst.ClassDef):
+            continue
+        model_type, init = None, None
+        for stmt in node.body.body:
+            assign = _class_assign(stmt)
+            if assign and assign[0] == "model_type" and isinstance(assign[1], cst.SimpleString):
+                model_type = assign[1].evaluated_value
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
+                init = stmt
+        if init is not None:
+            found[node.name.value] = (model_type, tuple(_init_defaults(init).items()))
+    return found
+
+
+def _init_defaults(init: cst.FunctionDef) -> dict[str, Any]:
+    params = {
+        p.name.value: _literal(p.default)
+        for p in (*init.params.params, *init.params.kwonly_params)
+        if p.default is not None
+    }
+    values: dict[str, Any] = {}
+    for stmt in init.body.body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+                continue
+            target, value = small.targets[0].target, small.value
+            if not (
+                isinstance(target, cst.Attribute)
+                and isinstance(target.value, cst.Name)
+                and target.value.value == "self"
+            ):
+                continue
+            if isinstance(value, cst.Name) and value.value in params:
+                values[target.attr.value] = params[value.value]
+    return {k: v for k, v in values.items() if v is not _NO_LITERAL}
+
+
+_NO_LITERAL = object()
+
+
+def _literal(node: cst.BaseExpression | None) -> Any:
+    if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString)):
+        return node.evaluated_value
+    if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
+        return {"True": True, "False": False, "None": None}[node.value]
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
+        inner = _literal(node.expression)
+        return -inner if isinstance(inner, (int, float)) else _NO_LITERAL
+    return _NO_LITERAL
+
+
 @lru_cache(maxsize=64)
 def _file_attribute_maps(
     path: str, mtime_ns: int

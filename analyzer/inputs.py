@@ -15,7 +15,7 @@ from typing import Any
 
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.core.inputs import path_error, read_json_object, resolve_inside
+from kvskill.core.inputs import path_error, read_config_json, resolve_inside
 
 #: keys whose change must re-derive ``layer_types`` in the config class
 _PATTERN_KEYS = frozenset(
@@ -174,7 +174,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise BadInputError(f"model directory {path} has no config.json")
-    raw = read_json_object(config_file, what="config", root=model_root(path))
+    raw = read_config_json(config_file, root=model_root(path))
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise BadInputError(f"{config_file} has no 'model_type' string")

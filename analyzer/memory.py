@@ -71,8 +71,12 @@ def estimate_weight_bytes(config: dict[str, Any], spec: ModelSpec) -> int:
         attn = 2 * hidden * q + hidden * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
     experts = spec.num_experts
     if experts:
-        inner = int(cfg.get("moe_intermediate_size") or spec.intermediate_size or 0)
-        mlp = experts * 3 * hidden * inner
+        inner = cfg.get("moe_intermediate_size") or spec.intermediate_size or 0
+        if isinstance(inner, list):
+            # one expert width per layer (Hunyuan): the mean layer's, times the layers below
+            widths = [int(v) for v in inner if isinstance(v, (int, float))]
+            inner = sum(widths) / len(widths) if widths else 0
+        mlp = int(experts * 3 * hidden * inner)
     else:
         mlp = 3 * hidden * (spec.intermediate_size or 4 * hidden)
     return (embed + spec.num_layers * (attn + mlp)) * spec.dtype_bytes

@@ -45,6 +45,17 @@ _BOUNDS: dict[str, tuple[int, int]] = {
     "sliding_window": (0, 1 << 30),
 }
 
+#: keys a config may give once per layer instead of once (Hunyuan's MoE lists): a list of
+#: such values is checked value by value against the same bounds
+PER_LAYER_KEYS = frozenset(
+    {"moe_intermediate_size", "intermediate_size", "num_experts_per_tok", "moe_topk"}
+)
+#: per-layer MoE keys with no bound of their own: each value a count (shared experts may be 0)
+_PER_LAYER_COUNTS: dict[str, tuple[int, int]] = {
+    "moe_topk": (0, 1 << 16),
+    "num_shared_expert": (0, 1 << 16),
+}
+
 #: first key present wins, as in the analyzer's normalisation
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
@@ -75,18 +86,15 @@ def check_config_values(config: dict[str, Any], *, where: str) -> None:
         BadInputError: naming ``where``, the key, the value and what is allowed.
     """
     cfg, prefix = decoder_config(config)
-    for key, (low, high) in _BOUNDS.items():
+    for key, (low, high) in {**_PER_LAYER_COUNTS, **_BOUNDS}.items():
         value = cfg.get(key)
         if value is None:
             continue
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadInputError(f"{where}: {prefix}{key} must be an integer, got {cfg[key]!r}")
-        if not low <= value <= high:
-            raise BadInputError(
-                f"{where}: {prefix}{key}={value} is outside what a model can have ({low}..{high})"
-            )
+        if isinstance(value, list) and key in PER_LAYER_KEYS | _PER_LAYER_COUNTS.keys():
+            for index, item in enumerate(value):
+                _check_count(f"{prefix}{key}[{index}]", item, low, high, where=where)
+        else:
+            _check_count(f"{prefix}{key}", value, low, high, where=where)
     heads_key, heads = _first(cfg, _HEADS)
     kv_key, kv_heads = _first(cfg, _KV_HEADS)
     if cfg.get("multi_query") is True and not cfg.get("new_decoder_architecture"):
@@ -108,6 +116,19 @@ def check_config_values(config: dict[str, Any], *, where: str) -> None:
         raise BadInputError(
             f"{where}: {prefix}{hidden_key}={hidden} is smaller than {prefix}{heads_key}={heads} "
             "and no head_dim is given: the heads would be empty"
+        )
+
+
+def _check_count(name: str, value: Any, low: int, high: int, *, where: str) -> None:
+    """Refuse a value of NAME that is not an integer in ``low..high``."""
+    shown = value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInputError(f"{where}: {name} must be an integer, got {shown!r}")
+    if not low <= value <= high:
+        raise BadInputError(
+            f"{where}: {name}={value} is outside what a model can have ({low}..{high})"
         )
 
 
@@ -155,14 +176,21 @@ def estimate_num_params(config: dict[str, Any]) -> int | None:
     kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
     head_dim = cfg.get("head_dim") if isinstance(cfg.get("head_dim"), int) else hidden // heads
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    inter = cfg.get("intermediate_size") if isinstance(cfg.get("intermediate_size"), int) else 0
+    inter = _widest(cfg.get("intermediate_size"))
     _, experts = _first(cfg, ("num_experts", "n_routed_experts", "num_local_experts"))
-    moe_inter = cfg.get("moe_intermediate_size")
+    moe_inter = _widest(cfg.get("moe_intermediate_size")) or None
     mlp = 3 * hidden * inter
     if isinstance(experts, int) and experts > 0:
         mlp = max(mlp, 3 * hidden * (moe_inter if isinstance(moe_inter, int) else inter) * experts)
     vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else 0
     return layers * (attention + mlp) + 2 * vocab * hidden
+
+
+def _widest(value: Any) -> int:
+    """An int width, or the widest of a per-layer list of them; 0 when neither."""
+    values = value if isinstance(value, list) else [value]
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return max(ints, default=0)
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -161,6 +161,33 @@ def read_json(
     )
 
 
+#: transformers 5's ``save_pretrained`` writes a float JSON cannot hold as ``{"__float__": tag}``
+#: (``PreTrainedConfig._encode_special_floats``); ``from_pretrained`` decodes the same tags
+SPECIAL_FLOAT_TAG = "__float__"
+SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(data: Any) -> Any:
+    """``data`` with every ``{"__float__": "Infinity"}`` (and ``-Infinity``, ``NaN``) object
+    replaced by its float, as transformers reads a saved config. Example: a Mamba-2
+    ``time_step_limit`` saved as ``[0.0, {"__float__": "Infinity"}]`` reads ``[0.0, inf]``.
+    An object with other keys, or an unknown tag, stays as it is (transformers keeps it too).
+    """
+    if isinstance(data, dict):
+        tag = data.get(SPECIAL_FLOAT_TAG)
+        if len(data) == 1 and isinstance(tag, str) and tag in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[tag]
+        return {key: decode_special_floats(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [decode_special_floats(value) for value in data]
+    return data
+
+
+def read_config_json(path: Path, *, root: Path | None = None) -> dict[str, Any]:
+    """A model's ``config.json`` as transformers reads it: one object, special floats decoded."""
+    return decode_special_floats(read_json_object(path, what="config", root=root))
+
+
 def read_json_object(path: Path, *, what: str, root: Path | None = None) -> dict[str, Any]:
     """A JSON file that must hold one object."""
     data = read_json(path, what=what, root=root)

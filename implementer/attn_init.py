@@ -9,8 +9,10 @@ whose ``tensor_setter`` methods receive the runtime's tensors.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import libcst as cst
+from kvskill.analyzer.kv_sizing import ConfigView, kv_sizing
 from kvskill.implementer._command import (
     AttentionInitRewrite,
     append_statements,
@@ -90,8 +92,31 @@ def attn_type_expr(spec: ConversionSpec, config: str, layer_idx: str | None) -> 
     return expr
 
 
+def kv_heads_expr(
+    spec: ConversionSpec,
+    cls: cst.ClassDef,
+    config: str,
+    classes: Mapping[str, cst.ClassDef] | None = None,
+) -> str:
+    """The KV heads CLS's caches hold: the factor its own ``__init__`` sizes the key (or
+    fused qkv) projection with (``analyzer.kv_sizing``: ``self.num_key_value_heads`` set from
+    ``config.num_query_groups``), valid where the statements are appended; else the config's
+    ``num_key_value_heads``, or every head for an MHA config without that key."""
+    sizing = kv_sizing(cls, classes or {cls.name.value: cls}, ConfigView({}))
+    if sizing is not None and sizing.kv_heads_expr and sizing.owner == cls.name.value:
+        return sizing.kv_heads_expr
+    if spec.config_has_kv_heads:
+        return head_count_expr(cls, config, "num_key_value_heads")
+    # MHA vendor configs (Qwen-7B, Baichuan) have no KV-head count: every head has its own
+    return f'(getattr({config}, "num_key_value_heads", None) or {config}.num_attention_heads)'
+
+
 def init_values(
-    spec: ConversionSpec, cls: cst.ClassDef, config: str, layer_idx: str | None
+    spec: ConversionSpec,
+    cls: cst.ClassDef,
+    config: str,
+    layer_idx: str | None,
+    classes: Mapping[str, cst.ClassDef] | None = None,
 ) -> dict:
     """Template values for ``framework_attn_init.py.j2``."""
     windowed = bool(spec.windows)
@@ -100,10 +125,7 @@ def init_values(
         "config": config,
         "attn_tp_size": spec.attn_tp_size,
         "heads_expr": head_count_expr(cls, config, "num_attention_heads"),
-        "kv_heads_expr": head_count_expr(cls, config, "num_key_value_heads")
-        if spec.config_has_kv_heads
-        # MHA vendor configs (Qwen-7B, Baichuan) have no KV-head count: every head has its own
-        else f'(getattr({config}, "num_key_value_heads", None) or {config}.num_attention_heads)',
+        "kv_heads_expr": kv_heads_expr(spec, cls, config, classes),
         "windowed": windowed,
         "window_expr": "",
         "head_dim_expr": "self.head_dim"
@@ -152,7 +174,7 @@ class AttentionInitCommand(AttentionInitRewrite):
 
     def template_values(self, cls: cst.ClassDef, config: str, layer_idx: str | None) -> dict:
         """The values INIT_TEMPLATE is rendered with for CLS."""
-        return init_values(self.spec, cls, config, layer_idx)
+        return init_values(self.spec, cls, config, layer_idx, self.classes)
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = attention_facts(original, self.classes)

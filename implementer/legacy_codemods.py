@@ -128,10 +128,14 @@ def _chunk_expr(spec: LegacySpec, config: str, layer_idx: str | None) -> str:
 
 
 def legacy_init_values(
-    spec: LegacySpec, cls: cst.ClassDef, config: str, layer_idx: str | None
+    spec: LegacySpec,
+    cls: cst.ClassDef,
+    config: str,
+    layer_idx: str | None,
+    classes: dict[str, cst.ClassDef] | None = None,
 ) -> dict:
     """Template values for ``legacy_init.py.j2``."""
-    values = init_values(replace(spec, windows={}), cls, config, layer_idx)
+    values = init_values(replace(spec, windows={}), cls, config, layer_idx, classes)
     values["kind_expr"] = attn_type_expr(spec, config, layer_idx)
     values["window_expr"] = _window_expr(spec, config)
     values["chunk_expr"] = _chunk_expr(spec, config, layer_idx)
@@ -145,7 +149,7 @@ class LegacyAttentionInitCommand(AttentionInitCommand):
     INIT_TEMPLATE = "legacy_init.py.j2"
 
     def template_values(self, cls: cst.ClassDef, config: str, layer_idx: str | None) -> dict:
-        return legacy_init_values(self.spec, cls, config, layer_idx)
+        return legacy_init_values(self.spec, cls, config, layer_idx, self.classes)
 
 
 def _kernel_mask(kernel: cst.BaseStatement) -> str | None:

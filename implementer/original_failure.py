@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvskill.core.errors import BadInputError
+from kvskill.core.errors import BadInputError, KvskillError
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.reference import build_reference
 
@@ -23,6 +23,13 @@ FORWARD_PROBE_PARAMS = 50_000_000
 COMPAT_LOCKS = ("4.46.3", "4.55.0")
 
 
+class ShrinkBrokeOriginalError(KvskillError):
+    """verify's shrink wrote a config the original model cannot run, although its own
+    config runs here: kvskill's error (exit 70, as any kvskill bug), not the model's."""
+
+    code = "shrink_broke_original"
+
+
 def original_failure(
     converted: ConvertedDir,
     exc: BaseException,
@@ -30,19 +37,27 @@ def original_failure(
     stage: str,
     shrunk: bool,
     workdir: Path,
-) -> BadInputError:
-    """The error for an original model that failed at ``stage`` ("build" or "generate")."""
+) -> KvskillError:
+    """The error for an original model that failed at ``stage`` ("build" or "generate").
+
+    When only the shrunk config fails (the model's own config builds here, and runs a
+    forward pass for a failed generation), the shrink broke one of the model's invariants:
+    that is reported as kvskill's error, with ``--no-shrink`` as the way to verify now, and
+    no advice about the model or its transformers.
+    """
     which = "the shrunk config" if shrunk else "its config"
     what = "cannot be built from" if stage == "build" else "fails to generate with"
     message = f"the original {converted.plan.model_type} model {what} {which}: {describe(exc)}"
+    if shrunk and unshrunk_runs(converted, workdir, forward=stage == "generate"):
+        return ShrinkBrokeOriginalError(
+            f"{message}; the unshrunk config builds here, so kvskill's shrink broke a rule "
+            "of the model's config (a kvskill error, not the model's): verify with "
+            "--no-shrink (the real sizes), and report the config to kvskill"
+        )
     hints = []
     saved = saved_transformers_version(converted.config)
     if saved is not None:
         hints.append(version_hint(saved))
-    if shrunk and unshrunk_runs(converted, workdir, forward=stage == "generate"):
-        hints.append(
-            "the unshrunk config builds here, so the shrink may be the cause: try --no-shrink"
-        )
     return BadInputError("; ".join([message, *hints]))
 
 
@@ -56,14 +71,59 @@ def saved_transformers_version(config: dict[str, Any]) -> str | None:
     return saved
 
 
-def version_hint(saved: str) -> str:
-    import transformers
+#: kvskill's own requirement when its installed metadata cannot be read (pyproject.toml)
+DEFAULT_SUPPORTED_TRANSFORMERS = ">=4.46,<6"
 
+
+def supported_transformers() -> str:
+    """The transformers specifier kvskill is installed with (``>=4.46,<6``)."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requires = metadata.requires("kvskill") or []
+    except metadata.PackageNotFoundError:
+        return DEFAULT_SUPPORTED_TRANSFORMERS
+    for line in requires:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.name == "transformers" and requirement.marker is None:
+            return str(requirement.specifier) or DEFAULT_SUPPORTED_TRANSFORMERS
+    return DEFAULT_SUPPORTED_TRANSFORMERS
+
+
+def version_hint(saved: str) -> str:
+    """What to do about a config saved with another transformers: verify under that version
+    when kvskill supports it; else say plainly that kvskill cannot run the model's code as
+    its version expects, and what to do instead (kvskill never advises an install that
+    pip would refuse beside it)."""
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    supported = supported_transformers()
+    installed = transformers.__version__
+    try:
+        inside = Version(saved) in SpecifierSet(supported)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return (
+            f"its config.json was saved with transformers {saved} (installed: {installed}): "
+            f"verify it under that version, in a venv with `pip install "
+            f"transformers=={saved} kvskill` (kvskill's `make test-compat` tests "
+            f"{' and '.join(COMPAT_LOCKS)})"
+        )
     return (
-        f"its config.json was saved with transformers {saved} (installed: "
-        f"{transformers.__version__}): verify it under that version, in a venv with "
-        f"`pip install transformers=={saved} kvskill` (kvskill's `make test-compat` tests "
-        f"{' and '.join(COMPAT_LOCKS)})"
+        f"its config.json was saved with transformers {saved}, which kvskill does not support "
+        f"(it needs transformers{supported}; installed: {installed}): the model's code may need "
+        f"that transformers, and kvskill cannot run beside it; port the modeling file's "
+        f"failing import or call to a supported transformers (kvskill's `make test-compat` "
+        f"tests {' and '.join(COMPAT_LOCKS)}), or verify a checkpoint of the model saved "
+        "with one"
     )
 
 

@@ -53,9 +53,21 @@ class ShrinkResult:
     changes: dict[str, tuple[Any, Any]]
 
 
-def _kv_heads(config: dict[str, Any], names: dict[str, str] | None = None) -> int:
+def code_kv_key(config: dict[str, Any], code: dict[str, Any] | None) -> str | None:
+    """The one config key the attention's ``__init__`` sizes its KV heads from (the Plan's
+    ``code.kv_heads.config_keys``: ``num_query_groups``), when the config holds it as an
+    int; None when the code reads several keys, or none."""
+    keys = ((code or {}).get("kv_heads") or {}).get("config_keys") or []
+    if len(keys) == 1 and _above(config.get(keys[0]), 0):
+        return keys[0]
+    return None
+
+
+def _kv_heads(
+    config: dict[str, Any], names: dict[str, str] | None = None, kv_key: str | None = None
+) -> int:
     heads = lookup(config, "num_heads", names)[0] or NUM_HEADS
-    kv = kv_heads(config, heads, names)[0] or heads
+    kv = config[kv_key] if kv_key else (kv_heads(config, heads, names)[0] or heads)
     if kv == heads:
         return NUM_HEADS  # MHA
     if kv == 1:
@@ -73,8 +85,18 @@ def _per_layer_lists(
     return {
         key: value
         for key, value in config.items()
-        if "layer" in key and isinstance(value, list) and value and len(value) == total
+        if ("layer" in key or key in PER_LAYER_MOE_KEYS)
+        and isinstance(value, list)
+        and value
+        and len(value) == total
     }
+
+
+#: MoE sizes a config may give per layer instead of once (Hunyuan's ``moe_topk``,
+#: ``num_shared_expert`` and ``moe_intermediate_size`` lists)
+PER_LAYER_MOE_KEYS = ("moe_intermediate_size", "moe_topk", "num_shared_expert")
+#: config keys holding the router's top-k (a scalar, or one value per layer)
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 
 
 #: layer kinds that call one shared block (zamba's and zamba2's "hybrid" layers): two of them
@@ -116,8 +138,12 @@ def shrink_config(
     *,
     shrink_window: bool = True,
     attribute_map: dict[str, str] | None = None,
+    code: dict[str, Any] | None = None,
 ) -> ShrinkResult:
     """A tiny config with the same structure as ``config`` (which is not modified).
+
+    ``code`` is the Plan's ``code`` section: the config key its attention sizes the KV heads
+    from (``kv_heads.config_keys``) shrinks with the heads, whatever its name.
 
     Sizes are written under the keys the model reads: a vendor's own names (``n_layer``,
     ChatGLM's ``num_layers`` / ``kv_channels`` / ``padded_vocab_size``, ...) and the keys the
@@ -129,12 +155,18 @@ def shrink_config(
     shrunk below the prompts would change the original, not exercise the conversion.
     """
     if text_config(config)[1]:
-        return _shrink_composite(config, shrink_window=shrink_window, names=attribute_map)
-    return _shrink_decoder(config, shrink_window=shrink_window, names=attribute_map)
+        return _shrink_composite(
+            config, shrink_window=shrink_window, names=attribute_map, code=code
+        )
+    return _shrink_decoder(config, shrink_window=shrink_window, names=attribute_map, code=code)
 
 
 def _shrink_composite(
-    config: dict[str, Any], *, shrink_window: bool, names: dict[str, str] | None = None
+    config: dict[str, Any],
+    *,
+    shrink_window: bool,
+    names: dict[str, str] | None = None,
+    code: dict[str, Any] | None = None,
 ) -> ShrinkResult:
     """``text_config`` shrunk as a decoder, every other ``*_config`` tower to one layer."""
     inner = config["text_config"]
@@ -142,7 +174,11 @@ def _shrink_composite(
     # head into sections sized for it, often by a default in the code that the config does
     # not list (qwen2_5_vl: [16, 24, 24] of 64).
     text = _shrink_decoder(
-        inner, shrink_window=shrink_window, head_dim=_head_dim(inner, names), names=names
+        inner,
+        shrink_window=shrink_window,
+        head_dim=_head_dim(inner, names),
+        names=names,
+        code=code,
     )
     towers = _shrink_towers({k: v for k, v in config.items() if k != "text_config"})
     changes = {f"text_config.{k}": change for k, change in text.changes.items()}
@@ -235,6 +271,32 @@ def _rotary_width(
     return {"rotary_dim": max(2, rotary * head_dim // old // 2 * 2)}
 
 
+def _largest_top_k(config: dict[str, Any]) -> int:
+    """The most experts the router picks in any layer (a top-k key may be a per-layer
+    list), at least 1."""
+    values: list[Any] = []
+    for key in _TOP_K_KEYS:
+        value = config.get(key)
+        values.extend(value if isinstance(value, list) else [value])
+    return max([v for v in values if _above(v, 0)], default=1)
+
+
+def _groups_dividing_heads(config: dict[str, Any], new: dict[str, Any]) -> dict[str, int]:
+    """Head-group counts (``*group*`` keys that divided the query heads) that no longer
+    divide the shrunk heads, made the largest divisor of them not above the old count; a
+    count that still divides is left alone."""
+    old_heads, heads = config.get("num_attention_heads"), new.get("num_attention_heads")
+    if not _above(old_heads, 0) or not _above(heads, 0):
+        return {}
+    out: dict[str, int] = {}
+    for key, value in new.items():
+        if "group" not in key or not _above(value, 1) or config.get(key) != value:
+            continue
+        if old_heads % value == 0 and heads % value:
+            out[key] = max(d for d in range(1, min(value, heads) + 1) if heads % d == 0)
+    return out
+
+
 def _above(value: Any, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > limit
 
@@ -313,6 +375,7 @@ def _shrink_decoder(
     shrink_window: bool,
     head_dim: int = HEAD_DIM,
     names: dict[str, str] | None = None,
+    code: dict[str, Any] | None = None,
 ) -> ShrinkResult:
     """``shrink_config`` of a decoder's own (flat) config, with heads of ``head_dim``."""
     new = dict(config)
@@ -322,9 +385,10 @@ def _shrink_decoder(
         new[key] = list(values[:layers])
     if "max_window_layers" in config and isinstance(config["max_window_layers"], int):
         new["max_window_layers"] = min(config["max_window_layers"], layers)
-    kv = _kv_heads(config, names)
+    kv_key = code_kv_key(config, code)
+    kv = _kv_heads(config, names, kv_key)
     _put(new, config, "hidden_size", NUM_HEADS * head_dim, names)
-    for key in kv_heads_keys(config, names):
+    for key in [kv_key] if kv_key else kv_heads_keys(config, names):
         new[key] = kv
     _put(new, config, "num_heads", NUM_HEADS, names)
     new.update(_rotary_width(config, head_dim, names))
@@ -351,11 +415,9 @@ def _shrink_decoder(
         # chunks shorter than the prompts, so a query's chunk boundary is exercised (the
         # original builds its chunked masks from the same value)
         new["attention_chunk_size"] = min(config["attention_chunk_size"], ATTENTION_CHUNK)
+    top_k = _largest_top_k(new)
     for key in _EXPERT_COUNT_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
-            top_k = int(
-                config.get("num_experts_per_tok") or config.get("num_experts_per_token") or 1
-            )
             # more experts than the router picks, so routing still selects
             new[key] = min(config[key], max(NUM_EXPERTS, top_k + 2))
             if "num_experts_per_tok" in config and not config["num_experts_per_tok"]:
@@ -371,6 +433,10 @@ def _shrink_decoder(
     for key in _EXPERT_SIZE_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
             new[key] = EXPERT_INTERMEDIATE_SIZE
+        elif isinstance(new.get(key), list):
+            # one width per layer (already cut to the kept layers)
+            new[key] = [EXPERT_INTERMEDIATE_SIZE if _above(v, 0) else v for v in new[key]]
+    new.update(_groups_dividing_heads(config, new))
     new.update(_linear_attention_sizes(config))
     new.update(_ssm_sizes(config, new))
     new.update(_hidden_multiples(config, new))

@@ -43,6 +43,7 @@ from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
+from kvskill.implementer.cache_widths import check_cache_widths
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
 from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.real_weights import (
@@ -386,7 +387,7 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     checked, checked_note = choose_checked(directory, options.shrink, options.dtype)
     options = replace(options, shrink=checked is Checked.SHRUNK_TWIN)
     shrunk = (
-        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names)
+        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names, code=plan.code)
         if options.shrink
         else None
     )
@@ -479,6 +480,8 @@ def _verify(
         pair = load_model_pair(converted_dir, workdir, config, options, report)
     if pair is None:
         return
+    # before anything runs: every k/v cache holds what its projection writes (exit 3 if not)
+    check_cache_widths(pair.converted)
     if prompts is None:
         vocab = vocabulary_size(config, names, pair.reference)
         assert vocab is not None, "vocabulary_size raises when the head names none"

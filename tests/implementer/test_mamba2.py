@@ -453,3 +453,37 @@ def test_granitemoehybrid_with_an_attention_layer_verifies(tmp_path):
     assert report.passed, report.failures()
     plan = json.loads((out / "kvskill_plan.json").read_text())
     assert [layer["attn_type"] for layer in plan["layers"]] == ["Mamba", "FullAttention"]
+
+
+def test_a_saved_config_s_special_float_tags_read_as_transformers_reads_them(tmp_path):
+    import json
+
+    from kvskill.analyzer.inputs import resolve_model
+
+    # what transformers 5's save_pretrained writes for Mamba-2's unbounded dt limit
+    config = {"model_type": "mamba2", **SMALL_MAMBA2}
+    config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
+    config["vendor_note"] = {"__float__": "Unknown"}  # not a tag transformers decodes: kept
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = resolve_model(str(tmp_path))
+    assert source.config["time_step_limit"] == [0.0, float("inf")]
+    assert source.config["vendor_note"] == {"__float__": "Unknown"}
+
+
+@pytest.mark.slow
+def test_a_mamba2_checkpoint_saved_by_save_pretrained_converts_and_verifies(tmp_path):
+    import torch
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    Mamba2ForCausalLM(Mamba2Config(**SMALL_MAMBA2)).save_pretrained(tmp_path / "saved")
+    saved = (tmp_path / "saved" / "config.json").read_text()
+    if "__float__" not in saved:
+        pytest.skip("this transformers writes time_step_limit without a special-float tag")
+    apply_model(str(tmp_path / "saved"), tmp_path / "out", ApplyOptions())
+    report = verify_directory(tmp_path / "out", VerifyOptions())
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+    assert report.checked.value == "real_weights"

@@ -1,5 +1,6 @@
 """verify where the model lives: an original that cannot be built or run here names the
-transformers its config.json was saved with, and --no-shrink only when the shrink may be why."""
+transformers its config.json was saved with (inside the range kvskill supports, else says
+plainly that it cannot), and an original only the shrink breaks is kvskill's error."""
 
 from __future__ import annotations
 
@@ -58,13 +59,20 @@ def test_a_file_for_an_older_transformers_names_its_version_and_how_to_verify_th
     assert "--no-shrink" not in line
 
 
-def test_no_shrink_is_suggested_when_only_the_shrunk_config_fails(tmp_path, capsys):
-    out = _converted(tmp_path, capsys, _in_attention_init(OWN_CHECK), vocab_size=512)
+def test_an_original_only_the_shrink_breaks_is_kvskill_s_error(tmp_path, capsys):
+    out = _converted(
+        tmp_path,
+        capsys,
+        _in_attention_init(OWN_CHECK),
+        vocab_size=512,
+        transformers_version="4.46.3",
+    )
     code, err = run_cli(capsys, "verify", out, "--trust-remote-code")
-    assert code == 2
+    assert code == 70  # kvskill's own error, not bad input
     assert "vocab_size 256 leaves no room" in err
-    assert "the unshrunk config builds here" in err and "try --no-shrink" in err
-    # its config.json names no other transformers: no version line
+    assert "the unshrunk config builds here" in err and "kvskill's shrink broke" in err
+    assert "--no-shrink" in err
+    # the model runs under the installed transformers: no advice about its version
     assert "saved with transformers" not in err
     code, err = run_cli(capsys, "verify", out, "--trust-remote-code", "--no-shrink")
     assert code == 0, err
@@ -90,6 +98,29 @@ def test_a_generation_only_the_shrunk_config_breaks_suggests_no_shrink(tmp_path,
     modeling = modeling.replace(anchor, anchor + check, 1)
     out = _converted(tmp_path, capsys, modeling, vocab_size=512)
     code, err = run_cli(capsys, "verify", out, "--trust-remote-code")
-    assert code == 2
+    assert code == 70
     assert "fails to generate with the shrunk config: IndexError" in err
-    assert "try --no-shrink" in err
+    assert "kvskill's shrink broke" in err and "--no-shrink" in err
+
+
+@pytest.mark.parametrize("saved", ["4.31.0", "4.40.0", "6.1.0"])
+def test_a_transformers_kvskill_does_not_support_is_never_advised(tmp_path, capsys, saved):
+    modeling = MODELING.replace("import torch\n", "import torch\n" + OLD_IMPORT, 1)
+    out = _converted(tmp_path, capsys, modeling, transformers_version=saved)
+    code, err = run_cli(capsys, "verify", out, "--trust-remote-code")
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"saved with transformers {saved}, which kvskill does not support" in line
+    assert "it needs transformers" in line and "4.46" in line
+    assert "pip install" not in line  # an install pip would refuse beside kvskill
+    assert "port the modeling file" in line
+
+
+def test_the_supported_range_is_the_installed_requirement():
+    from kvskill.implementer.original_failure import supported_transformers
+    from packaging.specifiers import SpecifierSet
+
+    supported = SpecifierSet(supported_transformers())
+    assert "4.46.3" in supported and "5.24.0" in supported
+    assert "4.45.2" not in supported and "6.0.0" not in supported

@@ -305,7 +305,7 @@ def test_paged_seq_len_is_the_source_length_outside_the_runtime_and_the_longest_
     import ast
 
     import torch
-    from kvskill.runtime import ForwardMetaData, forward_context, get_forward_metadata
+    from kvskill.runtime import forward_context, get_forward_metadata, step_metadata
 
     converted = convert_source(CACHE_API_43X, SPEC, filename="modeling_old.py")
     helper = next(
@@ -318,17 +318,14 @@ def test_paged_seq_len_is_the_source_length_outside_the_runtime_and_the_longest_
     paged_seq_len = scope["_paged_seq_len"]
     assert paged_seq_len(7) == 7
     # a decode step of three requests: T = 3 tokens, positions up to 40
-    md = ForwardMetaData(
+    md = step_metadata(
         is_prefill=False,
-        kv_len=torch.tensor([12, 41, 5]),
-        actual_seq_lengths_q=[1, 1, 1],
-        actual_seq_lengths_kv=[12, 41, 5],
-        actual_seq_lengths_cu_q=[1, 2, 3],
-        actual_seq_lengths_cu_kv=[12, 53, 58],
+        q_lens=[1, 1, 1],
+        kv_lens=[12, 41, 5],
         block_table={},
         slot_mapping={},
-        prompt_tokens=[11, 40, 4],
-        num_tokens=3,
+        attention_mask=None,
+        device="cpu",
     )
     with forward_context(md):
         assert paged_seq_len(3) == 41

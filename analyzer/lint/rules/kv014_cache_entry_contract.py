@@ -44,6 +44,30 @@ def _sets_block_size(ctx: FileContext) -> bool:
     return False
 
 
+class _StampsBlockSize(cst.CSTVisitor):
+    """Finds ``<entry>.block_size = ...`` on anything but ``self``: a ``get_cache_info`` that
+    gives every entry the run's block size before it returns them."""
+
+    def __init__(self) -> None:
+        self.found = False
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            t = target.target
+            if (
+                isinstance(t, cst.Attribute)
+                and t.attr.value == "block_size"
+                and not (isinstance(t.value, cst.Name) and t.value.value == "self")
+            ):
+                self.found = True
+
+
+def _stamps_block_size(ctx: FileContext) -> bool:
+    visitor = _StampsBlockSize()
+    ctx.module.visit(visitor)
+    return visitor.found
+
+
 def _numbers(ctx: FileContext, expr: cst.BaseExpression | None) -> frozenset | None:
     """The numbers ``expr`` can be, None unless every possible value is a known number."""
     values = ctx.possible_values(expr)
@@ -183,7 +207,7 @@ class GatedDeltaNet(nn.Module):
         if needs_block == frozenset({False}) or "needs_block" not in args:
             return  # never allocated, or already reported as missing
         block_size = args.get("block_size")
-        if block_size is None and not has_star(call):
+        if block_size is None and not has_star(call) and not _stamps_block_size(ctx):
             yield self.finding(
                 ctx,
                 call,

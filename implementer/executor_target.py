@@ -111,6 +111,13 @@ def framework_imports(source: str) -> str:
     return cst.parse_module(source).visit(_FrameworkImports()).code
 
 
+def executor_model_name(plan: Plan) -> str:
+    """The folder and registry name under the framework's ``models/``: the model type with
+    ``_paged``, so it never lands on a model the framework ships under the type's own name
+    (the framework has its own ``qwen3_moe``, ``gpt_oss``, ...)."""
+    return f"{plan.model_type}_paged"
+
+
 def executor_class_name(causal_lm: str) -> str:
     return f"{causal_lm}Executor"
 
@@ -134,7 +141,7 @@ def executor_files(
         raise BadInputError(
             f"--target {CANN_RECIPES_TARGET}: the Plan names no causal-LM class to wrap"
         )
-    name = plan.model_type
+    name = executor_model_name(plan)
     executor_class = executor_class_name(causal_lm)
     modeling = framework_imports(converted)
     modeling = (
@@ -223,7 +230,8 @@ def to_executor_target(conversion: Conversion) -> Conversion:
         configuration=configuration_module(plan),
         keeps_logit_rows=takes_logits_to_keep(conversion.converted, plan.architecture),
     )
-    modeling = files[f"models/{plan.model_type}/models/modeling_{plan.model_type}.py"]
+    name = executor_model_name(plan)
+    modeling = files[f"models/{name}/models/modeling_{name}.py"]
     return dataclasses.replace(
         conversion,
         converted=modeling,

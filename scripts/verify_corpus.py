@@ -139,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool,
     ):
         env = child_env(max(1, args.threads))
-        outcomes = list(pool.map(lambda t: run_one(t, Path(tmp), env), types))
+
+        def run_and_tell(model_type: str) -> Outcome:
+            outcome = run_one(model_type, Path(tmp), env)
+            # one stderr line per model as it ends: a run cut short still says what it found
+            print(f"{model_type}: {outcome.outcome}", file=sys.stderr, flush=True)
+            return outcome
+
+        outcomes = list(pool.map(run_and_tell, types))
     counts = Counter(o.outcome for o in outcomes)
     print(f"{len(outcomes)} model types: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     for o in outcomes:

@@ -307,6 +307,11 @@ def load_model_pair(
     dtype = resolve_dtype(options.dtype)
     directory, plan = converted.directory, converted.plan
     converted_dir = stage_converted(directory, workdir, config) if options.shrink else directory
+    # NOTE: condition_weights redraws the matrices only; the other parameters keep the
+    # model's own initialiser, which draws from the global generator (nemotron_h's and
+    # zamba2's dt_bias). Unseeded, that generator starts from a random seed in every
+    # process, so the same verify compared other weights on each run.
+    torch.manual_seed(options.seed)
     try:
         reference, note = build_reference(
             plan, converted.record, config, workdir / "reference", directory

@@ -138,6 +138,14 @@ class KVCacheManager:
                 )
         return None
 
+    def ride_along_refusal(self) -> str | None:
+        """Why decoding requests must not ride along in a step that computes prompt tokens
+        (the first group whose type refuses it), or None when they may."""
+        for key, mgr in self.managers.items():
+            if mgr.ride_along_unsupported:
+                return f"group {key!r} ({self.groups[key].attn_type}): {mgr.ride_along_unsupported}"
+        return None
+
     def _build_pools(self, seed: int | None) -> dict[str, BlockPool]:
         if self.use_hybrid_blocks:
             shared = BlockPool(max(self.num_blocks.values()), free_block_order_seed=seed)

@@ -73,6 +73,8 @@ class LLM:
     ``mix_decode_with_prefill=True`` (with chunked prefill): a step that computes prompt
     tokens also feeds every decoding request its next token, out of the same token budget, so
     running requests keep generating while new prompts are computed (``runtime/scheduler.py``).
+    A model with a state group (Mamba) decodes in steps of its own whatever the flag
+    (``engine.scheduler.ride_along_disabled_reason`` says why).
 
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a

@@ -57,6 +57,10 @@ class SingleTypeKVCacheManager:
     #: why a request of this type cannot reuse another's blocks, None when it can (a state
     #: block holds a snapshot of the whole prefix, not the K/V of one block's tokens)
     prefix_caching_unsupported: ClassVar[str | None] = None
+    #: why a decoding request of this type must not ride along in a step that computes
+    #: prompt tokens, None when it may (the layer's prefill path then sees its token as a
+    #: one-token sequence)
+    ride_along_unsupported: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -431,6 +435,15 @@ class MambaManager(SingleTypeKVCacheManager):
     prefix_caching_unsupported = (
         "its state block is a snapshot of the whole prefix, overwritten in place (no "
         "per-block K/V to share; snapshots at block boundaries are not kept)"
+    )
+    # NOTE: attention computes a one-row query the same on either path; a state mixer's
+    # prefill form is another formula (a chunked scan), and sources may differ between the
+    # two beyond rounding: nemotron_h and zamba2 clamp dt to time_step_min in the scan only,
+    # so a generated token fed through the scan moved their logits by up to 0.03.
+    ride_along_unsupported = (
+        "a state layer's prefill path (its chunked scan) is not its decode step: the source "
+        "may compute them differently (nemotron_h and zamba2 clamp dt in the scan only), and "
+        "the step carries no flag telling a generated token from a one-token prompt chunk"
     )
 
     def num_blocks_for(self, num_tokens: int) -> int:

@@ -12,7 +12,9 @@ Policy (``ForwardMetaData.is_prefill`` is set on every step that computes prompt
    step, as far as the KV manager grows them without preempting anyone. Prompts come first
    because a CPU step costs about what its tokens cost: a decode token taken from a full
    budget would push a prompt's last tokens into one more step (measured: uniform W2 4 %
-   slower that way), while the budget a last prompt chunk leaves is free.
+   slower that way), while the budget a last prompt chunk leaves is free. A model with a
+   state group (Mamba) never mixes: its prefill path is a chunked scan, not the decode
+   step its source runs for a generated token (``MambaManager.ride_along_unsupported``).
 2. Otherwise a decode step feeds every running request its last sampled token. When the
    KV manager cannot grow a request, the most recently admitted running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue to
@@ -99,6 +101,13 @@ class Scheduler:
         #: block sizes of the cache groups: a decode step fills a block only when a request's
         #: computed tokens reach a multiple of one of them
         self._block_sizes = sorted({kv_manager.block_size_of(k) for k in kv_manager.group_keys})
+        #: why decoding requests do not ride along although mixing is on (None: they do, or
+        #: mixing is off): a model with a state group decodes in steps of its own
+        self.ride_along_disabled_reason: str | None = None
+        self._mixing = config.mix_decode_with_prefill and config.enable_chunked_prefill
+        if self._mixing:
+            self.ride_along_disabled_reason = kv_manager.ride_along_refusal()
+            self._mixing = self.ride_along_disabled_reason is None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -129,8 +138,7 @@ class Scheduler:
         budget = self._schedule_prompts(output, self.config.max_num_batched_tokens)
         if not output.scheduled:
             return self._schedule_decode()
-        config = self.config
-        if config.mix_decode_with_prefill and config.enable_chunked_prefill and budget > 0:
+        if self._mixing and budget > 0:
             output.scheduled += self._ride_along(budget)
         return output
 

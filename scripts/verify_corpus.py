@@ -15,12 +15,18 @@ per model keeps one model's crash or memory from touching the others. Outcomes:
     crashed        any other exit: a bug in kvskill, reported with its message
 
 The whole corpus takes about an hour with two jobs on a 2-core machine.
+
+Every model's processes run with the same settings whatever ``--jobs`` is: ``--threads``
+torch threads (1 by default: the thread count changes the order of float32 sums, so a
+verdict near its tolerance would otherwise depend on how many jobs share the machine) and
+a fixed ``PYTHONHASHSEED``; verify seeds its own random weights and prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,7 +52,16 @@ class Outcome:
     message: str = ""
 
 
-def _kvskill(args: list[str], timeout: float) -> tuple[int, str, str]:
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of every kvskill process: THREADS threads, a fixed hash seed."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(threads)
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def _kvskill(args: list[str], timeout: float, env: dict[str, str]) -> tuple[int, str, str]:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "kvskill", *args],
@@ -54,6 +69,7 @@ def _kvskill(args: list[str], timeout: float) -> tuple[int, str, str]:
             text=True,
             timeout=timeout,
             stdin=subprocess.DEVNULL,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         return -1, "", f"timed out after {timeout:.0f} s"
@@ -65,13 +81,15 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_one(model_type: str, workdir: Path) -> Outcome:
+def run_one(model_type: str, workdir: Path, env: dict[str, str]) -> Outcome:
     out = workdir / model_type
-    code, _, err = _kvskill(["apply", model_type, "--out", str(out), "--force"], APPLY_TIMEOUT_S)
+    code, _, err = _kvskill(
+        ["apply", model_type, "--out", str(out), "--force"], APPLY_TIMEOUT_S, env
+    )
     if code != 0:
         kind = {3: "refused", 2: "bad_input"}.get(code, "crashed")
         return Outcome(model_type, kind, code, None, _last_line(err))
-    code, stdout, err = _kvskill(["verify", str(out), "--format", "json"], VERIFY_TIMEOUT_S)
+    code, stdout, err = _kvskill(["verify", str(out), "--format", "json"], VERIFY_TIMEOUT_S, env)
     message = _last_line(err)
     try:
         report = json.loads(stdout)
@@ -100,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="*", help="default: every causal-LM model type")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of each model's processes"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every outcome here")
     parser.add_argument(
         "--vision-language",
@@ -117,7 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="kvskill-corpus-") as tmp,
         ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool,
     ):
-        outcomes = list(pool.map(lambda t: run_one(t, Path(tmp)), types))
+        env = child_env(max(1, args.threads))
+
+        def run_and_tell(model_type: str) -> Outcome:
+            outcome = run_one(model_type, Path(tmp), env)
+            # one stderr line per model as it ends: a run cut short still says what it found
+            print(f"{model_type}: {outcome.outcome}", file=sys.stderr, flush=True)
+            return outcome
+
+        outcomes = list(pool.map(run_and_tell, types))
     counts = Counter(o.outcome for o in outcomes)
     print(f"{len(outcomes)} model types: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     for o in outcomes:

@@ -170,3 +170,30 @@ def test_emu3_causal_lm_is_built_from_the_text_config_of_its_composite_config(tm
     apply_model("emu3", out, ApplyOptions())
     report = verify_directory(out, VerifyOptions())
     assert report.passed, report.failures()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["nemotron_h", "zamba2"])
+def test_hybrids_clamping_dt_in_their_scan_only_verify_with_default_configs(converted, family):
+    # Their chunked scan clamps dt to time_step_min and their decode step does not: a
+    # generated token fed through the scan (riding along with a prompt chunk) moved the
+    # logits by up to 0.03. Verify's chunked prefill leaves the short prompts decoding while
+    # the long ones are computed, so they would ride along.
+    import torch
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS
+
+    report = converted.report(family)
+    assert report.error is None, report.error
+    assert report.passed, report.failures()
+    # the prompts take several prefill steps, the shortest done after the first
+    assert sum(p.prompt_len for p in report.prompts) > 2 * MAX_BATCHED_TOKENS
+    assert min(p.prompt_len for p in report.prompts) < MAX_BATCHED_TOKENS
+    # the original's weights come from verify's seed alone, not the process's generator
+    torch.manual_seed(12345)
+
+    again = verify_directory(converted.directory(family), VerifyOptions(trust_remote_code=True))
+    assert [p.max_logit_diff for p in again.prompts] == [p.max_logit_diff for p in report.prompts]
+    assert [p.reference_tokens for p in again.prompts] == [
+        p.reference_tokens for p in report.prompts
+    ]

@@ -4,6 +4,7 @@ import torch
 from kvskill.runtime import CacheEntry, KVCacheManager, LayerCacheInfo, ModelCacheInfo
 from kvskill.runtime.request import Request, RequestStatus, SamplingParams
 from kvskill.runtime.scheduler import Scheduler, SchedulerConfig
+from runtime_factories import Sink, attn_layer, mamba_layer, model_info
 
 
 def make_manager(num_blocks: int, block_size: int = 4) -> KVCacheManager:
@@ -120,6 +121,33 @@ def test_decoding_requests_ride_along_only_in_what_the_prompts_leave():
         ("b", 1),
         ("c", 7),
     ]
+
+
+def test_a_model_with_a_state_group_decodes_in_steps_of_its_own():
+    # An attention layer and a Mamba layer: the Mamba layer's prefill path is a chunked scan,
+    # which its source may compute otherwise than the decode step (nemotron_h's dt clamp).
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0), mamba_layer(sink, 1)])
+    config = SchedulerConfig(max_num_batched_tokens=12, max_model_len=64)
+    scheduler = Scheduler(KVCacheManager(info, num_blocks=64), config, frozenset())
+    assert "'Mamba'" in scheduler.ride_along_disabled_reason
+    for rid in "abc":
+        scheduler.add(make_request(rid, 5))
+    run_step(scheduler)  # a, b whole and 2 tokens of c
+    # Step 2: c's last 3 prompt tokens leave 9 of the budget, but a and b do not ride along.
+    output = run_step(scheduler)
+    assert output.is_prefill
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("c", 3)]
+    # Step 3: everyone decodes, a and b from their first sampled token.
+    output = run_step(scheduler)
+    assert not output.is_prefill
+    assert [(s.request.request_id, s.start) for s in output.scheduled] == [
+        ("a", 5),
+        ("b", 5),
+        ("c", 5),
+    ]
+    # attention alone mixes, and says nothing
+    assert make_scheduler(64).ride_along_disabled_reason is None
 
 
 def test_max_num_seqs_caps_admission():

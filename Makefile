@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvskill-installed
 DEMO_DIR ?= demo-out
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: venv demo test test-slow test-all test-compat compat-venvs test-contract lint bench bench-peers clean
+.PHONY: venv demo test test-slow test-all test-compat compat-venvs test-contract test-cann-recipes lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,16 @@ test-compat: $(COMPAT_STAMPS)
 		echo "== transformers $$v"; \
 		OMP_NUM_THREADS=1 .venv-tf$$v/bin/python -m pytest -m compat tests/compat --durations=10; \
 	done
+
+# Opt-in: kvskill against a real hicann/cann-recipes-infer checkout (pinned fbc225d), on the CPU
+# through the torch_npu stand-in: KVSKILL_CANN_RECIPES=/path/to/checkout make test-cann-recipes.
+# Installs the packages that checkout's executor imports (constraints-cann-recipes.txt) first.
+test-cann-recipes: $(STAMP)
+	@test -n "$$KVSKILL_CANN_RECIPES" || { echo "set KVSKILL_CANN_RECIPES to a cann-recipes-infer checkout"; exit 2; }
+	$(PIP) install -c constraints.txt -c constraints-cann-recipes.txt datasets loguru requests
+	$(PY) -m pytest -m "slow or not slow" tests/runtime/test_executor_contract.py \
+		tests/runtime/test_cann_recipes_executor.py tests/runtime/test_standin_cann_recipes.py \
+		tests/skill/test_lint_executor.py
 
 demo: $(STAMP)
 	DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh $(PY)

@@ -28,11 +28,10 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 
 import torch
-from kvskill.runtime import ForwardMetaData, forward_context, get_init_attn_mask
+from kvskill.runtime import ForwardMetaData, forward_context, get_init_attn_mask, step_metadata
 from kvskill.runtime.loader import load_model
 from torch import nn
 
@@ -177,19 +176,14 @@ class Runner:
         self, *, is_prefill: bool, q_lens: list[int], kv_len_after: torch.Tensor, **tables
     ) -> ForwardMetaData:
         """The metadata every layer reads this step (per-row and cumulative lengths)."""
-        kv_lens = kv_len_after.tolist()
-        return ForwardMetaData(
+        return step_metadata(
             is_prefill=is_prefill,
-            kv_len=kv_len_after,
-            actual_seq_lengths_q=q_lens,
-            actual_seq_lengths_kv=kv_lens,
-            actual_seq_lengths_cu_q=list(accumulate(q_lens)),
-            actual_seq_lengths_cu_kv=list(accumulate(kv_lens)),
+            q_lens=q_lens,
+            kv_lens=kv_len_after.tolist(),
             block_table=tables.get("block_table", {}),
             slot_mapping=tables.get("slot_mapping", {}),
-            prompt_tokens=self.prompt_lens,
-            num_tokens=sum(q_lens),
             attention_mask=self.attention_mask,
+            device=self.device,
         )
 
     def _forward(self, step: StepInputs) -> torch.Tensor:

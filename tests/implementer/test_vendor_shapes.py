@@ -304,7 +304,6 @@ def test_the_43x_cache_api_bookkeeping_gets_its_rotary_table_sized_too():
 def test_paged_seq_len_is_the_source_length_outside_the_runtime_and_the_longest_request_inside():
     import ast
 
-    import torch
     from kvskill.runtime import forward_context, get_forward_metadata, step_metadata
 
     converted = convert_source(CACHE_API_43X, SPEC, filename="modeling_old.py")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords
+from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
 from kvskill.implementer.facts import (
     BNSD_STYLES,
     CacheLayout,
@@ -54,8 +54,8 @@ def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
     kwargs += [
         ("block_table", "md.block_table[self.attn_type]"),
         ("block_size", "block_size"),
-        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
-        ("actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+        ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
+        ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
     ]
     if spec.has_sinks:
         assert seam.sinks is not None, "the pipeline checks sinks are passed to the kernel"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvskill.implementer.attn_forward import AttentionForwardCommand
 from kvskill.implementer.attn_init import AttentionInitCommand
-from kvskill.implementer.fa_call import fa_keywords
+from kvskill.implementer.fa_call import fa_keywords, host_lengths
 from kvskill.implementer.facts import SeamFacts
 from kvskill.implementer.spec import ConversionSpec
 
@@ -32,8 +32,8 @@ def bsh_fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]
         ("atten_mask", "md.attention_mask if md.is_prefill else None"),
         ("sparse_mode", f"{prefill} if md.is_prefill else {decode}"),
         # BSH takes per-row lengths for both (npu_ops §1.3); the decode branch reads only kv
-        ("actual_seq_lengths", "md.actual_seq_lengths_q"),
-        ("actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+        ("actual_seq_lengths", host_lengths("actual_seq_lengths_q")),
+        ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
     ]
     return fa_keywords(spec.fa_version, kwargs)
 

@@ -19,6 +19,7 @@ import libcst as cst
 from kvskill.analyzer.plan import DeployMode, Plan
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.convert import Conversion, source_package
+from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.snippets import render
 from kvskill.implementer.standalone.runner import takes_logits_to_keep
 
@@ -131,11 +132,6 @@ def executor_files(
         converted: the framework-mode modeling file kvskill's runtime runs.
         configuration: (module text, config class name) of the model's configuration module.
     """
-    if plan.kv_mode.value != "paged":
-        raise BadInputError(
-            f"--target {CANN_RECIPES_TARGET}: the executor serves paged caches only, and this "
-            f"conversion is {plan.kv_mode.value}; use the default target"
-        )
     causal_lm = plan.architecture
     if not causal_lm:
         raise BadInputError(
@@ -215,15 +211,26 @@ def configuration_module(plan: Plan) -> tuple[str, str]:
     return text, name
 
 
+def check_executor_target(plan: Plan, kv_mode: str) -> None:
+    """Refuse, before converting, what the executor cannot host: standalone mode (it runs
+    framework-mode files) and any cache but paged (its managers allocate blocks only)."""
+    if plan.deploy_mode is not DeployMode.FRAMEWORK:
+        raise BadInputError(
+            f"--target {CANN_RECIPES_TARGET} writes framework mode; drop --mode standalone"
+        )
+    resolved = resolve_kv_mode(plan, kv_mode)
+    if resolved != "paged":
+        raise BadInputError(
+            f"--target {CANN_RECIPES_TARGET}: the executor serves paged caches only, and this "
+            f"conversion is {resolved}; drop --kv-mode {kv_mode} or use the default target"
+        )
+
+
 def to_executor_target(conversion: Conversion) -> Conversion:
     """CONVERSION for the executor: its modeling file in the framework's form (written at the
     output's root, where kvskill's runtime hosts it, and under ``models/<name>/``) and the
     framework files beside it."""
     plan = conversion.plan
-    if plan.deploy_mode is not DeployMode.FRAMEWORK:
-        raise BadInputError(
-            f"--target {CANN_RECIPES_TARGET} writes framework mode; drop --mode standalone"
-        )
     files = executor_files(
         plan,
         conversion.converted,

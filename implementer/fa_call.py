@@ -18,3 +18,24 @@ def fa_keywords(version: FaVersion, pairs: list[tuple[str, str]]) -> list[tuple[
     if version is FaVersion.V1:
         return list(pairs)
     return [(V1_TO_V2.get(name, name), expr) for name, expr in pairs]
+
+
+#: each length tensor of the step metadata and its host-list twin (runtime/forward_context.py)
+LENGTH_LIST_TWINS: dict[str, str] = {
+    "actual_seq_lengths_q": "actual_seq_lengths_list_q",
+    "actual_seq_lengths_kv": "actual_seq_lengths_list_kv",
+    "actual_seq_lengths_cu_q": "actual_seq_lengths_cu_list_q",
+    "actual_seq_lengths_cu_kv": "actual_seq_lengths_cu_list_kv",
+}
+
+
+def host_lengths(field: str) -> str:
+    """The expression a converted FA call passes for the metadata's length tensor FIELD.
+
+    The fused-attention operators type their lengths ``SymInt[]?``. ``torch_npu.*`` binds them
+    through torch's Python argument parser, which takes a list of ints and refuses a tensor;
+    the framework's own models pass tensors only through ``torch.ops.npu.*`` and lists to
+    ``torch_npu.*``. The executor fills the list twins only for captured decode steps, so the
+    tensor is read back to the host when the twin is missing (one sync per call, eager only).
+    """
+    return f"(md.{LENGTH_LIST_TWINS[field]} or md.{field}.tolist())"

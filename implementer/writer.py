@@ -40,6 +40,7 @@ from kvskill.implementer.convert import (
 from kvskill.implementer.executor_target import (
     CANN_RECIPES_TARGET,
     RUNTIME_TARGET,
+    check_executor_target,
     to_executor_target,
 )
 from kvskill.implementer.preflight import convert_plan
@@ -113,6 +114,8 @@ def convert_model(model: str, options: ApplyOptions) -> Conversion:
             block_size=options.block_size,
             prompt_file=options.prompt_file,
         )
+    if options.target == CANN_RECIPES_TARGET:
+        check_executor_target(plan, options.kv_mode)
     conversion = convert_plan(plan, options)
     if options.target == CANN_RECIPES_TARGET:
         conversion = to_executor_target(conversion)

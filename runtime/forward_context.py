@@ -99,7 +99,7 @@ def set_forward_metadata(**fields) -> None:
 
 def reset_forward_metadata() -> None:
     """Back to empty defaults."""
-    _current.set(ForwardMetaData())
+    _current.set(None)
 
 
 @contextmanager

@@ -45,3 +45,12 @@ def npu_profile_default(monkeypatch):
     """verify / run / LLM with their default NPU profile (the suite's opt-out removed)."""
     monkeypatch.delenv("KVSKILL_CPU_ONLY_SHAPES", raising=False)
     monkeypatch.delenv("KVSKILL_NPU_LIMITS", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_ctrl_c_carried_over(monkeypatch):
+    """Each test starts as a fresh process would: no Ctrl-C recorded by the entry point.
+
+    A test that delivers SIGINT to this process leaves ``kvskill.entry``'s record set, and the
+    CLI then reports any later failure as an interrupt (exit 130)."""
+    monkeypatch.setattr("kvskill.entry._sigint", False, raising=False)

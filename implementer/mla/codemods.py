@@ -22,7 +22,7 @@ from kvskill.implementer._command import (
     with_body,
 )
 from kvskill.implementer.attn_forward import seam_values
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords
+from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
 from kvskill.implementer.facts import SeamFacts, init_owner, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
@@ -98,8 +98,8 @@ def prefill_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
         ("scale", _scale(seam)),
         ("atten_mask", "md.attention_mask"),
         ("sparse_mode", str(spec.sparse_mode["prefill"])),
-        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
-        ("actual_seq_lengths_kv", "md.actual_seq_lengths_cu_kv"),
+        ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
+        ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_cu_kv")),
     ]
     return fa_keywords(spec.fa_version, kwargs)
 
@@ -117,8 +117,8 @@ def decode_fa_kwargs(spec: MlaSpec, seam: SeamFacts) -> list[tuple[str, str]]:
         ("sparse_mode", str(spec.sparse_mode["decode"])),
         ("block_table", "md.block_table[self.attn_type]"),
         ("block_size", "nope_nz.shape[-2]"),
-        ("actual_seq_lengths", "md.actual_seq_lengths_cu_q"),
-        ("actual_seq_lengths_kv", "md.actual_seq_lengths_kv"),
+        ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
+        ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
     ]
     return fa_keywords(spec.fa_version, kwargs)
 

@@ -104,7 +104,8 @@ def test_contiguous_modeling_file_is_the_legacy_bsh_path(outputs):
     code = (directory / "modeling_qwen3.py").read_text(encoding="utf-8")
     assert "torch_npu.scatter_update_(self.k_cache, write_start, key, 1)" in code
     assert 'input_layout="BSH"' in code
-    assert "npu_scatter_nd_update_" not in code and "block_table" not in code
+    # no paged cache: no paged write, no block table read (the mask helper only tests for one)
+    assert "npu_scatter_nd_update_" not in code and "block_table[" not in code
     assert "sparse_mode=3 if md.is_prefill else 0" in code
     assert lint_source(code, "modeling_qwen3.py") == []
     plan = _plan(directory)
@@ -177,7 +178,7 @@ def test_attention_advancing_kv_len_fails_verify_contiguous(outputs, tmp_path):
     # The seed's classic mistake: every layer bumps the shared kv_len after its write.
     _insert_after(
         modeling,
-        "self.update_cache(write_start, key_bsh, value_bsh)\n",
+        "self.update_cache(md.kv_len, key_bsh, value_bsh)\n",
         "        md.kv_len += 1\n",
     )
     assert "KV008" in {f.rule for f in lint_source(modeling.read_text(encoding="utf-8"))}

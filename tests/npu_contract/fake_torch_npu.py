@@ -82,8 +82,9 @@ def _check_type(op: str, p: Param, value: Any) -> None:
     elif base == "str":
         ok = isinstance(value, str)
     elif base in ("int[]", "SymInt[]"):
-        # NOTE: torch's argument parser takes a list or tuple of ints here; whether the
-        # torch_npu binding also takes a 1-D integer tensor is unconfirmed, so it is refused.
+        # NOTE: torch's argument parser takes a list or tuple of ints here and refuses a
+        # tensor (torch.zeros(torch.tensor([2, 3])) is a TypeError); the framework's models
+        # pass tensors only through torch.ops.npu, lists to torch_npu.* (npu_ops.md §4).
         ok = isinstance(value, (list, tuple, torch.Size)) and all(
             isinstance(x, int) and not isinstance(x, bool) for x in value
         )

@@ -7,7 +7,7 @@ For each family, ``kvskill apply --target cann-recipes`` writes the executor's f
 model. Under the CPU ``torch_npu`` stand-in, with the checkout first on the path, that file
 imports the framework's real ``CacheEntry`` / ``ModelCacheInfo`` / forward metadata. The test
 hands the model's ``get_cache_info()`` to the real ``validate_cache_info``,
-``calculate_block_num``-free manager construction and ``allocate_cache_tensors``, builds
+``calculate_block_num`` (offline sizing) and ``allocate_cache_tensors``, builds
 every step's tables with the real ``KVCacheManager``, ``prepare_block_tables`` and
 ``prepare_slot_mapping``, sets the real ``ForwardMetaData`` as the framework's engine does,
 and decodes greedily; the tokens must equal transformers' ``generate`` on the same weights.
@@ -95,12 +95,22 @@ def _executor_model(out: Path, model_type: str, hf_config, reference):
     return module, model, infer_config
 
 
+def sizing_config(batch: int) -> SimpleNamespace:
+    """The inference-config fields the framework's block sizing reads, for BATCH requests."""
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(batch_size_per_dp_rank=batch, mem_fraction_static=0.85),
+        parallel_config=SimpleNamespace(offline_prefill_dp_group_size=1),
+        model_config=SimpleNamespace(next_n=0),
+    )
+
+
 def _greedy_in_executor(module, model, prompts: list[list[int]]) -> list[list[int]]:
     """Prefill all prompts in one packed step, then decode them together: the tables, the
     slot mapping and the metadata come from the framework's own functions."""
     from executor.core.kv_cache import (
         KVCacheManager,
         allocate_cache_tensors,
+        calculate_block_num,
         create_single_type_managers,
         prepare_block_tables,
         prepare_slot_mapping,
@@ -117,13 +127,8 @@ def _greedy_in_executor(module, model, prompts: list[list[int]]) -> list[list[in
     info = model.get_cache_info()
     validate_cache_info(info)
     max_len = max(map(len, prompts)) + NEW_TOKENS
-    blocks = {}
-    for layer in info.layer_infos:
-        for entry in layer.caches:
-            per_request = (
-                1 + entry.next_n if entry.attn_type == "Mamba" else -(-max_len // BLOCK_SIZE)
-            )
-            blocks[entry.group_key] = len(prompts) * per_request + 2  # + the null block
+    # the framework's offline sizing: every request may grow to max_len
+    blocks = calculate_block_num(sizing_config(len(prompts)), info, offline_max_len=max_len)
     allocate_cache_tensors(torch.device("cpu"), info, blocks)
     managers = create_single_type_managers(info, blocks, max_model_len=max_len)
     kv = KVCacheManager(max_len, managers, info)

@@ -112,9 +112,6 @@ def test_run_checks_real_dims_and_in_bfloat16_the_dtypes(capsys, npu_profile_def
 def test_a_limit_the_model_hits_is_one_line_naming_it_and_the_opt_out(
     capsys, tmp_path, monkeypatch, npu_profile_default
 ):
-    # NOTE: an earlier Ctrl-C test of this process may have left the entry point's SIGINT
-    # record set, which turns any failure into exit 130; this run had no Ctrl-C
-    monkeypatch.setattr("kvskill.entry._sigint", False, raising=False)
     # head dim 40: the NPU's prompt branch needs D 16-aligned (约束说明 › 当Q_S大于1时)
     out = tmp_path / "qwen3-d40"
     apply_model("qwen3", out, ApplyOptions(config_overrides={**SMALL_QWEN3, "head_dim": 40}))

@@ -30,8 +30,10 @@ from types import ModuleType
 
 import torch
 
-from . import _torch_npu, _torchair
 from ._refusal import StandinRefusal
+from ._torch_npu import OpsNamespace
+from ._torch_npu import build as build_torch_npu
+from ._torchair import build as build_torchair
 
 _MISSING = object()
 
@@ -54,13 +56,13 @@ def npu_standin(framework_root: str | os.PathLike[str] | None = None) -> Iterato
             ``torch_npu`` is installed (run the model on it instead).
     """
     _check_free()
-    modules = {**_torch_npu.build(), **_torchair.build()}
+    modules = {**build_torch_npu(), **build_torchair()}
     root = str(Path(framework_root).resolve()) if framework_root is not None else None
     had_npu = getattr(torch, "npu", _MISSING)
     had_ops_npu = torch.ops.__dict__.get("npu", _MISSING)
     sys.modules.update(modules)
     torch.npu = modules["torch_npu"].npu
-    torch.ops.npu = _torch_npu.OpsNamespace()
+    torch.ops.npu = OpsNamespace()
     if root is not None:
         sys.path.insert(0, root)
     try:

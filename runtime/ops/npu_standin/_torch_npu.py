@@ -6,7 +6,8 @@ import types
 from typing import Any
 
 from .. import reference
-from . import _device, _profiler
+from ._device import build as build_device
+from ._profiler import build as build_profiler
 from ._refusal import with_spec
 
 #: what ``torch_npu.__version__`` reports: the wheel whose schemas the operators keep, marked
@@ -41,6 +42,6 @@ def build() -> dict[str, types.ModuleType]:
     root = StandinTorchNpu("torch_npu", reference.__doc__)
     root.__version__ = VERSION
     with_spec(root, is_package=True)  # so `import torch_npu.profiler` finds the submodule
-    root.npu = with_spec(_device.build())
-    root.profiler = with_spec(_profiler.build())
+    root.npu = with_spec(build_device())
+    root.profiler = with_spec(build_profiler())
     return {m.__name__: m for m in (root, root.npu, root.profiler)}

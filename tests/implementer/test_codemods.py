@@ -157,8 +157,8 @@ def test_attention_seam_is_replaced_and_everything_else_kept():
         "scale=self.scaling,",
         "sparse_mode=3,",
         "block_table=md.block_table[self.attn_type],",
-        "actual_seq_lengths=md.actual_seq_lengths_cu_q,",
-        "actual_seq_lengths_kv=md.actual_seq_lengths_kv,",
+        "actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),",
+        "actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),",
     ):
         assert keyword in out
     assert "attn_output = attn_output.unsqueeze(0)" in out and "attn_weights = None" in out
@@ -188,8 +188,8 @@ def test_v2_with_sinks_and_mixed_layers_uses_v2_names_and_per_layer_types():
         'sparse_mode=3 if self.attn_type == "FullAttention" else 4,',
         "pre_tokens=self.pre_tokens,",
         "next_tokens=self.next_tokens,",
-        "actual_seq_qlen=md.actual_seq_lengths_cu_q,",
-        "actual_seq_kvlen=md.actual_seq_lengths_kv,",
+        "actual_seq_qlen=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),",
+        "actual_seq_kvlen=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),",
         "learnable_sink=self.sinks,",
     ):
         assert keyword in out

@@ -59,8 +59,8 @@ class MiniAttention(tnn.Module):
             sparse_mode=3,
             block_table=md.block_table[self.attn_type],
             block_size=block_size,
-            actual_seq_lengths=md.actual_seq_lengths_cu_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+            actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
         )
         attn_output = attn_output.unsqueeze(0)  # [1, T, N, D], as the source kernel returns
         attn_weights = None

@@ -120,8 +120,8 @@ class LatentAttention(nn.Module):
                 scale=self.softmax_scale,
                 atten_mask=md.attention_mask,
                 sparse_mode=3,
-                actual_seq_lengths=md.actual_seq_lengths_cu_q,
-                actual_seq_lengths_kv=md.actual_seq_lengths_cu_kv,
+                actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+                actual_seq_lengths_kv=(md.actual_seq_lengths_cu_list_kv or md.actual_seq_lengths_cu_kv.tolist()),
             )
             out = attn_tnd.unsqueeze(0)  # [1, T, N, v], as the source kernel returns
         else:
@@ -146,8 +146,8 @@ class LatentAttention(nn.Module):
                 sparse_mode=0,
                 block_table=md.block_table[self.attn_type],
                 block_size=nope_nz.shape[-2],
-                actual_seq_lengths=md.actual_seq_lengths_cu_q,
-                actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+                actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+                actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
             )
             out = torch.bmm(attn_latent, w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(0)  # [1, T, N, v], as the source kernel returns
         return self.wo(out.reshape(b, s, -1))

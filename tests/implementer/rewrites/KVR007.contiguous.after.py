@@ -62,8 +62,8 @@ class MiniAttention(tnn.Module):
             scale=self.scaling,
             atten_mask=md.attention_mask if md.is_prefill else None,
             sparse_mode=3 if md.is_prefill else 0,
-            actual_seq_lengths=md.actual_seq_lengths_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            actual_seq_lengths=(md.actual_seq_lengths_list_q or md.actual_seq_lengths_q.tolist()),
+            actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
         )
         attn_output = attn_output.view(batch, q_len, self.num_heads_per_rank, -1)  # [B, S, N, D], as the source kernel returns
         attn_weights = None

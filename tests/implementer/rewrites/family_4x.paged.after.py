@@ -87,8 +87,8 @@ class MiniAttention(nn.Module):
             sparse_mode=3,
             block_table=md.block_table[self.attn_type],
             block_size=block_size,
-            actual_seq_lengths=md.actual_seq_lengths_cu_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+            actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
         )
         attn_output = attn_output.unsqueeze(0).transpose(1, 2)  # [1, N, T, D], as the source kernel returns
         attn_weights = None
@@ -153,8 +153,8 @@ class MiniSdpaAttention(MiniAttention):
             sparse_mode=3,
             block_table=md.block_table[self.attn_type],
             block_size=block_size,
-            actual_seq_lengths=md.actual_seq_lengths_cu_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+            actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
         )
         attn_output = attn_output.unsqueeze(0).transpose(1, 2)  # [1, N, T, D], as the source kernel returns
         attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, -1)
@@ -209,8 +209,8 @@ class MiniFlashAttention2(MiniAttention):
             sparse_mode=3,
             block_table=md.block_table[self.attn_type],
             block_size=block_size,
-            actual_seq_lengths=md.actual_seq_lengths_cu_q,
-            actual_seq_lengths_kv=md.actual_seq_lengths_kv,
+            actual_seq_lengths=(md.actual_seq_lengths_cu_list_q or md.actual_seq_lengths_cu_q.tolist()),
+            actual_seq_lengths_kv=(md.actual_seq_lengths_list_kv or md.actual_seq_lengths_kv.tolist()),
         )
         attn_output = attn_output.unsqueeze(0)  # [1, T, N, D], as the source kernel returns
         attn_output = attn_output.reshape(bsz, q_len, -1)

@@ -433,8 +433,12 @@ def _set_attention_heads(module: nn.Module, plan: ShardPlan) -> None:
         if value is not None and isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
     # transformers 4 vendor code reshapes the attention output by the attention's width
-    # (``reshape(bsz, q_len, self.hidden_size)``): on a rank that width is its heads' only
+    # (``reshape(bsz, q_len, self.hidden_size)``) and GPT-2-style code splits a contiguous
+    # fused projection by it (``c_attn(x).split(self.split_size)``): on a rank that width
+    # is its own heads' only
     head_dim = getattr(module, "head_dim", None)
-    width = getattr(module, "hidden_size", None)
-    if not plan.mla and isinstance(head_dim, int) and width == plan.num_heads * head_dim:
-        module.hidden_size = heads * head_dim
+    if plan.mla or not isinstance(head_dim, int):
+        return
+    for attr in ("hidden_size", "split_size"):
+        if getattr(module, attr, None) == plan.num_heads * head_dim:
+            setattr(module, attr, heads * head_dim)

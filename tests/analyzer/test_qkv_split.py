@@ -183,6 +183,22 @@ def test_branches_that_cut_differently_leave_the_layout_unknown():
     assert split.line == 3 and split.cut.startswith("if self.new_decoder_architecture:")
 
 
+def test_a_branch_that_only_builds_the_output_does_not_decide():
+    """InternLM2's pretraining_tp branch computes the same rows slice by slice; the cut
+    after the if is the fact (the weight's own split is not a cut of the output)."""
+    body = """
+    def forward(self, hidden_states):
+        if self.config.pretraining_tp > 1:
+            slices = self.wqkv.weight.split(self.slice_rows, dim=0)
+            qkv = torch.cat([F.linear(hidden_states, part) for part in slices], dim=-1)
+        else:
+            qkv = self.wqkv(hidden_states)
+        qkv = rearrange(qkv, "b q (h gs d) -> b q h gs d", gs=2 + self.num_key_value_groups, d=self.head_dim)
+    """
+    split = classify_qkv_split(_source(body), "Attention", "wqkv")
+    assert (split.layout, split.line) == (QkvLayout.PER_KV_GROUP, 8)
+
+
 def test_the_forward_of_a_family_base_is_read():
     source = _source(CASES["falcon_helper_method"][1]) + "\n\nclass Flash(Attention):\n    pass\n"
     split = classify_qkv_split(source, "Flash", "query_key_value")

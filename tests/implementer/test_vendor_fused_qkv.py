@@ -112,8 +112,10 @@ def test_a_fused_projection_without_a_declared_order_is_refused(converted, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["group_split_helper_bhsd", "per_head_qkv_bhsd"])
+@pytest.mark.parametrize("name", ["group_split_helper_bhsd", "per_head_qkv_bhsd", "c_attn_bshd"])
 def test_two_ranks_verify_token_exact(name, converted):
+    """One fixture per layout. Before the split read the declared order, the fused Linear
+    was replicated whole while the heads were halved, and no rank could run."""
     report = verify_directory(
         converted[name], VerifyOptions(trust_remote_code=True, tensor_parallel_size=2)
     )

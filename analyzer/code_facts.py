@@ -35,7 +35,10 @@ def fused_projection(cls: ClassFacts, path: str) -> dict[str, Any] | None:
     ``query_key_value``, ``c_attn``), with the layout its output is cut by (``qkv_split``):
     ``contiguous``, ``per_head`` or ``per_kv_group``, and the line of that cut. A
     tensor-parallel split must cut the rows the same way."""
-    linears = {attr for attr, names in cls.attr_classes.items() if "Linear" in names}
+    # FalconLinear and the like: Linear subclasses a forward calls the same way
+    linears = {
+        attr for attr, names in cls.attr_classes.items() if any(n.endswith("Linear") for n in names)
+    }
     write = cls.first_call("cache_update")
     before = {
         attr

@@ -43,9 +43,9 @@ def fused_qkv_rows(
         said = f"declares {layout!r}" if layout else "declares no row order"
         raise UnsupportedModelError(
             f"{name} projects query, key and value in one Linear and its attention {said} "
-            f"(one of {', '.join(SPLITTABLE)}, read from the code that cuts it); without it "
-            "the rows of a rank's heads are unknown, run with --tp 1 or convert with a "
-            "kvskill that declares it"
+            f"(fused_qkv_layout: one of {', '.join(SPLITTABLE)}, read from the code that "
+            "cuts it; Legacy conversions declare none); without it the rows of a rank's "
+            "heads are unknown, run with --tp 1"
         )
     d, heads, kv = shape.head_dim, shape.heads, shape.kv_heads
     if layout == "per_head":

@@ -111,6 +111,20 @@ def test_a_fused_projection_without_a_declared_order_is_refused(converted, tmp_p
         plan_shards(model, 0, 2)
 
 
+def test_a_legacy_conversion_with_a_fused_projection_stays_refused(tmp_path):
+    """Bloom converts Legacy (its ALiBi bias keeps the model's own math) and declares no
+    row order. Its bias is built for every head outside the attention, so a rank would add
+    another head's slopes: with the order declared, --tp 2 ran to the end with logits off
+    by 59 and the same greedy tokens. The missing declaration keeps it refused."""
+    out = tmp_path / "bloom"
+    apply_model("bloom", out, ApplyOptions())
+    text = (out / "modeling_bloom.py").read_text(encoding="utf-8")
+    assert 'self.attn_type = "Legacy"' in text and "fused_qkv_layout" not in text
+    model = load_model(out, trust_remote_code=True, random_weights=True).model
+    with pytest.raises(UnsupportedModelError, match="declares no row order"):
+        plan_shards(model, 0, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["group_split_helper_bhsd", "per_head_qkv_bhsd", "c_attn_bshd"])
 def test_two_ranks_verify_token_exact(name, converted):

@@ -35,6 +35,7 @@ from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, KvMode, Plan
+from kvskill.analyzer.qkv_split import fused_qkv_note
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -641,17 +642,7 @@ def _code_notes(
         )
     fused = facts.get("fused_qkv")
     if fused:
-        order = (
-            "per KV group its query heads, then one key and one value head"
-            if fused["layout"] == "grouped"
-            else "all query heads, then all key heads, then all value heads"
-        )
-        book.cite(
-            "fused_qkv",
-            f"{fused['class']}.{fused['attr']} projects query, key and value in one Linear "
-            f"({fused['layout']}: {order}); a tensor-parallel head split must cut it that way",
-            fused["source"],
-        )
+        book.cite("fused_qkv", fused_qkv_note(fused), fused["split_source"] or fused["source"])
     if facts.get("cache_api") == "tuple_cat":
         book.cite(
             "code",

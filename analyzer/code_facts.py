@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
+import libcst as cst
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.inputs import ModelSource
+from kvskill.analyzer.qkv_split import QkvLayout, QkvSplit, classify_qkv_split
 from kvskill.analyzer.rotary import (
     INTERLEAVED_SHAPES,
     RotationFacts,
@@ -25,13 +29,16 @@ def _line(cls: ClassFacts | None, kind: str) -> int | None:
     return call.line if call else None
 
 
-def fused_projection(cls: ClassFacts) -> dict[str, Any] | None:
+def fused_projection(cls: ClassFacts, path: str) -> dict[str, Any] | None:
     """The one Linear that projects query, key and value together, when the forward calls a
     single Linear of its own before the cache write (``wqkv``, ``W_pack``,
-    ``query_key_value``, ``c_attn``); its layout says how a tensor-parallel split must cut
-    it: ``grouped`` (per KV group its queries, then one key and one value: InternLM2) or
-    ``blocks`` (all queries, then all keys, then all values)."""
-    linears = {attr for attr, names in cls.attr_classes.items() if "Linear" in names}
+    ``query_key_value``, ``c_attn``), with the layout its output is cut by (``qkv_split``):
+    ``contiguous``, ``per_head`` or ``per_kv_group``, and the line of that cut. A
+    tensor-parallel split must cut the rows the same way."""
+    # FalconLinear and the like: Linear subclasses a forward calls the same way
+    linears = {
+        attr for attr, names in cls.attr_classes.items() if any(n.endswith("Linear") for n in names)
+    }
     write = cls.first_call("cache_update")
     before = {
         attr
@@ -41,17 +48,38 @@ def fused_projection(cls: ClassFacts) -> dict[str, Any] | None:
     if len(before) != 1:
         return None
     (attr,) = before
+    split = _qkv_split(path, cls.name, attr)
     return {
         "attr": attr,
-        "layout": "grouped" if cls.grouped_qkv_split else "blocks",
+        "layout": split.layout.value,
         "line": cls.self_attrs.get(attr, cls.line),
+        "split_line": split.line,
+        "split": split.cut,
     }
 
 
-def _attention_entry(cls: ClassFacts) -> dict[str, Any]:
+def _qkv_split(path: str, class_name: str, attr: str) -> QkvSplit:
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        return QkvSplit(layout=QkvLayout.UNKNOWN, line=None)
+    return _qkv_split_cached(path, stamp, class_name, attr)
+
+
+@lru_cache(maxsize=64)
+def _qkv_split_cached(path: str, mtime_ns: int, class_name: str, attr: str) -> QkvSplit:
+    """Parsed once per file version: every attention class of a family asks."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return classify_qkv_split(handle.read(), class_name, attr)
+    except (OSError, cst.ParserSyntaxError):
+        return QkvSplit(layout=QkvLayout.UNKNOWN, line=None)
+
+
+def _attention_entry(cls: ClassFacts, path: str) -> dict[str, Any]:
     update = cls.first_call("cache_update")
     call = cls.first_call("attention_call") or cls.first_call("fa_call")
-    fused = fused_projection(cls)
+    fused = fused_projection(cls, path)
     extra = {"fused_qkv": fused} if fused is not None else {}
     return {
         **extra,
@@ -73,7 +101,7 @@ def code_facts(code: CodeView, source: ModelSource) -> dict[str, Any]:
     facts, roles = code.facts, code.roles
     classes = facts.classes
     primary = code.attention_class()
-    attention = {name: _attention_entry(classes[name]) for name in roles.attention}
+    attention = {name: _attention_entry(classes[name], facts.path) for name in roles.attention}
     update = primary.first_call("cache_update") if primary else None
     result: dict[str, Any] = {
         "modeling_file": facts.file_name,
@@ -95,9 +123,15 @@ def code_facts(code: CodeView, source: ModelSource) -> dict[str, Any]:
         else _cache_api(update.receiver if update else None),
         "cache_update_source": facts.where(update.line) if update else None,
     }
-    fused = fused_projection(primary) if primary else None
+    fused = fused_projection(primary, facts.path) if primary else None
     if fused is not None:
-        result["fused_qkv"] = {**fused, "class": primary.name, "source": facts.where(fused["line"])}
+        split_line = fused["split_line"]
+        result["fused_qkv"] = {
+            **fused,
+            "class": primary.name,
+            "source": facts.where(fused["line"]),
+            "split_source": facts.where(split_line) if split_line else None,
+        }
     _converted(facts, result)
     return result
 

@@ -68,9 +68,6 @@ class ClassFacts:
     function_calls: set[str] = field(default_factory=set)
     #: ``self.<module>(...)`` calls in ``forward``, in source order: (attribute, line)
     module_calls: list[tuple[str, int]] = field(default_factory=list)
-    #: ``forward`` reshapes with a ``+ 2`` extent: per KV group its queries, then one key and
-    #: one value (InternLM2's grouped ``wqkv`` layout)
-    grouped_qkv_split: bool = False
 
     def first_call(self, kind: str) -> CallFact | None:
         return next((c for c in self.calls if c.kind == kind), None)
@@ -282,7 +279,8 @@ class _Collector(cst.CSTVisitor):
         )
 
     def _forward_call(self, node: cst.Call) -> None:
-        """Module calls and the grouped-qkv reshape of an attention forward."""
+        """Module calls of an attention forward (``analyzer/qkv_split`` reads the fused
+        projection's cut)."""
         assert self.cls is not None
         func = node.func
         if isinstance(func, cst.Attribute) and m.matches(func.value, m.Name("self")):
@@ -291,12 +289,6 @@ class _Collector(cst.CSTVisitor):
             self.seen[snippet] = nth + 1
             line = self.locator.occurrence(snippet, self.method_line, nth)
             self.cls.module_calls.append((func.attr.value, line))
-        if dotted_name(func).split(".")[-1] in ("view", "reshape", "unflatten", "rearrange"):
-            plus_two = m.BinaryOperation(operator=m.Add()) & m.MatchIfTrue(
-                lambda op: m.matches(op.left, m.Integer("2")) or m.matches(op.right, m.Integer("2"))
-            )
-            if any(m.findall(arg.value, plus_two) for arg in node.args):
-                self.cls.grouped_qkv_split = True
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         if self.cls is None:

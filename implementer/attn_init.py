@@ -126,6 +126,7 @@ def init_values(
         "attn_tp_size": spec.attn_tp_size,
         "heads_expr": head_count_expr(cls, config, "num_attention_heads"),
         "kv_heads_expr": kv_heads_expr(spec, cls, config, classes),
+        "fused_qkv": _fused_qkv_literal(spec, cls, classes),
         "windowed": windowed,
         "window_expr": "",
         "head_dim_expr": "self.head_dim"
@@ -152,6 +153,23 @@ def init_values(
         values["next_tokens_expr"] = _by_type(spec, nxt)
         values["window_expr"] = _by_type(spec, window)
     return values
+
+
+def _fused_qkv_literal(
+    spec: ConversionSpec, cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef] | None
+) -> str:
+    """``{"wqkv": "per_kv_group"}`` for a class (or the family base it inherits the
+    projection from) the Plan found a fused projection in; "" for none."""
+    layouts = spec.fused_qkv.get(cls.name.value)
+    if layouts is None and classes:
+        for base in cls.bases:
+            name = getattr(base.value, "value", None)
+            if isinstance(name, str) and name in spec.fused_qkv:
+                layouts = spec.fused_qkv[name]
+                break
+    if not layouts:
+        return ""
+    return "{" + ", ".join(f'"{attr}": "{layout}"' for attr, layout in layouts.items()) + "}"
 
 
 class AttentionInitCommand(AttentionInitRewrite):

@@ -59,6 +59,10 @@ class ConversionSpec:
     causal_lm_class: str | None = None
     #: whether the model's config names ``num_key_value_heads`` (MHA vendor configs do not)
     config_has_kv_heads: bool = True
+    #: attention class -> {fused projection attribute: row layout} as the Plan read it from
+    #: the code's cut (``contiguous`` / ``per_head`` / ``per_kv_group`` / ``unknown``); the
+    #: converted class declares it so a tensor-parallel split cuts the rows the same way
+    fused_qkv: dict[str, dict[str, str]] = field(default_factory=dict)
     #: {state name: dtype name} of the recurrent states the Plan pins (a float32 SSM state in
     #: a bfloat16 model); the state rewrites declare these dtypes, the others follow the layer
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
@@ -117,6 +121,7 @@ class ConversionSpec:
             causal_lm_class=plan.architecture,
             config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
             pinned_state_dtypes=pinned_state_dtypes(plan),
+            fused_qkv=fused_qkv_layouts(plan),
         )
 
 
@@ -230,3 +235,13 @@ def _window_rules(plan: Plan) -> dict[str, WindowRule]:
                 f"{plan.model_type}: sliding layers disagree on the window rule"
             )
     return rules
+
+
+def fused_qkv_layouts(plan: Plan) -> dict[str, dict[str, str]]:
+    """Attention class -> {fused projection: layout}, from the Plan's code facts."""
+    attention = (plan.code or {}).get("attention") or {}
+    return {
+        name: {entry["fused_qkv"]["attr"]: entry["fused_qkv"]["layout"]}
+        for name, entry in attention.items()
+        if isinstance(entry, dict) and entry.get("fused_qkv")
+    }

@@ -7,6 +7,7 @@ count), dense MLPs are modules whose Linear children map hidden -> I and I -> hi
 fused experts are 3-D parameters ``[E, k*I, hidden]`` / ``[E, hidden, I]``.
 
 - attention: q/k/v column parallel by heads (rank r keeps heads ``[r*N/tp, (r+1)*N/tp)``),
+  one fused q/k/v Linear by the row order its converted class declares (``fused_qkv.py``),
   the output projection row parallel, its output summed over ranks (all-reduce). When
   ``tp > num_kv_heads`` every rank keeps ONE KV head, ``r * num_kv_heads // tp`` (the KV
   heads are replicated ``tp // num_kv_heads`` times), so caches hold
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.runtime.distributed.fused_qkv import FusedQkvShape, fused_qkv_rows
 from torch import Tensor, nn
 
 #: cache entries of these attn types hold recurrent state, not per-head K/V
@@ -250,6 +252,21 @@ def _plan_attention(plan: ShardPlan, name: str, module: nn.Module, config, hidde
             roles[child] = "row"
             continue
         out = linear.out_features
+        fused_kv = _fused_kv_heads(out, heads=heads, head_dim=head_dim, config=config)
+        if not plan.mla and fused_kv is not None:
+            if fused_kv != kv:
+                raise UnsupportedModelError(
+                    f"{name}.{child}: the fused q/k/v rows hold {fused_kv} KV heads but the "
+                    f"config gives {kv}; the per-rank caches would be sized wrong, run with --tp 1"
+                )
+            layout = (getattr(module, "fused_qkv_layout", None) or {}).get(child)
+            shape = FusedQkvShape(heads=heads, kv_heads=fused_kv, head_dim=head_dim)
+            ranges = fused_qkv_rows(layout, shape, rank=rank, tp=tp, name=f"{name}.{child}")
+            plan.slices[f"{prefix}.weight"] = Slice(0, ranges)
+            if linear.bias is not None:
+                plan.slices[f"{prefix}.bias"] = Slice(0, ranges)
+            roles[child] = f"column(fused qkv, {layout})"
+            continue
         if out % heads == 0 and out // heads in widths:
             ranges, role = _head_ranges(rank, tp, heads, out // heads), "column(q heads)"
         elif not plan.mla and out == kv * head_dim:
@@ -264,6 +281,21 @@ def _plan_attention(plan: ShardPlan, name: str, module: nn.Module, config, hidde
     if plan.mla and "column(q heads)" not in roles.values():
         raise UnsupportedModelError(f"{name}: no per-head query projection found to split")
     plan.attention_roles[name] = roles
+
+
+def _fused_kv_heads(rows: int, *, heads: int, head_dim: int, config) -> int | None:
+    """K when ROWS is ``(heads + 2K) x head_dim``: a query/key/value projection in one
+    Linear. K is the config's ``num_key_value_heads`` when it has one; without it (MHA
+    configs, or a vendor key the config class does not map, ChatGLM's
+    ``multi_query_group_num``) any 1 <= K <= heads, read from the rows."""
+    named = getattr(config, "num_key_value_heads", None)
+    if named:
+        return int(named) if rows == (heads + 2 * int(named)) * head_dim else None
+    extra = rows - heads * head_dim
+    if extra <= 0 or extra % (2 * head_dim):
+        return None
+    kv = extra // (2 * head_dim)
+    return kv if kv <= heads else None
 
 
 def _plan_mlp(plan: ShardPlan, name: str, module: nn.Module, hidden: int) -> bool:
@@ -400,3 +432,13 @@ def _set_attention_heads(module: nn.Module, plan: ShardPlan) -> None:
     ):
         if value is not None and isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
+    # transformers 4 vendor code reshapes the attention output by the attention's width
+    # (``reshape(bsz, q_len, self.hidden_size)``) and GPT-2-style code splits a contiguous
+    # fused projection by it (``c_attn(x).split(self.split_size)``): on a rank that width
+    # is its own heads' only
+    head_dim = getattr(module, "head_dim", None)
+    if plan.mla or not isinstance(head_dim, int):
+        return
+    for attr in ("hidden_size", "split_size"):
+        if getattr(module, attr, None) == plan.num_heads * head_dim:
+            setattr(module, attr, heads * head_dim)

@@ -198,10 +198,12 @@ def test_the_plan_records_the_fused_projection_and_the_tuple_cache(name):
     plan = analyze_model(str(VENDOR_ROOT / name))
     fused = plan.code["fused_qkv"]
     expected = {
-        "grouped_wqkv_bhsd": ("wqkv", "grouped"),
-        "c_attn_bshd": ("c_attn", "blocks"),
-        "mqa_groups_sbhd": ("query_key_value", "blocks"),
-        "w_pack_matmul_bhsd": ("W_pack", "blocks"),
+        "grouped_wqkv_bhsd": ("wqkv", "per_kv_group"),
+        "c_attn_bshd": ("c_attn", "contiguous"),
+        "mqa_groups_sbhd": ("query_key_value", "contiguous"),
+        "w_pack_matmul_bhsd": ("W_pack", "contiguous"),
+        "per_head_qkv_bhsd": ("query_key_value", "per_head"),
+        "group_split_helper_bhsd": ("query_key_value", "per_kv_group"),
     }[name]
     assert (fused["attr"], fused["layout"]) == expected
     assert plan.code["cache_api"] == "tuple_cat"

@@ -29,6 +29,12 @@ from kvskill.analyzer.inputs import (
     resolve_model,
     transformers_modeling_file,
 )
+from kvskill.analyzer.kv_sharing import (
+    KvSharing,
+    share_layers,
+    sharing_of_source,
+    sharing_record,
+)
 from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
@@ -254,6 +260,8 @@ def plan_for_source(
         model_dir=None if source.kind == "transformers" else Path(source.path),
     )
     layers = decide_layers(spec, book)
+    sharing = _kv_sharing(source, code, spec, attribute_map)
+    layers = share_layers(layers, sharing, code.where, book)
     _window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
@@ -274,8 +282,9 @@ def plan_for_source(
     entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)
     _cite_state_entries(entries, source, book)
     sublayers = attention_sublayers(code, book)
+    # a layer reading another's cache (cross-layer KV sharing) holds no bytes of its own
     counts = {
-        t: sum(1 for layer in layers if layer.attn_type == t)
+        t: sum(1 for layer in layers if layer.attn_type == t and layer.kv_source is None)
         * (1 if t == AttnType.MAMBA.value else sublayers)
         for t in attn_types
     }
@@ -303,6 +312,8 @@ def plan_for_source(
     facts_dict = code_facts(code, source)
     if code_sizing is not None:
         facts_dict["kv_heads"] = code_sizing
+    if sharing_record(sharing) is not None:
+        facts_dict["kv_sharing"] = sharing_record(sharing)
     _code_notes(
         facts_dict,
         spec,
@@ -602,6 +613,22 @@ def _sized_by_code(
         "config_keys": list(sizing.kv_heads_keys),
     }
     return apply_code_sizing(spec, sizing, code.where(line), book), record
+
+
+def _kv_sharing(
+    source: ModelSource, code: CodeView, spec: ModelSpec, attribute_map: dict[str, str]
+) -> KvSharing | None:
+    """Cross-layer KV sharing of the primary attention (analyzer/kv_sharing.py), None when
+    its forward reuses no other layer's keys and values."""
+    primary = code.attention_class()
+    if primary is None or spec.mla is not None or not source.modeling_file:
+        return None
+    defaults = {}
+    if source.kind == "remote_code":
+        defaults = source_config_defaults(Path(source.path), source.config)
+    config, _ = text_config(source.config)
+    view = ConfigView(config, attribute_map, defaults)
+    return sharing_of_source(source.modeling_file, primary.name, view, spec.num_layers)
 
 
 def _per_layer_heads(source: ModelSource, book: Notebook) -> None:

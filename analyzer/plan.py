@@ -113,6 +113,8 @@ class LayerPlan:
     attn_type: AttnType
     #: window in tokens (keys a query may see, including itself), or None
     sliding_window: int | None = None
+    #: the layer whose cache this layer reads (cross-layer KV sharing), None: its own
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attn_type", AttnType(self.attn_type))

@@ -131,6 +131,7 @@ class AttentionForwardCommand(AttentionForwardRewrite):
             **seam_values(seam),
             op=FA_OPS[self.spec.fa_version],
             kwargs=self.fa_kwargs(seam),
+            shared_kv=self.spec.reads_shared_kv is not None,
         )
         new[0] = new[0].with_changes(leading_lines=[*note, *new[0].leading_lines])
         forward, sized = cover_positions(splice_seam(forward, seam, new))

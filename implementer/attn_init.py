@@ -200,6 +200,7 @@ class AttentionInitCommand(AttentionInitRewrite):
         config = self.parser_config()
         values = self.template_values(original, facts.config_param, facts.layer_idx_param)
         values["call_sites"] = facts.seam is not None and facts.seam.site is not None
+        values["reads_shared_kv"] = self.spec.reads_shared_kv
         init_stmts = statements(self.INIT_TEMPLATE, config, **values)
         setters = [
             f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value.startswith("set_")

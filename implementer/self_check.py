@@ -180,6 +180,9 @@ class _Paths:
                     self.jumps[-1].append(state)
                 return None
             state = self.expr(small, state)
+            adopted = _caches_adopted_from_producer(small)
+            if adopted:
+                state = PathState(written=state.written | adopted, read=state.read)
         return state
 
     def branch(self, stmt: cst.If, state: PathState) -> PathState | None:
@@ -215,6 +218,28 @@ class _Paths:
             final = self.block(_statements(stmt.finalbody.body), after or state)
             return None if after is None else final
         return after
+
+
+#: ``self.k_cache, ... = self.kv_source.k_cache, ...``: a layer sharing another's cache
+_ADOPT_PRODUCER_CACHE = m.Assign(
+    targets=[m.AssignTarget(target=m.Tuple() | m.Attribute(value=m.Name("self")))],
+    value=m.Tuple()
+    | m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("kv_source"))),
+)
+
+
+def _caches_adopted_from_producer(small: cst.BaseSmallStatement) -> frozenset[str]:
+    """Entries a cross-layer KV sharing layer takes from its producer (``self.k_cache =
+    self.kv_source.k_cache``): written, by the producer, earlier in the same step."""
+    if not m.matches(small, _ADOPT_PRODUCER_CACHE):
+        return frozenset()
+    assign = cst.ensure_type(small, cst.Assign)
+    sources = m.findall(
+        assign.value, m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("kv_source")))
+    )
+    named = {cst.ensure_type(a, cst.Attribute).attr.value for a in sources}
+    targets = m.findall(assign.targets[0].target, m.Attribute(value=m.Name("self")))
+    return frozenset(cst.ensure_type(t, cst.Attribute).attr.value for t in targets) & named
 
 
 def _statements(suite: cst.BaseSuite) -> Sequence[cst.BaseStatement]:

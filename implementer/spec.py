@@ -66,6 +66,10 @@ class ConversionSpec:
     #: {state name: dtype name} of the recurrent states the Plan pins (a float32 SSM state in
     #: a bfloat16 model); the state rewrites declare these dtypes, the others follow the layer
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
+    #: cross-layer KV sharing (the Plan's ``code.kv_sharing`` when it shares the cache): the
+    #: test, valid at the end of the attention's ``__init__``, true in a layer that reads an
+    #: earlier layer's cache instead of holding its own; None when every layer holds its own
+    reads_shared_kv: str | None = None
     #: whether the rewrite keeps the model's own attention math (Legacy) instead of replacing
     #: its kernel with the fused operator, so score changes the operator cannot express
     #: (soft-capping, ALiBi) do not block it
@@ -122,7 +126,13 @@ class ConversionSpec:
             config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
             pinned_state_dtypes=pinned_state_dtypes(plan),
             fused_qkv=fused_qkv_layouts(plan),
+            reads_shared_kv=_reads_shared_kv(plan),
         )
+
+
+def _reads_shared_kv(plan: Plan) -> str | None:
+    sharing = plan.code.get("kv_sharing") or {}
+    return sharing.get("reads_shared_when") if sharing.get("shared") else None
 
 
 #: dtypes a state may be pinned to: the names the emitted code spells as ``torch.<name>``

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import KvMode as PlanKvMode
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, source_package
 from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.pipeline import convert
@@ -37,7 +38,19 @@ def convert_standalone_source(
 
 
 def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
-    """Convert a standalone-mode Plan's modeling file and render its runner."""
+    """Convert a standalone-mode Plan's modeling file and render its runner.
+
+    Raises:
+        UnsupportedModelError: the Plan shares one cache across layers (cross-layer KV
+            sharing), which only the framework runtime's get_cache_info() wires.
+    """
+    sharing = plan.code.get("kv_sharing") or {}
+    if sharing.get("shared"):
+        raise UnsupportedModelError(
+            f"{Path(plan.source.modeling_file).name}:{sharing['line']}: layers reuse another "
+            f"layer's keys and values (`{sharing['reads_shared_when']}`); the standalone runner "
+            "allocates one cache per layer and cannot share one: use --mode framework"
+        )
     spec = StandaloneSpec.from_plan(
         plan,
         kv_mode=resolve_kv_mode(plan, options.kv_mode),

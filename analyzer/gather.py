@@ -484,6 +484,27 @@ def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None)
     return calls_cache_write(forward, writers) and bool(reads)
 
 
+#: ``self.cache_unit = ...``: the framework's Legacy attention sizes its cache rows by it
+CACHE_UNIT_ASSIGN = _self_attr_assign("cache_unit")
+#: the Legacy row write, ``torch_npu.scatter_update_(cache, kv_len, states, -2)``
+LEGACY_ROW_WRITE = m.Call(func=m.Attribute(attr=m.Name("scatter_update_")))
+
+
+def is_framework_legacy_attention(cls: cst.ClassDef) -> bool:
+    """The Ascend framework's own Legacy attention (cann-recipes-infer, ``fbc225d``): its
+    ``__init__`` sizes the cache rows with ``self.cache_unit``, its ``forward`` writes them
+    with ``scatter_update_`` and attends with the fused operator. It declares no
+    ``cache_entries``: the worker allocates its rows (``init_cache`` or ``cache_unit``)."""
+    forward = method(cls, "forward")
+    return (
+        forward is not None
+        and class_assigns(cls, CACHE_UNIT_ASSIGN)
+        and not class_assigns(cls, CACHE_ENTRIES_ASSIGN)
+        and bool(m.findall(forward, LEGACY_ROW_WRITE))
+        and bool(m.findall(forward, FA_CALL))
+    )
+
+
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:
     """The class holding the language-model head as ``self.lm_head`` (the ``*ForCausalLM``)."""
     return class_assigns(cls, LM_HEAD_ASSIGN)

@@ -86,6 +86,43 @@ def check_attention_module(
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
 
 
+def check_framework_legacy_module(
+    module: cst.Module, spec: ConversionSpec, filename: str, problems: list[str]
+) -> None:
+    """The framework-Legacy path: PROBLEMS (the rewrites' own: every Legacy attention read,
+    init_cache allocating only k/v rows) plus what the Paged contract needs of the model
+    class (built from infer_config) and of the Plan (full attention only).
+
+    Raises:
+        UnsupportedModelError: with every reason found, before anything is rewritten.
+    """
+    problems = list(problems)
+    heads = [
+        c
+        for c in m.findall(module, m.ClassDef())
+        if isinstance(c, cst.ClassDef)
+        and c.name.value in causal_lm_classes(module, spec.causal_lm_class)
+    ]
+    if not heads:
+        problems.append("no causal-LM class found (a class whose __init__ assigns self.lm_head)")
+    for head in heads:
+        init = method(head, "__init__")
+        params = [p.name.value for p in init.params.params] if init is not None else []
+        if "infer_config" not in params:
+            problems.append(
+                f"{head.name.value}.__init__ takes no infer_config: not the executor's "
+                "model-class contract, whose scheduler config gives the block size"
+            )
+    others = sorted(set(spec.attn_types) - {"FullAttention"})
+    if others:
+        problems.append(
+            f"the Plan has {', '.join(others)} layers; the framework-Legacy rewrite converts "
+            "full-attention layers only so far"
+        )
+    if problems:
+        raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
+
+
 def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     """Classes that grow or update a KV cache but run attention elsewhere (ChatGLM3's
     ``self.core_attention(...)``, a method other than hand-written matmul attention, which

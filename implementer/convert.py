@@ -19,7 +19,11 @@ from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import read_source as checked_read_source
 from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.mla import MlaSpec
-from kvskill.implementer.pipeline import convert_mla_source, convert_source
+from kvskill.implementer.pipeline import (
+    convert_framework_legacy_source,
+    convert_mla_source,
+    convert_source,
+)
 from kvskill.implementer.record import ReviewedPlan, StandaloneRecord
 from kvskill.implementer.spec import ConversionSpec
 
@@ -102,6 +106,8 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
         from kvskill.implementer.legacy import convert_framework_legacy
 
         return convert_framework_legacy(plan, options)
+    if plan.code.get("legacy_framework"):
+        return convert_framework_own_legacy(plan, options)
     mla = plan.is_mla
     check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(
@@ -112,6 +118,23 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
     converted = (convert_mla_source if mla else convert_source)(
         original, spec, package=source_package(plan), filename=modeling_file.name
     )
+    return Conversion(plan=plan, original=original, converted=converted)
+
+
+def convert_framework_own_legacy(plan: Plan, options: ApplyOptions) -> Conversion:
+    """The framework's own Legacy model (``cache_unit`` rows, BSH fused attention) converted
+    in place to the executor's Paged contract; MLA Legacy models are not converted yet."""
+    modeling_file = Path(plan.source.modeling_file)
+    if plan.is_mla:
+        raise UnsupportedModelError(
+            f"{modeling_file.name}: cannot convert: the framework's Legacy MLA path (nope / rope "
+            "caches) is not converted to Paged yet"
+        )
+    spec = ConversionSpec.from_plan(
+        plan, fa_version=options.fa_version, block_size=options.block_size
+    )
+    original = read_source(modeling_file)
+    converted = convert_framework_legacy_source(original, spec, filename=modeling_file.name)
     return Conversion(plan=plan, original=original, converted=converted)
 
 

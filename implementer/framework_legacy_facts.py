@@ -150,9 +150,7 @@ def _read_forward(
     problems = facts.problems
     writes = [i for i, s in enumerate(body) if m.findall(s, LEGACY_ROW_WRITE)]
     kernels = [i for i, s in enumerate(body) if m.findall(s, FA_CALL)]
-    packs = [
-        i for i, s in enumerate(body) if isinstance(s, cst.If) and m.findall(s, INDEX_COPY)
-    ]
+    packs = [i for i, s in enumerate(body) if isinstance(s, cst.If) and m.findall(s, INDEX_COPY)]
     if len(kernels) != 1:
         lines = ", ".join(str(line(body[i])) for i in kernels)
         problems.append(
@@ -345,13 +343,13 @@ def _unpack_index(body, pack: int, kernel: int, where: str, line, problems) -> i
     if isinstance(packing.orelse, cst.Else):
         defined -= _assigned_names(packing.orelse.body)
     users = [
-        i
-        for i, stmt in enumerate(body)
-        if i != pack and i != kernel and _reads(stmt) & defined
+        i for i, stmt in enumerate(body) if i != pack and i != kernel and _reads(stmt) & defined
     ]
     unpack = [i for i in users if i > kernel and isinstance(body[i], cst.If)]
-    if len(unpack) > 1 or set(users) - set(unpack) or (
-        unpack and not isinstance(cst.ensure_type(body[unpack[0]], cst.If).orelse, cst.Else)
+    if (
+        len(unpack) > 1
+        or set(users) - set(unpack)
+        or (unpack and not isinstance(cst.ensure_type(body[unpack[0]], cst.If).orelse, cst.Else))
     ):
         lines = ", ".join(str(line(body[i])) for i in users)
         problems.append(
@@ -369,7 +367,9 @@ def _assigned_names(node: cst.CSTNode) -> set[str]:
         for t in m.findall(node, m.AssignTarget())
         for n in m.findall(cst.ensure_type(t, cst.AssignTarget).target, m.Name())
     }
-    names |= {cst.ensure_type(f, cst.FunctionDef).name.value for f in m.findall(node, m.FunctionDef())}
+    names |= {
+        cst.ensure_type(f, cst.FunctionDef).name.value for f in m.findall(node, m.FunctionDef())
+    }
     return names
 
 

@@ -15,7 +15,11 @@ from typing import Any
 
 import libcst as cst
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.checks import check_attention_module, check_mla_module
+from kvskill.implementer.checks import (
+    check_attention_module,
+    check_framework_legacy_module,
+    check_mla_module,
+)
 from kvskill.implementer.mla.spec import MlaSpec
 from kvskill.implementer.registry import ConversionPath, rewrites_for
 from kvskill.implementer.self_check import self_check
@@ -30,6 +34,7 @@ _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object
     ConversionPath.MLA: check_mla_module,
     ConversionPath.CONTIGUOUS: check_attention_module,
     ConversionPath.LEGACY: check_attention_module,
+    ConversionPath.FRAMEWORK_LEGACY: check_framework_legacy_module,
 }
 
 
@@ -107,6 +112,14 @@ def convert_source(
 ) -> str:
     """The paged (framework-mode) conversion: :func:`convert` on ``ConversionPath.PAGED``."""
     return convert(source, spec, ConversionPath.PAGED, package=package, filename=filename)
+
+
+def convert_framework_legacy_source(
+    source: str, spec: ConversionSpec, *, filename: str = "<modeling file>"
+) -> str:
+    """The framework's own Legacy model to its Paged contract: :func:`convert` on
+    ``ConversionPath.FRAMEWORK_LEGACY``."""
+    return convert(source, spec, ConversionPath.FRAMEWORK_LEGACY, filename=filename)
 
 
 def convert_mla_source(

@@ -22,6 +22,10 @@ from kvskill.implementer.contiguous import (
     ContiguousAttentionForwardCommand,
     ContiguousAttentionInitCommand,
 )
+from kvskill.implementer.framework_legacy_codemods import (
+    FrameworkLegacyAttentionCommand,
+    FrameworkLegacyModelCommand,
+)
 from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.legacy_codemods import (
@@ -53,6 +57,9 @@ class ConversionPath(str, Enum):
     CONTIGUOUS = "contiguous"
     #: Legacy: static rows per request, the model's own attention math (framework mode)
     LEGACY = "legacy"
+    #: the framework's own Legacy model (cache_unit rows, BSH fused attention) converted in
+    #: place to the executor's Paged contract; its imports stay the executor's
+    FRAMEWORK_LEGACY = "framework_legacy"
 
 
 ALL_PATHS = frozenset(ConversionPath)
@@ -78,6 +85,9 @@ def _paths(*paths: ConversionPath) -> frozenset[ConversionPath]:
 
 PAGED, MLA, CONTIGUOUS = ConversionPath.PAGED, ConversionPath.MLA, ConversionPath.CONTIGUOUS
 LEGACY = ConversionPath.LEGACY
+FRAMEWORK_LEGACY = ConversionPath.FRAMEWORK_LEGACY
+#: the paths whose output imports kvskill's runtime (a framework file keeps the executor's)
+RUNTIME_PATHS = ALL_PATHS - {FRAMEWORK_LEGACY}
 
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR001", AbsoluteImportsCommand, ALL_PATHS),
@@ -90,7 +100,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR008", GatedDeltaCommand, _paths(PAGED, MLA)),
     Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS, LEGACY)),
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
-    Rewrite("KVR011", SkipDenseMasksCommand, ALL_PATHS),
+    Rewrite("KVR011", SkipDenseMasksCommand, RUNTIME_PATHS),
     Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
     Rewrite("KVR014", StateLayersCheck, _paths(PAGED, MLA)),
     Rewrite("KVR015", Mamba2Command, _paths(PAGED, MLA)),
@@ -98,8 +108,10 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR017", ShortConvCommand, _paths(PAGED, MLA)),
     Rewrite("KVR018", LegacyAttentionInitCommand, _paths(LEGACY)),
     Rewrite("KVR019", LegacyAttentionForwardCommand, _paths(LEGACY)),
+    Rewrite("KVR020", FrameworkLegacyAttentionCommand, _paths(FRAMEWORK_LEGACY)),
+    Rewrite("KVR021", FrameworkLegacyModelCommand, _paths(FRAMEWORK_LEGACY)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
-    Rewrite("KVR013", RuntimeImportsCommand, ALL_PATHS),
+    Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )
 
 

@@ -384,6 +384,14 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     plan, config = converted.plan, converted.config
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
+    from kvskill.implementer.framework_legacy_verify import (
+        is_framework_legacy,
+        verify_framework_legacy,
+    )
+
+    if is_framework_legacy(converted):
+        # the original is the framework's own Legacy model, not a transformers reference
+        return verify_framework_legacy(converted, options)
     check_verifiable(converted, options)
     options = replace(
         options, tensor_parallel_size=options.tensor_parallel_size or plan.attn_tp_size

@@ -1,0 +1,151 @@
+"""``verify`` of a framework-Legacy conversion: the converted model against its own Legacy
+original, on a CPU.
+
+The original is the framework's model as ``apply`` read it (``kvskill_plan.json`` names its
+folder); it runs its Legacy path on rows allocated as the framework's worker does
+(``framework_legacy_drive.py``). The converted model runs paged in the bundled runtime's
+engine (continuous batching, shuffled free blocks, the three chains; ``verify_engine.py``).
+Both run inside the CPU ``torch_npu`` stand-in with the executor's imports answered by
+kvskill's equal classes, on the same random weights and prompts; the comparison is verify's
+(``compare_prompt``): greedy tokens identical and every step's logits within the tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvskill.core.errors import BadInputError
+from kvskill.implementer.framework_legacy_drive import drive_legacy, legacy_infer_config
+from kvskill.implementer.record import ConvertedDir
+from kvskill.implementer.verify import (
+    DEFAULT_ATOL,
+    LOGIT_RTOL,
+    Checked,
+    VerifyOptions,
+    VerifyReport,
+    compare_prompt,
+    condition_weights,
+    make_prompts,
+)
+from kvskill.implementer.verify_engine import EngineDriver
+from torch import nn
+
+#: prompt lengths, cycled: unequal, so the Legacy rows are right-padded differently
+PROMPT_LENGTHS = (7, 3, 11, 5, 9, 2)
+#: tokens per block when none is asked: several blocks per request, so block tables matter
+CPU_BLOCK_SIZE = 16
+
+
+def is_framework_legacy(converted: ConvertedDir) -> bool:
+    """Whether DIR holds a conversion of the framework's own Legacy model."""
+    return bool(converted.plan.code.get("legacy_framework"))
+
+
+def _import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any]):
+    """(model class, config object) of MODEL_DIR's modeling file (inside the stand-in)."""
+    from kvskill.runtime.loader import import_model_package
+
+    package = import_model_package(model_dir)
+    module = importlib.import_module(f"{package}.{Path(code['modeling_file']).stem}")
+    target = config.get("auto_map", {}).get("AutoConfig")
+    if isinstance(target, str) and "." in target:
+        config_module, config_class = target.rsplit(".", 1)
+        config_cls = getattr(importlib.import_module(f"{package}.{config_module}"), config_class)
+    else:
+        from transformers import PretrainedConfig as config_cls
+    settings = {k: v for k, v in config.items() if k not in ("auto_map", "model_type")}
+    return getattr(module, code["causal_lm_class"]), config_cls(**settings), module
+
+
+def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> VerifyReport:
+    """Run the Legacy original and the paged conversion on the same prompts and compare.
+
+    Raises:
+        BadInputError: the original's folder is gone, or an option this path does not take.
+    """
+    from kvskill.runtime.executor_host import executor_infer_config, framework_modules
+    from kvskill.runtime.ops.npu_standin import npu_standin
+
+    plan, config = converted.plan, converted.config
+    if options.dtype != "float32" or options.kv_layout != "contiguous":
+        raise BadInputError(
+            "verify of a framework-Legacy conversion runs float32 on the contiguous layout only"
+        )
+    original_dir = Path(plan.source.path)
+    if not (original_dir / plan.code["modeling_file"]).is_file():
+        raise BadInputError(
+            f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
+            "verify compares against it"
+        )
+    block_size = options.block_size or CPU_BLOCK_SIZE
+    lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(options.num_prompts)]
+    prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
+    new_tokens = options.max_new_tokens
+    report = VerifyReport(
+        model_type=plan.model_type,
+        directory=str(converted.directory),
+        shrunk=False,
+        checked=Checked.RANDOM_WEIGHTS,
+        config_changes={},
+        dtype=options.dtype,
+        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
+        rtol=options.rtol if options.rtol is not None else LOGIT_RTOL,
+        block_size=block_size,
+    )
+    report.notes.append(
+        f"reference: the Legacy original {original_dir.name}/{plan.code['modeling_file']} on "
+        "rows allocated as the framework's worker does (one static batch), CPU torch_npu "
+        "stand-in; NPU shape limits not checked on this path"
+    )
+    with npu_standin(), framework_modules(), torch.no_grad():
+        legacy_config = legacy_infer_config(
+            batch_size=len(prompts), input_truncated_len=max(lengths), max_new_tokens=new_tokens
+        )
+        original_cls, original_config, original_module = _import_model(
+            original_dir, plan.code, config
+        )
+        original: nn.Module = original_cls(original_config, legacy_config, None).eval()
+        condition_weights(original, options.seed)
+        legacy = drive_legacy(
+            original,
+            prompts,
+            max_new_tokens=new_tokens,
+            infer_config=legacy_config,
+            metadata_cls=original_module.ForwardMetaData,
+            seed=options.seed,
+        )
+        converted_cls, converted_config, _ = _import_model(converted.directory, plan.code, config)
+        paged = converted_cls(
+            converted_config, executor_infer_config(block_size=block_size), None
+        ).eval()
+        paged.load_state_dict(original.state_dict())
+        try:
+            run = EngineDriver(seed=options.seed, use_hybrid_blocks=False).run(
+                paged, prompts, max_new_tokens=new_tokens, block_size=block_size
+            )
+        except Exception as exc:  # the converted code is what is being checked
+            report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
+            return report
+    report.notes.append(f"Legacy rows allocated by the worker: {list(legacy.cache_shape)}")
+    for index, prompt in enumerate(prompts):
+        report.prompts.append(
+            compare_prompt(
+                index,
+                prompt,
+                legacy.token_ids[index],
+                torch.stack(legacy.logits[index]),
+                run.token_ids[index],
+                run.logits[index],
+                report.atol,
+            )
+        )
+    report.chains = [chain.to_dict() for chain in run.chains]
+    return report
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "config.json").read_text(encoding="utf-8"))

@@ -56,12 +56,18 @@ SPECS = {
     ConversionPath.CONTIGUOUS: PAGED_SPEC,
     ConversionPath.MLA: MLA_SPEC,
     ConversionPath.LEGACY: LEGACY_SPEC,
+    ConversionPath.FRAMEWORK_LEGACY: PAGED_SPEC,
 }
 BEFORE = {
     ConversionPath.PAGED: HERE / "before_paged.py",
     ConversionPath.CONTIGUOUS: HERE / "before_paged.py",
     ConversionPath.MLA: FIXTURES / "mla_toy_modeling.py",
     ConversionPath.LEGACY: HERE / "before_paged.py",
+    # the framework's own Legacy attention (cache_unit rows, BSH fused attention)
+    ConversionPath.FRAMEWORK_LEGACY: FIXTURES
+    / "cann_legacy"
+    / "gqa_dense"
+    / "modeling_legacy_gqa.py",
 }
 #: a rewrite whose work needs a file of another shape than its path's before file
 BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}
@@ -70,6 +76,7 @@ BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}
 #: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper;
 #: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py)
 NO_WORK_IN_FIXTURE = {
+    ("KVR012", "framework_legacy"),
     ("KVR008", "paged"),
     ("KVR008", "mla"),
     ("KVR014", "paged"),
@@ -127,7 +134,20 @@ def test_codes_are_unique_stable_and_in_order():
         rewrite_by_code("KVR999")
 
 
-@pytest.mark.parametrize("path", list(ConversionPath))
+def test_the_framework_legacy_path_keeps_the_executors_imports():
+    commands = [
+        rewrite.command.__name__ for rewrite in rewrites_for(ConversionPath.FRAMEWORK_LEGACY)
+    ]
+    # a framework file imports the executor's cache classes, never kvskill's runtime
+    assert commands == [
+        "AbsoluteImportsCommand",
+        "LocalTextModelCommand",
+        "FrameworkLegacyAttentionCommand",
+        "FrameworkLegacyModelCommand",
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(set(ConversionPath) - {ConversionPath.FRAMEWORK_LEGACY}))
 def test_every_path_starts_with_absolute_imports_and_ends_with_runtime_imports(path):
     commands = [rewrite.command for rewrite in rewrites_for(path)]
     assert commands[0] is AbsoluteImportsCommand

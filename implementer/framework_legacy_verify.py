@@ -13,7 +13,6 @@ kvskill's equal classes, on the same random weights and prompts; the comparison 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +144,3 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
         )
     report.chains = [chain.to_dict() for chain in run.chains]
     return report
-
-
-def read_config(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / "config.json").read_text(encoding="utf-8"))

@@ -33,6 +33,7 @@ def test_json_is_one_object_with_the_contract_keys(capsys):
     assert set(payload) >= CONTRACT_KEYS
     assert payload["layers"][0] == {
         "index": 0, "kind": "attention", "attn_type": "SlidingWindow", "sliding_window": 128,
+        "kv_source": None,
     }  # fmt: skip
     assert {"decision", "reason", "source"} == set(payload["evidence"][0])
     # the JSON reads back into the same Plan

@@ -234,7 +234,7 @@ def _relayouts(
     """``{name: parameter}`` the callee's statements before its kernel re-lay out or cast its
     parameters into; a problem for any other rebinding of a parameter that is not a mask."""
     renamed: dict[str, str] = {}
-    from kvskill.implementer.facts import _assigned_names, code
+    from kvskill.implementer.facts import _assigned_names
 
     for stmt in before:
         moves = rebinds_by_relayout(stmt)
@@ -248,7 +248,7 @@ def _relayouts(
         if touched:
             problems.append(
                 f"{where} changes its parameters {sorted(touched)} before attention "
-                f"(`{code(stmt)}`), beyond a permute, transpose or cast"
+                f"(`{first_line(stmt)}`), beyond a permute, transpose or cast"
             )
         for name in assigned:
             renamed.pop(name, None)
@@ -318,7 +318,7 @@ def _output_tail(
         if not isinstance(stmt, cst.SimpleStatementLine) or m.findall(stmt, m.Return()):
             problems.append(
                 f"{where} does more than re-lay out its attention output before returning it "
-                f"(`{code(stmt).splitlines()[0]}`)"
+                f"(`{first_line(stmt)}`)"
             )
             return []
     tail_names = (
@@ -346,6 +346,13 @@ def _output_tail(
     return tail
 
 
+def first_line(stmt: cst.BaseStatement) -> str:
+    """The first line of STMT as the file spells it, without the comments leading into it."""
+    from kvskill.implementer.facts import code
+
+    return code(stmt.with_changes(leading_lines=[])).splitlines()[0]
+
+
 class _Rename(cst.CSTTransformer):
     """Names replaced by other names (the callee's output by the forward's target)."""
 
@@ -365,6 +372,7 @@ class _Rename(cst.CSTTransformer):
 __all__ = [
     "RELAYOUT_OR_CAST",
     "callee_kernel",
+    "first_line",
     "Callee",
     "class_callees",
     "kernel_position",

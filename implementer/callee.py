@@ -44,6 +44,15 @@ RELAYOUT_OR_CAST = frozenset(
 )
 
 
+#: products of hand-written attention the seam does not read (named in the refusal)
+_PRODUCTS = m.Call(func=m.Name() | m.Attribute(attr=m.Name())) & m.MatchIfTrue(
+    lambda call: (
+        (call.func.attr if isinstance(call.func, cst.Attribute) else call.func).value
+        in ("einsum", "bmm", "baddbmm")
+    )
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Callee:
     """A method or submodule the attention forward hands query, key and value to."""
@@ -160,9 +169,13 @@ def callee_kernel(facts, kernel_index: int, assign, call: cst.Call, callee: Call
     body = cst.ensure_type(callee.func.body, cst.IndentedBlock)
     position = kernel_position(body)
     if position is None:
+        products = sorted(
+            {f.code(cst.ensure_type(c, cst.Call).func) for c in m.findall(body, _PRODUCTS)}
+        )
         facts.problems.append(
             f"{where} runs no attention the seam reads (scaled_dot_product_attention, an "
             "attention interface, or matmul + softmax + matmul)"
+            + (f"; it computes with {' and '.join(products)}" if products else "")
         )
         return None
     # the callee's kernel, read in its own names (messages name the callee)

@@ -221,8 +221,10 @@ def test_einsum_and_bmm_attention_after_a_seq_first_tuple_cache_is_refused_namin
     message = str(refused.value)
     assert (
         "VendorGlmSelfAttention.forward writes the KV cache, then computes attention by hand "
-        "with torch.einsum and torch.bmm and a softmax, which the rewrite does not read"
+        "with torch.einsum and torch.bmm and a softmax, which the seam does not read"
     ) in message
+    # the class is named as what it is, not as missing
+    assert "no attention class" not in message
     # what it names is in the file, and it does not send the reader to another module
     assert "torch.einsum(" in text and "torch.bmm(" in text
     assert "another method or module" not in message

@@ -463,6 +463,9 @@ def _kernel_facts(
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
     if isinstance(stmt, cst.If):
         assign = _branch_kernel_assign(stmt)
+        if assign is None:
+            facts.problems.append(_branch_problem(facts.name, stmt))
+            return None
     if not isinstance(assign, (cst.Assign, cst.AnnAssign)) or not isinstance(
         assign.value, cst.Call
     ):
@@ -777,6 +780,38 @@ def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
     if any(signature(a) != signature(first) for a in assigns[1:]):
         return None
     return first
+
+
+def _branch_problem(name: str, stmt: cst.If) -> str:
+    """Why the ``if`` holding a forward's attention is not one kernel call: its test, whether
+    its branches return, and the ALiBi bias one of them adds (Falcon: ``if alibi is None:``
+    SDPA, else matmul scores plus ``alibi``, each branch with its own output projection)."""
+    branches: list[cst.CSTNode] = []
+    node: cst.If | cst.Else | None = stmt
+    while isinstance(node, cst.If):
+        branches.append(node.body)
+        node = node.orelse
+    if isinstance(node, cst.Else):
+        branches.append(node.body)
+    biased = sorted(
+        {
+            cst.ensure_type(n, cst.Name).value
+            for body in branches
+            for n in m.findall(body, m.Name())
+            if "alibi" in cst.ensure_type(n, cst.Name).value.lower()
+        }
+    )
+    what = []
+    if m.findall(stmt, m.Return()):
+        what.append("each branch returns its own output")
+    if biased:
+        what.append(f"a branch reads {', '.join(biased)}, an ALiBi bias")
+    return (
+        f"{name}.forward runs attention inside `if {code(stmt.test)}:`"
+        + (f" ({'; '.join(what)})" if what else "")
+        + ", not in one kernel call; the seam (paged or Legacy) replaces or wraps one kernel "
+        "call, and branches that differ beyond how they mask are more than one"
+    )
 
 
 def _root_name(node: cst.BaseExpression) -> str | None:

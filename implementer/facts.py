@@ -404,27 +404,6 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef, methods: dict) 
     return seam
 
 
-def _query_change(seam: SeamFacts, inside: list[cst.BaseStatement]) -> str | None:
-    """The first line of the first statement inside the seam that rebinds the query other
-    than by a relayout or cast (Qwen-7B's ``query = query * logn_tensor``), else None: the
-    seam replaces these statements and takes the query as it stood before them."""
-    from kvskill.implementer.callee import RESHAPES, first_line, rebinds_by_relayout
-
-    names = {seam.query}
-    for stmt in inside:
-        # every assignment to the query, also inside an if (an autocast cast before a kernel)
-        for node in m.findall(stmt, m.Assign()):
-            assign = cst.ensure_type(node, cst.Assign)
-            assigned = _assigned_names([cst.SimpleStatementLine([assign])])
-            if not assigned & names:
-                continue
-            moves = rebinds_by_relayout(cst.SimpleStatementLine([assign]), RESHAPES) or {}
-            if any(moves.get(target) not in names for target in assigned & names):
-                return first_line(stmt)
-            names |= {target for target, source in moves.items() if source in names}
-    return None
-
-
 def _check_tail_names(facts: AttentionFacts, forward: cst.FunctionDef, seam: SeamFacts) -> None:
     """A callee's tail runs in the forward after the seam: the locals it assigns besides the
     output must be names the forward does not use, or the inlined code would change them."""
@@ -937,12 +916,6 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
         facts.fused_limits.append(
             f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
-        )
-    changed = _query_change(seam, inside)
-    if changed is not None:
-        facts.fused_limits.append(
-            f"{facts.name}.forward changes its query between the cache write and attention "
-            f"(`{changed}`), beyond a relayout or cast; the seam reads the query before it"
         )
     if leaked:
         facts.fused_limits.append(

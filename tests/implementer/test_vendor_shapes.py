@@ -395,4 +395,4 @@ def test_an_attention_if_whose_branches_return_is_not_one_kernel_call():
     classes = module_classes(cst.parse_module(inspect.getsource(modeling_falcon)))
     facts = attention_facts(classes["FalconAttention"], classes)
     assert facts.seam is None
-    assert any("branches return" in p for p in facts.problems)
+    assert any("each branch returns its own output" in p for p in facts.problems)

@@ -345,6 +345,40 @@ def attention_method_call(names: Collection[str]) -> m.BaseMatcherNode:
     )
 
 
+def attention_submodules(cls: cst.ClassDef) -> dict[str, str]:
+    """``{attr: class name}`` of the modules CLS's ``__init__`` builds (``self.<attr> =
+    <Class>(...)``) that its forward hands three or more positional arguments after its first
+    cache write: where ChatGLM2/3 run attention (``self.core_attention(query_layer, key_layer,
+    value_layer, attention_mask)``). Whether the module's class runs a kernel the seam reads
+    is the implementer's to judge (``implementer/callee.py``); a module called before the
+    write (a rotary table taking query and key) is never one."""
+    init, forward = method(cls, "__init__"), method(cls, "forward")
+    if init is None or forward is None:
+        return {}
+    built = {}
+    for node in m.findall(init, m.Assign(value=m.Call(func=m.Name()))):
+        assign = cst.ensure_type(node, cst.Assign)
+        target = assign.targets[0].target
+        if len(assign.targets) == 1 and m.matches(target, m.Attribute(value=m.Name("self"))):
+            attr = cst.ensure_type(target, cst.Attribute).attr.value
+            built[attr] = cst.ensure_type(
+                cst.ensure_type(assign.value, cst.Call).func, cst.Name
+            ).value
+    body = forward.body.body if isinstance(forward.body, cst.IndentedBlock) else []
+    first = next((i for i, stmt in enumerate(body) if m.findall(stmt, CACHE_WRITE)), None)
+    if first is None:
+        return {}
+    called = {}
+    for stmt in body[first + 1 :]:
+        for node in m.findall(stmt, SELF_METHOD_CALL):
+            call = cst.ensure_type(node, cst.Call)
+            attr = cst.ensure_type(call.func, cst.Attribute).attr.value
+            positional = [a for a in call.args if a.keyword is None and not a.star]
+            if attr in built and len(positional) >= 3:
+                called[attr] = built[attr]
+    return called
+
+
 def is_attention_class(cls: cst.ClassDef) -> bool:
     """A class whose forward writes a KV cache and calls an attention kernel (or computes
     attention by hand, :func:`matmul_attention`, or calls the fused attention), or one already
@@ -360,6 +394,9 @@ def is_attention_class(cls: cst.ClassDef) -> bool:
     has_kernel = bool(m.findall(forward, INTERFACE_CALL | SDPA_CALL | FLASH_CALL | FA_CALL))
     if not has_kernel and has_update:
         has_kernel = bool(m.findall(forward, attention_method_call(attention_methods(cls))))
+    # NOTE: a forward that hands its grown cache to a module of its own (ChatGLM's
+    # core_attention) is an attention class too: converted or refused naming that module
+    has_kernel = has_kernel or (has_update and bool(attention_submodules(cls)))
     return has_update and (has_kernel or matmul_attention(forward.body) is not None)
 
 

@@ -66,7 +66,8 @@ def fa_kwargs(spec: ConversionSpec, seam: SeamFacts) -> list[tuple[str, str]]:
 def splice_seam(
     forward: cst.FunctionDef, seam: SeamFacts, new: list[cst.BaseStatement]
 ) -> cst.FunctionDef:
-    """FORWARD with the statements from the cache update through the kernel replaced by NEW."""
+    """FORWARD with the statements from the cache update through the kernel replaced by NEW,
+    followed by what a callee kernel did to its output (``seam.after``)."""
     block = cst.ensure_type(forward.body, cst.IndentedBlock)
     old = list(block.body)
     # keep the blank lines / comments that led into the seam
@@ -76,7 +77,7 @@ def splice_seam(
         ),
         *new[1:],
     ]
-    body = [*old[: seam.update_index], *new, *old[seam.kernel_index + 1 :]]
+    body = [*old[: seam.update_index], *new, *seam.after, *old[seam.kernel_index + 1 :]]
     return forward.with_changes(body=block.with_changes(body=body))
 
 

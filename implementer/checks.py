@@ -43,12 +43,18 @@ def check_attention_module(
     problems = list(problems)
     # a model of state layers only (mamba2) is served by state groups alone
     if not attention and spec.has_attention_layers:
-        problems.append(
-            "no attention class found (a module whose forward writes `<cache>.update(key, "
-            "value, self.layer_idx, ...)` and then calls an attention interface or "
-            "scaled_dot_product_attention)"
+        # NOTE: a class that writes a cache is named with what stops it (its attention is
+        # in a form the seam does not read); "no attention class" only when there is none
+        writers = _writers_without_kernel(classes)
+        problems.extend(
+            writers
+            or [
+                "no attention class found (a module whose forward writes its KV cache, "
+                "`<cache>.update(key, value, self.layer_idx, ...)` or a tuple grown with "
+                "torch.cat, and then calls an attention interface or "
+                "scaled_dot_product_attention)"
+            ]
         )
-        problems.extend(_writers_without_kernel(classes))
     if not heads:
         problems.append(
             "no causal-LM class found (a class whose __init__ assigns self.lm_head or a Linear "
@@ -138,9 +144,10 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
         if by_hand:
             found.append(
                 f"{cls.name.value}.forward writes the KV cache, then computes attention by "
-                f"hand with {' and '.join(by_hand)} and a softmax, which the rewrite does not "
-                "read (it reads `w = matmul(q, k.transpose(...))`, a softmax and `o = "
-                "matmul(w, v)`, or one attention call)"
+                f"hand with {' and '.join(by_hand)} and a softmax, which the seam does not "
+                "read: it reads hand-written attention as matmul(q, k.transpose(...)) scores, "
+                "a softmax and matmul(w, v), and it would have to prove from the einsum "
+                "equation and the reshapes around the bmm which axes are heads and positions"
             )
             continue
         found.append(

@@ -28,9 +28,9 @@ from kvskill.analyzer.gather import (
     INTERFACE_CALL,
     LM_HEAD_ASSIGN,
     SDPA_CALL,
+    SOFTMAX_CALL,
     STATE_ENTRIES_ASSIGN,
     attention_method_call,
-    attention_methods,
     cache_cat_growths,
     causal_lm_classes,
     class_assigns,
@@ -62,13 +62,19 @@ class KernelStyle(str, Enum):
     #: hand-written ``bias.baddbmm(q, k)`` -> softmax -> ``bmm(w, v)`` over ``[B * N, S, D]``,
     #: the batch folded into the heads (bloom's ALiBi); only Legacy keeps it
     BIAS_BMM = "bias_bmm"
-    #: ``self._attn(q, k, v, mask)``: a method of the class running MATMUL attention and
-    #: returning its output ``[B, N, S, D]`` as it is
+    #: ``self._attn(q, k, v, mask)``: a method of the class running MATMUL attention
+    #: (``implementer/callee.py``); its output ``[B, N, S, D]``, then the method's own tail
     METHOD = "method"
+    #: ``self.core_attention(q, k, v, mask)``: a module of the file running SDPA or MATMUL
+    #: attention (``implementer/callee.py``); its output ``[B, N, S, D]``, then the module's
+    #: own tail (ChatGLM: back to ``[s, b, h * d]``)
+    SUBMODULE = "submodule"
 
 
 #: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
-BNSD_STYLES = frozenset({KernelStyle.SDPA, KernelStyle.MATMUL, KernelStyle.METHOD})
+BNSD_STYLES = frozenset(
+    {KernelStyle.SDPA, KernelStyle.MATMUL, KernelStyle.METHOD, KernelStyle.SUBMODULE}
+)
 
 
 class CacheLayout(str, Enum):
@@ -135,6 +141,9 @@ class SeamFacts:
     #: the forward parameter naming the calling layer (CacheWriteFacts.site): the caches are
     #: one pair per call site, chosen by it
     site: str | None = None
+    #: what a callee kernel (METHOD, SUBMODULE) does to its output before returning it, in
+    #: the forward's names: run right after the seam (``implementer/callee.py``)
+    after: tuple[cst.BaseStatement, ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -242,7 +251,10 @@ def attention_facts(
         inlined = inline_npu_branches(f"{facts.name}.forward", forward)
         facts.problems.extend(inlined.problems)
         if not inlined.problems:
-            facts.seam = _seam_facts(facts, inlined.forward, attention_methods(cls))
+            # NOTE: imported here: callee.py reads a callee's kernel with this module's readers
+            from kvskill.implementer.callee import class_callees
+
+            facts.seam = _seam_facts(facts, inlined.forward, class_callees(cls, classes or {}))
         if facts.seam is not None:
             tail = tail_rotary_problem(facts.name, inlined.forward, facts.seam.update_index)
             if tail is not None:
@@ -338,11 +350,9 @@ def cache_write_facts(
     return CacheWriteFacts(index=cat_index, key=names[0], value=names[1], layout=layout, kind="cat")
 
 
-def _seam_facts(
-    facts: AttentionFacts, forward: cst.FunctionDef, methods: dict[str, cst.FunctionDef]
-) -> SeamFacts | None:
-    """METHODS: the class's methods that run attention by hand (``gather.attention_methods``),
-    which the forward may call as its kernel."""
+def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef, methods: dict) -> SeamFacts | None:
+    """METHODS: the class's callees that may run its attention (``callee.class_callees``: its
+    matmul-attention methods, the modules it hands its grown cache to), by attribute."""
     body = cst.ensure_type(forward.body, cst.IndentedBlock)
     write = cache_write_facts(facts, body, _params(forward)[1:])
     position = _kernel_position(body, methods)
@@ -382,6 +392,7 @@ def _seam_facts(
         bias=kernel.bias,
         site=write.site,
         layout=write.layout,
+        after=kernel.after,
         nulled=(
             _cache_only_names(body, write.index, kernel.index, {write.key, write.value})
             if write.kind == "cat"
@@ -389,7 +400,20 @@ def _seam_facts(
         ),
     )
     _check_seam_names(facts, body, seam)
+    _check_tail_names(facts, forward, seam)
     return seam
+
+
+def _check_tail_names(facts: AttentionFacts, forward: cst.FunctionDef, seam: SeamFacts) -> None:
+    """A callee's tail runs in the forward after the seam: the locals it assigns besides the
+    output must be names the forward does not use, or the inlined code would change them."""
+    own = _assigned_names(list(seam.after)) - set(seam.targets)
+    clash = sorted(own & _used_names([forward]))
+    if clash:
+        facts.problems.append(
+            f"{facts.name}.forward already uses {clash}, which the attention it calls assigns "
+            "after its kernel; the seam runs those statements in the forward"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -404,13 +428,13 @@ class _Kernel:
     sinks: str | None
     targets: list[str]
     bias: str | None = None
-    #: the key and value a method kernel is handed (KernelStyle.METHOD), as the call spells them
+    #: the key and value a callee kernel is handed (METHOD, SUBMODULE), as the call spells them
     inputs: tuple[str, str] | None = None
+    #: a callee kernel's tail (SeamFacts.after)
+    after: tuple[cst.BaseStatement, ...] = ()
 
 
-def _kernel_position(
-    body: cst.IndentedBlock, methods: dict[str, cst.FunctionDef]
-) -> tuple[int, int] | None:
+def _kernel_position(body: cst.IndentedBlock, methods: dict) -> tuple[int, int] | None:
     """(first, last) top-level statement of the attention kernel: one call (an attention
     interface, SDPA, transformers 4's flash helper), or the scores through the output of
     hand-written matmul attention, or one call of a method in METHODS that runs it; None when
@@ -439,6 +463,9 @@ def _kernel_facts(
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
     if isinstance(stmt, cst.If):
         assign = _branch_kernel_assign(stmt)
+        if assign is None:
+            facts.problems.append(_branch_problem(facts.name, stmt))
+            return None
     if not isinstance(assign, (cst.Assign, cst.AnnAssign)) or not isinstance(
         assign.value, cst.Call
     ):
@@ -454,7 +481,10 @@ def _kernel_facts(
         return None
     call = assign.value
     if m.matches(call, attention_method_call(methods)):
-        return _method_kernel(facts, kernel_index, assign, call, methods)
+        from kvskill.implementer.callee import callee_kernel
+
+        name = cst.ensure_type(call.func, cst.Attribute).attr.value
+        return callee_kernel(facts, kernel_index, assign, call, methods[name])
     if m.matches(call, SDPA_CALL):
         style = KernelStyle.SDPA
     elif m.matches(call, FLASH_CALL):
@@ -508,6 +538,15 @@ def _matmul_kernel(
     assert product is not None, "matmul_attention found these scores"
     between = list(body.body[scores_index + 1 : output_index])
     where = where or f"{facts.name}.forward"
+    value = assign.value
+    folded = None if isinstance(value, cst.BinaryOperation) else _later_scale(weights, between)
+    if folded is not None:
+        # GPT-J / CodeGen: the product, the causal mask, then ``w = w / self.scale_attn``:
+        # one scale all the same (a masked score stays far below every other one)
+        value = cst.ensure_type(
+            cst.ensure_type(between[folded], cst.SimpleStatementLine).body[0], cst.Assign
+        ).value
+        between = between[:folded] + between[folded + 1 :]
     facts.fused_limits.extend(_score_changes(where, weights, between))
     output = _assigned_name(body.body[output_index])
     # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
@@ -515,7 +554,6 @@ def _matmul_kernel(
     targets = [output, weights] + ([probs] if probs not in (None, weights, output) else [])
     if m.matches(product, BIAS_SCORES_CALL):
         return _bias_kernel(facts, product, output_index, targets)
-    value = assign.value
     if isinstance(value, cst.BinaryOperation):
         factor = code(value.right)
         # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
@@ -563,96 +601,6 @@ def _bias_kernel(
     )
 
 
-def _method_kernel(
-    facts: AttentionFacts,
-    kernel_index: int,
-    assign: cst.Assign | cst.AnnAssign,
-    call: cst.Call,
-    methods: dict[str, cst.FunctionDef],
-) -> _Kernel | None:
-    """``out[, weights] = self.<m>(query, key, value, ...)``, where the class's method ``<m>``
-    runs hand-written matmul attention over its parameters and returns the output as it
-    computed it (``[B, N, S, D]``). Its scores are read as :func:`_matmul_kernel` reads a
-    forward's, and the query and scale it names are mapped back to the call's arguments."""
-    name = cst.ensure_type(call.func, cst.Attribute).attr.value
-    where = f"{facts.name}.{name}"
-    func = methods[name]
-    body = cst.ensure_type(func.body, cst.IndentedBlock)
-    position = matmul_attention(body)
-    assert position is not None, "attention_methods found these scores"
-    kernel = _matmul_kernel(facts, body, *position, where=where)
-    if kernel is None:
-        return None
-    if kernel.style is not KernelStyle.MATMUL:
-        facts.problems.append(
-            f"{where} starts its scores from {kernel.bias} ({kernel.bias}.baddbmm); a method "
-            "is followed for matmul attention only"
-        )
-        return None
-    params = _params(func)[1:]
-    bound = {
-        p: a.value
-        for p, a in zip(params, [a for a in call.args if a.keyword is None], strict=False)
-    }
-    bound.update({a.keyword.value: a.value for a in call.args if a.keyword is not None})
-    before = list(body.body[: position[0]])
-    problems = []
-    if any(a.star for a in call.args):
-        problems.append(f"{facts.name}.forward passes *args/**kwargs to self.{name}")
-    rebound = sorted(_assigned_names(before) & set(params))
-    if rebound:
-        problems.append(f"{where} rebinds its parameters {rebound} before its scores")
-    if kernel.query not in bound:
-        problems.append(f"{where} computes its scores from {kernel.query}, not a parameter")
-    # the key the scores read and the value the output mixes, as parameters of the method
-    product = scores_matmul(
-        cst.ensure_type(
-            cst.ensure_type(body.body[position[0]], cst.SimpleStatementLine).body[0], cst.Assign
-        ).value
-    )
-    assert product is not None, "matmul_attention found these scores"
-    key = _root_name(product.args[1].value)
-    value_call = cst.ensure_type(
-        cst.ensure_type(body.body[position[1]], cst.SimpleStatementLine).body[0], cst.Assign
-    ).value
-    value = _root_name(cst.ensure_type(value_call, cst.Call).args[1].value)
-    inputs = tuple(code(bound[n]) if n in bound else "?" for n in (key, value))
-    if "?" in inputs:
-        problems.append(f"{where} attends over keys or values that are not its parameters")
-    scale = cst.parse_expression(kernel.scale or "1.0")
-    local = sorted(
-        _used_names([cst.SimpleStatementLine([cst.Expr(scale)])])
-        & (_assigned_names(before) - set(params))
-    )
-    if local:
-        problems.append(f"{where} scales its scores by {code(scale)}, which reads its locals")
-    output = kernel.targets[0]
-    after = list(body.body[position[1] + 1 :])
-    returns = [
-        cst.ensure_type(r, cst.Return) for stmt in after for r in m.findall(stmt, m.Return())
-    ]
-    returned = returns[0].value if len(returns) == 1 else None
-    if isinstance(returned, cst.Tuple) and returned.elements:
-        returned = returned.elements[0].value
-    if not m.matches(returned, m.Name(output)) or output in _assigned_names(after):
-        problems.append(f"{where} does not return its attention output {output} as computed")
-    targets = _targets(assign)
-    if not targets:
-        problems.append(f"{facts.name}.forward assigns self.{name}(...) to a non-name")
-    if problems:
-        facts.problems.extend(problems)
-        return None
-    return _Kernel(
-        index=kernel_index,
-        style=KernelStyle.METHOD,
-        query=code(bound[kernel.query]),
-        scale=code(scale.visit(_BindParams(bound))),
-        sinks=None,
-        targets=targets,
-        inputs=(inputs[0], inputs[1]),
-    )
-
-
 class _BindParams(cst.CSTTransformer):
     """An expression of a method's parameters rewritten in the caller's arguments."""
 
@@ -688,17 +636,68 @@ def _updated(
     ) | m.AugAssign(target=m.Name(name), operator=augmented)
 
 
+def _later_scale(weights: str, between: list[cst.BaseStatement]) -> int | None:
+    """The index in BETWEEN of the one top-level ``w = w / s`` (or ``* s``) before the softmax
+    that scales scores the product left unscaled, when S reads neither the scores nor a mask;
+    else None."""
+    scaled = m.SimpleStatementLine(
+        body=[
+            m.Assign(
+                targets=[m.AssignTarget(target=m.Name(weights))],
+                value=m.BinaryOperation(left=m.Name(weights), operator=m.Multiply() | m.Divide()),
+            )
+        ]
+    )
+    found = []
+    for index, stmt in enumerate(between):
+        if m.findall(stmt, SOFTMAX_CALL):
+            break
+        if m.matches(stmt, scaled):
+            factor = cst.ensure_type(
+                cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign
+            )
+            names = _used_names(
+                [
+                    cst.SimpleStatementLine(
+                        [cst.Expr(cst.ensure_type(factor.value, cst.BinaryOperation).right)]
+                    )
+                ]
+            )
+            if weights not in names and not any("mask" in n.lower() for n in names):
+                found.append(index)
+    return found[0] if len(found) == 1 else None
+
+
+def _is_head_mask(stmt: cst.BaseStatement, weights: str) -> bool:
+    """``w = w * head_mask`` (under ``if head_mask is not None``), after the softmax: GPT-2's
+    per-head mask, which generation never passes (the runtime calls the model without one)."""
+    product = _updated(weights, m.Multiply(), m.MultiplyAssign())
+    for node in m.findall(stmt, product):
+        if isinstance(node, cst.Assign):
+            factor = cst.ensure_type(node.value, cst.BinaryOperation).right
+        else:
+            factor = cst.ensure_type(node, cst.AugAssign).value
+        if not (isinstance(factor, cst.Name) and "head_mask" in factor.value):
+            return False
+    return bool(m.findall(stmt, product))
+
+
 def _score_changes(where: str, weights: str, between: list[cst.BaseStatement]) -> list[str]:
     """What the statements of WHERE (``X.forward``) between the scores and the output do to
     the scores WEIGHTS beyond an additive mask and a softmax: a soft cap (tanh), a rescale
-    after the product, an added term that is not a mask (a position bias such as ALiBi)."""
+    after the product, an added term that is not a mask (a position bias such as ALiBi). A
+    head mask applied to the softmaxed weights (:func:`_is_head_mask`) is not a change."""
     if any(m.findall(stmt, _SOFT_CAP) for stmt in between):
         return [
             f"{where} soft-caps its attention scores (tanh); the fused operator has no "
             "soft-capping input"
         ]
+    softmax = next((i for i, s in enumerate(between) if m.findall(s, SOFTMAX_CALL)), len(between))
     rescaled = _updated(weights, m.Multiply() | m.Divide(), m.MultiplyAssign() | m.DivideAssign())
-    if any(m.findall(stmt, rescaled) for stmt in between):
+    if any(
+        m.findall(stmt, rescaled) and not (i > softmax and _is_head_mask(stmt, weights))
+        for i, stmt in enumerate(between)
+    ):
         return [
             f"{where} rescales its attention scores after the product; the fused "
             "operator takes one softmax scale"
@@ -781,6 +780,38 @@ def _branch_kernel_assign(stmt: cst.If) -> cst.Assign | None:
     if any(signature(a) != signature(first) for a in assigns[1:]):
         return None
     return first
+
+
+def _branch_problem(name: str, stmt: cst.If) -> str:
+    """Why the ``if`` holding a forward's attention is not one kernel call: its test, whether
+    its branches return, and the ALiBi bias one of them adds (Falcon: ``if alibi is None:``
+    SDPA, else matmul scores plus ``alibi``, each branch with its own output projection)."""
+    branches: list[cst.CSTNode] = []
+    node: cst.If | cst.Else | None = stmt
+    while isinstance(node, cst.If):
+        branches.append(node.body)
+        node = node.orelse
+    if isinstance(node, cst.Else):
+        branches.append(node.body)
+    biased = sorted(
+        {
+            cst.ensure_type(n, cst.Name).value
+            for body in branches
+            for n in m.findall(body, m.Name())
+            if "alibi" in cst.ensure_type(n, cst.Name).value.lower()
+        }
+    )
+    what = []
+    if m.findall(stmt, m.Return()):
+        what.append("each branch returns its own output")
+    if biased:
+        what.append(f"a branch reads {', '.join(biased)}, an ALiBi bias")
+    return (
+        f"{name}.forward runs attention inside `if {code(stmt.test)}:`"
+        + (f" ({'; '.join(what)})" if what else "")
+        + ", not in one kernel call; the seam (paged or Legacy) replaces or wraps one kernel "
+        "call, and branches that differ beyond how they mask are more than one"
+    )
 
 
 def _root_name(node: cst.BaseExpression) -> str | None:

@@ -107,13 +107,18 @@ def test_the_method_call_is_replaced_by_the_paged_seam():
         ),
         (
             "        return attn_output, attn_weights\n",
-            "        return attn_output.transpose(1, 2), attn_weights\n",
-            "VendorAttention._attn does not return its attention output attn_output as computed",
+            "        return attn_output * attn_weights.sum(-1, keepdim=True), attn_weights\n",
+            "VendorAttention._attn returns ['attn_weights'] computed from its attention weights, which the fused operator does not produce",
         ),
         (
             "        attn_weights = torch.matmul(query, key.transpose(-1, -2))",
             "        query = query * 2\n        attn_weights = torch.matmul(query, key.transpose(-1, -2))",
-            "VendorAttention._attn rebinds its parameters ['query'] before its scores",
+            "VendorAttention._attn changes its parameters ['query'] before attention (`query = query * 2`), beyond a permute, transpose or cast",
+        ),
+        (
+            "        attn_output = torch.matmul(attn_weights, value)\n",
+            "        attn_output = torch.matmul(attn_weights, value)\n        if self.training:\n            attn_output = attn_output * 2\n",
+            "VendorAttention._attn does more than re-lay out its attention output before returning it (`if self.training:`)",
         ),
         (
             "self._attn(query, key, value, attention_mask)",
@@ -129,6 +134,27 @@ def test_a_method_the_fused_operator_cannot_stand_for_is_refused_naming_it(old, 
         convert_source(source, SPEC, filename="modeling_vendor.py")
     # the construct the refusal names is in the file
     assert "def _attn(self" in source and new.strip() in source
+
+
+def test_what_the_method_does_to_its_output_runs_after_the_seam():
+    """Qwen-7B's ``_attn`` returns ``attn_output.transpose(1, 2)``: the converted forward does
+    the same to the fused output, so the code after the call receives [b, s, h, d] again."""
+    source = SOURCE.replace(
+        "        return attn_output, attn_weights\n",
+        "        attn_output = attn_output.transpose(1, 2)\n        return attn_output, attn_weights\n",
+    ).replace(
+        "        attn_output = attn_output.transpose(1, 2).reshape(b, s, -1)\n",
+        "        attn_output = attn_output.reshape(b, s, -1)\n",
+    )
+    out = convert_source(source, SPEC, filename="modeling_vendor.py")
+    forward = out.split("    def forward(")[1].split("\nclass ")[0]
+    assert "self._attn(" not in forward
+    seam_end = forward.index("attn_output = attn_output.unsqueeze(0).transpose(1, 2)")
+    tail = forward.index("attn_output = attn_output.transpose(1, 2)\n", seam_end)
+    assert tail < forward.index("attn_output = attn_output.reshape(b, s, -1)")
+    # the method stays, unused by the converted forward
+    assert "    def _attn(self, query, key, value, attention_mask=None):" in out
+    assert convert_source(out, SPEC, filename="modeling_vendor.py") == out
 
 
 def _attention_in_a_method(model: Path) -> None:
@@ -195,8 +221,10 @@ def test_einsum_and_bmm_attention_after_a_seq_first_tuple_cache_is_refused_namin
     message = str(refused.value)
     assert (
         "VendorGlmSelfAttention.forward writes the KV cache, then computes attention by hand "
-        "with torch.einsum and torch.bmm and a softmax, which the rewrite does not read"
+        "with torch.einsum and torch.bmm and a softmax, which the seam does not read"
     ) in message
+    # the class is named as what it is, not as missing
+    assert "no attention class" not in message
     # what it names is in the file, and it does not send the reader to another module
     assert "torch.einsum(" in text and "torch.bmm(" in text
     assert "another method or module" not in message

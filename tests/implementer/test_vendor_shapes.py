@@ -204,6 +204,8 @@ def test_the_plan_records_the_fused_projection_and_the_tuple_cache(name):
         "w_pack_matmul_bhsd": ("W_pack", "contiguous"),
         "per_head_qkv_bhsd": ("query_key_value", "per_head"),
         "group_split_helper_bhsd": ("query_key_value", "per_kv_group"),
+        "attn_method_bshd": ("c_attn", "contiguous"),
+        "core_attention_sbhd": ("query_key_value", "contiguous"),
     }[name]
     assert (fused["attr"], fused["layout"]) == expected
     assert plan.code["cache_api"] == "tuple_cat"
@@ -393,4 +395,4 @@ def test_an_attention_if_whose_branches_return_is_not_one_kernel_call():
     classes = module_classes(cst.parse_module(inspect.getsource(modeling_falcon)))
     facts = attention_facts(classes["FalconAttention"], classes)
     assert facts.seam is None
-    assert any("branches return" in p for p in facts.problems)
+    assert any("each branch returns its own output" in p for p in facts.problems)

@@ -60,6 +60,11 @@ test-compat: $(COMPAT_STAMPS)
 		OMP_NUM_THREADS=1 .venv-tf$$v/bin/python -m pytest -m compat tests/compat --durations=10; \
 	done
 
+# One older transformers alone (CI runs the two side by side, one per core).
+test-compat-%: .venv-tf%/.kvskill-installed
+	@echo "== transformers $*"
+	OMP_NUM_THREADS=1 .venv-tf$*/bin/python -m pytest -m compat tests/compat --durations=10
+
 # Opt-in: kvskill against a real hicann/cann-recipes-infer checkout (pinned fbc225d), on the CPU
 # through the torch_npu stand-in: KVSKILL_CANN_RECIPES=/path/to/checkout make test-cann-recipes.
 # Installs the packages that checkout's executor imports (constraints-cann-recipes.txt) first.

@@ -392,6 +392,14 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     if is_framework_legacy(converted):
         # the original is the framework's own Legacy model, not a transformers reference
         return verify_framework_legacy(converted, options)
+    from kvskill.implementer.standalone_legacy_verify import (
+        is_standalone_legacy,
+        verify_standalone_legacy,
+    )
+
+    if is_standalone_legacy(converted):
+        # the original is the framework's standalone model, driven as its own runner does
+        return verify_standalone_legacy(converted, options)
     check_verifiable(converted, options)
     options = replace(
         options, tensor_parallel_size=options.tensor_parallel_size or plan.attn_tp_size

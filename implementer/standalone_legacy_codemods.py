@@ -53,10 +53,15 @@ ATTN_TYPE = "FullAttention"
 _CACHE_SHAPE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))])])
 
 
+def is_standalone_paged(module: cst.Module) -> bool:
+    """MODULE is already mode 2: a class sets the paged step metadata (KVR025's method)."""
+    return bool(m.findall(module, m.FunctionDef(name=m.Name("set_paged_step_metadata"))))
+
+
 def standalone_legacy_problems(module: cst.Module) -> list[str]:
     """Why the standalone-Legacy attention rewrite cannot convert MODULE (all reasons)."""
     found = gather_standalone_attention(module)
-    if not found:
+    if not found and not is_standalone_paged(module):
         return [
             "no standalone Legacy attention found (a class one of whose methods writes rows "
             "with scatter_update_ and calls the fused attention, without cache_unit)"
@@ -175,7 +180,7 @@ class StandaloneLegacyModelCommand(ModelClassRewrite):
         found = gather_standalone_model(module, getattr(spec, "causal_lm_class", None))
         if not found:
             return ["no causal-LM class found (a class whose __init__ assigns self.lm_head)"]
-        return [problem for facts in found for problem in facts.problems]
+        return [problem for facts in found if not facts.paged for problem in facts.problems]
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.model_facts: dict[str, StandaloneModelFacts] = {

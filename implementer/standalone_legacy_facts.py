@@ -89,6 +89,8 @@ class StandaloneModelFacts:
     row_shape: tuple[str, str, str] | None = None
     #: ``device=`` of the allocations (None: the default device)
     device: str | None = None
+    #: already mode 2 (it has ``set_paged_step_metadata``): left as it is
+    paged: bool = False
     problems: list[str] = field(default_factory=list)
 
 
@@ -203,6 +205,7 @@ def gather_standalone_model(module: cst.Module, architecture: str | None) -> lis
         if cls.name.value not in heads:
             continue
         facts = StandaloneModelFacts(name=cls.name.value, line=line(cls))
+        facts.paged = method(cls, "set_paged_step_metadata") is not None
         _read_init_cache(cls, facts, line)
         _read_step_inputs(cls, facts, line)
         found.append(facts)

@@ -40,7 +40,9 @@ def check_standalone_legacy_module(
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
 
 
-def standalone_legacy_self_check(original: cst.Module, converted: cst.Module, filename: str) -> None:
+def standalone_legacy_self_check(
+    original: cst.Module, converted: cst.Module, filename: str
+) -> None:
     """Refuse an output that still writes or reads a Legacy row anywhere.
 
     Raises:
@@ -68,9 +70,7 @@ def standalone_legacy_self_check(original: cst.Module, converted: cst.Module, fi
                 f"{len(kernels)} fused attention calls ({len(unpaged)} without block_table); "
                 "expected 2 writes and one paged call"
             )
-    paged_heads = [
-        c for c in classes.values() if method(c, "set_paged_step_metadata") is not None
-    ]
+    paged_heads = [c for c in classes.values() if method(c, "set_paged_step_metadata") is not None]
     if not paged_heads:
         problems.append("no model class sets the paged step metadata")
     if problems:

@@ -34,9 +34,9 @@ from kvskill.implementer._command import (
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
 from kvskill.implementer.framework_legacy_codemods import (
     METADATA_MODULE,
-    _drop_dead_assignments,
-    _led_by,
-    _names_read,
+    drop_dead_assignments,
+    led_by,
+    names_read,
 )
 from kvskill.implementer.snippets import methods, render, statements
 from kvskill.implementer.standalone_legacy_facts import (
@@ -50,7 +50,9 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 #: the one attn_type of a dense standalone model; the step metadata keys its tables by it
 ATTN_TYPE = "FullAttention"
-_CACHE_SHAPE = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))])])
+_CACHE_SHAPE = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))])]
+)
 
 
 def is_standalone_paged(module: cst.Module) -> bool:
@@ -141,10 +143,12 @@ class StandaloneLegacyAttentionCommand(ClassRewriteCommand):
         new: list[cst.BaseStatement] = []
         for index, stmt in enumerate(old):
             if index == seam.kernel_index:
-                new.extend(_led_by(stmt, kernel))
+                new.extend(led_by(stmt, kernel))
             else:
-                new.append(cst.ensure_type(stmt.visit(_PagedWrites(seam.npu, config)), cst.BaseStatement))
-        new = _drop_dead_assignments(new, _names_read([removed]))
+                new.append(
+                    cst.ensure_type(stmt.visit(_PagedWrites(seam.npu, config)), cst.BaseStatement)
+                )
+        new = drop_dead_assignments(new, names_read([removed]))
         block = cst.ensure_type(func.body, cst.IndentedBlock)
         return func.with_changes(body=block.with_changes(body=new))
 
@@ -233,7 +237,7 @@ def _replace_statement(func: cst.FunctionDef, matcher, new: list[cst.BaseStateme
     block = cst.ensure_type(func.body, cst.IndentedBlock)
     body: list[cst.BaseStatement] = []
     for stmt in block.body:
-        body.extend(_led_by(stmt, new) if m.matches(stmt, matcher) else [stmt])
+        body.extend(led_by(stmt, new) if m.matches(stmt, matcher) else [stmt])
     return func.with_changes(body=block.with_changes(body=body))
 
 

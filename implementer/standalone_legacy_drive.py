@@ -100,7 +100,9 @@ def drive_runner_protocol(
         "kv_len": None,
     }
     run = RunnerProtocolRun(
-        token_ids=[[] for _ in prompts], logits=[[] for _ in prompts], past_key_values=past_key_values
+        token_ids=[[] for _ in prompts],
+        logits=[[] for _ in prompts],
+        past_key_values=past_key_values,
     )
     with torch.no_grad():
         for _ in range(max_new_tokens):

@@ -40,8 +40,7 @@ from kvskill.analyzer.gather import (
     is_standalone_legacy_attention,
     method,
 )
-from kvskill.implementer.framework_legacy_facts import code
-from kvskill.implementer.framework_legacy_facts import _kernel_call as kernel_call
+from kvskill.implementer.framework_legacy_facts import code, kernel_call
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 #: the calls that allocate a cache tensor in ``init_cache``
@@ -195,7 +194,9 @@ def _read_seam(func: cst.FunctionDef, facts: StandaloneAttentionFacts, line):
     )
 
 
-def gather_standalone_model(module: cst.Module, architecture: str | None) -> list[StandaloneModelFacts]:
+def gather_standalone_model(
+    module: cst.Module, architecture: str | None
+) -> list[StandaloneModelFacts]:
     """Facts of the causal-LM classes of MODULE (the model class the runner drives)."""
     line = _lines(module)
     heads = set(causal_lm_classes(module, architecture))
@@ -241,7 +242,12 @@ def _read_init_cache(cls: cst.ClassDef, facts: StandaloneModelFacts, line) -> No
             "kind are not converted to paged caches"
         )
         return
-    devices = {code(a.value) for c in allocations for a in c.args if a.keyword and a.keyword.value == "device"}
+    devices = {
+        code(a.value)
+        for c in allocations
+        for a in c.args
+        if a.keyword and a.keyword.value == "device"
+    }
     facts.row_shape = tuple(code(e.value) for e in tuples[0].elements)  # type: ignore[assignment]
     facts.device = devices.pop() if len(devices) == 1 else None
 

@@ -111,7 +111,9 @@ class _PagedChains:
             "tokens": int(inputs["input_ids"].numel()),
             "tables": sorted(md.block_table or {}),
             "slots": {k: int(v.numel()) for k, v in (md.slot_mapping or {}).items()},
-            "kv": md.actual_seq_lengths_kv.tolist() if md.actual_seq_lengths_kv is not None else None,
+            "kv": md.actual_seq_lengths_kv.tolist()
+            if md.actual_seq_lengths_kv is not None
+            else None,
         }
 
 
@@ -207,7 +209,9 @@ def verify_standalone_legacy(converted: ConvertedDir, options: VerifyOptions) ->
         finally:
             reset_forward_metadata()
     shape = tuple(legacy.past_key_values[0][0].shape)
-    report.notes.append(f"Legacy rows from init_cache: {list(shape)}; paged block size {block_size}")
+    report.notes.append(
+        f"Legacy rows from init_cache: {list(shape)}; paged block size {block_size}"
+    )
     for index, prompt in enumerate(prompts):
         report.prompts.append(
             compare_prompt(

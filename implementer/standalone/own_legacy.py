@@ -36,12 +36,12 @@ def convert_standalone_own_legacy(plan: Plan, options: ApplyOptions) -> Conversi
             f"{modeling_file.name}: cannot convert: --kv-mode {options.kv_mode}: the model is "
             "already standalone mode 1 (Legacy rows); the rewrite writes mode 2 (paged) only"
         )
-    spec = ConversionSpec.from_plan(plan, fa_version=options.fa_version, block_size=options.block_size)
+    spec = ConversionSpec.from_plan(
+        plan, fa_version=options.fa_version, block_size=options.block_size
+    )
     original = read_source(modeling_file)
     converted = convert_standalone_legacy_source(original, spec, filename=modeling_file.name)
-    runners = {
-        p.name: read_source(p) for p in sorted(modeling_file.parent.glob("runner_*.py"))
-    }
+    runners = {p.name: read_source(p) for p in sorted(modeling_file.parent.glob("runner_*.py"))}
     record = StandaloneRecord(
         runner=next(iter(runners), ""),
         kv_mode="paged",

@@ -196,7 +196,9 @@ def test_converted_code_is_a_fixed_point_of_each_rewrite(case):
         # the runner's model allocates its paged caches itself (no cache_entries)
         assert "def set_paged_step_metadata(" in converted, "the full conversion went paged"
     else:
-        assert findall(parse(converted), CACHE_ENTRIES_ASSIGN), "the full conversion declared caches"
+        assert findall(parse(converted), CACHE_ENTRIES_ASSIGN), (
+            "the full conversion declared caches"
+        )
     assert run_alone(rewrite, path, converted) == converted
 
 

@@ -55,7 +55,9 @@ def test_the_plan_reads_the_standalone_legacy_path_and_apply_keeps_the_runner():
     plan = analyze_model(str(FIXTURE))
     assert plan.deploy_mode.value == "standalone"
     assert plan.code["legacy_standalone"] is True and plan.code["legacy_framework"] is False
-    assert plan.code["legacy_standalone_source"] == f"{MODELING}:288, {MODELING}:108"
+    init_cache = _line_of("    def init_cache(self, input_ids):")
+    write = _line_of("            torch_npu.scatter_update_(past_key, kv_len, key_states, -2)")
+    assert plan.code["legacy_standalone_source"] == f"{MODELING}:{init_cache}, {MODELING}:{write}"
     conversion = convert_standalone(plan, STANDALONE)
     assert "def set_paged_step_metadata(" in conversion.converted
     # no runner is generated: the model's own runner is written unchanged
@@ -111,7 +113,10 @@ def test_an_init_cache_allocating_other_states_is_refused_with_its_line():
         "            past_key_values += ((key_cache, value_cache, state),)\n",
     )
     message = _refusal(source)
-    assert f"LegacyDenseForCausalLM.init_cache (line {_line_of('    def init_cache(self, input_ids):')})" in message
+    assert (
+        f"LegacyDenseForCausalLM.init_cache (line {_line_of('    def init_cache(self, input_ids):')})"
+        in message
+    )
     assert "allocates tensors other than cache_shape rows (line" in message
 
 
@@ -123,9 +128,12 @@ def test_a_third_row_write_is_refused_not_half_converted():
 
 
 def test_step_inputs_without_kv_len_are_refused():
-    source = SOURCE.replace(
-        "is_prefill=None, kv_len=None, share_mask_tril=None", "is_prefill=None, share_mask_tril=None"
-    ).replace("            position_ids = kv_len.unsqueeze(1)", "            kv_len = kwargs['kv_len']\n            position_ids = kv_len.unsqueeze(1)")
+    signature = "        is_prefill=None,\n        kv_len=None,\n"
+    assert signature in SOURCE
+    source = SOURCE.replace(signature, "        is_prefill=None,\n").replace(
+        "            position_ids = kv_len.unsqueeze(1)",
+        "            kv_len = kwargs['kv_len']\n            position_ids = kv_len.unsqueeze(1)",
+    )
     message = _refusal(source)
     assert "LegacyDenseForCausalLM.prepare_inputs_for_generation (line" in message
     assert "takes no kv_len" in message
@@ -143,8 +151,17 @@ def test_the_cli_refuses_in_one_line_with_exit_3(tmp_path):
     modeling = model / MODELING
     modeling.write_text(SOURCE.replace("sparse_mode=2,", "sparse_mode=4,"), encoding="utf-8")
     done = subprocess.run(
-        [sys.executable, "-m", "kvskill", "apply", str(model), "--mode", "standalone", "--out",
-         str(tmp_path / "out")],
+        [
+            sys.executable,
+            "-m",
+            "kvskill",
+            "apply",
+            str(model),
+            "--mode",
+            "standalone",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -247,4 +264,6 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
             ).token_ids
         reset_forward_metadata()
     assert importlib.util.find_spec("kvskill") is not None
-    assert runs["original"] == runs["original drive"] == runs["converted"] == runs["converted drive"]
+    assert (
+        runs["original"] == runs["original drive"] == runs["converted"] == runs["converted drive"]
+    )

@@ -30,7 +30,9 @@ class LegacyDenseRMSNorm(nn.Module):
 
     def forward(self, hidden_states, residual=None):
         if residual is None:
-            return torch_npu.npu_rms_norm(hidden_states, self.weight, self.variance_epsilon)[0], hidden_states
+            return torch_npu.npu_rms_norm(hidden_states, self.weight, self.variance_epsilon)[
+                0
+            ], hidden_states
         normed, _, summed = torch_npu.npu_add_rms_norm(
             residual, hidden_states, self.weight, self.variance_epsilon
         )
@@ -77,11 +79,20 @@ class LegacyDenseAttention(nn.Module):
             (self.num_heads_per_rank + 2 * self.num_key_value_heads_per_rank) * self.head_dim,
             bias=config.bias,
         )
-        self.o_proj = nn.Linear(self.attn_intermediate_size_per_rank, config.hidden_size, bias=config.bias)
-        self.scale_fa = 1 / (self.head_dim ** 0.5)
+        self.o_proj = nn.Linear(
+            self.attn_intermediate_size_per_rank, config.hidden_size, bias=config.bias
+        )
+        self.scale_fa = 1 / (self.head_dim**0.5)
 
-    def exec_qkv(self, qkv, kv_len=None, actual_seq_lengths_kv=None, cos_sin=None,
-                 attention_mask=None, past_key_value=None):
+    def exec_qkv(
+        self,
+        qkv,
+        kv_len=None,
+        actual_seq_lengths_kv=None,
+        cos_sin=None,
+        attention_mask=None,
+        past_key_value=None,
+    ):
         bsz, q_len, _ = qkv.size()
         query_states, key_states, value_states = qkv.split(
             (
@@ -91,8 +102,12 @@ class LegacyDenseAttention(nn.Module):
             ),
             dim=2,
         )
-        query_states = query_states.view(bsz, q_len, self.num_heads_per_rank, self.head_dim).contiguous()
-        key_states = key_states.view(bsz, q_len, self.num_key_value_heads_per_rank, self.head_dim).contiguous()
+        query_states = query_states.view(
+            bsz, q_len, self.num_heads_per_rank, self.head_dim
+        ).contiguous()
+        key_states = key_states.view(
+            bsz, q_len, self.num_key_value_heads_per_rank, self.head_dim
+        ).contiguous()
 
         cos, sin = cos_sin
         query_states, key_states = torch_npu.npu_apply_rotary_pos_emb(
@@ -132,8 +147,15 @@ class LegacyDenseAttention(nn.Module):
         attn_output = attn_output.reshape(bsz, q_len, self.attn_intermediate_size_per_rank)
         return self.o_proj(attn_output)
 
-    def forward(self, hidden_states, kv_len=None, actual_seq_lengths_kv=None, cos_sin=None,
-                attention_mask=None, past_key_value=None):
+    def forward(
+        self,
+        hidden_states,
+        kv_len=None,
+        actual_seq_lengths_kv=None,
+        cos_sin=None,
+        attention_mask=None,
+        past_key_value=None,
+    ):
         qkv = self.merged_qkv_proj(hidden_states)
         return self.exec_qkv(
             qkv=qkv,
@@ -163,10 +185,20 @@ class LegacyDenseDecoderLayer(nn.Module):
         )
         self.mlp = LegacyDenseMLP(config)
         self.input_layernorm = LegacyDenseRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LegacyDenseRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LegacyDenseRMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
 
-    def forward(self, hidden_states, kv_len, actual_seq_lengths_kv, cos_sin, attention_mask=None,
-                past_key_value=None, past_residual=None):
+    def forward(
+        self,
+        hidden_states,
+        kv_len,
+        actual_seq_lengths_kv,
+        cos_sin,
+        attention_mask=None,
+        past_key_value=None,
+        past_residual=None,
+    ):
         hidden_states, residual = self.input_layernorm(hidden_states, past_residual)
         hidden_states = self.self_attn(
             hidden_states=hidden_states,
@@ -190,7 +222,9 @@ class LegacyDenseModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(
             [
-                LegacyDenseDecoderLayer(config, runner_settings, layer_idx, prefix=f"model.layers.{layer_idx}")
+                LegacyDenseDecoderLayer(
+                    config, runner_settings, layer_idx, prefix=f"model.layers.{layer_idx}"
+                )
                 for layer_idx in range(config.num_hidden_layers)
             ]
         )
@@ -199,8 +233,16 @@ class LegacyDenseModel(nn.Module):
             config.head_dim, self.max_position_embeddings, base=config.rope_theta
         )
 
-    def forward(self, input_ids, kv_len=None, actual_seq_lengths_kv=None, attention_mask=None,
-                position_ids=None, past_key_values=None, is_prefill=False):
+    def forward(
+        self,
+        input_ids,
+        kv_len=None,
+        actual_seq_lengths_kv=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        is_prefill=False,
+    ):
         batch_size, seq_length = input_ids.shape
         hidden_states = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb(hidden_states, seq_length, kv_len)
@@ -229,8 +271,16 @@ class LegacyDenseForCausalLM(nn.Module):
         self.max_position_embeddings = self.model.max_position_embeddings
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, kv_len=None, actual_seq_lengths_kv=None, attention_mask=None,
-                position_ids=None, past_key_values=None, is_prefill=False):
+    def forward(
+        self,
+        input_ids,
+        kv_len=None,
+        actual_seq_lengths_kv=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        is_prefill=False,
+    ):
         hidden_states = self.model(
             input_ids=input_ids,
             kv_len=kv_len,
@@ -253,8 +303,16 @@ class LegacyDenseForCausalLM(nn.Module):
     def decode(self, **kwargs):
         return self.forward(**kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      is_prefill=None, kv_len=None, share_mask_tril=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        past_key_values=None,
+        attention_mask=None,
+        is_prefill=None,
+        kv_len=None,
+        share_mask_tril=None,
+        **kwargs,
+    ):
         batch_size, seq_len = input_ids.size()
         if past_key_values is None:
             raise ValueError("past_key_values should be initialized first!")

@@ -19,6 +19,9 @@ The converted run also proves the three chains a runner-owned paged cache has:
 
 from __future__ import annotations
 
+import re
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,13 @@ def runner_settings(*, batch_size: int, input_max_len: int, max_new_tokens: int)
     return {
         "world_size": 1,
         "exe_mode": "eager",
-        "model_config": {"with_ckpt": False, "enable_weight_nz": False, "perfect_eplb": False},
+        "model_config": {
+            "with_ckpt": False,
+            "enable_weight_nz": False,
+            "perfect_eplb": False,
+            "mm_quant_mode": "A16W16",
+            "gmm_quant_mode": "A16W16",
+        },
         "data_config": {
             "batch_size": batch_size,
             "batch_size_per_rank": batch_size,
@@ -77,8 +86,10 @@ def runner_settings(*, batch_size: int, input_max_len: int, max_new_tokens: int)
 class _PagedChains:
     """Hooks of the converted run that collect the init and runtime chains' evidence."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, get_forward_metadata) -> None:
         self.seed = seed
+        #: the metadata getter the converted file imported (the executor's or kvskill's)
+        self.get_forward_metadata = get_forward_metadata
         self.init_failures: list[str] = []
         self.caches = 0
 
@@ -101,11 +112,8 @@ class _PagedChains:
         order = torch.randperm(table.numel(), generator=generator).to(table.device, table.dtype)
         model.block_table = order.view_as(table)
 
-    @staticmethod
-    def on_step(inputs: dict[str, Any]) -> dict[str, Any]:
-        from kvskill.runtime.forward_context import get_forward_metadata
-
-        md = get_forward_metadata()
+    def on_step(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        md = self.get_forward_metadata()
         return {
             "is_prefill": bool(inputs["is_prefill"]),
             "tokens": int(inputs["input_ids"].numel()),
@@ -140,15 +148,55 @@ def _runtime_chain(steps: list[dict[str, Any]], lengths: list[int]) -> ChainResu
     )
 
 
-def verify_standalone_legacy(converted: ConvertedDir, options: VerifyOptions) -> VerifyReport:
+#: the framework modules kvskill answers itself (``executor_host.framework_modules``)
+ANSWERED_MODULES = ("executor.utils.forward_metadata", "executor.core.kv_cache")
+_FRAMEWORK_IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:executor|module)(?:\.\w+)*)", re.M)
+
+
+def framework_packages(source: str) -> list[str]:
+    """The framework's own modules SOURCE imports that only a checkout can answer."""
+    found = {name for name in _FRAMEWORK_IMPORT.findall(source) if name not in ANSWERED_MODULES}
+    return sorted(found)
+
+
+def _after_loading(model: nn.Module) -> None:
+    """What the framework's runner does once weights are in (``_process_weight_after_loading``):
+    each layer's quant method lays its weights out for the device (the unquantized one
+    transposes them). Nothing for a model of plain ``nn.Linear``."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
+@contextmanager
+def _framework_imports(framework_root: Path | None):
+    """The framework's imports answered by kvskill's equal classes, or, given a checkout, by
+    the checkout itself (its ``executor`` and ``module`` packages), inside the stand-in."""
+    from kvskill.runtime.executor_host import framework_modules
+    from kvskill.runtime.ops.npu_standin import npu_standin
+
+    if framework_root is not None:
+        with npu_standin(framework_root=framework_root):
+            yield
+        return
+    with npu_standin(), framework_modules():
+        yield
+
+
+def verify_standalone_legacy(
+    converted: ConvertedDir, options: VerifyOptions, *, framework_root: Path | None = None
+) -> VerifyReport:
     """Run the Legacy original and the mode 2 conversion on the same prompts and compare.
+
+    Args:
+        framework_root: a cann-recipes-infer checkout whose ``executor`` / ``module``
+            packages the model imports (the framework's real files); None answers the
+            executor's metadata module with kvskill's.
 
     Raises:
         BadInputError: the original's folder is gone, or an option this path does not take.
     """
-    from kvskill.runtime.executor_host import framework_modules
-    from kvskill.runtime.forward_context import reset_forward_metadata
-    from kvskill.runtime.ops.npu_standin import npu_standin
 
     plan, config = converted.plan, converted.config
     if options.dtype != "float32" or options.kv_layout != "contiguous":
@@ -161,6 +209,15 @@ def verify_standalone_legacy(converted: ConvertedDir, options: VerifyOptions) ->
             f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
             "verify compares against it"
         )
+    needs = framework_packages((original_dir / plan.code["modeling_file"]).read_text("utf-8"))
+    if needs and framework_root is None:
+        raise BadInputError(
+            f"{plan.code['modeling_file']} imports the framework's own packages "
+            f"({', '.join(needs[:3])}); set KVSKILL_CANN_RECIPES to a cann-recipes-infer "
+            "checkout to verify it"
+        )
+    if not needs:
+        framework_root = None  # kvskill answers the executor's metadata module itself
     block_size = options.block_size or CPU_BLOCK_SIZE
     lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(options.num_prompts)]
     prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
@@ -186,16 +243,25 @@ def verify_standalone_legacy(converted: ConvertedDir, options: VerifyOptions) ->
         batch_size=len(prompts), input_max_len=max(lengths), max_new_tokens=new_tokens
     )
     drive = {"max_new_tokens": new_tokens, "pad_token_id": pad, "seed": options.seed}
-    chains = _PagedChains(options.seed)
-    with npu_standin(), framework_modules(), torch.no_grad():
+    with _framework_imports(framework_root), torch.no_grad():
         original_cls, original_config, _ = _import_model(original_dir, plan.code, config)
+        # NOTE: condition_weights sets the projections; the rest (biases) keeps its default
+        # init, seeded here so that a report is reproducible
+        torch.manual_seed(options.seed)
         original: nn.Module = original_cls(original_config, settings).eval()
         condition_weights(original, options.seed)
+        weights = {k: v.clone() for k, v in original.state_dict().items()}
+        _after_loading(original)
         legacy = drive_runner_protocol(original, prompts, **drive)
-        converted_cls, converted_config, _ = _import_model(converted.directory, plan.code, config)
+        converted_cls, converted_config, module = _import_model(
+            converted.directory, plan.code, config
+        )
         paged = converted_cls(converted_config, settings).eval()
-        paged.load_state_dict(original.state_dict())
+        paged.load_state_dict(weights)
+        _after_loading(paged)
         paged.block_size = block_size
+        chains = _PagedChains(options.seed, module.get_forward_metadata)
+        metadata_module = sys.modules[module.get_forward_metadata.__module__]
         try:
             run = drive_runner_protocol(
                 paged, prompts, after_init=chains.after_init, on_step=chains.on_step, **drive
@@ -207,7 +273,7 @@ def verify_standalone_legacy(converted: ConvertedDir, options: VerifyOptions) ->
             report.error = f"the converted model failed in its runner: {type(exc).__name__}: {exc}"
             return report
         finally:
-            reset_forward_metadata()
+            metadata_module.reset_forward_metadata()
     shape = tuple(legacy.past_key_values[0][0].shape)
     report.notes.append(
         f"Legacy rows from init_cache: {list(shape)}; paged block size {block_size}"

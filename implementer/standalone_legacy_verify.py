@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.framework_legacy_verify import PROMPT_LENGTHS, _import_model
+from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
 from kvskill.implementer.verify import (
@@ -159,6 +160,19 @@ def framework_packages(source: str) -> list[str]:
     return sorted(found)
 
 
+def _random_weights(model: nn.Module, seed: int) -> None:
+    """verify's conditioned weights, plus seeded biases: the framework's parallel linears
+    allocate theirs with ``torch.empty`` (a checkpoint fills them), so left as they are they
+    would hold whatever the memory held."""
+    condition_weights(model, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and name.endswith("bias"):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    unset = [name for name, param in model.named_parameters() if not param.isfinite().all()]
+    assert not unset, f"parameters left non-finite by the random weights: {unset[:3]}"
+
+
 def _after_loading(model: nn.Module) -> None:
     """What the framework's runner does once weights are in (``_process_weight_after_loading``):
     each layer's quant method lays its weights out for the device (the unquantized one
@@ -248,15 +262,27 @@ def verify_standalone_legacy(
         # NOTE: condition_weights sets the projections; the rest (biases) keeps its default
         # init, seeded here so that a report is reproducible
         torch.manual_seed(options.seed)
-        original: nn.Module = original_cls(original_config, settings).eval()
-        condition_weights(original, options.seed)
+        try:
+            # verify runs float32: a layer the model builds in its own dtype (the framework's
+            # bf16 embedding) is cast with the rest
+            original: nn.Module = original_cls(original_config, settings).eval().float()
+        except Exception as exc:  # the model's own code, under this transformers
+            raise original_failure(
+                converted, exc, stage="build", shrunk=False, workdir=converted.directory
+            ) from exc
+        _random_weights(original, options.seed)
         weights = {k: v.clone() for k, v in original.state_dict().items()}
         _after_loading(original)
-        legacy = drive_runner_protocol(original, prompts, **drive)
+        try:
+            legacy = drive_runner_protocol(original, prompts, **drive)
+        except Exception as exc:
+            raise original_failure(
+                converted, exc, stage="generate", shrunk=False, workdir=converted.directory
+            ) from exc
         converted_cls, converted_config, module = _import_model(
             converted.directory, plan.code, config
         )
-        paged = converted_cls(converted_config, settings).eval()
+        paged = converted_cls(converted_config, settings).eval().float()
         paged.load_state_dict(weights)
         _after_loading(paged)
         paged.block_size = block_size

@@ -267,3 +267,58 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
     assert (
         runs["original"] == runs["original drive"] == runs["converted"] == runs["converted drive"]
     )
+
+
+ROOT = os.environ.get("KVSKILL_CANN_RECIPES")
+#: the real model's files, and a shrunk config of it (fp32, 2 layers, head_dim 64 as the
+#: rotary operator needs)
+PANGU_FILES = (
+    "models/modeling_openpangu_dense.py",
+    "models/configuration_openpangu_dense.py",
+    "runner_openpangu_dense.py",
+)
+PANGU_CONFIG = {
+    "model_type": "PanguEmbedded",
+    "architectures": ["PanguEmbeddedForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration_openpangu_dense.PanguEmbeddedConfig"},
+    "vocab_size": 64,
+    "hidden_size": 128,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    # NOTE: linear scaling by 1 is no scaling; transformers 5 replaces a null rope_scaling by
+    # a default without the "type" key the file (written for 4.55) reads
+    "rope_scaling": {"type": "linear", "rope_type": "linear", "factor": 1.0},
+    "rms_norm_eps": 1e-5,
+    "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")
+def test_the_real_pangu_7b_converts_to_mode_2_and_verifies_token_exact(tmp_path):
+    pytest.importorskip("datasets", reason="the framework's executor imports datasets")
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.implementer.writer import apply_model
+
+    real = Path(ROOT) / "models" / "pangu_7b"
+    model = tmp_path / "pangu_7b"
+    model.mkdir()
+    for name in PANGU_FILES:
+        shutil.copy(real / name, model / Path(name).name)
+    (model / "config.json").write_text(json.dumps(PANGU_CONFIG))
+    plan = analyze_model(str(model))
+    assert plan.code["legacy_standalone"] is True
+    out = tmp_path / "out"
+    apply_model(str(model), out, STANDALONE)
+    converted = (out / "modeling_openpangu_dense.py").read_text(encoding="utf-8")
+    assert "scatter_update_(" not in converted.replace("npu_scatter_nd_update_(", "")
+    assert (out / "runner_openpangu_dense.py").read_text() == (model / PANGU_FILES[2]).read_text()
+    report = verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=8))
+    assert report.error is None
+    assert report.tokens_identical and report.logits_within and report.max_logit_diff < 1e-4
+    assert [c["passed"] for c in report.chains] == [True, True, True]

@@ -200,6 +200,15 @@ def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
     assert any("Legacy rows from init_cache: [4, 64, 128]" in n for n in report.notes)
 
 
+def test_run_refuses_an_output_that_keeps_its_own_runner(tmp_path):
+    from kvskill.core.errors import BadInputError
+    from kvskill.implementer.standalone.launch import StandaloneRun
+
+    out = _apply(tmp_path)
+    with pytest.raises(BadInputError, match=r"its own runner \(runner_legacy_dense.py\)"):
+        StandaloneRun.load(out, trust_remote_code=True)
+
+
 @pytest.mark.slow
 def test_verify_fails_a_conversion_whose_paged_attention_is_wrong(tmp_path):
     """The comparison can fail: a scale 10% off in the paged call moves the logits."""

@@ -139,6 +139,14 @@ def test_step_inputs_without_kv_len_are_refused():
     assert "takes no kv_len" in message
 
 
+def test_framework_mode_points_to_standalone_mode():
+    from kvskill.implementer.convert import convert_framework
+
+    plan = analyze_model(str(FIXTURE))
+    with pytest.raises(UnsupportedModelError, match="convert it with --mode standalone"):
+        convert_framework(plan, ApplyOptions(deploy_mode="framework"))
+
+
 def test_kv_mode_contiguous_is_refused_for_a_model_already_in_mode_1():
     plan = analyze_model(str(FIXTURE))
     with pytest.raises(UnsupportedModelError, match="already standalone mode 1"):

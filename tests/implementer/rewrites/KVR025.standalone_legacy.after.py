@@ -377,8 +377,11 @@ class LegacyDenseForCausalLM(nn.Module):
         writes row 0 at block 1 offset 1 (slot 5), row 1 at block 2 offset 2 (slot 10), and
         attends over actual_seq_lengths_kv [6, 3].
         """
-        batch_size, q_len = input_ids.shape
+        # NOTE: the rows are kv_len's: with attention TP x DP the model gathers kv_len (and the
+        # hidden states) over the TP group, so it can hold more rows than input_ids
+        q_len = input_ids.shape[1]
         start = kv_len.long()  # [B]
+        batch_size = start.shape[0]
         positions = start[:, None] + torch.arange(q_len, device=start.device)  # [B, q_len]
         blocks = self.block_table.long().gather(1, positions // self.block_size)
         slots = (blocks * self.block_size + positions % self.block_size).view(-1)  # [B * q_len]

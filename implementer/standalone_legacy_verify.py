@@ -279,27 +279,29 @@ def verify_standalone_legacy(
             raise original_failure(
                 converted, exc, stage="generate", shrunk=False, workdir=converted.directory
             ) from exc
-        converted_cls, converted_config, module = _import_model(
-            converted.directory, plan.code, config
-        )
-        paged = converted_cls(converted_config, settings).eval().float()
-        paged.load_state_dict(weights)
-        _after_loading(paged)
-        paged.block_size = block_size
-        chains = _PagedChains(options.seed, module.get_forward_metadata)
-        metadata_module = sys.modules[module.get_forward_metadata.__module__]
-        try:
+        metadata_module = None
+        try:  # the converted code is what is being checked, from its import on
+            converted_cls, converted_config, module = _import_model(
+                converted.directory, plan.code, config
+            )
+            paged = converted_cls(converted_config, settings).eval().float()
+            paged.load_state_dict(weights)
+            _after_loading(paged)
+            paged.block_size = block_size
+            chains = _PagedChains(options.seed, module.get_forward_metadata)
+            metadata_module = sys.modules[module.get_forward_metadata.__module__]
             run = drive_runner_protocol(
                 paged, prompts, after_init=chains.after_init, on_step=chains.on_step, **drive
             )
             again = drive_runner_protocol(
                 paged, prompts[::-1], past_key_values=run.past_key_values, **drive
             )
-        except Exception as exc:  # the converted code is what is being checked
+        except Exception as exc:
             report.error = f"the converted model failed in its runner: {type(exc).__name__}: {exc}"
             return report
         finally:
-            metadata_module.reset_forward_metadata()
+            if metadata_module is not None:
+                metadata_module.reset_forward_metadata()
     shape = tuple(legacy.past_key_values[0][0].shape)
     report.notes.append(
         f"Legacy rows from init_cache: {list(shape)}; paged block size {block_size}"

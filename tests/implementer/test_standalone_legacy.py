@@ -95,6 +95,30 @@ def test_converting_twice_changes_nothing():
     assert convert(converted) == converted
 
 
+def test_the_self_check_refuses_a_half_converted_output():
+    """A rewrite that left one Legacy write or a BSH kernel behind is caught after the fact."""
+    import libcst as cst
+    from kvskill.implementer.standalone_legacy_checks import standalone_legacy_self_check
+
+    converted = convert(SOURCE)
+    paged_write = converted.splitlines()[
+        next(
+            i
+            for i, line in enumerate(converted.splitlines())
+            if "npu_scatter_nd_update_(past_value" in line
+        )
+    ]
+    half = converted.replace(
+        paged_write, "            torch_npu.scatter_update_(past_value, kv_len, value_states, -2)"
+    )
+    with pytest.raises(UnsupportedModelError, match="a scatter_update_ row write is left"):
+        standalone_legacy_self_check(cst.parse_module(SOURCE), cst.parse_module(half), MODELING)
+    no_table = converted.replace('block_table=md.block_table["FullAttention"],', "")
+    with pytest.raises(UnsupportedModelError, match=r"\(1 without block_table\)"):
+        standalone_legacy_self_check(cst.parse_module(SOURCE), cst.parse_module(no_table), MODELING)
+    standalone_legacy_self_check(cst.parse_module(SOURCE), cst.parse_module(converted), MODELING)
+
+
 def test_a_quantized_fused_attention_is_refused_with_class_and_line():
     message = _refusal(SOURCE.replace("antiquant_mode=0,", "antiquant_mode=1,"))
     assert "LegacyDenseAttention.exec_qkv line" in message

@@ -716,6 +716,13 @@ def _code_notes(
             "converting it to Paged",
             facts["legacy_framework_source"],
         )
+    if facts.get("legacy_standalone"):
+        book.cite(
+            "code",
+            "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "
+            "kv_len + BSH fused attention, standalone mode 1); converting it to paged mode 2",
+            facts["legacy_standalone_source"],
+        )
     fused = facts.get("fused_qkv")
     if fused:
         book.cite("fused_qkv", fused_qkv_note(fused), fused["split_source"] or fused["source"])

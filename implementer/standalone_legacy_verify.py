@@ -27,19 +27,15 @@ from typing import Any
 
 import torch
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.framework_legacy_verify import PROMPT_LENGTHS, _import_model
+from kvskill.implementer.framework_legacy_verify import import_model, legacy_report
 from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
 from kvskill.implementer.verify import (
-    DEFAULT_ATOL,
-    LOGIT_RTOL,
-    Checked,
     VerifyOptions,
     VerifyReport,
     compare_prompt,
     condition_weights,
-    make_prompts,
 )
 from kvskill.runtime.chains import ChainResult, chain_result
 from torch import nn
@@ -232,22 +228,10 @@ def verify_standalone_legacy(
         )
     if not needs:
         framework_root = None  # kvskill answers the executor's metadata module itself
-    block_size = options.block_size or CPU_BLOCK_SIZE
-    lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(options.num_prompts)]
-    prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
+    report, prompts = legacy_report(converted, options, CPU_BLOCK_SIZE)
+    lengths, block_size = [len(p) for p in prompts], report.block_size
     new_tokens = options.max_new_tokens
     pad = int(config.get("pad_token_id") or 0)
-    report = VerifyReport(
-        model_type=plan.model_type,
-        directory=str(converted.directory),
-        shrunk=False,
-        checked=Checked.RANDOM_WEIGHTS,
-        config_changes={},
-        dtype=options.dtype,
-        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
-        rtol=options.rtol if options.rtol is not None else LOGIT_RTOL,
-        block_size=block_size,
-    )
     report.notes.append(
         f"reference: the Legacy original {original_dir.name}/{plan.code['modeling_file']} on "
         "the rows its own init_cache allocates (standalone mode 1), driven as its runner does "
@@ -258,7 +242,7 @@ def verify_standalone_legacy(
     )
     drive = {"max_new_tokens": new_tokens, "pad_token_id": pad, "seed": options.seed}
     with _framework_imports(framework_root), torch.no_grad():
-        original_cls, original_config, _ = _import_model(original_dir, plan.code, config)
+        original_cls, original_config, _ = import_model(original_dir, plan.code, config)
         # NOTE: condition_weights sets the projections; the rest (biases) keeps its default
         # init, seeded here so that a report is reproducible
         torch.manual_seed(options.seed)
@@ -281,7 +265,7 @@ def verify_standalone_legacy(
             ) from exc
         metadata_module = None
         try:  # the converted code is what is being checked, from its import on
-            converted_cls, converted_config, module = _import_model(
+            converted_cls, converted_config, module = import_model(
                 converted.directory, plan.code, config
             )
             paged = converted_cls(converted_config, settings).eval().float()

@@ -278,7 +278,7 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
     import importlib
 
     import torch
-    from kvskill.implementer.framework_legacy_verify import _import_model
+    from kvskill.implementer.framework_legacy_verify import import_model
     from kvskill.implementer.standalone.verify import import_runner
     from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
     from kvskill.implementer.standalone_legacy_verify import runner_settings
@@ -294,7 +294,7 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
     runs = {}
     with npu_standin(), framework_modules(), torch.no_grad():
         for name, folder in (("original", FIXTURE), ("converted", out)):
-            cls, cfg, _ = _import_model(folder, plan["code"], config)
+            cls, cfg, _ = import_model(folder, plan["code"], config)
             torch.manual_seed(0)
             model = cls(cfg, settings).eval()
             model.block_size = 4

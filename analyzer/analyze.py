@@ -41,6 +41,7 @@ from kvskill.analyzer.kv_sharing import (
     sharing_record,
 )
 from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
+from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
@@ -264,6 +265,7 @@ def plan_for_source(
             return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
         raise UnsupportedModelError(
             inherited_attention_reason(facts)
+            or legacy_rows_reason(facts, source.config)
             or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
         )
     remote = source.kind == "remote_code"

@@ -33,6 +33,7 @@ from kvskill.implementer.framework_legacy_facts import (
     LegacyForward,
     gather_legacy_attention,
 )
+from kvskill.implementer.framework_legacy_state_facts import gather_legacy_states
 from kvskill.implementer.snippets import methods, statements
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -262,14 +263,17 @@ class FrameworkLegacyModelCommand(ModelClassRewrite):
             init_cache = method(head, "init_cache")
             if init_cache is None:
                 continue
-            others = sorted(_allocated_attrs(init_cache) - set(LEGACY_CACHE_ATTRS))
+            # states a layer class holds are KVR022's (its problems name what it cannot take)
+            states = gather_legacy_states(module)
+            converted = states.converted_attrs | set(states.unconverted)
+            others = sorted(_allocated_attrs(init_cache) - set(LEGACY_CACHE_ATTRS) - converted)
             if others:
                 line = positions[init_cache].start.line
                 found.append(
                     f"{head.name.value}.init_cache (line {line}) also allocates "
-                    f"{', '.join(others)} (states "
-                    "of another layer kind); only its k_cache / v_cache rows are converted to "
-                    "Paged entries so far"
+                    f"{', '.join(others)}, which no layer class holds as a state set to None "
+                    "in its __init__; only k_cache / v_cache rows and such per-request states "
+                    "are converted to Paged entries"
                 )
         return found
 

@@ -299,6 +299,13 @@ def _read_method(function, states, where, line, problems) -> StateMethodFacts | 
             )
             ok = False
             continue
+        if kind is UseKind.PASSED and f"{used[0]}_step" in bound:
+            problems.append(
+                f"{where} line {line(stmt)}: the rewrite would bind {used[0]}_step for this "
+                "step's rows, a name the method already uses"
+            )
+            ok = False
+            continue
         facts.uses.append(StateUse(index=index, kind=kind, alias=used[0]))
     return facts if ok else None
 

@@ -1,0 +1,170 @@
+"""The framework's Legacy gated-delta states converted to MambaCacheEntry entries, and proven.
+
+The fixture (tests/fixtures/cann_legacy/gqa_gated_delta) has the shape of cann-recipes-infer's
+Legacy Qwen3.5: three gated-delta layers whose ``init_cache`` states are ``[batch, ...]`` rows
+(row b = request b) and one Legacy GQA attention layer. ``apply`` rewrites it in place
+(KVR020, KVR021, KVR022); ``verify`` runs the result paged against the fixture's own Legacy
+path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.pipeline import convert_framework_legacy_source
+from kvskill.implementer.spec import ConversionSpec, FaVersion
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "cann_legacy" / "gqa_gated_delta"
+MODELING = "modeling_legacy_gated_delta.py"
+SOURCE = (FIXTURE / MODELING).read_text(encoding="utf-8")
+SPEC = ConversionSpec(
+    fa_version=FaVersion.V1,
+    input_layout="TND",
+    uniform_attn_type="FullAttention",
+    sparse_mode={"FullAttention": {"prefill": 3, "decode": 3}},
+)
+
+
+def convert(source: str) -> str:
+    return convert_framework_legacy_source(source, SPEC, filename=MODELING)
+
+
+def _refusal(source: str) -> str:
+    assert source != SOURCE, "the test's edit must change the fixture"
+    with pytest.raises(UnsupportedModelError) as info:
+        convert(source)
+    return str(info.value)
+
+
+def test_the_states_become_mamba_entries_with_the_row_shapes_init_cache_gave():
+    converted = convert(SOURCE)
+    # init_cache is gone with its per-batch-row allocations; the None placeholders too
+    assert "def init_cache" not in converted and "self.conv_state = None" not in converted
+    assert converted.count("MambaCacheEntry(") == 2 and 'self.attn_type = "Mamba"' in converted
+    assert "shape=[self.conv_dim, self.conv_kernel_size]," in converted
+    assert "shape=[self.num_v_heads, self.head_v_dim, self.head_k_dim]," in converted
+    assert "def set_conv_state(self, tensor" in converted
+    assert "def set_recurrent_state(self, tensor" in converted
+    assert "from executor.core.kv_cache import" in converted and "MambaCacheEntry" in converted
+    assert "from kvskill" not in converted
+
+
+def test_every_state_use_is_made_at_the_requests_blocks():
+    converted = convert(SOURCE)
+    # both methods bind the step's blocks from block_table["Mamba"]
+    assert converted.count("state_index = md.block_table[self.attn_type][:, 0].long()") == 2
+    # prefill: whole-row copy_ -> indexed writes
+    assert ".copy_(window)" not in converted and ".copy_(last_recurrent_state)" not in converted
+    assert "conv_state[state_index] = window.to(conv_state.dtype)" in converted
+    assert (
+        "recurrent_state[state_index] = last_recurrent_state.to(recurrent_state.dtype)" in converted
+    )
+    # decode: the conv shifts this step's rows, written back to their blocks
+    assert "conv_state_step = conv_state[state_index]" in converted
+    assert "conv_state[state_index] = conv_state_step" in converted
+    # decode: the kernel reads the paged states at the blocks, not at arange(batch)
+    assert "ssm_state_indices=state_index.to(torch.int32)," in converted
+    assert "ssm_state_indices=self.gdn_ssm_state_indices" not in converted
+    assert "actual_seq_lengths=md.actual_seq_lengths_q.to(torch.int32)," in converted
+    # only the overwriting (prefill) path refuses steps with cached tokens
+    assert converted.count("starts every request from a fresh state") == 1
+
+
+def test_each_framework_legacy_rewrite_leaves_the_converted_file_alone():
+    import libcst as cst
+    from kvskill.implementer.registry import ConversionPath, rewrites_for
+    from libcst.codemod import CodemodContext
+
+    converted = convert(SOURCE)
+    for rewrite in rewrites_for(ConversionPath.FRAMEWORK_LEGACY):
+        command = rewrite.command(CodemodContext(filename=MODELING), SPEC, None)
+        again = command.transform_module(cst.parse_module(converted)).code
+        assert again == converted, rewrite.code
+
+
+def test_a_state_used_inside_a_branch_is_refused_with_class_and_line():
+    source = SOURCE.replace(
+        "        recurrent_state.copy_(last_recurrent_state)\n",
+        "        if recurrent_state is not None:\n"
+        "            recurrent_state.copy_(last_recurrent_state)\n",
+    )
+    message = _refusal(source)
+    assert "LegacyGatedDeltaNet._forward_prefill line " in message
+    assert "recurrent_state in a way the rewrite does not convert" in message
+
+
+def test_a_state_read_directly_from_self_is_refused():
+    source = SOURCE.replace(
+        "        conv_state.copy_(window)\n", "        self.conv_state.copy_(window)\n"
+    )
+    message = _refusal(source)
+    assert "LegacyGatedDeltaNet._forward_prefill line " in message
+    assert "self.<state> directly" in message
+
+
+def test_a_kernel_without_row_indices_is_refused():
+    source = SOURCE.replace("            ssm_state_indices=self.gdn_ssm_state_indices,\n", "")
+    message = _refusal(source)
+    assert "LegacyGatedDeltaNet._forward_decode line " in message
+
+
+def test_a_state_sized_by_the_sequence_is_not_a_per_request_state():
+    source = SOURCE.replace(
+        "(batch_size, layer.linear_attn.conv_dim, layer.linear_attn.conv_kernel_size)",
+        "(batch_size, layer.linear_attn.conv_dim, cache_seq_len)",
+    )
+    message = _refusal(source)
+    assert "LegacyGatedDeltaForCausalLM.init_cache line " in message
+    assert "not read from layer.linear_attn" in message
+
+
+def test_states_no_layer_class_holds_are_refused():
+    source = SOURCE.replace("        self.recurrent_state = None\n", "")
+    message = _refusal(source)
+    assert "not exactly one class sets them all to None" in message
+    assert "conv_state, recurrent_state" in message
+
+
+def _apply(tmp_path):
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    out = tmp_path / "out"
+    apply_model(str(FIXTURE), out, ApplyOptions())
+    return out
+
+
+def _verify(out):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    return verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=8))
+
+
+@pytest.mark.slow
+def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
+    report = _verify(_apply(tmp_path))
+    assert report.error is None
+    assert report.tokens_identical and report.logits_within
+    assert report.max_logit_diff < 1e-4
+    assert [c["passed"] for c in report.chains] == [True, True, True]
+    runtime_chain = next(c for c in report.chains if c["name"] == "runtime")
+    assert "Mamba" in str(runtime_chain)
+
+
+@pytest.mark.slow
+def test_verify_fails_a_conversion_that_reads_states_from_the_wrong_blocks(tmp_path):
+    """The comparison can fail: the decode kernel reading each request's recurrent state
+    from another request's block (the step's block order reversed) changes the tokens."""
+    out = _apply(tmp_path)
+    modeling = out / MODELING
+    text = modeling.read_text(encoding="utf-8")
+    right = "ssm_state_indices=state_index.to(torch.int32),"
+    assert text.count(right) == 1
+    modeling.write_text(
+        text.replace(right, "ssm_state_indices=state_index.flip(0).to(torch.int32),")
+    )
+    report = _verify(out)
+    assert report.error is None
+    assert not report.tokens_identical and not report.logits_within

@@ -132,7 +132,7 @@ def gather_legacy_states(module: cst.Module) -> LegacyStateFacts:
         init_cache = method(head, "init_cache")
         if init_cache is not None:
             where = f"{head.name.value}.init_cache"
-            allocations += _allocations(init_cache, where, line, facts.problems)
+            allocations += _allocations(init_cache, where, line, facts)
     by_owner: dict[str, list[StateAllocation]] = {}
     for allocation in allocations:
         by_owner.setdefault(allocation.owner, []).append(allocation)
@@ -154,7 +154,11 @@ def gather_legacy_states(module: cst.Module) -> LegacyStateFacts:
     return facts
 
 
-def _allocations(function: cst.FunctionDef, where: str, line, problems) -> list[StateAllocation]:
+def _allocations(
+    function: cst.FunctionDef, where: str, line, facts: LegacyStateFacts
+) -> list[StateAllocation]:
+    """The state allocations of FUNCTION; one it cannot read is a problem of FACTS (and
+    recorded as unconverted, so the model rewrite does not report it twice)."""
     found = []
     for node in m.findall(function, WORKER_ALLOCATION):
         assign = cst.ensure_type(node, cst.Assign)
@@ -165,14 +169,16 @@ def _allocations(function: cst.FunctionDef, where: str, line, problems) -> list[
         call = cst.ensure_type(assign.value, cst.Call)
         shape = call.args[0].value if call.args and call.args[0].keyword is None else None
         if not isinstance(shape, cst.Tuple) or len(shape.elements) < 2:
-            problems.append(
+            facts.unconverted[attr] = line(assign)
+            facts.problems.append(
                 f"{where} line {line(assign)}: `{code(assign)[:80]}` does not allocate "
                 f"{attr} as a (batch, ...) shape tuple; the rewrite reads its row shape there"
             )
             continue
         row = [_on_layer(e.value, owner) for e in shape.elements[1:]]
         if None in row:
-            problems.append(
+            facts.unconverted[attr] = line(assign)
+            facts.problems.append(
                 f"{where} line {line(assign)}: {attr}'s shape `{code(shape)}` has a dimension "
                 f"not read from {owner} (a length, a config value): not a per-request state the "
                 "rewrite can declare as a MambaCacheEntry"

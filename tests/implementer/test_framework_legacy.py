@@ -87,10 +87,12 @@ def test_an_init_cache_allocating_other_states_is_refused_with_its_line():
     source = SOURCE.replace(
         "            layer.self_attn.v_cache = torch.empty(shape, dtype=dtype, device=device)\n",
         "            layer.self_attn.v_cache = torch.empty(shape, dtype=dtype, device=device)\n"
-        "            layer.mlp.conv_state = torch.zeros(1)\n",
+        "            layer.mlp.conv_state = torch.zeros((batch_size, 4))\n",
     )
     message = _refusal(source)
-    assert "LegacyGqaForCausalLM.init_cache (line " in message and "conv_state" in message
+    # a per-row state no layer class holds (sets to None for init_cache to fill)
+    assert "init_cache (line " in message and "allocates conv_state on layer.mlp" in message
+    assert "not exactly one class sets them all to None" in message
 
 
 def test_a_legacy_attention_without_the_packing_is_refused_not_half_converted():

@@ -118,6 +118,7 @@ def test_a_state_sized_by_the_sequence_is_not_a_per_request_state():
     message = _refusal(source)
     assert "LegacyGatedDeltaForCausalLM.init_cache line " in message
     assert "not read from layer.linear_attn" in message
+    assert "no layer class holds" not in message, "one reason, reported once"
 
 
 def test_states_no_layer_class_holds_are_refused():

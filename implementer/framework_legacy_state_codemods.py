@@ -103,31 +103,59 @@ class FrameworkLegacyStatesCommand(ClassRewriteCommand):
         self, function: cst.FunctionDef, layer: StateLayerFacts, facts: StateMethodFacts
     ) -> cst.FunctionDef:
         config = self.parser_config()
-        old = list(cst.ensure_type(function.body, cst.IndentedBlock).body)
-        uses = {u.index: u for u in facts.uses}
-        first = min(uses)
-        new: list[cst.BaseStatement] = []
-        for index, stmt in enumerate(old):
-            if index == first:
-                new.extend(
-                    statements(
-                        "framework_legacy_state_index.py.j2",
-                        config,
-                        fresh=facts.overwrites_only,
-                        where=f"{layer.name}.{facts.name}",
-                    )
-                )
-            use = uses.get(index)
-            if use is None or use.kind is UseKind.ALIAS:
-                new.append(stmt)
-            elif use.kind is UseKind.WRITE:
-                new.append(_indexed_write(stmt, use.alias, config))
+        replacements: dict[int, list[cst.BaseStatement]] = {}
+        for use in facts.uses:
+            if use.kind is UseKind.WRITE:
+                replacements[id(use.node)] = [_indexed_write(use.node, use.alias, config)]
             elif use.kind is UseKind.INDEXED:
-                new.append(_indexed_kernel(stmt, config))
-            else:
-                new.extend(_through_step_rows(stmt, use.alias, config))
+                replacements[id(use.node)] = [_indexed_kernel(use.node, config)]
+            elif use.kind is UseKind.PASSED:
+                replacements[id(use.node)] = _through_step_rows(use.node, use.alias, config)
+        # NOTE: the facts hold the statements of the tree this command visits, and method
+        # bodies are not visited (skip_function_bodies), so each is found by identity
+        replacer = _ReplaceStatements(replacements)
+        bound = statements(
+            "framework_legacy_state_index.py.j2",
+            config,
+            fresh=facts.overwrites_only,
+            where=f"{layer.name}.{facts.name}",
+        )
         block = cst.ensure_type(function.body, cst.IndentedBlock)
-        return function.with_changes(body=block.with_changes(body=new))
+        body: list[cst.BaseStatement] = []
+        for index, stmt in enumerate(block.body):
+            if id(stmt) in replacements:
+                replacer.done.add(id(stmt))
+                new = replacements[id(stmt)]
+            else:
+                new = [cst.ensure_type(stmt.visit(replacer), cst.BaseStatement)]
+            if index == facts.first_index:
+                # the step's blocks are bound first, led by what led into the statement
+                new = [*_led_by(new[0], bound), new[0].with_changes(leading_lines=()), *new[1:]]
+            body.extend(new)
+        assert replacer.done == set(replacements), "every state use found in the method"
+        return function.with_changes(body=block.with_changes(body=body))
+
+
+class _ReplaceStatements(cst.CSTTransformer):
+    """Replaces statements, found by identity, with lists of statements (in any block)."""
+
+    def __init__(self, replacements: dict[int, list[cst.BaseStatement]]) -> None:
+        super().__init__()
+        self.replacements = replacements
+        self.done: set[int] = set()
+
+    def on_leave(self, original, updated):
+        new = self.replacements.get(id(original))
+        if new is None:
+            return updated
+        self.done.add(id(original))
+        return cst.FlattenSentinel(new)
+
+
+def _led_by(old: cst.BaseStatement, new: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+    """NEW, with the blank lines and comments that led into OLD moved before it."""
+    lead = getattr(old, "leading_lines", ())
+    return [new[0].with_changes(leading_lines=[*lead, *new[0].leading_lines]), *new[1:]]
 
 
 def _declare(init: cst.FunctionDef, layer: StateLayerFacts, declared) -> cst.FunctionDef:

@@ -49,6 +49,13 @@ def code(node: cst.CSTNode) -> str:
     return _EMPTY.code_for_node(node).strip()
 
 
+def first_line(stmt: cst.BaseStatement) -> str:
+    """The statement's first line of code, without the comments leading into it."""
+    if hasattr(stmt, "leading_lines"):
+        stmt = stmt.with_changes(leading_lines=())
+    return code(stmt).splitlines()[0]
+
+
 @dataclass(frozen=True, kw_only=True)
 class StateAllocation:
     """One ``<owner>.<attr> = torch.<alloc>((batch, *row), ...)`` of ``init_cache``."""
@@ -75,7 +82,8 @@ class UseKind(str, Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class StateUse:
-    index: int
+    #: the statement (a node of the scanned tree: the rewrite finds it by identity)
+    node: cst.BaseStatement
     kind: UseKind
     #: the alias the statement uses (the state's local name)
     alias: str
@@ -84,8 +92,10 @@ class StateUse:
 @dataclass(kw_only=True)
 class StateMethodFacts:
     name: str
-    #: top-level statements that use a state, in order
+    #: statements that use a state, in order (inside ``with`` / ``if`` blocks too)
     uses: list[StateUse] = field(default_factory=list)
+    #: the first top-level statement using a state: the step's blocks are bound before it
+    first_index: int | None = None
 
     @property
     def overwrites_only(self) -> bool:
@@ -233,29 +243,63 @@ def _read_methods(cls: cst.ClassDef, layer: StateLayerFacts, line, problems) -> 
             layer.methods[stmt.name.value] = facts
 
 
-def _alias(stmt: cst.BaseStatement, states: set[str]) -> tuple[str, str] | None:
-    """(alias, state) of a ``alias = self.<state>`` statement."""
-    pattern = m.SimpleStatementLine(
-        body=[
-            m.Assign(
-                targets=[m.AssignTarget(target=m.Name())],
-                value=m.Attribute(value=m.Name("self")),
-            )
-        ]
-    )
-    if not m.matches(stmt, pattern):
+def _alias(stmt: cst.BaseStatement, states: set[str], aliases: dict[str, str]):
+    """(alias, state) of ``alias = self.<state>``, or of ``x = (<other> if a is None else a)``
+    over an alias ``a`` (a paged state is never None, so x is a); else None."""
+    one = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])
+    if not m.matches(stmt, one):
         return None
     assign = cst.ensure_type(cst.ensure_type(stmt, cst.SimpleStatementLine).body[0], cst.Assign)
-    state = cst.ensure_type(assign.value, cst.Attribute).attr.value
-    if state not in states:
-        return None
-    return cst.ensure_type(assign.targets[0].target, cst.Name).value, state
+    name = cst.ensure_type(assign.targets[0].target, cst.Name).value
+    value = assign.value
+    if m.matches(value, m.Attribute(value=m.Name("self"))):
+        state = cst.ensure_type(value, cst.Attribute).attr.value
+        return (name, state) if state in states else None
+    for alias, state in aliases.items():
+        fallback = m.IfExp(
+            test=m.Comparison(
+                left=m.Name(alias),
+                comparisons=[m.ComparisonTarget(operator=m.Is(), comparator=m.Name("None"))],
+            ),
+            orelse=m.Name(alias),
+        )
+        if m.matches(value, fallback) and len(m.findall(value, m.Name(alias))) == 2:
+            return name, state
+    return None
+
+
+#: ``if <alias> is not None:`` with no else: always true for a paged state, kept as written
+def _none_guard(alias: str) -> m.If:
+    return m.If(
+        test=m.Comparison(
+            left=m.Name(alias),
+            comparisons=[m.ComparisonTarget(operator=m.IsNot(), comparator=m.Name("None"))],
+        ),
+        orelse=None,
+    )
+
+
+@dataclass
+class _Scan:
+    """One method's scan: where it is, the names it binds, what it found."""
+
+    where: str
+    states: set[str]
+    bound: set[str]
+    line: object
+    problems: list[str]
+    facts: StateMethodFacts
+    aliases: dict[str, str] = field(default_factory=dict)
+    ok: bool = True
+
+    def refuse(self, stmt: cst.CSTNode, reason: str) -> None:
+        head = first_line(stmt) if isinstance(stmt, cst.BaseStatement) else code(stmt)
+        self.problems.append(f"{self.where} line {self.line(stmt)}: `{head}` {reason}")
+        self.ok = False
 
 
 def _read_method(function, states, where, line, problems) -> StateMethodFacts | None:
-    body = list(cst.ensure_type(function.body, cst.IndentedBlock).body)
     facts = StateMethodFacts(name=function.name.value)
-    aliases: dict[str, str] = {}
     bound = {cst.ensure_type(n, cst.Name).value for n in m.findall(function, m.Name())}
     clash = sorted(bound & set(EMITTED_NAMES))
     if clash:
@@ -264,60 +308,101 @@ def _read_method(function, states, where, line, problems) -> StateMethodFacts | 
             "rewrite binds for the step's metadata and state blocks"
         )
         return None
-    ok = True
+    scan = _Scan(where, states, bound, line, problems, facts)
+    body = list(cst.ensure_type(function.body, cst.IndentedBlock).body)
     for index, stmt in enumerate(body):
-        alias = _alias(stmt, states)
-        if alias is not None:
-            aliases[alias[0]] = alias[1]
-            facts.uses.append(StateUse(index=index, kind=UseKind.ALIAS, alias=alias[0]))
-            continue
-        used = [a for a in aliases if m.findall(stmt, m.Name(a))]
-        direct = [
-            a
-            for a in m.findall(stmt, m.Attribute(value=m.Name("self")))
-            if cst.ensure_type(a, cst.Attribute).attr.value in states
-        ]
-        if direct:
-            problems.append(
-                f"{where} line {line(stmt)}: `{code(stmt).splitlines()[0]}` uses the state "
-                "self.<state> directly; the rewrite converts states read through a local "
-                "alias (`conv_state = self.conv_state`) at the top level of the method"
+        before = len(facts.uses)
+        _scan_statement(stmt, scan, top_level=True)
+        if len(facts.uses) > before and facts.first_index is None:
+            facts.first_index = index
+    return facts if scan.ok else None
+
+
+def _scan_statement(stmt: cst.BaseStatement, scan: _Scan, *, top_level: bool) -> None:
+    alias = _alias(stmt, scan.states, scan.aliases)
+    if alias is not None:
+        if not top_level:
+            scan.refuse(
+                stmt,
+                "binds a state alias inside a block; the rewrite reads the "
+                "states' blocks once, at the top level of the method",
             )
-            ok = False
-            continue
-        if not used:
-            continue
-        if len(used) > 1:
-            problems.append(
-                f"{where} line {line(stmt)}: `{code(stmt).splitlines()[0]}` uses the states "
-                f"{', '.join(used)} together; the rewrite converts one state per statement"
-            )
-            ok = False
-            continue
-        kind = _use_kind(stmt, used[0])
-        if kind is None:
-            problems.append(
-                f"{where} line {line(stmt)}: `{code(stmt).splitlines()[0]}` uses the Legacy "
-                f"rows {used[0]} in a way the rewrite does not convert (it converts "
-                f"`{used[0]}.copy_(x)`, the state argument of npu_recurrent_gated_delta_rule "
-                "with ssm_state_indices=, and a plain argument of a call, each as a top-level "
-                "statement)"
-            )
-            ok = False
-            continue
-        if kind is UseKind.PASSED and f"{used[0]}_step" in bound:
-            problems.append(
-                f"{where} line {line(stmt)}: the rewrite would bind {used[0]}_step for this "
-                "step's rows, a name the method already uses"
-            )
-            ok = False
-            continue
-        facts.uses.append(StateUse(index=index, kind=kind, alias=used[0]))
-    return facts if ok else None
+            return
+        scan.aliases[alias[0]] = alias[1]
+        scan.facts.uses.append(StateUse(node=stmt, kind=UseKind.ALIAS, alias=alias[0]))
+        return
+    direct = [
+        a
+        for a in m.findall(stmt, m.Attribute(value=m.Name("self")))
+        if cst.ensure_type(a, cst.Attribute).attr.value in scan.states
+    ]
+    if direct:
+        scan.refuse(
+            stmt,
+            "uses the state self.<state> directly; the rewrite converts states "
+            "read through a local alias (`conv_state = self.conv_state`) at the top "
+            "level of the method",
+        )
+        return
+    used = [a for a in scan.aliases if m.findall(stmt, m.Name(a))]
+    if not used:
+        return
+    if isinstance(stmt, (cst.If, cst.With)):
+        _scan_block(stmt, used, scan)
+        return
+    if len(used) > 1:
+        scan.refuse(
+            stmt,
+            f"uses the states {', '.join(used)} together; the rewrite "
+            "converts one state per statement",
+        )
+        return
+    kind = _use_kind(stmt, used[0])
+    if kind is None:
+        scan.refuse(
+            stmt,
+            f"uses the Legacy rows {used[0]} in a way the rewrite does not "
+            f"convert (it converts `{used[0]}.copy_(x)`, the state argument of "
+            "npu_recurrent_gated_delta_rule with ssm_state_indices=, and a plain "
+            "argument of a call, as statements of the method or of a `with` / "
+            f"`if {used[0]} is not None:` block)",
+        )
+        return
+    if kind is UseKind.PASSED and f"{used[0]}_step" in scan.bound:
+        scan.refuse(
+            stmt, f"would need {used[0]}_step for this step's rows, a name the method already uses"
+        )
+        return
+    scan.facts.uses.append(StateUse(node=stmt, kind=kind, alias=used[0]))
+
+
+def _scan_block(stmt: cst.If | cst.With, used: list[str], scan: _Scan) -> None:
+    """A ``with`` whose header reads no state, or an ``if <alias> is not None:`` without
+    else: the statements inside are scanned as the method's own."""
+    if isinstance(stmt, cst.With):
+        if any(m.findall(item, m.Name(a)) for item in stmt.items for a in used):
+            scan.refuse(stmt, f"reads the Legacy rows {', '.join(used)} in its header")
+            return
+    elif not any(m.matches(stmt, _none_guard(a)) for a in used):
+        scan.refuse(
+            stmt,
+            f"uses the Legacy rows {', '.join(used)} under a condition; the rewrite enters "
+            "only `if <state> is not None:` guards without else (always true for a paged "
+            "state), since a state is read and written for every request of the step",
+        )
+        return
+    for inner in cst.ensure_type(stmt.body, cst.IndentedBlock).body:
+        _scan_statement(inner, scan, top_level=False)
+
+
+def _is_state_argument(expr: cst.BaseExpression, alias: str) -> bool:
+    """``alias`` or ``alias.to(...)``: the kernel updates what it is given in place."""
+    cast = m.Call(func=m.Attribute(value=m.Name(alias), attr=m.Name("to")))
+    return m.matches(expr, m.Name(alias) | cast)
 
 
 def _use_kind(stmt: cst.BaseStatement, alias: str) -> UseKind | None:
-    """How one top-level statement uses ALIAS, or None for a use the rewrite leaves alone."""
+    """How one simple statement uses ALIAS, or None for a use the rewrite leaves alone."""
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
     small = stmt.body[0]
@@ -327,20 +412,15 @@ def _use_kind(stmt: cst.BaseStatement, alias: str) -> UseKind | None:
     if m.matches(small, copy):
         return UseKind.WRITE
     value = small.value if isinstance(small, (cst.Expr, cst.Assign)) else None
-    if not isinstance(value, cst.Call):
-        return None
-    # the alias must be one whole argument of the statement's call, used nowhere else
-    as_argument = [a for a in value.args if m.matches(a.value, m.Name(alias))]
-    if len(as_argument) != 1 or len(m.findall(stmt, m.Name(alias))) != 1:
+    if not isinstance(value, cst.Call) or len(m.findall(stmt, m.Name(alias))) != 1:
         return None
     if m.matches(value, INDEXED_KERNEL):
         keywords = {a.keyword.value for a in value.args if a.keyword is not None}
         positional = [a for a in value.args if a.keyword is None]
-        is_state = len(positional) >= 4 and positional[3] is as_argument[0]
-        if is_state and INDEX_KEYWORD in keywords:
-            return UseKind.INDEXED
-        return None
-    if m.findall(value.func, m.Name(alias)):
+        is_state = len(positional) >= 4 and _is_state_argument(positional[3].value, alias)
+        return UseKind.INDEXED if is_state and INDEX_KEYWORD in keywords else None
+    # the alias must be one whole argument of the statement's call, used nowhere else
+    if not any(m.matches(a.value, m.Name(alias)) for a in value.args):
         return None
     return UseKind.PASSED
 

@@ -84,15 +84,47 @@ def test_each_framework_legacy_rewrite_leaves_the_converted_file_alone():
         assert again == converted, rewrite.code
 
 
-def test_a_state_used_inside_a_branch_is_refused_with_class_and_line():
+def test_a_state_used_under_a_condition_is_refused_with_class_and_line():
     source = SOURCE.replace(
         "        recurrent_state.copy_(last_recurrent_state)\n",
-        "        if recurrent_state is not None:\n"
-        "            recurrent_state.copy_(last_recurrent_state)\n",
+        "        if num_requests > 1:\n            recurrent_state.copy_(last_recurrent_state)\n",
     )
     message = _refusal(source)
     assert "LegacyGatedDeltaNet._forward_prefill line " in message
-    assert "recurrent_state in a way the rewrite does not convert" in message
+    assert (
+        "`if num_requests > 1:` uses the Legacy rows recurrent_state under a condition" in message
+    )
+
+
+def test_the_real_files_guards_and_fallback_alias_are_converted():
+    """What the framework's Qwen3.5 writes around its states: writes under
+    ``with autocast`` / ``if state is not None:``, the decode state chosen by
+    ``buffer if state is None else state`` and cast with ``.to(dtype)`` for the kernel."""
+    source = (
+        SOURCE.replace(
+            "        recurrent_state.copy_(last_recurrent_state)\n",
+            '        with torch.autocast(device_type="cpu", enabled=False):\n'
+            "            if recurrent_state is not None:\n"
+            "                recurrent_state.copy_(last_recurrent_state)\n",
+        )
+        .replace(
+            "            recurrent_state,\n            beta=beta,\n",
+            "            last_state.to(query.dtype),\n            beta=beta,\n",
+        )
+        .replace(
+            "        batch_size = fused_proj.shape[0]\n",
+            "        batch_size = fused_proj.shape[0]\n"
+            "        last_state = self.gdn_ssm_state_indices if recurrent_state is None else recurrent_state\n",
+        )
+    )
+    converted = convert(source)
+    assert "    if recurrent_state is not None:\n" in converted
+    assert (
+        "            recurrent_state[state_index] = last_recurrent_state.to(recurrent_state.dtype)"
+        in converted
+    )
+    assert "last_state.to(query.dtype)," in converted
+    assert "ssm_state_indices=state_index.to(torch.int32)," in converted
 
 
 def test_a_state_read_directly_from_self_is_refused():

@@ -161,12 +161,7 @@ def test_states_no_layer_class_holds_are_refused():
 
 
 def _apply(tmp_path):
-    from kvskill.implementer.convert import ApplyOptions
-    from kvskill.implementer.writer import apply_model
-
-    out = tmp_path / "out"
-    apply_model(str(FIXTURE), out, ApplyOptions())
-    return out
+    return _apply_model_dir(FIXTURE, tmp_path / "out")
 
 
 def _verify(out):
@@ -201,3 +196,29 @@ def test_verify_fails_a_conversion_that_reads_states_from_the_wrong_blocks(tmp_p
     report = _verify(out)
     assert report.error is None
     assert not report.tokens_identical and not report.logits_within
+
+
+def test_verify_of_a_model_importing_more_of_the_framework_is_refused_in_one_line(tmp_path):
+    """The CPU host answers the executor's cache and metadata modules only; a model that
+    imports its config package (as the real qwen3_5 does) is refused, not a crash."""
+    import shutil
+
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    modeling = model / MODELING
+    text = modeling.read_text(encoding="utf-8")
+    anchor = "from executor.utils.forward_metadata import ForwardMetaData\n"
+    modeling.write_text(text.replace(anchor, anchor + "from executor.core.config import X\n"))
+    out = _apply_model_dir(model, tmp_path / "out")
+    with pytest.raises(UnsupportedModelError, match=r"imports 'executor\.core\.config'"):
+        verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=2))
+
+
+def _apply_model_dir(model: Path, out: Path) -> Path:
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    apply_model(str(model), out, ApplyOptions())
+    return out

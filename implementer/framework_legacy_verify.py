@@ -109,7 +109,8 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
     report.notes.append(
         f"reference: the Legacy original {original_dir.name}/{plan.code['modeling_file']} on "
         "rows allocated as the framework's worker does (one static batch), CPU torch_npu "
-        "stand-in; NPU shape limits not checked on this path"
+        "stand-in; whole-prompt prefill steps, as the executor runs them; NPU shape limits "
+        "not checked on this path"
     )
     with npu_standin(), framework_modules(), torch.no_grad():
         legacy_config = legacy_infer_config(
@@ -134,9 +135,11 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
         ).eval()
         paged.load_state_dict(original.state_dict())
         try:
-            run = EngineDriver(seed=options.seed, use_hybrid_blocks=False).run(
-                paged, prompts, max_new_tokens=new_tokens, block_size=block_size
-            )
+            # NOTE: whole prompts per prefill step, as the Legacy original and the executor
+            # (no chunked prefill at fbc225d) run them: a converted Legacy prefill starts each
+            # request from a fresh state and refuses a step with tokens already cached
+            driver = EngineDriver(seed=options.seed, use_hybrid_blocks=False, chunked_prefill=False)
+            run = driver.run(paged, prompts, max_new_tokens=new_tokens, block_size=block_size)
         except Exception as exc:  # the converted code is what is being checked
             report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
             return report

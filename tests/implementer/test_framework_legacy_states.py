@@ -171,8 +171,24 @@ def _verify(out):
 
 
 @pytest.mark.slow
-def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
-    report = _verify(_apply(tmp_path))
+@pytest.mark.parametrize(
+    ("num_prompts", "max_new_tokens", "block_size"),
+    # the second: 37 prompt tokens over a budget of 32 (two prefill steps), so requests
+    # finish at different steps and decode batches shrink; blocks of 4 tokens
+    [(4, 8, None), (6, 16, 4)],
+)
+def test_apply_then_verify_is_token_exact_against_the_legacy_original(
+    tmp_path, num_prompts, max_new_tokens, block_size
+):
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
+    options = VerifyOptions(
+        trust_remote_code=True,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+    )
+    report = verify_directory(_apply(tmp_path), options)
     assert report.error is None
     assert report.tokens_identical and report.logits_within
     assert report.max_logit_diff < 1e-4
@@ -222,3 +238,32 @@ def _apply_model_dir(model: Path, out: Path) -> Path:
 
     apply_model(str(model), out, ApplyOptions())
     return out
+
+
+@pytest.mark.slow
+def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropping_state(
+    tmp_path,
+):
+    """The Legacy prefill starts every request from a fresh state; under a host that splits a
+    prompt over steps (kvskill's runtime with chunked prefill on: 37 prompt tokens, a budget
+    of 32) the converted code stops with its reason instead of continuing from nothing."""
+    import json
+
+    import torch
+    from kvskill.implementer.framework_legacy_verify import _import_model
+    from kvskill.implementer.verify import condition_weights, make_prompts
+    from kvskill.implementer.verify_engine import EngineDriver
+    from kvskill.runtime.executor_host import executor_infer_config, framework_modules
+    from kvskill.runtime.ops.npu_standin import npu_standin
+
+    out = _apply(tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    code = {"modeling_file": MODELING, "causal_lm_class": "LegacyGatedDeltaForCausalLM"}
+    prompts = make_prompts([7, 3, 11, 5, 9, 2], config["vocab_size"], 0)
+    with npu_standin(), framework_modules(), torch.no_grad():
+        model_cls, model_config, _ = _import_model(out, code, config)
+        model = model_cls(model_config, executor_infer_config(block_size=4), None).eval()
+        condition_weights(model, 0)
+        driver = EngineDriver(seed=0, use_hybrid_blocks=False, chunked_prefill=True)
+        with pytest.raises(RuntimeError, match="starts every request from a fresh state"):
+            driver.run(model, prompts, max_new_tokens=4, block_size=4)

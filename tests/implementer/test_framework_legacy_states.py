@@ -173,8 +173,8 @@ def _verify(out):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_prompts", "max_new_tokens", "block_size"),
-    # the second: 37 prompt tokens over a budget of 32 (two prefill steps), so requests
-    # finish at different steps and decode batches shrink; blocks of 4 tokens
+    # the second: 37 prompt tokens over a step budget of 32, so the prompts are admitted in
+    # more than one prefill step; blocks of 4 tokens
     [(4, 8, None), (6, 16, 4)],
 )
 def test_apply_then_verify_is_token_exact_against_the_legacy_original(

@@ -267,3 +267,12 @@ def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropp
         driver = EngineDriver(seed=0, use_hybrid_blocks=False, chunked_prefill=True)
         with pytest.raises(RuntimeError, match="starts every request from a fresh state"):
             driver.run(model, prompts, max_new_tokens=4, block_size=4)
+
+
+def test_analyze_says_the_states_keep_init_caches_layout():
+    from kvskill.analyzer.analyze import analyze_model
+
+    plan = analyze_model(str(FIXTURE))
+    assert plan.code["legacy_framework"] is True
+    notes = [e.reason for e in plan.evidence if e.decision == "cache_entries.Mamba"]
+    assert any("one MambaCacheEntry per state init_cache allocates" in n for n in notes)

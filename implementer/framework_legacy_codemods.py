@@ -13,7 +13,8 @@ reads its attention). Output: the same file in the executor's Paged contract:
   unpacking becomes its decode arm; assignments only the removed code read go with it.
 * KVR021, the model class: ``init_cache`` is removed, ``self.block_size`` is read from the
   scheduler config and ``get_cache_info()`` is added; with it the executor allocates paged
-  caches instead of Legacy rows.
+  caches instead of Legacy rows. The per-request states ``init_cache`` also allocates are
+  KVR022's (``framework_legacy_state_codemods.py``), which runs first: it reads them there.
 """
 
 from __future__ import annotations

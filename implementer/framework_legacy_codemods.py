@@ -272,9 +272,10 @@ class FrameworkLegacyModelCommand(ModelClassRewrite):
                 line = positions[init_cache].start.line
                 found.append(
                     f"{head.name.value}.init_cache (line {line}) also allocates "
-                    f"{', '.join(others)}, which no layer class holds as a state set to None "
-                    "in its __init__; only k_cache / v_cache rows and such per-request states "
-                    "are converted to Paged entries"
+                    f"{', '.join(others)}, not as a per-request state the state rewrite "
+                    "(KVR022) reads (`<layer>.<state> = torch.<alloc>((batch, ...), ...)` on a "
+                    "layer whose __init__ sets it to None); only k_cache / v_cache rows and "
+                    "such states are converted to Paged entries"
                 )
         return found
 

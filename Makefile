@@ -60,6 +60,11 @@ test-compat: $(COMPAT_STAMPS)
 		OMP_NUM_THREADS=1 .venv-tf$$v/bin/python -m pytest -m compat tests/compat --durations=10; \
 	done
 
+# One older transformers alone (CI runs the two side by side, one per core).
+test-compat-%: .venv-tf%/.kvskill-installed
+	@echo "== transformers $*"
+	OMP_NUM_THREADS=1 .venv-tf$*/bin/python -m pytest -m compat tests/compat --durations=10
+
 # Opt-in: kvskill against a real hicann/cann-recipes-infer checkout (pinned fbc225d), on the CPU
 # through the torch_npu stand-in: KVSKILL_CANN_RECIPES=/path/to/checkout make test-cann-recipes.
 # Installs the packages that checkout's executor imports (constraints-cann-recipes.txt) first.
@@ -68,7 +73,7 @@ test-cann-recipes: $(STAMP)
 	$(PIP) install -c constraints.txt -c constraints-cann-recipes.txt datasets loguru requests
 	$(PY) -m pytest -m "slow or not slow" tests/runtime/test_executor_contract.py \
 		tests/runtime/test_cann_recipes_executor.py tests/runtime/test_standin_cann_recipes.py \
-		tests/skill/test_lint_executor.py
+		tests/skill/test_lint_executor.py tests/implementer/test_standalone_legacy.py
 
 demo: $(STAMP)
 	DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh $(PY)

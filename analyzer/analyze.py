@@ -19,7 +19,11 @@ from kvskill.analyzer.config_keys import (
 )
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.inherited import inherited_attention_reason
+from kvskill.analyzer.inherited import (
+    inherited_attention,
+    inherited_attention_reason,
+    inherited_module,
+)
 from kvskill.analyzer.inputs import (
     ModelSource,
     build_config,
@@ -28,6 +32,7 @@ from kvskill.analyzer.inputs import (
     image_text_to_text_class_name,
     resolve_model,
     transformers_modeling_file,
+    transformers_root,
 )
 from kvskill.analyzer.kv_sharing import (
     KvSharing,
@@ -40,7 +45,14 @@ from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
-from kvskill.analyzer.plan import AttentionKind, CacheEntryPlan, KvMode, Plan
+from kvskill.analyzer.plan import (
+    AttentionKind,
+    CacheEntryPlan,
+    Evidence,
+    KvMode,
+    Plan,
+    PlanSource,
+)
 from kvskill.analyzer.qkv_split import fused_qkv_note
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
@@ -149,6 +161,40 @@ def attention_sublayers(code: CodeView, book: Notebook) -> int:
     return total
 
 
+def _inherited_source(source: ModelSource, facts) -> ModelSource | None:
+    """The remote file's model planned from the transformers modeling file its attention
+    classes come from (``analyzer/inherited.py``), with the remote file's config; None when
+    the file takes no attention from transformers, or from several modules."""
+    module = inherited_module(facts) if source.kind == "remote_code" else None
+    if module is None:
+        return None
+    path = transformers_root().joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.is_file():
+        return None
+    return replace(source, modeling_file=str(path))
+
+
+def _inheriting_plan(plan: Plan, source: ModelSource, facts, roles) -> Plan:
+    """PLAN (made from the inherited transformers file) for the remote file: its own
+    causal-LM class, its source, and the evidence of where the attention comes from."""
+    inherits = plan.source.modeling_file
+    cited = Evidence(
+        decision="source",
+        reason=(
+            "; ".join(inherited_attention(facts))
+            + f": the attention is {Path(inherits).name}'s, so that file is planned and "
+            "converted into the output directory, and this file imports it from there"
+        ),
+        source=f"{facts.file_name}:{facts.classes[roles.causal_lm].line}",
+    )
+    return replace(
+        plan,
+        architecture=roles.causal_lm,
+        source=PlanSource(**{**source.as_plan_source(), "inherits_code": inherits}),
+        evidence=[cited, *plan.evidence],
+    )
+
+
 def _refuse_non_causal(source: ModelSource) -> None:
     if source.config.get("is_encoder_decoder"):
         raise UnsupportedModelError(
@@ -213,6 +259,9 @@ def plan_for_source(
         inner = _language_model_source(source)
         if inner is not None:
             return plan_for_source(inner, **options)
+        inherited = _inherited_source(source, facts)
+        if inherited is not None:
+            return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
         raise UnsupportedModelError(
             inherited_attention_reason(facts)
             or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
@@ -677,6 +726,13 @@ def _code_notes(
                 "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
                 "rule: the framework-Legacy state rewrite (KVR022)",
             )
+    if facts.get("legacy_standalone"):
+        book.cite(
+            "code",
+            "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "
+            "kv_len + BSH fused attention, standalone mode 1); converting it to paged mode 2",
+            facts["legacy_standalone_source"],
+        )
     fused = facts.get("fused_qkv")
     if fused:
         book.cite("fused_qkv", fused_qkv_note(fused), fused["split_source"] or fused["source"])

@@ -145,6 +145,8 @@ def _cache_api(receiver: str | None) -> str | None:
 def _converted(facts, result: dict[str, Any]) -> None:
     converted = None
     legacy = None
+    # the standalone models' Legacy: scatter_update_ rows the model's init_cache allocates
+    standalone_write = init_cache = None
     for cls in facts.classes.values():
         if converted is None:
             if "cache_entries" in cls.self_attrs:
@@ -154,10 +156,17 @@ def _converted(facts, result: dict[str, Any]) -> None:
         scatter = next((c for c in cls.calls if c.callee == "scatter_update_"), None)
         if legacy is None and "cache_unit" in cls.self_attrs and scatter is not None:
             legacy = f"{facts.where(cls.self_attrs['cache_unit'])}, {facts.where(scatter.line)}"
+        if standalone_write is None and "cache_unit" not in cls.self_attrs and scatter:
+            standalone_write = facts.where(scatter.line)
+        if init_cache is None and "init_cache" in cls.methods:
+            init_cache = facts.where(cls.methods["init_cache"])
     result["already_converted"] = converted is not None
     result["already_converted_source"] = converted
     result["legacy_framework"] = legacy is not None and converted is None
     result["legacy_framework_source"] = legacy
+    standalone = legacy is None and converted is None and None not in (standalone_write, init_cache)
+    result["legacy_standalone"] = standalone
+    result["legacy_standalone_source"] = f"{init_cache}, {standalone_write}" if standalone else None
 
 
 @dataclass(frozen=True, kw_only=True)

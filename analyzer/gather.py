@@ -573,6 +573,20 @@ def is_framework_legacy_state_layer(cls: cst.ClassDef, state_attrs: frozenset[st
         )
     }
     return unset == set(state_attrs)
+def is_standalone_legacy_attention(cls: cst.ClassDef) -> bool:
+    """The Legacy attention of the framework's standalone models (cann-recipes-infer's
+    ``models/pangu_7b`` at ``fbc225d``): one of its methods writes rows with
+    ``scatter_update_`` and attends with the fused operator, over caches the model's
+    ``init_cache`` allocated and the runner hands back as ``past_key_value``. It sizes no
+    ``cache_unit`` (that is the executor's kind, :func:`is_framework_legacy_attention`) and
+    declares no ``cache_entries``."""
+    if class_assigns(cls, CACHE_UNIT_ASSIGN) or class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        return False
+    return any(
+        m.findall(func, LEGACY_ROW_WRITE) and m.findall(func, FA_CALL)
+        for func in cls.body.body
+        if isinstance(func, cst.FunctionDef)
+    )
 
 
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:

@@ -7,6 +7,11 @@ kernel then run in transformers' own modeling file, which ``apply`` does not rew
 model directory: the rewrite converts the code of the file it is given. When the file has no
 attention class of its own, the refusal names those classes and where they come from, so the
 user knows what to bring into the file (the inherited ``forward`` and ``__init__``).
+
+When every such class comes from one modeling module of transformers
+(``transformers.models.llama.modeling_llama``), that module is planned and converted in the
+file's stead (:func:`inherited_module`): apply writes it converted into the output directory
+and points the file's import at it, so the file's own additions stay as they are.
 """
 
 from __future__ import annotations
@@ -47,6 +52,29 @@ def inherited_attention(facts: ModuleFacts) -> list[str]:
     return found
 
 
+def inherited_module(facts: ModuleFacts) -> str | None:
+    """The one transformers modeling module (``transformers.models.<x>.modeling_<x>``) every
+    attention-carrying class the file subclasses or builds comes from, else None (none, or
+    several modules: one converted module per output directory)."""
+    origins = {
+        origin
+        for cls in facts.classes.values()
+        for name in (*cls.bases, *(n for names in cls.attr_classes.values() for n in names))
+        if _carries_attention(name)
+        for origin in [_transformers_origin(facts, name)]
+        if origin is not None
+    }
+    if len(origins) != 1:
+        return None
+    (module,) = origins
+    parts = module.split(".")
+    if len(parts) != 4 or parts[:2] != ["transformers", "models"]:
+        return None
+    if not parts[3].startswith("modeling_"):
+        return None
+    return module
+
+
 def inherited_attention_reason(facts: ModuleFacts) -> str | None:
     """The one-line refusal for a file whose attention comes from transformers, else None."""
     found = inherited_attention(facts)
@@ -61,4 +89,4 @@ def inherited_attention_reason(facts: ModuleFacts) -> str | None:
     )
 
 
-__all__ = ["inherited_attention", "inherited_attention_reason"]
+__all__ = ["inherited_attention", "inherited_attention_reason", "inherited_module"]

@@ -51,6 +51,9 @@ class ModelSource:
     #: the vision-language class that holds the text decoder in its own modeling file
     #: (qwen2_5_vl), when the model type has no causal-LM class
     vision_language_head: str | None = None
+    #: the installed transformers modeling file whose attention classes the remote file
+    #: subclasses or builds (``analyzer/inherited.py``); that file is planned and converted
+    inherits_code: str | None = None
 
     def as_plan_source(self) -> dict[str, Any]:
         source = {
@@ -63,6 +66,8 @@ class ModelSource:
             source["language_model_of"] = self.delegated_from
         if self.vision_language_head:
             source["vision_language_head"] = self.vision_language_head
+        if self.inherits_code:
+            source["inherits_code"] = self.inherits_code
         return source
 
 

@@ -172,14 +172,17 @@ class PlanSource:
     language_model_of: str | None = None
     #: the ``*ForConditionalGeneration`` class converted whole (its own text decoder)
     vision_language_head: str | None = None
+    #: the installed transformers modeling file the remote modeling file takes its attention
+    #: from (subclassed or built as is); apply converts it into the output directory
+    inherits_code: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", SourceKind(self.kind))
 
     def to_dict(self) -> dict[str, Any]:
-        # NOTE: the two optional keys are absent, not null, when unset (the JSON of before).
+        # NOTE: the optional keys are absent, not null, when unset (the JSON of before).
         data = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-        for key in ("language_model_of", "vision_language_head"):
+        for key in ("language_model_of", "vision_language_head", "inherits_code"):
             if data[key] is None:
                 del data[key]
         return data

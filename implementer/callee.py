@@ -106,18 +106,27 @@ def kernel_position(body: cst.IndentedBlock) -> tuple[int, int] | None:
     return matmul_attention(body)
 
 
-def relayout_root(expr: cst.BaseExpression) -> str | None:
-    """``x`` when EXPR is ``x`` followed only by RELAYOUT_OR_CAST calls (``x.permute(1, 2, 0,
+#: besides RELAYOUT_OR_CAST, the reshapes a forward may apply to its query between the cache
+#: write and the kernel: the seam reads the query before them and lays it out itself
+RESHAPES = RELAYOUT_OR_CAST | {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze"}
+
+
+def relayout_root(
+    expr: cst.BaseExpression, allowed: frozenset[str] = RELAYOUT_OR_CAST
+) -> str | None:
+    """``x`` when EXPR is ``x`` followed only by ALLOWED calls (``x.permute(1, 2, 0,
     3).contiguous()``), else None."""
     while isinstance(expr, cst.Call):
         func = expr.func
-        if not isinstance(func, cst.Attribute) or func.attr.value not in RELAYOUT_OR_CAST:
+        if not isinstance(func, cst.Attribute) or func.attr.value not in allowed:
             return None
         expr = func.value
     return expr.value if isinstance(expr, cst.Name) else None
 
 
-def rebinds_by_relayout(stmt: cst.BaseStatement) -> dict[str, str] | None:
+def rebinds_by_relayout(
+    stmt: cst.BaseStatement, allowed: frozenset[str] = RELAYOUT_OR_CAST
+) -> dict[str, str] | None:
     """``{target: source}`` when STMT only re-lays out or casts names: ``q = q.permute(...)``
     or ``q, k, v = [x.permute(1, 2, 0, 3) for x in [q, k, v]]``; else None."""
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
@@ -127,7 +136,7 @@ def rebinds_by_relayout(stmt: cst.BaseStatement) -> dict[str, str] | None:
         return None
     target, value = assign.targets[0].target, assign.value
     if isinstance(target, cst.Name):
-        root = relayout_root(value)
+        root = relayout_root(value, allowed)
         return {target.value: root} if root is not None else None
     if not isinstance(target, (cst.Tuple, cst.List)) or not isinstance(value, cst.ListComp):
         return None
@@ -138,7 +147,7 @@ def rebinds_by_relayout(stmt: cst.BaseStatement) -> dict[str, str] | None:
         loop.inner_for_in is not None
         or loop.ifs
         or not isinstance(loop.target, cst.Name)
-        or relayout_root(value.elt) != loop.target.value
+        or relayout_root(value.elt, allowed) != loop.target.value
         or len(sources) != len(names)
         or not all(isinstance(n, cst.Name) for n in names)
         or not all(isinstance(s.value, cst.Name) for s in sources)
@@ -384,6 +393,7 @@ class _Rename(cst.CSTTransformer):
 
 __all__ = [
     "RELAYOUT_OR_CAST",
+    "RESHAPES",
     "callee_kernel",
     "first_line",
     "Callee",

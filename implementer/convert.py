@@ -108,6 +108,13 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
         return convert_framework_legacy(plan, options)
     if plan.code.get("legacy_framework"):
         return convert_framework_own_legacy(plan, options)
+    if plan.code.get("legacy_standalone"):
+        raise UnsupportedModelError(
+            f"{Path(plan.source.modeling_file).name}: cannot convert in framework mode: the "
+            "framework's standalone Legacy model (rows from its own init_cache, scatter_update_ "
+            f"at kv_len; {plan.code['legacy_standalone_source']}) is driven by its own runner; "
+            "convert it with --mode standalone (mode 2, the runner kept)"
+        )
     mla = plan.is_mla
     check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(

@@ -161,6 +161,10 @@ class AttentionFacts:
     #: that replace the kernel with the fused operator, not for Legacy, which keeps the
     #: model's own math
     fused_limits: list[str] = field(default_factory=list)
+    #: the first lines of the seam's statements that rebind the query beyond a relayout or
+    #: cast (also one of ``fused_limits``); the MLA rewrite builds its query from the parts
+    #: concatenated there, so it accepts that one statement and nothing else
+    query_changes: list[str] = field(default_factory=list)
 
 
 def _params(func: cst.FunctionDef) -> list[str]:
@@ -402,6 +406,38 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef, methods: dict) 
     _check_seam_names(facts, body, seam)
     _check_tail_names(facts, forward, seam)
     return seam
+
+
+def _query_changes(seam: SeamFacts, inside: list[cst.BaseStatement]) -> list[str]:
+    """The first lines of the statements inside the seam that rebind the query other than by
+    a relayout or cast (Qwen-7B's ``query = query * logn_tensor``). The seam replaces these
+    statements and takes the query as it stood before them, so each one would be dropped."""
+    from kvskill.implementer.callee import RESHAPES, first_line, rebinds_by_relayout
+
+    names = {seam.query}
+    changes = []
+    for stmt in inside:
+        # every assignment to the query, also inside an if (an autocast cast before a kernel)
+        for node in m.findall(stmt, m.Assign()):
+            assign = cst.ensure_type(node, cst.Assign)
+            assigned = _assigned_names([cst.SimpleStatementLine([assign])])
+            if not assigned & names:
+                continue
+            moves = rebinds_by_relayout(cst.SimpleStatementLine([assign]), RESHAPES) or {}
+            if any(moves.get(target) not in names for target in assigned & names):
+                changes.append(first_line(stmt))
+                break
+            names |= {target for target, source in moves.items() if source in names}
+    return changes
+
+
+def query_change_limit(name: str, changes: list[str]) -> str:
+    """The fused limit of a query rebuilt between the cache write and attention."""
+    return (
+        f"{name}.forward changes its query between the cache write and attention "
+        f"(`{changes[0]}`), beyond a relayout or cast; the seam reads the query before it, "
+        "so converting would drop that change"
+    )
 
 
 def _check_tail_names(facts: AttentionFacts, forward: cst.FunctionDef, seam: SeamFacts) -> None:
@@ -917,6 +953,9 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
             f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
         )
+    facts.query_changes = _query_changes(seam, inside)
+    if facts.query_changes:
+        facts.fused_limits.append(query_change_limit(facts.name, facts.query_changes))
     if leaked:
         facts.fused_limits.append(
             f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "
@@ -949,5 +988,6 @@ __all__ = [
     "is_causal_lm_class",
     "is_converted_attention",
     "partial_conversion",
+    "query_change_limit",
     "seam_forward",
 ]

@@ -172,17 +172,17 @@ class FrameworkLegacyAttentionCommand(_LegacyAttentionRewrite):
         new: list[cst.BaseStatement] = []
         for index, stmt in enumerate(old):
             if index == seam.pack_index:
-                new.extend(_led_by(stmt, rows))
+                new.extend(led_by(stmt, rows))
             elif index == seam.write_indexes[0]:
-                new.extend(_led_by(stmt, seam_stmts))
+                new.extend(led_by(stmt, seam_stmts))
             elif index in seam.write_indexes or index == seam.kernel_index:
                 continue
             elif index == seam.unpack_index:
                 arm = cst.ensure_type(cst.ensure_type(stmt, cst.If).orelse, cst.Else)
-                new.extend(_led_by(stmt, list(cst.ensure_type(arm.body, cst.IndentedBlock).body)))
+                new.extend(led_by(stmt, list(cst.ensure_type(arm.body, cst.IndentedBlock).body)))
             else:
                 new.append(stmt)
-        new = _drop_dead_assignments(new, _names_read(removed))
+        new = drop_dead_assignments(new, names_read(removed))
         block = cst.ensure_type(forward.body, cst.IndentedBlock)
         return forward.with_changes(body=block.with_changes(body=new))
 
@@ -206,7 +206,7 @@ _CACHE_UNIT = m.Assign(
 )
 
 
-def _led_by(old: cst.BaseStatement, new: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+def led_by(old: cst.BaseStatement, new: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
     """NEW, keeping the blank lines and comments that led into OLD."""
     if not new:
         return new
@@ -214,7 +214,7 @@ def _led_by(old: cst.BaseStatement, new: list[cst.BaseStatement]) -> list[cst.Ba
     return [new[0].with_changes(leading_lines=[*lead, *new[0].leading_lines]), *new[1:]]
 
 
-def _names_read(stmts: list[cst.BaseStatement]) -> set[str]:
+def names_read(stmts: list[cst.BaseStatement]) -> set[str]:
     return {cst.ensure_type(n, cst.Name).value for s in stmts for n in m.findall(s, m.Name())}
 
 
@@ -234,7 +234,7 @@ def _targets(stmt: cst.BaseStatement) -> set[str] | None:
     return names
 
 
-def _drop_dead_assignments(body: list[cst.BaseStatement], candidates: set[str]):
+def drop_dead_assignments(body: list[cst.BaseStatement], candidates: set[str]):
     """BODY without the assignments to CANDIDATES (names the removed Legacy code read) that
     nothing left reads; repeated, since one removal can leave another unread."""
     while True:
@@ -243,7 +243,7 @@ def _drop_dead_assignments(body: list[cst.BaseStatement], candidates: set[str]):
             if not bound or not bound <= candidates:
                 continue
             rest = body[:index] + body[index + 1 :]
-            if not bound & _names_read(rest):
+            if not bound & names_read(rest):
                 body = rest
                 break
         else:

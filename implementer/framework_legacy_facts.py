@@ -176,7 +176,7 @@ def _read_forward(
         return None
     states = [_write_states(body[i], where, line, problems) for i in writes]
     shape = _pack_shape(body[packs[0]], where, line, problems)
-    call = _kernel_call(body[kernel], states, where, line, problems)
+    call = kernel_call(body[kernel], states, where, line, problems)
     if None in states or shape is None or call is None:
         return None
     unpack = _unpack_index(body, packs[0], kernel, where, line, problems)
@@ -263,7 +263,7 @@ def _single_assign(stmt: cst.BaseStatement) -> tuple[str | None, cst.BaseExpress
     return cst.ensure_type(assign.targets[0].target, cst.Name).value, assign.value
 
 
-def _kernel_call(stmt, states, where: str, line, problems):
+def kernel_call(stmt, states, where: str, line, problems):
     """(output name, query, carried keywords) of the kernel statement's fused calls.
 
     Every call must be ``out, _ = <fa>(query, k, v, ..., input_layout="BSH", ...)`` with the

@@ -44,7 +44,7 @@ def is_framework_legacy(converted: ConvertedDir) -> bool:
     return bool(converted.plan.code.get("legacy_framework"))
 
 
-def _import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any]):
+def import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any]):
     """(model class, config object) of MODEL_DIR's modeling file (inside the stand-in)."""
     from kvskill.runtime.loader import import_model_package
 
@@ -70,6 +70,27 @@ def _import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any])
     return getattr(module, code["causal_lm_class"]), config_cls(**settings), module
 
 
+def legacy_report(
+    converted: ConvertedDir, options: VerifyOptions, default_block_size: int = CPU_BLOCK_SIZE
+) -> tuple[VerifyReport, list[list[int]]]:
+    """The empty report of a Legacy-original verify (random weights, never shrunk) and its
+    prompts: unequal lengths cycled from PROMPT_LENGTHS, so the Legacy rows pad differently."""
+    lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(options.num_prompts)]
+    prompts = make_prompts(lengths, int(converted.config["vocab_size"]), options.seed)
+    report = VerifyReport(
+        model_type=converted.plan.model_type,
+        directory=str(converted.directory),
+        shrunk=False,
+        checked=Checked.RANDOM_WEIGHTS,
+        config_changes={},
+        dtype=options.dtype,
+        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
+        rtol=options.rtol if options.rtol is not None else LOGIT_RTOL,
+        block_size=options.block_size or default_block_size,
+    )
+    return report, prompts
+
+
 def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> VerifyReport:
     """Run the Legacy original and the paged conversion on the same prompts and compare.
 
@@ -91,21 +112,9 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
             f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
             "verify compares against it"
         )
-    block_size = options.block_size or CPU_BLOCK_SIZE
-    lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(options.num_prompts)]
-    prompts = make_prompts(lengths, int(config["vocab_size"]), options.seed)
+    report, prompts = legacy_report(converted, options)
+    lengths, block_size = [len(p) for p in prompts], report.block_size
     new_tokens = options.max_new_tokens
-    report = VerifyReport(
-        model_type=plan.model_type,
-        directory=str(converted.directory),
-        shrunk=False,
-        checked=Checked.RANDOM_WEIGHTS,
-        config_changes={},
-        dtype=options.dtype,
-        atol=options.atol if options.atol is not None else DEFAULT_ATOL[options.dtype],
-        rtol=options.rtol if options.rtol is not None else LOGIT_RTOL,
-        block_size=block_size,
-    )
     report.notes.append(
         f"reference: the Legacy original {original_dir.name}/{plan.code['modeling_file']} on "
         "rows allocated as the framework's worker does (one static batch), CPU torch_npu "
@@ -116,7 +125,7 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
         legacy_config = legacy_infer_config(
             batch_size=len(prompts), input_truncated_len=max(lengths), max_new_tokens=new_tokens
         )
-        original_cls, original_config, original_module = _import_model(
+        original_cls, original_config, original_module = import_model(
             original_dir, plan.code, config
         )
         original: nn.Module = original_cls(original_config, legacy_config, None).eval()
@@ -129,7 +138,7 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
             metadata_cls=original_module.ForwardMetaData,
             seed=options.seed,
         )
-        converted_cls, converted_config, _ = _import_model(converted.directory, plan.code, config)
+        converted_cls, converted_config, _ = import_model(converted.directory, plan.code, config)
         paged = converted_cls(
             converted_config, executor_infer_config(block_size=block_size), None
         ).eval()

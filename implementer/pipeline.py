@@ -24,6 +24,10 @@ from kvskill.implementer.mla.spec import MlaSpec
 from kvskill.implementer.registry import ConversionPath, rewrites_for
 from kvskill.implementer.self_check import self_check
 from kvskill.implementer.spec import ConversionSpec
+from kvskill.implementer.standalone_legacy_checks import (
+    check_standalone_legacy_module,
+    standalone_legacy_self_check,
+)
 from libcst.codemod import CodemodContext
 
 #: the check of each path's attention and model classes, given the other rewrites' problems
@@ -35,6 +39,7 @@ _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object
     ConversionPath.CONTIGUOUS: check_attention_module,
     ConversionPath.LEGACY: check_attention_module,
     ConversionPath.FRAMEWORK_LEGACY: check_framework_legacy_module,
+    ConversionPath.STANDALONE_LEGACY: check_standalone_legacy_module,
 }
 
 
@@ -100,6 +105,9 @@ def _convert(
     # what was emitted, whatever the rewrites meant: every path of every attention forward
     # writes and reads the declared caches, or nothing is written
     self_check(original, module, filename, path.value)
+    if path is ConversionPath.STANDALONE_LEGACY:
+        # its attention writes in a helper method, which the generic self-check does not see
+        standalone_legacy_self_check(original, module, filename)
     return module.code
 
 
@@ -120,6 +128,14 @@ def convert_framework_legacy_source(
     """The framework's own Legacy model to its Paged contract: :func:`convert` on
     ``ConversionPath.FRAMEWORK_LEGACY``."""
     return convert(source, spec, ConversionPath.FRAMEWORK_LEGACY, filename=filename)
+
+
+def convert_standalone_legacy_source(
+    source: str, spec: ConversionSpec, *, filename: str = "<modeling file>"
+) -> str:
+    """The framework's standalone Legacy model (mode 1) to standalone mode 2: :func:`convert`
+    on ``ConversionPath.STANDALONE_LEGACY``."""
+    return convert(source, spec, ConversionPath.STANDALONE_LEGACY, filename=filename)
 
 
 def convert_mla_source(

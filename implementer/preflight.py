@@ -29,6 +29,10 @@ def convert_plan(plan: Plan, options: ApplyOptions) -> Conversion:
         BadInputError: an option the deploy mode cannot honour (``--kv-mode``).
         UnsupportedModelError: the model cannot be converted; the message says why.
     """
+    if plan.source.inherits_code:
+        from kvskill.implementer.inherited import convert_inherited
+
+        return convert_inherited(plan, options)
     if plan.deploy_mode is DeployMode.STANDALONE:
         return convert_standalone(plan, options)
     return convert_framework(plan, options)

@@ -43,6 +43,10 @@ from kvskill.implementer.mla.codemods import (
 )
 from kvskill.implementer.model_class import CacheInfoCommand
 from kvskill.implementer.short_conv import ShortConvCommand
+from kvskill.implementer.standalone_legacy_codemods import (
+    StandaloneLegacyAttentionCommand,
+    StandaloneLegacyModelCommand,
+)
 from kvskill.implementer.state_mixers import StateLayersCheck
 from kvskill.implementer.text_model import LocalTextModelCommand
 
@@ -61,6 +65,10 @@ class ConversionPath(str, Enum):
     #: the framework's own Legacy model (cache_unit rows, BSH fused attention) converted in
     #: place to the executor's Paged contract; its imports stay the executor's
     FRAMEWORK_LEGACY = "framework_legacy"
+    #: the framework's standalone Legacy model (mode 1: rows from its own init_cache, BSH
+    #: fused attention, its own runner) converted in place to standalone mode 2; its
+    #: imports stay the executor's
+    STANDALONE_LEGACY = "standalone_legacy"
 
 
 ALL_PATHS = frozenset(ConversionPath)
@@ -87,8 +95,9 @@ def _paths(*paths: ConversionPath) -> frozenset[ConversionPath]:
 PAGED, MLA, CONTIGUOUS = ConversionPath.PAGED, ConversionPath.MLA, ConversionPath.CONTIGUOUS
 LEGACY = ConversionPath.LEGACY
 FRAMEWORK_LEGACY = ConversionPath.FRAMEWORK_LEGACY
+STANDALONE_LEGACY = ConversionPath.STANDALONE_LEGACY
 #: the paths whose output imports kvskill's runtime (a framework file keeps the executor's)
-RUNTIME_PATHS = ALL_PATHS - {FRAMEWORK_LEGACY}
+RUNTIME_PATHS = ALL_PATHS - {FRAMEWORK_LEGACY, STANDALONE_LEGACY}
 
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR001", AbsoluteImportsCommand, ALL_PATHS),
@@ -113,6 +122,9 @@ REWRITES: tuple[Rewrite, ...] = (
     # NOTE: KVR022 reads the states' row shapes from init_cache, which KVR021 removes
     Rewrite("KVR022", FrameworkLegacyStatesCommand, _paths(FRAMEWORK_LEGACY)),
     Rewrite("KVR021", FrameworkLegacyModelCommand, _paths(FRAMEWORK_LEGACY)),
+    # NOTE: KVR022 / KVR023 are kept for the framework's gated-delta Legacy states
+    Rewrite("KVR024", StandaloneLegacyAttentionCommand, _paths(STANDALONE_LEGACY)),
+    Rewrite("KVR025", StandaloneLegacyModelCommand, _paths(STANDALONE_LEGACY)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -392,6 +393,19 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     if is_framework_legacy(converted):
         # the original is the framework's own Legacy model, not a transformers reference
         return verify_framework_legacy(converted, options)
+    from kvskill.implementer.standalone_legacy_verify import (
+        is_standalone_legacy,
+        verify_standalone_legacy,
+    )
+
+    if is_standalone_legacy(converted):
+        # the original is the framework's standalone model, driven as its own runner does
+        # NOTE: a model that imports the framework's own packages (executor, module) runs
+        # against the checkout KVSKILL_CANN_RECIPES names, as the opt-in tests do
+        root = os.environ.get("KVSKILL_CANN_RECIPES")
+        return verify_standalone_legacy(
+            converted, options, framework_root=Path(root) if root else None
+        )
     check_verifiable(converted, options)
     options = replace(
         options, tensor_parallel_size=options.tensor_parallel_size or plan.attn_tp_size

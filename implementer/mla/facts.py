@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer.facts import (
+    AttentionFacts,
     SeamFacts,
     attention_facts,
     code,
     init_owner,
+    query_change_limit,
     seam_forward,
 )
 
@@ -129,7 +131,9 @@ def mla_attention_facts(
         name=generic.name,
         config_param=generic.config_param,
         seam=generic.seam,
-        problems=[*generic.problems, *generic.fused_limits],
+        # the MLA rewrite reads its query itself (its parts, or the statements kept when the
+        # query is first bound in the seam) and checks its rebinding below
+        problems=[*generic.problems, *_without_query_change(generic)],
     )
     owner = init_owner(cls, classes)
     forward = _method(cls, "forward")
@@ -150,6 +154,8 @@ def mla_attention_facts(
     facts.query_parts = _query_parts(forward, facts.seam)
     if facts.query_parts is None:
         facts.query_in_seam = _query_in_seam(facts, forward, facts.seam)
+    else:
+        _check_query_rebinds(facts, forward, facts.seam, facts.query_parts)
     if facts.kv_b_proj is not None:
         facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
@@ -288,21 +294,59 @@ def _query_in_seam(facts: MlaAttentionFacts, forward: cst.FunctionDef, seam: Sea
     params = {p.name.value for p in forward.params.params}
     if seam.query not in _assigned_in(body[: seam.update_index]) | params:
         return True
+    _check_query_rebinds(facts, forward, seam, None)
+    return False
+
+
+def _check_query_rebinds(
+    facts: MlaAttentionFacts,
+    forward: cst.FunctionDef,
+    seam: SeamFacts,
+    parts: tuple[str, str] | None,
+) -> None:
+    """Inside the seam, the query (and its PARTS, when the rewrite builds the query from them)
+    may only be re-laid out or cast, and the query built once as ``torch.cat(PARTS, -1)``:
+    the paged seam replaces these statements, so any other rebinding (a scale, a bias) would
+    be dropped."""
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    guarded = {seam.query, *(parts or ())}
     for stmt in body[seam.update_index : seam.kernel_index]:
         for node in m.findall(stmt, m.Assign()):
             assign = cst.ensure_type(node, cst.Assign)
-            if seam.query not in _assigned_in([cst.SimpleStatementLine(body=[assign])]):
+            names = _assigned_in([cst.SimpleStatementLine(body=[assign])]) & guarded
+            if not names:
                 continue
-            alone = len(assign.targets) == 1 and m.matches(
-                assign.targets[0].target, m.Name(seam.query)
+            target = assign.targets[0].target
+            alone = len(assign.targets) == 1 and isinstance(target, cst.Name)
+            name = cst.ensure_type(target, cst.Name).value if alone else ""
+            if alone and (
+                _relayout_of(assign.value, name)
+                or (name == seam.query and parts is not None and _concat_of(assign.value, parts))
+            ):
+                continue
+            facts.problems.append(
+                f"{facts.name}.forward rebinds {', '.join(sorted(names))} between its cache "
+                f"write and its attention call ({code(assign)}), beyond a layout or dtype "
+                "change; the paged seam reads the query as it stands at the cache write"
             )
-            if not (alone and _relayout_of(assign.value, seam.query)):
-                facts.problems.append(
-                    f"{facts.name}.forward rebinds {seam.query} between its cache write and "
-                    f"its attention call ({code(assign)}), beyond a layout or dtype change; "
-                    "the paged seam reads the query as it stands at the cache write"
-                )
-    return False
+
+
+def _concat_of(value: cst.BaseExpression, parts: tuple[str, str]) -> bool:
+    """Whether VALUE is ``torch.cat((PARTS), ...)``, the query the rewrite builds itself."""
+    if not m.matches(value, _CAT):
+        return False
+    first = cst.ensure_type(value, cst.Call).args[0].value
+    return isinstance(first, (cst.Tuple, cst.List)) and [
+        code(e.value) for e in first.elements
+    ] == list(parts)
+
+
+def _without_query_change(generic: AttentionFacts) -> list[str]:
+    """GENERIC's fused limits without the generic query-change one."""
+    if not generic.query_changes:
+        return list(generic.fused_limits)
+    dropped = query_change_limit(generic.name, generic.query_changes)
+    return [limit for limit in generic.fused_limits if limit != dropped]
 
 
 def _query_parts(forward: cst.FunctionDef, seam: SeamFacts) -> tuple[str, str] | None:

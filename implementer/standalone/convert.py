@@ -44,6 +44,11 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
         UnsupportedModelError: the Plan shares one cache across layers (cross-layer KV
             sharing), which only the framework runtime's get_cache_info() wires.
     """
+    if plan.code.get("legacy_standalone"):
+        # the framework's own standalone model: its runner stays, its mode 1 rows become mode 2
+        from kvskill.implementer.standalone.own_legacy import convert_standalone_own_legacy
+
+        return convert_standalone_own_legacy(plan, options)
     sharing = plan.code.get("kv_sharing") or {}
     if sharing.get("shared"):
         raise UnsupportedModelError(

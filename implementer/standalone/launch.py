@@ -45,9 +45,16 @@ class StandaloneRun:
         from kvskill.runtime.loader import load_model
 
         directory = directory.resolve()
-        record = ConvertedDir.read(directory).record.standalone
+        converted = ConvertedDir.read(directory)
+        record = converted.record.standalone
         if record is None:
             raise BadInputError(f"{directory} is a framework output: it has no runner to drive")
+        if converted.plan.code.get("legacy_standalone"):
+            raise BadInputError(
+                f"{directory} is a framework standalone model converted in place: it runs under "
+                f"its own runner ({record.runner or 'none found'}), which kvskill run does not "
+                "drive; prove it with kvskill verify, run it with that runner"
+            )
         loaded = load_model(
             directory,
             dtype=dtype,

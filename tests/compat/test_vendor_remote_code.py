@@ -71,3 +71,12 @@ def test_mla_hub_family_is_token_exact_in_every_variant(name, mode, variant, tmp
         modeling.write_text(text.replace(eager, '"eager": VendorV3FlashAttention2,'), "utf-8")
     report = verify_directory(out, VerifyOptions(trust_remote_code=True))
     assert_token_exact(report)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_attention_inherited_from_transformers_is_token_exact(mode, tmp_path):
+    # the installed transformers' own modeling_llama.py is converted into the output directory
+    # (its 4.46 attention family, its 4.55 / 5.x single class) and the file imports it there
+    model = VENDOR_ROOT / "inherited_llama_attention"
+    report = round_trip(str(model), tmp_path / mode, mode, trust_remote_code=True)
+    assert_token_exact(report)

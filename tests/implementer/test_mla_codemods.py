@@ -4,6 +4,7 @@ and refuses what the fused MLA path cannot express."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -185,3 +186,22 @@ def test_deepseek_plan_spec():
     assert mla.cache_write is CacheWrite.FUSED
     assert plan.num_key_value_heads_per_rank == 1 and plan.is_mla_backend
     assert any(e.decision == "mla_cache_write" for e in plan.evidence)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "        query = query * 2.0\n",  # the query the rewrite would build from its parts
+        "        q_pe = q_pe * 2.0\n",  # one of those parts, after the cache write
+    ],
+)
+def test_a_query_changed_after_its_concatenation_is_refused_naming_the_statement(change):
+    """The rewrite builds the query from the parts concatenated after the cache write; a
+    change of the query or a part there would be dropped, so it is refused, not converted."""
+    concat = "        query = torch.cat((q_nope, q_pe), dim=-1)\n"
+    assert TOY.count(concat) == 1
+    moved = concat + change if change.lstrip().startswith("query") else change + concat
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"({change.strip()})")):
+        convert_mla_source(TOY.replace(concat, moved), spec(CacheWrite.SCATTER))
+    # the concatenation alone is the rewrite's own business
+    assert "cache_entries" in convert_mla_source(TOY, spec(CacheWrite.SCATTER))

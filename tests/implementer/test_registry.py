@@ -57,6 +57,7 @@ SPECS = {
     ConversionPath.MLA: MLA_SPEC,
     ConversionPath.LEGACY: LEGACY_SPEC,
     ConversionPath.FRAMEWORK_LEGACY: PAGED_SPEC,
+    ConversionPath.STANDALONE_LEGACY: PAGED_SPEC,
 }
 BEFORE = {
     ConversionPath.PAGED: HERE / "before_paged.py",
@@ -68,7 +69,14 @@ BEFORE = {
     / "cann_legacy"
     / "gqa_dense"
     / "modeling_legacy_gqa.py",
+    # the framework's standalone Legacy model (init_cache rows, its own runner)
+    ConversionPath.STANDALONE_LEGACY: FIXTURES
+    / "cann_legacy"
+    / "dense_standalone"
+    / "modeling_legacy_dense.py",
 }
+#: the paths that convert the framework's own Legacy files and keep the executor's imports
+OWN_LEGACY_PATHS = {ConversionPath.FRAMEWORK_LEGACY, ConversionPath.STANDALONE_LEGACY}
 #: a rewrite whose work needs a file of another shape than its path's before file
 BEFORE_OF_REWRITE = {
     "KVR013": HERE / "before_runtime_imports.py",
@@ -84,6 +92,7 @@ RUNS_BEFORE = {"KVR022": "KVR021"}
 #: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py)
 NO_WORK_IN_FIXTURE = {
     ("KVR012", "framework_legacy"),
+    ("KVR012", "standalone_legacy"),
     ("KVR008", "paged"),
     ("KVR008", "mla"),
     ("KVR014", "paged"),
@@ -159,7 +168,20 @@ def test_the_framework_legacy_path_keeps_the_executors_imports():
     ]
 
 
-@pytest.mark.parametrize("path", sorted(set(ConversionPath) - {ConversionPath.FRAMEWORK_LEGACY}))
+def test_the_standalone_legacy_path_keeps_the_executors_imports():
+    commands = [
+        rewrite.command.__name__ for rewrite in rewrites_for(ConversionPath.STANDALONE_LEGACY)
+    ]
+    # the runner's own model file stays on the executor's metadata, never kvskill's runtime
+    assert commands == [
+        "AbsoluteImportsCommand",
+        "LocalTextModelCommand",
+        "StandaloneLegacyAttentionCommand",
+        "StandaloneLegacyModelCommand",
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(set(ConversionPath) - OWN_LEGACY_PATHS))
 def test_every_path_starts_with_absolute_imports_and_ends_with_runtime_imports(path):
     commands = [rewrite.command for rewrite in rewrites_for(path)]
     assert commands[0] is AbsoluteImportsCommand
@@ -182,7 +204,13 @@ def test_converted_code_is_a_fixed_point_of_each_rewrite(case):
     rewrite, path = case
     before = BEFORE[path].read_text(encoding="utf-8")
     converted = convert(before, SPECS[path], path, package=PACKAGE, filename="modeling_mini.py")
-    assert findall(parse(converted), CACHE_ENTRIES_ASSIGN), "the full conversion declared caches"
+    if path is ConversionPath.STANDALONE_LEGACY:
+        # the runner's model allocates its paged caches itself (no cache_entries)
+        assert "def set_paged_step_metadata(" in converted, "the full conversion went paged"
+    else:
+        assert findall(parse(converted), CACHE_ENTRIES_ASSIGN), (
+            "the full conversion declared caches"
+        )
     assert run_alone(rewrite, path, converted) == converted
 
 

@@ -229,3 +229,20 @@ def test_einsum_and_bmm_attention_after_a_seq_first_tuple_cache_is_refused_namin
     assert "torch.einsum(" in text and "torch.bmm(" in text
     assert "another method or module" not in message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_query_changed_inside_the_seam_is_a_fused_limit_naming_the_statement():
+    """Qwen-7B scales its query by logn between the cache write and ``_attn``: the seam reads
+    the query before that statement, so converting would drop it silently."""
+    source = SOURCE.replace(
+        "        present = (key, value) if use_cache else None\n",
+        "        present = (key, value) if use_cache else None\n        query = query * 2.0\n",
+    )
+    with pytest.raises(UnsupportedModelError, match=re.escape("(`query = query * 2.0`)")):
+        convert_source(source, SPEC, filename="modeling_vendor.py")
+    # a relayout of the query there is the seam's own business
+    relaid = SOURCE.replace(
+        "        present = (key, value) if use_cache else None\n",
+        "        present = (key, value) if use_cache else None\n        query = query.contiguous()\n",
+    )
+    assert "torch_npu." in convert_source(relaid, SPEC, filename="modeling_vendor.py")

@@ -1,26 +1,30 @@
 """Attention classes a remote file imports from transformers (subclassed or used as they are).
 
-The rewrite converts the code of the file it is given. A class that inherits its forward from
-transformers has no cache write in the file: refused, naming the classes and their origin. A
-subclass that brings its own forward converts like any attention class, and one without an
-``__init__`` of its own is refused with what to add.
+A file whose attention is transformers' own (``class FooAttention(LlamaAttention)`` with only
+an ``__init__``) is planned from that transformers file, which apply converts into the output
+directory; the file then imports it from there and keeps its own code. A subclass that brings
+its own forward converts like any attention class, and one without an ``__init__`` of its own
+is refused with what to add.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+from kvskill.analyzer import analyze_model
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions
 from kvskill.implementer.pipeline import convert_source
 from kvskill.implementer.spec import ConversionSpec
+from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import apply_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-from vendor_fixtures import VENDOR_ROOT  # noqa: E402
+from vendor_fixtures import VENDOR_ROOT, convert_and_verify  # noqa: E402
 
 SPEC = ConversionSpec(
     fa_version="v1",
@@ -30,19 +34,115 @@ SPEC = ConversionSpec(
 )
 
 
-def test_attention_inherited_from_transformers_is_refused_naming_class_and_origin(tmp_path):
+INHERITED = VENDOR_ROOT / "inherited_llama_attention"
+MODELING = "modeling_vendor_sub.py"
+IMPORT = "from transformers.models.llama.modeling_llama import ("
+
+
+def test_the_plan_comes_from_the_transformers_file_the_attention_is_taken_from():
+    plan = analyze_model(str(INHERITED))
+    assert plan.architecture == "VendorSubForCausalLM"
+    assert Path(plan.source.modeling_file).name == MODELING
+    assert Path(plan.source.inherits_code).parts[-3:] == ("models", "llama", "modeling_llama.py")
+    assert plan.source.to_dict()["inherits_code"] == plan.source.inherits_code
+    assert (plan.num_attention_heads, plan.num_key_value_heads, plan.head_dim) == (4, 2, 16)
+    assert not plan.implementer_blockers
+    cited = next(e for e in plan.evidence if e.decision == "source")
+    assert "VendorSubAttention subclasses LlamaAttention from" in cited.reason
+    assert cited.source.startswith(f"{MODELING}:")
+
+
+def test_apply_writes_the_converted_module_beside_the_file_and_redirects_its_import(tmp_path):
+    out = tmp_path / "out"
+    apply_model(str(INHERITED), out, ApplyOptions())
+    original = (INHERITED / MODELING).read_text(encoding="utf-8")
+    written = (out / MODELING).read_text(encoding="utf-8")
+    # the file's own code is kept; only the import moves to the converted module
+    assert written == original.replace(IMPORT, "from .modeling_llama import (")
+    assert 'self.vendor_tag = "sub"' in written
+    module = (out / "modeling_llama.py").read_text(encoding="utf-8")
+    assert "self.cache_entries = [" in module and "def get_cache_info(" in module
+    assert "torch_npu.npu_fused_infer_attention_score(" in module
+    # transformers' relative imports are absolute in the copy written outside the package
+    assert "from ...utils" not in module and "from transformers." in module
+    # the input directory is untouched
+    assert sorted(p.name for p in INHERITED.iterdir()) == sorted(
+        ["config.json", "configuration_vendor_sub.py", MODELING]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode", [("framework", "paged"), ("standalone", "paged"), ("standalone", "contiguous")]
+)
+def test_the_inherited_attention_converts_and_verifies_token_exact(mode, tmp_path):
+    out = tmp_path / "out"
+    report = convert_and_verify("inherited_llama_attention", out, *mode)
+    assert report.passed, report.failures()
+    assert report.tokens_identical and report.max_logit_diff < 1e-4
+
+
+@pytest.mark.slow
+def test_the_file_left_importing_transformers_own_attention_fails_verify(tmp_path):
+    out = tmp_path / "out"
+    apply_model(str(INHERITED), out, ApplyOptions())
+    modeling = out / MODELING
+    text = modeling.read_text(encoding="utf-8")
+    modeling.write_text(text.replace("from .modeling_llama import (", IMPORT), encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match="has no get_cache_info"):
+        verify_directory(out, VerifyOptions(trust_remote_code=True))
+
+
+def _variant(tmp_path: Path, old: str, new: str) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(INHERITED, model)
+    path = model / MODELING
+    text = path.read_text(encoding="utf-8")
+    assert old in text
+    path.write_text(text.replace(old, new, 1), encoding="utf-8")
+    return model
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "reason"),
+    [
+        (
+            "        super().__init__(config, layer_idx)\n        self.vendor_tag",
+            "        nn.Module.__init__(self)\n        self.vendor_tag",
+            "VendorSubAttention.__init__ does not call super().__init__",
+        ),
+        (
+            "class VendorSubForCausalLM(LlamaForCausalLM):",
+            "class VendorSubForCausalLM(LlamaModel):",
+            "VendorSubForCausalLM does not subclass a *ForCausalLM class imported from "
+            "transformers.models.llama.modeling_llama",
+        ),
+        (
+            "from torch import nn\n",
+            "from torch import nn\nimport transformers.models.llama.modeling_llama\n",
+            "`import transformers.models.llama.modeling_llama` is not redirected",
+        ),
+    ],
+    ids=["init-without-super", "causal-lm-not-subclassed", "plain-import"],
+)
+def test_what_the_converted_module_cannot_reach_is_refused_naming_it(tmp_path, old, new, reason):
     out = tmp_path / "out"
     with pytest.raises(UnsupportedModelError) as refused:
-        apply_model(str(VENDOR_ROOT / "inherited_llama_attention"), out, ApplyOptions())
-    message = str(refused.value)
-    assert "\n" not in message
-    assert (
-        "VendorSubAttention subclasses LlamaAttention from "
-        "transformers.models.llama.modeling_llama" in message
-    )
-    assert "VendorSubDecoderLayer subclasses LlamaDecoderLayer" in message
-    assert "copy the inherited forward" in message
+        apply_model(str(_variant(tmp_path, old, new)), out, ApplyOptions())
+    assert reason in str(refused.value) and "\n" not in str(refused.value)
     assert not out.exists()
+
+
+def test_a_file_of_the_converted_module_name_beside_the_model_is_refused(tmp_path):
+    model = _variant(tmp_path, "from torch import nn", "from torch import nn")
+    (model / "modeling_llama.py").write_text("# a vendor's own file\n", encoding="utf-8")
+    with pytest.raises(UnsupportedModelError, match="already has a file of that name"):
+        apply_model(str(model), tmp_path / "out", ApplyOptions())
+
+
+def test_the_executor_target_is_refused_for_an_inherited_attention(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="--target cann-recipes"):
+        apply_model(str(INHERITED), tmp_path / "out", ApplyOptions(target="cann-recipes"))
 
 
 OWN_FORWARD = """

@@ -1,0 +1,254 @@
+"""The framework's standalone Legacy models to standalone mode 2, in place (KVR024, KVR025).
+
+Input: a model in the shape of cann-recipes-infer's standalone dense models (``models/pangu_7b``
+at ``fbc225d``; ``standalone_legacy_facts.py`` reads it): mode 1, BSH rows from the model's
+``init_cache`` written with ``scatter_update_`` at ``kv_len``. Output: the same file in mode 2
+(seed 003, standalone flow): paged caches, a static block table, slots and lengths built for
+every step, ``npu_scatter_nd_update_`` writes and a TND fused attention over the block table.
+The runner is not touched: it still calls ``init_cache``, ``prepare_inputs_for_generation``,
+``prefill`` / ``decode`` and keeps ``kv_len``; what each returns changed, not how it is driven.
+
+* KVR024, the attention's write method: each ``scatter_update_(rows, kv_len, states, -2)``
+  becomes ``npu_scatter_nd_update_`` of the same states at the step's
+  ``slot_mapping["FullAttention"]``; the BSH prefill / decode fused attention becomes one TND
+  call over ``block_table["FullAttention"]`` with the step's lengths, viewed back to the BSH
+  shape the code after it reads; assignments only the removed calls read go with them.
+* KVR025, the model class: ``init_cache`` allocates ``[total_blocks, block_size, width]``
+  caches and a static block table instead of ``[batch, max_len, width]`` rows;
+  ``prepare_inputs_for_generation`` sets each step's paged metadata
+  (``set_paged_step_metadata``) before returning the runner's inputs; ``self.block_size``
+  comes from the Plan (``--block-size``).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from kvskill.analyzer.gather import LEGACY_ROW_WRITE, is_standalone_legacy_attention, method
+from kvskill.implementer._command import (
+    ClassRewriteCommand,
+    ModelClassRewrite,
+    append_statements,
+    with_body,
+)
+from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
+from kvskill.implementer.framework_legacy_codemods import (
+    METADATA_MODULE,
+    drop_dead_assignments,
+    led_by,
+    names_read,
+)
+from kvskill.implementer.snippets import methods, render, statements
+from kvskill.implementer.standalone_legacy_facts import (
+    StandaloneAttentionFacts,
+    StandaloneModelFacts,
+    StandaloneSeam,
+    gather_standalone_attention,
+    gather_standalone_model,
+)
+from libcst.codemod.visitors import AddImportsVisitor
+
+#: the one attn_type of a dense standalone model; the step metadata keys its tables by it
+ATTN_TYPE = "FullAttention"
+_CACHE_SHAPE = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))])]
+)
+
+
+def is_standalone_paged(module: cst.Module) -> bool:
+    """MODULE is already mode 2: a class sets the paged step metadata (KVR025's method)."""
+    return bool(m.findall(module, m.FunctionDef(name=m.Name("set_paged_step_metadata"))))
+
+
+def standalone_legacy_problems(module: cst.Module) -> list[str]:
+    """Why the standalone-Legacy attention rewrite cannot convert MODULE (all reasons)."""
+    found = gather_standalone_attention(module)
+    if not found and not is_standalone_paged(module):
+        return [
+            "no standalone Legacy attention found (a class one of whose methods writes rows "
+            "with scatter_update_ and calls the fused attention, without cache_unit)"
+        ]
+    return [problem for facts in found for problem in facts.problems]
+
+
+class StandaloneLegacyAttentionCommand(ClassRewriteCommand):
+    """Every standalone Legacy attention class to mode 2: paged writes, one TND kernel."""
+
+    DESCRIPTION = (
+        "Replace the standalone Legacy attention's scatter_update_ at kv_len with "
+        "npu_scatter_nd_update_ at the step's slot_mapping and its BSH prefill / decode fused "
+        "attention with one TND fused attention over the static block table (mode 2)."
+    )
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        return standalone_legacy_problems(module)
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.facts: dict[str, StandaloneAttentionFacts] = {
+            f.name: f for f in gather_standalone_attention(node)
+        }
+        return True
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return is_standalone_legacy_attention(cls)
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        seam = self.facts[original.name.value].seam
+        assert seam is not None, "checked before any rewrite"
+        AddImportsVisitor.add_needed_import(self.context, METADATA_MODULE, "get_forward_metadata")
+        body = []
+        for stmt in updated.body.body:
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == seam.method:
+                stmt = self._convert(stmt, seam)
+            body.append(stmt)
+        return with_body(updated, body)
+
+    def _fa_kwargs(self, seam: StandaloneSeam) -> list[tuple[str, str]]:
+        modes = self.spec.sparse_mode[ATTN_TYPE]
+        prefill, decode = modes["prefill"], modes["decode"]
+        sparse = (
+            str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
+        )
+        kwargs = [
+            ("num_heads", seam.num_heads),
+            ("num_key_value_heads", seam.num_kv_heads),
+            ("input_layout", '"TND"'),
+            ("scale", seam.scale or f"({seam.query}.shape[-1] // {seam.num_heads}) ** -0.5"),
+            ("atten_mask", "md.attention_mask"),
+            ("sparse_mode", sparse),
+            ("block_table", f'md.block_table["{ATTN_TYPE}"]'),
+            ("block_size", f"{seam.caches[0]}.shape[1]"),
+            ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
+            ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
+        ]
+        return fa_keywords(self.spec.fa_version, kwargs)
+
+    def _convert(self, func: cst.FunctionDef, seam: StandaloneSeam) -> cst.FunctionDef:
+        config = self.parser_config()
+        old = list(cst.ensure_type(func.body, cst.IndentedBlock).body)
+        kernel = statements(
+            "standalone_legacy_paged_seam.py.j2",
+            config,
+            output=seam.output,
+            npu=seam.npu,
+            op=FA_OPS[self.spec.fa_version],
+            query=seam.query,
+            num_heads=seam.num_heads,
+            key_cache=seam.caches[0],
+            value_cache=seam.caches[1],
+            kwargs=self._fa_kwargs(seam),
+        )
+        removed = old[seam.kernel_index]
+        new: list[cst.BaseStatement] = []
+        for index, stmt in enumerate(old):
+            if index == seam.kernel_index:
+                new.extend(led_by(stmt, kernel))
+            else:
+                new.append(
+                    cst.ensure_type(stmt.visit(_PagedWrites(seam.npu, config)), cst.BaseStatement)
+                )
+        new = drop_dead_assignments(new, names_read([removed]))
+        block = cst.ensure_type(func.body, cst.IndentedBlock)
+        return func.with_changes(body=block.with_changes(body=new))
+
+
+class _PagedWrites(cst.CSTTransformer):
+    """``scatter_update_(rows, kv_len, states, -2)`` -> the slot-mapped paged write."""
+
+    def __init__(self, npu: str, config: cst.PartialParserConfig) -> None:
+        super().__init__()
+        self.npu, self.config = npu, config
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if not m.matches(original, LEGACY_ROW_WRITE):
+            return updated
+        cache, _, states, _ = (cst.Module(body=[]).code_for_node(a.value) for a in original.args)
+        text = render(
+            "standalone_legacy_paged_write.py.j2", npu=self.npu, cache=cache, states=states
+        )
+        return cst.parse_expression(text.strip(), self.config)
+
+
+class StandaloneLegacyModelCommand(ModelClassRewrite):
+    """The model class: paged ``init_cache`` with a static block table, step metadata set in
+    ``prepare_inputs_for_generation``, ``self.block_size``."""
+
+    DESCRIPTION = (
+        "Allocate the standalone model's caches as paged blocks with a static block table in "
+        "init_cache and set each step's slots and lengths in prepare_inputs_for_generation."
+    )
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec) -> list[str]:
+        found = gather_standalone_model(module, getattr(spec, "causal_lm_class", None))
+        if not found:
+            return ["no causal-LM class found (a class whose __init__ assigns self.lm_head)"]
+        return [problem for facts in found if not facts.paged for problem in facts.problems]
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.model_facts: dict[str, StandaloneModelFacts] = {
+            f.name: f for f in gather_standalone_model(node, self.spec.causal_lm_class)
+        }
+        return super().visit_Module(node)
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return super().selects(cls) and method(cls, "set_paged_step_metadata") is None
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = self.model_facts[original.name.value]
+        assert facts.row_shape is not None, "checked before any rewrite"
+        config = self.parser_config()
+        AddImportsVisitor.add_needed_import(self.context, METADATA_MODULE, "set_forward_metadata")
+        batch, max_len, width = facts.row_shape
+        blocks = statements(
+            "standalone_legacy_paged_blocks.py.j2",
+            config,
+            batch=batch,
+            max_len=max_len,
+            width=width,
+            device=f", device={facts.device}" if facts.device else "",
+        )
+        block_size = cst.parse_statement(
+            "# tokens per block of the paged caches (standalone mode 2)\n"
+            f"self.block_size = {self.spec.block_size}\n",
+            config,
+        )
+        step = cst.parse_statement(
+            "self.set_paged_step_metadata(input_ids, kv_len, is_prefill)\n", config
+        )
+        body = []
+        for stmt in updated.body.body:
+            if isinstance(stmt, cst.FunctionDef):
+                name = stmt.name.value
+                if name == "__init__":
+                    stmt = append_statements(stmt, [block_size])
+                elif name == "init_cache":
+                    stmt = _replace_statement(stmt, _CACHE_SHAPE, blocks)
+                elif name == "prepare_inputs_for_generation":
+                    stmt = _before_return(stmt, step)
+            body.append(stmt)
+        helper = methods("standalone_legacy_step_metadata.py.j2", config)
+        return with_body(updated, [*body, *helper])
+
+
+def _replace_statement(func: cst.FunctionDef, matcher, new: list[cst.BaseStatement]):
+    """FUNC with the top-level statement matching MATCHER replaced by NEW (comments kept)."""
+    block = cst.ensure_type(func.body, cst.IndentedBlock)
+    body: list[cst.BaseStatement] = []
+    for stmt in block.body:
+        body.extend(led_by(stmt, new) if m.matches(stmt, matcher) else [stmt])
+    return func.with_changes(body=block.with_changes(body=body))
+
+
+def _before_return(func: cst.FunctionDef, stmt: cst.BaseStatement) -> cst.FunctionDef:
+    block = cst.ensure_type(func.body, cst.IndentedBlock)
+    *rest, last = block.body
+    return func.with_changes(body=block.with_changes(body=[*rest, stmt, last]))
+
+
+__all__ = [
+    "StandaloneLegacyAttentionCommand",
+    "StandaloneLegacyModelCommand",
+    "standalone_legacy_problems",
+]

@@ -718,6 +718,16 @@ def _code_notes(
             "converting it to Paged",
             facts["legacy_framework_source"],
         )
+        if any(kind != "attention" and kind != "sliding" for kind in spec.layer_kinds):
+            # NOTE: the Mamba entries this Plan lists are the config's gated-delta estimate;
+            # the framework-Legacy rewrite (KVR022) keeps init_cache's own state layout
+            book.cite(
+                "cache_entries.Mamba",
+                "framework Legacy states: apply declares one MambaCacheEntry per state "
+                "init_cache allocates, with its name and row shape (Qwen3.5: conv_state "
+                "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
+                "rule: the framework-Legacy state rewrite (KVR022)",
+            )
     if facts.get("legacy_standalone"):
         book.cite(
             "code",

@@ -542,6 +542,37 @@ def is_framework_legacy_attention(cls: cst.ClassDef) -> bool:
     )
 
 
+#: what a framework Legacy ``init_cache`` assigns onto a layer it walks:
+#: ``layer.linear_attn.conv_state = torch.zeros((batch_size, ...), ...)``
+WORKER_ALLOCATION = m.Assign(
+    targets=[m.AssignTarget(target=m.Attribute(value=m.Attribute() | m.Name()))],
+    value=m.Call(func=m.Attribute(value=m.Name("torch"))),
+)
+
+
+def is_framework_legacy_state_layer(cls: cst.ClassDef, state_attrs: frozenset[str]) -> bool:
+    """A layer of the framework's Legacy path holding per-request states (Qwen3.5's gated
+    delta net): its ``__init__`` sets every one of STATE_ATTRS to ``None`` for the worker's
+    ``init_cache`` to fill with ``[batch, ...]`` rows, and it declares no ``cache_entries``."""
+    if not state_attrs or class_assigns(cls, CACHE_ENTRIES_ASSIGN):
+        return False
+    init = method(cls, "__init__")
+    if init is None:
+        return False
+    unset = {
+        attr
+        for attr in state_attrs
+        if m.findall(
+            init,
+            m.Assign(
+                targets=[
+                    m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
+                ],
+                value=m.Name("None"),
+            ),
+        )
+    }
+    return unset == set(state_attrs)
 def is_standalone_legacy_attention(cls: cst.ClassDef) -> bool:
     """The Legacy attention of the framework's standalone models (cann-recipes-infer's
     ``models/pangu_7b`` at ``fbc225d``): one of its methods writes rows with

@@ -18,6 +18,7 @@ from kvskill.implementer.facts import (
     module_classes,
     partial_conversion,
 )
+from kvskill.implementer.framework_legacy_state_facts import gather_legacy_states
 from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.spec import ConversionSpec
@@ -119,11 +120,14 @@ def check_framework_legacy_module(
                 f"{head.name.value}.__init__ takes no infer_config: not the executor's "
                 "model-class contract, whose scheduler config gives the block size"
             )
-    others = sorted(set(spec.attn_types) - {"FullAttention"})
+    converted = {"FullAttention"}
+    if gather_legacy_states(module).layers:
+        converted.add("Mamba")  # the init_cache states KVR022 declares
+    others = sorted(set(spec.attn_types) - converted)
     if others:
         problems.append(
             f"the Plan has {', '.join(others)} layers; the framework-Legacy rewrite converts "
-            "full-attention layers only so far"
+            "full-attention layers and the per-request states init_cache allocates only"
         )
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))

@@ -13,7 +13,8 @@ reads its attention). Output: the same file in the executor's Paged contract:
   unpacking becomes its decode arm; assignments only the removed code read go with it.
 * KVR021, the model class: ``init_cache`` is removed, ``self.block_size`` is read from the
   scheduler config and ``get_cache_info()`` is added; with it the executor allocates paged
-  caches instead of Legacy rows.
+  caches instead of Legacy rows. The per-request states ``init_cache`` also allocates are
+  KVR022's (``framework_legacy_state_codemods.py``), which runs first: it reads them there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvskill.implementer.framework_legacy_facts import (
     LegacyForward,
     gather_legacy_attention,
 )
+from kvskill.implementer.framework_legacy_state_facts import gather_legacy_states
 from kvskill.implementer.snippets import methods, statements
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -262,14 +264,18 @@ class FrameworkLegacyModelCommand(ModelClassRewrite):
             init_cache = method(head, "init_cache")
             if init_cache is None:
                 continue
-            others = sorted(_allocated_attrs(init_cache) - set(LEGACY_CACHE_ATTRS))
+            # states a layer class holds are KVR022's (its problems name what it cannot take)
+            states = gather_legacy_states(module)
+            converted = states.converted_attrs | set(states.unconverted)
+            others = sorted(_allocated_attrs(init_cache) - set(LEGACY_CACHE_ATTRS) - converted)
             if others:
                 line = positions[init_cache].start.line
                 found.append(
                     f"{head.name.value}.init_cache (line {line}) also allocates "
-                    f"{', '.join(others)} (states "
-                    "of another layer kind); only its k_cache / v_cache rows are converted to "
-                    "Paged entries so far"
+                    f"{', '.join(others)}, not as a per-request state the state rewrite "
+                    "(KVR022) reads (`<layer>.<state> = torch.<alloc>((batch, ...), ...)` on a "
+                    "layer whose __init__ sets it to None); only k_cache / v_cache rows and "
+                    "such states are converted to Paged entries"
                 )
         return found
 

@@ -26,6 +26,7 @@ from kvskill.implementer.framework_legacy_codemods import (
     FrameworkLegacyAttentionCommand,
     FrameworkLegacyModelCommand,
 )
+from kvskill.implementer.framework_legacy_state_codemods import FrameworkLegacyStatesCommand
 from kvskill.implementer.gated_delta import GatedDeltaCommand
 from kvskill.implementer.imports import AbsoluteImportsCommand, RuntimeImportsCommand
 from kvskill.implementer.legacy_codemods import (
@@ -118,6 +119,8 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR018", LegacyAttentionInitCommand, _paths(LEGACY)),
     Rewrite("KVR019", LegacyAttentionForwardCommand, _paths(LEGACY)),
     Rewrite("KVR020", FrameworkLegacyAttentionCommand, _paths(FRAMEWORK_LEGACY)),
+    # NOTE: KVR022 reads the states' row shapes from init_cache, which KVR021 removes
+    Rewrite("KVR022", FrameworkLegacyStatesCommand, _paths(FRAMEWORK_LEGACY)),
     Rewrite("KVR021", FrameworkLegacyModelCommand, _paths(FRAMEWORK_LEGACY)),
     # NOTE: KVR022 / KVR023 are kept for the framework's gated-delta Legacy states
     Rewrite("KVR024", StandaloneLegacyAttentionCommand, _paths(STANDALONE_LEGACY)),

@@ -52,6 +52,9 @@ class EngineDriver:
     #: the page pool (strided views over shared pages) instead of one tensor per cache
     use_hybrid_blocks: bool
     failure: str = "the converted model failed in the runtime"
+    #: split a prompt over steps when it exceeds the token budget (off: whole-prompt prefill
+    #: steps, as the executor at fbc225d runs them; it has no chunked prefill)
+    chunked_prefill: bool = True
 
     def run(
         self, model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, block_size: int
@@ -70,6 +73,7 @@ class EngineDriver:
             max_model_len=max(len(p) for p in prompts) + max_new_tokens,
             seed=self.seed,
             use_hybrid_blocks=self.use_hybrid_blocks,
+            enable_chunked_prefill=self.chunked_prefill,
             npu_profile=current_profile(),  # verify's (the shrunk twin's leaves out dims)
         )
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)

@@ -111,5 +111,7 @@ def executor_infer_config(*, block_size: int = 128, attn_tp_size: int = 1) -> Si
             embed_tp_size=1,
             lmhead_tp_size=1,
         ),
-        scheduler_config=SimpleNamespace(batch_size=1, max_new_tokens=32, block_size=block_size),
+        scheduler_config=SimpleNamespace(
+            batch_size=1, batch_size_per_dp_rank=1, max_new_tokens=32, block_size=block_size
+        ),
     )

@@ -87,10 +87,12 @@ def test_an_init_cache_allocating_other_states_is_refused_with_its_line():
     source = SOURCE.replace(
         "            layer.self_attn.v_cache = torch.empty(shape, dtype=dtype, device=device)\n",
         "            layer.self_attn.v_cache = torch.empty(shape, dtype=dtype, device=device)\n"
-        "            layer.mlp.conv_state = torch.zeros(1)\n",
+        "            layer.mlp.conv_state = torch.zeros((batch_size, 4))\n",
     )
     message = _refusal(source)
-    assert "LegacyGqaForCausalLM.init_cache (line " in message and "conv_state" in message
+    # a per-row state no layer class holds (sets to None for init_cache to fill)
+    assert "init_cache (line " in message and "allocates conv_state on layer.mlp" in message
+    assert "not exactly one class sets them all to None" in message
 
 
 def test_a_legacy_attention_without_the_packing_is_refused_not_half_converted():
@@ -139,12 +141,35 @@ def test_verify_fails_a_conversion_whose_paged_attention_is_wrong(tmp_path):
 ROOT = os.environ.get("KVSKILL_CANN_RECIPES")
 
 
+#: the real qwen3_5 shrunk: three gated-delta layers, one full-attention layer, tiny MoE
+QWEN3_5_SHRUNK = {
+    "model_type": "qwen3_5_moe_text",
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+
+
 @pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")
-def test_the_real_qwen3_5_attention_reads_and_the_model_is_refused_for_its_gated_delta_states(
-    tmp_path,
-):
-    """How far the real models/qwen3_5 gets: its attention is read with no problem; the file
-    is refused (exit 3) because init_cache also allocates the gated-delta states."""
+def test_the_real_qwen3_5_converts_its_attention_and_its_gated_delta_states(tmp_path):
+    """The real models/qwen3_5 (shrunk config): its attention is read with no problem and
+    apply converts the whole file, the gated-delta states included (KVR020-022)."""
     import json
 
     import libcst as cst
@@ -153,32 +178,13 @@ def test_the_real_qwen3_5_attention_reads_and_the_model_is_refused_for_its_gated
     real = Path(ROOT) / "models" / "qwen3_5" / "models"
     for name in ("modeling_qwen3_5_moe.py", "configuration_qwen3_5_moe.py"):
         shutil.copy(real / name, tmp_path / name)
-    config = {
-        "model_type": "qwen3_5_moe_text",
-        "architectures": ["Qwen3_5MoeForCausalLM"],
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "float32",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_SHRUNK))
     source = (tmp_path / "modeling_qwen3_5_moe.py").read_text(encoding="utf-8")
     [facts] = gather_legacy_attention(cst.parse_module(source))
     assert facts.name == "Qwen3_5MoeAttention" and facts.problems == []
-    plan = analyze_model(str(tmp_path))
-    with pytest.raises(UnsupportedModelError, match=r"init_cache \(line \d+\) also allocates"):
-        convert_framework(plan, ApplyOptions())
+    converted = convert_framework(analyze_model(str(tmp_path)), ApplyOptions()).converted
+    assert "def init_cache" not in converted and "def get_cache_info(self)" in converted
+    assert converted.count("MambaCacheEntry(") == 2 and converted.count("CacheEntry(") == 4
+    # the decode kernel reads the paged states at the step's blocks
+    assert "ssm_state_indices=state_index.to(torch.int32)," in converted
+    assert "ssm_state_indices=self.gdn_ssm_state_indices" not in converted

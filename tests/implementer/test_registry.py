@@ -78,7 +78,14 @@ BEFORE = {
 #: the paths that convert the framework's own Legacy files and keep the executor's imports
 OWN_LEGACY_PATHS = {ConversionPath.FRAMEWORK_LEGACY, ConversionPath.STANDALONE_LEGACY}
 #: a rewrite whose work needs a file of another shape than its path's before file
-BEFORE_OF_REWRITE = {"KVR013": HERE / "before_runtime_imports.py"}
+BEFORE_OF_REWRITE = {
+    "KVR013": HERE / "before_runtime_imports.py",
+    # the framework's Legacy gated-delta states (init_cache rows per batch slot)
+    "KVR022": FIXTURES / "cann_legacy" / "gqa_gated_delta" / "modeling_legacy_gated_delta.py",
+}
+#: rewrites that run before a lower code, and why: KVR022 reads the states' row shapes from
+#: init_cache, which KVR021 removes
+RUNS_BEFORE = {"KVR022": "KVR021"}
 #: rewrites the before files give nothing to do; the goldens (tests/goldens) freeze what they
 #: do on real files: gated delta nets (qwen3_next, kimi_linear), the MLA files' relative
 #: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper;
@@ -136,7 +143,11 @@ def test_codes_are_unique_stable_and_in_order():
     # (state mixers, KVR014...) take the next codes and run before it
     assert len(codes) == len(set(codes)), "codes are unique"
     assert codes[-1] == "KVR013"
-    assert codes[:-1] == sorted(codes[:-1]), "codes are listed in running order"
+    ordered = sorted(codes[:-1])
+    for early, late in RUNS_BEFORE.items():
+        ordered.remove(early)
+        ordered.insert(ordered.index(late), early)
+    assert codes[:-1] == ordered, "codes are listed in running order"
     assert all(rewrite.summary for rewrite in REWRITES), "every rewrite says what it does"
     assert rewrite_by_code("KVR003").command.__name__ == "AttentionForwardCommand"
     with pytest.raises(KeyError):
@@ -152,6 +163,7 @@ def test_the_framework_legacy_path_keeps_the_executors_imports():
         "AbsoluteImportsCommand",
         "LocalTextModelCommand",
         "FrameworkLegacyAttentionCommand",
+        "FrameworkLegacyStatesCommand",
         "FrameworkLegacyModelCommand",
     ]
 

@@ -109,7 +109,7 @@ def test_pangu_decodes_through_its_legacy_cache_as_a_full_prefill_would(framewor
             torch.testing.assert_close(logits, prefill(model, ids)[0], rtol=1e-4, atol=1e-4)
 
 
-def tiny_qwen3_5(q, config_cls, inference_config_cls, comm_manager_cls):
+def tiny_qwen3_5(q, config_cls, inference_config_cls, comm_manager_cls, *, batch_size=1):
     config = config_cls(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
@@ -125,7 +125,7 @@ def tiny_qwen3_5(q, config_cls, inference_config_cls, comm_manager_cls):
         "data_config": {"dataset": "default", "input_truncated_len": 16},
         "parallel_config": {"world_size": 1, "attn_tp_size": 1, "moe_tp_size": 1,
                             "embed_tp_size": 1, "lmhead_tp_size": 1, "shared_tp_size": 1},
-        "scheduler_config": {"max_new_tokens": 4, "batch_size": 1},
+        "scheduler_config": {"max_new_tokens": 4, "batch_size": batch_size},
     }  # fmt: skip
     infer_config = inference_config_cls.from_dict(settings, global_rank=0, local_rank=0)
     comm = comm_manager_cls(infer_config.parallel_config)
@@ -186,3 +186,119 @@ def test_qwen3_5_state_mixers_decode_from_their_legacy_state_as_a_prefill_would(
             run(layer, x[:5], 0, is_prefill=True)
             step = run(layer, x[5:], 5, is_prefill=False)[-1]
             torch.testing.assert_close(step.float(), whole.float(), rtol=1.6e-2, atol=2e-3)
+
+
+def _converted_qwen3_5_package(framework_root: Path, tmp_path: Path) -> str:
+    """kvskill's framework-Legacy conversion of the real qwen3_5 file, as an importable
+    package under TMP_PATH; returns its name."""
+    import json
+    import shutil
+
+    from kvskill.analyzer.analyze import analyze_model
+    from kvskill.implementer.convert import ApplyOptions, convert_framework
+
+    source = tmp_path / "source"
+    source.mkdir()
+    real = framework_root / "models" / "qwen3_5" / "models"
+    for name in ("modeling_qwen3_5_moe.py", "configuration_qwen3_5_moe.py"):
+        shutil.copy(real / name, source / name)
+    # the sizes tiny_qwen3_5 builds (the rewrite reads structure; the analyzer needs sizes)
+    config = {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+              "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "layer_types": ["linear_attention", "full_attention"],
+              "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 16,
+              "shared_expert_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+              "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}  # fmt: skip
+    (source / "config.json").write_text(json.dumps(config))
+    converted = convert_framework(analyze_model(str(source)), ApplyOptions()).converted
+    package = tmp_path / "qwen3_5_paged"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "modeling_qwen3_5_moe.py").write_text(converted)
+    shutil.copy(source / "configuration_qwen3_5_moe.py", package)
+    return package.name
+
+
+def test_the_converted_qwen3_5_gated_delta_layer_matches_its_legacy_rows(framework_root, tmp_path):
+    # kvskill converts the real file (KVR020-022); its gated-delta layer then reads and writes
+    # MambaCacheEntry blocks at block_table["Mamba"][:, 0]. Run side by side with the Legacy
+    # layer on init_cache rows (request b = row b): two requests in blocks 4 and 2 of pools
+    # holding random values, a packed prefill of 5 + 3 tokens, then three decode steps.
+    import importlib
+    import sys
+
+    name = _converted_qwen3_5_package(framework_root, tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with npu_standin(framework_root=framework_root), torch.no_grad():
+            from executor.core.config import CommManager, InferenceConfig
+            from executor.core.kv_cache.cache_utils import validate_cache_info
+            from executor.utils import forward_metadata as fm
+            from models.qwen3_5.models import modeling_qwen3_5_moe as q
+            from models.qwen3_5.models.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+            converted = importlib.import_module(f"{name}.modeling_qwen3_5_moe")
+            builders = (Qwen3_5MoeTextConfig, InferenceConfig, CommManager)
+            legacy = tiny_qwen3_5(q, *builders, batch_size=2)
+            paged = tiny_qwen3_5(converted, *builders, batch_size=2)
+            paged.load_state_dict(legacy.state_dict())
+            # the converted model's cache declaration passes the executor's own check
+            info = paged.get_cache_info()
+            validate_cache_info(info)
+            kinds = [[c.attn_type for c in layer.caches] for layer in info.layer_infos]
+            assert kinds == [["Mamba", "Mamba"], ["FullAttention", "FullAttention"]]
+
+            legacy.init_cache("cpu")
+            old, new = legacy.model.layers[0].linear_attn, paged.model.layers[0].linear_attn
+            generator = torch.Generator().manual_seed(3)
+            for entry in new.cache_entries:
+                pool = torch.randn(6, *entry.shape, generator=generator)
+                entry.tensor_setter(pool.to(torch.bfloat16))
+            blocks = torch.tensor([[4], [2]], dtype=torch.int32)
+            causal = ~torch.tril(torch.ones(2048, 2048, dtype=torch.bool))
+
+            def step(is_prefill, q_lens, kv_lens, table):
+                q_lens, kv_lens = torch.tensor(q_lens), torch.tensor(kv_lens)
+                md = fm.ForwardMetaData(
+                    is_prefill=is_prefill, attention_mask=causal,
+                    actual_seq_lengths_q=q_lens, actual_seq_lengths_cu_q=q_lens.cumsum(0),
+                    actual_seq_lengths_kv=kv_lens, actual_seq_lengths_cu_kv=kv_lens.cumsum(0),
+                    block_table={"Mamba": table},
+                )  # fmt: skip
+                fm.set_forward_metadata(**vars(md))
+                return md
+
+            def states_agree():
+                rows = blocks[:, 0].long()
+                return all(
+                    torch.equal(getattr(old, s), getattr(new, s)[rows])
+                    for s in ("conv_state", "recurrent_state")
+                )
+
+            try:
+                x = torch.randn(8, 32, generator=generator).to(torch.bfloat16)
+                md = step(True, [5, 3], [5, 3], blocks)
+                assert torch.equal(old(x, forward_metadata=md), new(x, forward_metadata=md))
+                assert states_agree()
+                kv_lens = [5, 3]
+                for _ in range(3):
+                    kv_lens = [n + 1 for n in kv_lens]
+                    x = torch.randn(2, 32, generator=generator).to(torch.bfloat16)
+                    md = step(False, [1, 1], kv_lens, blocks)
+                    assert torch.equal(old(x, forward_metadata=md), new(x, forward_metadata=md))
+                    assert states_agree()
+                # the check can fail: each request reading the other's blocks changes the output
+                kv_lens = [n + 1 for n in kv_lens]
+                x = torch.randn(2, 32, generator=generator).to(torch.bfloat16)
+                md = step(False, [1, 1], kv_lens, blocks.flip(0))
+                expected = old(x, forward_metadata=md)
+                assert not torch.allclose(expected, new(x, forward_metadata=md), atol=1e-2)
+            finally:
+                fm.reset_forward_metadata()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(f"{name}.modeling_qwen3_5_moe", None)
+        sys.modules.pop(f"{name}.configuration_qwen3_5_moe", None)
+        sys.modules.pop(name, None)

@@ -573,6 +573,8 @@ def is_framework_legacy_state_layer(cls: cst.ClassDef, state_attrs: frozenset[st
         )
     }
     return unset == set(state_attrs)
+
+
 def is_standalone_legacy_attention(cls: cst.ClassDef) -> bool:
     """The Legacy attention of the framework's standalone models (cann-recipes-infer's
     ``models/pangu_7b`` at ``fbc225d``): one of its methods writes rows with

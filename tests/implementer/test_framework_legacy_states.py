@@ -250,7 +250,7 @@ def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropp
     import json
 
     import torch
-    from kvskill.implementer.framework_legacy_verify import _import_model
+    from kvskill.implementer.framework_legacy_verify import import_model
     from kvskill.implementer.verify import condition_weights, make_prompts
     from kvskill.implementer.verify_engine import EngineDriver
     from kvskill.runtime.executor_host import executor_infer_config, framework_modules
@@ -261,7 +261,7 @@ def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropp
     code = {"modeling_file": MODELING, "causal_lm_class": "LegacyGatedDeltaForCausalLM"}
     prompts = make_prompts([7, 3, 11, 5, 9, 2], config["vocab_size"], 0)
     with npu_standin(), framework_modules(), torch.no_grad():
-        model_cls, model_config, _ = _import_model(out, code, config)
+        model_cls, model_config, _ = import_model(out, code, config)
         model = model_cls(model_config, executor_infer_config(block_size=4), None).eval()
         condition_weights(model, 0)
         driver = EngineDriver(seed=0, use_hybrid_blocks=False, chunked_prefill=True)

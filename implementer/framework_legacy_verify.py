@@ -70,6 +70,26 @@ def import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any]):
     return getattr(module, code["causal_lm_class"]), config_cls(**settings), module
 
 
+def legacy_original_dir(converted: ConvertedDir, options: VerifyOptions, kind: str) -> Path:
+    """The folder of the Legacy original a KIND conversion is verified against.
+
+    Raises:
+        BadInputError: an option these paths do not take, or the original is gone.
+    """
+    if options.dtype != "float32" or options.kv_layout != "contiguous":
+        raise BadInputError(
+            f"verify of a {kind} conversion runs float32 on the contiguous layout only"
+        )
+    plan = converted.plan
+    original_dir = Path(plan.source.path)
+    if not (original_dir / plan.code["modeling_file"]).is_file():
+        raise BadInputError(
+            f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
+            "verify compares against it"
+        )
+    return original_dir
+
+
 def legacy_report(
     converted: ConvertedDir, options: VerifyOptions, default_block_size: int = CPU_BLOCK_SIZE
 ) -> tuple[VerifyReport, list[list[int]]]:
@@ -102,16 +122,7 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
     from kvskill.runtime.ops.npu_standin import npu_standin
 
     plan, config = converted.plan, converted.config
-    if options.dtype != "float32" or options.kv_layout != "contiguous":
-        raise BadInputError(
-            "verify of a framework-Legacy conversion runs float32 on the contiguous layout only"
-        )
-    original_dir = Path(plan.source.path)
-    if not (original_dir / plan.code["modeling_file"]).is_file():
-        raise BadInputError(
-            f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
-            "verify compares against it"
-        )
+    original_dir = legacy_original_dir(converted, options, "framework-Legacy")
     report, prompts = legacy_report(converted, options)
     lengths, block_size = [len(p) for p in prompts], report.block_size
     new_tokens = options.max_new_tokens

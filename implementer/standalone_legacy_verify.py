@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.framework_legacy_verify import import_model, legacy_report
+from kvskill.implementer.framework_legacy_verify import (
+    import_model,
+    legacy_original_dir,
+    legacy_report,
+)
 from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
@@ -209,16 +213,7 @@ def verify_standalone_legacy(
     """
 
     plan, config = converted.plan, converted.config
-    if options.dtype != "float32" or options.kv_layout != "contiguous":
-        raise BadInputError(
-            "verify of a standalone-Legacy conversion runs float32 on the contiguous layout only"
-        )
-    original_dir = Path(plan.source.path)
-    if not (original_dir / plan.code["modeling_file"]).is_file():
-        raise BadInputError(
-            f"the Legacy original {original_dir / plan.code['modeling_file']} is gone; "
-            "verify compares against it"
-        )
+    original_dir = legacy_original_dir(converted, options, "standalone-Legacy")
     needs = framework_packages((original_dir / plan.code["modeling_file"]).read_text("utf-8"))
     if needs and framework_root is None:
         raise BadInputError(

@@ -70,7 +70,7 @@ def check_attention_module(
         facts = attention_facts(cls, in_file)
         problems.extend(facts.problems)
         if not spec.keeps_model_kernel:
-            problems.extend(facts.fused_limits)
+            problems.extend(facts.seam_limits())
         if facts.seam is not None and facts.seam.site is not None and not serves_call_sites:
             problems.append(
                 f"{facts.name}.forward indexes its cache by the calling layer "

@@ -162,9 +162,16 @@ class AttentionFacts:
     #: model's own math
     fused_limits: list[str] = field(default_factory=list)
     #: the first lines of the seam's statements that rebind the query beyond a relayout or
-    #: cast (also one of ``fused_limits``); the MLA rewrite builds its query from the parts
-    #: concatenated there, so it accepts that one statement and nothing else
+    #: cast: a limit of the paged seam, which reads the query as it stands at the cache write
+    #: (:meth:`seam_limits`); the MLA rewrite builds its query itself and checks its own
     query_changes: list[str] = field(default_factory=list)
+
+    def seam_limits(self) -> list[str]:
+        """What the paged seam replacing the kernel cannot keep: ``fused_limits``, and the
+        query changed between the cache write and the kernel."""
+        if not self.query_changes:
+            return list(self.fused_limits)
+        return [*self.fused_limits, query_change_limit(self.name, self.query_changes)]
 
 
 def _params(func: cst.FunctionDef) -> list[str]:
@@ -954,8 +961,6 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
         )
     facts.query_changes = _query_changes(seam, inside)
-    if facts.query_changes:
-        facts.fused_limits.append(query_change_limit(facts.name, facts.query_changes))
     if leaked:
         facts.fused_limits.append(
             f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "

@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer.facts import (
-    AttentionFacts,
     SeamFacts,
     attention_facts,
     code,
     init_owner,
-    query_change_limit,
     seam_forward,
 )
 
@@ -133,7 +131,7 @@ def mla_attention_facts(
         seam=generic.seam,
         # the MLA rewrite reads its query itself (its parts, or the statements kept when the
         # query is first bound in the seam) and checks its rebinding below
-        problems=[*generic.problems, *_without_query_change(generic)],
+        problems=[*generic.problems, *generic.fused_limits],
     )
     owner = init_owner(cls, classes)
     forward = _method(cls, "forward")
@@ -321,7 +319,11 @@ def _check_query_rebinds(
             name = cst.ensure_type(target, cst.Name).value if alone else ""
             if alone and (
                 _relayout_of(assign.value, name)
-                or (name == seam.query and parts is not None and _concat_of(assign.value, parts))
+                or (
+                    name == seam.query
+                    and parts is not None
+                    and _concat_parts(assign.value) == parts
+                )
             ):
                 continue
             facts.problems.append(
@@ -331,39 +333,26 @@ def _check_query_rebinds(
             )
 
 
-def _concat_of(value: cst.BaseExpression, parts: tuple[str, str]) -> bool:
-    """Whether VALUE is ``torch.cat((PARTS), ...)``, the query the rewrite builds itself."""
+def _concat_parts(value: cst.BaseExpression) -> tuple[str, str] | None:
+    """``(a, b)`` when VALUE is ``torch.cat((a, b), ...)`` of two names, else None."""
     if not m.matches(value, _CAT):
-        return False
+        return None
     first = cst.ensure_type(value, cst.Call).args[0].value
-    return isinstance(first, (cst.Tuple, cst.List)) and [
-        code(e.value) for e in first.elements
-    ] == list(parts)
-
-
-def _without_query_change(generic: AttentionFacts) -> list[str]:
-    """GENERIC's fused limits without the generic query-change one."""
-    if not generic.query_changes:
-        return list(generic.fused_limits)
-    dropped = query_change_limit(generic.name, generic.query_changes)
-    return [limit for limit in generic.fused_limits if limit != dropped]
+    if not isinstance(first, (cst.Tuple, cst.List)) or len(first.elements) != 2:
+        return None
+    names = [e.value for e in first.elements]
+    if not all(isinstance(n, cst.Name) for n in names):
+        return None
+    return (cst.ensure_type(names[0], cst.Name).value, cst.ensure_type(names[1], cst.Name).value)
 
 
 def _query_parts(forward: cst.FunctionDef, seam: SeamFacts) -> tuple[str, str] | None:
     body = cst.ensure_type(forward.body, cst.IndentedBlock).body
     for stmt in body[: seam.kernel_index]:
         for node in m.findall(stmt, m.Assign(targets=[m.AssignTarget(target=m.Name(seam.query))])):
-            value = cst.ensure_type(node, cst.Assign).value
-            if not m.matches(value, _CAT):
-                continue
-            first = cst.ensure_type(value, cst.Call).args[0].value
-            if isinstance(first, (cst.Tuple, cst.List)) and len(first.elements) == 2:
-                names = [e.value for e in first.elements]
-                if all(isinstance(n, cst.Name) for n in names):
-                    return (
-                        cst.ensure_type(names[0], cst.Name).value,
-                        cst.ensure_type(names[1], cst.Name).value,
-                    )
+            parts = _concat_parts(cst.ensure_type(node, cst.Assign).value)
+            if parts is not None:
+                return parts
     return None
 
 

@@ -25,17 +25,18 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer import Plan
+from kvskill.analyzer.gather import method
 from kvskill.analyzer.plan import DeployMode
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.core.inputs import read_source
-from kvskill.implementer.convert import ApplyOptions, Conversion, convert_framework
+from kvskill.implementer.convert import (
+    ApplyOptions,
+    Conversion,
+    convert_framework,
+    source_package,
+)
+from kvskill.implementer.executor_target import RUNTIME_TARGET
 from kvskill.implementer.facts import SUPER_INIT, code, module_classes
-
-
-def inherited_module_name(path: Path) -> str:
-    """``transformers.models.llama.modeling_llama`` for the installed file PATH."""
-    parts = path.with_suffix("").parts
-    return ".".join(parts[parts.index("transformers") :])
 
 
 def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
@@ -44,7 +45,7 @@ def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
     remote_path = Path(plan.source.modeling_file or "")
     inherits = Path(plan.source.inherits_code or "")
     where = remote_path.name
-    if options.target != "runtime":
+    if options.target != RUNTIME_TARGET:
         raise UnsupportedModelError(
             f"{where}: cannot convert: --target {options.target}: the executor's model-class "
             f"contract is not generated for an attention inherited from {inherits.name}"
@@ -54,16 +55,16 @@ def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
             f"{where}: cannot convert: the converted {inherits.name} is written beside it, but "
             f"the model directory already has a file of that name"
         )
-    module_name = inherited_module_name(inherits)
+    inner_source = dataclasses.replace(plan.source, modeling_file=str(inherits), inherits_code=None)
+    module_name = (
+        f"{source_package(dataclasses.replace(plan, source=inner_source))}.{inherits.stem}"
+    )
     remote = read_source(remote_path)
     tree = cst.parse_module(remote)
-    base = _causal_lm_base(tree, plan.architecture, module_name, where)
-    _check_inits(tree, module_name, where)
-    inner = dataclasses.replace(
-        plan,
-        architecture=base,
-        source=dataclasses.replace(plan.source, modeling_file=str(inherits), inherits_code=None),
-    )
+    imported = _imported_from(tree, module_name)
+    base = _causal_lm_base(tree, plan.architecture, imported, module_name, where)
+    _check_inits(tree, imported, module_name, where)
+    inner = dataclasses.replace(plan, architecture=base, source=inner_source)
     if plan.deploy_mode is DeployMode.STANDALONE:
         # the runner names the model type only and loads the remote file's class by auto_map
         from kvskill.implementer.standalone.convert import convert_standalone
@@ -99,10 +100,12 @@ def _imported_from(tree: cst.Module, module_name: str) -> dict[str, str]:
     return names
 
 
-def _causal_lm_base(tree: cst.Module, architecture: str, module_name: str, where: str) -> str:
-    """The inherited module's causal-LM class ARCHITECTURE subclasses: the class whose
-    converted methods (``get_cache_info``, the paged forward) the model then has."""
-    imported = _imported_from(tree, module_name)
+def _causal_lm_base(
+    tree: cst.Module, architecture: str, imported: dict[str, str], module_name: str, where: str
+) -> str:
+    """The inherited module's causal-LM class ARCHITECTURE subclasses (IMPORTED: the file's
+    names from MODULE_NAME): the class whose converted methods (``get_cache_info``, the paged
+    forward) the model then has."""
     cls = module_classes(tree).get(architecture)
     bases = [code(b.value) for b in cls.bases] if cls is not None else []
     found = [imported[b] for b in bases if b in imported and imported[b].endswith("ForCausalLM")]
@@ -115,10 +118,10 @@ def _causal_lm_base(tree: cst.Module, architecture: str, module_name: str, where
     return found[0]
 
 
-def _check_inits(tree: cst.Module, module_name: str, where: str) -> None:
-    """Every class of the file that subclasses one from MODULE_NAME and has an ``__init__``
-    must call ``super().__init__``: the converted ``__init__`` declares the caches."""
-    imported = _imported_from(tree, module_name)
+def _check_inits(tree: cst.Module, imported: dict[str, str], module_name: str, where: str) -> None:
+    """Every class of the file that subclasses one IMPORTED from MODULE_NAME and has an
+    ``__init__`` must call ``super().__init__``: the converted ``__init__`` declares the
+    caches."""
     for node in m.findall(tree, m.Import()):
         for alias in cst.ensure_type(node, cst.Import).names:
             if code(alias.name) == module_name:
@@ -129,14 +132,7 @@ def _check_inits(tree: cst.Module, module_name: str, where: str) -> None:
     for name, cls in module_classes(tree).items():
         if not any(code(b.value) in imported for b in cls.bases):
             continue
-        init = next(
-            (
-                s
-                for s in cls.body.body
-                if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
-            ),
-            None,
-        )
+        init = method(cls, "__init__")
         if init is not None and not m.findall(init, SUPER_INIT):
             raise UnsupportedModelError(
                 f"{where}: cannot convert: {name}.__init__ does not call super().__init__, so "
@@ -164,4 +160,4 @@ class _RedirectImport(cst.CSTTransformer):
         return updated_node.with_changes(module=cst.Name(self.stem), relative=[cst.Dot()])
 
 
-__all__ = ["convert_inherited", "inherited_module_name"]
+__all__ = ["convert_inherited"]

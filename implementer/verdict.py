@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the CLI imports DRIFT_RATIO for its help text without loading torch
+    import torch
 
 #: the dtypes judged against the float32 anchor; float32 keeps the exact check
 LOW_PRECISION = ("bfloat16", "float16")
@@ -217,6 +218,8 @@ def token_divergences(
 def default_floor(anchor: list[Generation], atol: float = FLOOR_ATOL) -> float:
     """The float32 check's tolerance on these logits: ATOL plus 16 float32 ulps of the
     largest |anchor logit| (as ``verify`` allows in float32)."""
+    import torch
+
     scale = max(g.logits[i].abs().max().item() for g in anchor for i in range(len(g.logits)))
     return atol + FLOOR_ULPS * torch.finfo(torch.float32).eps * scale
 

@@ -42,6 +42,7 @@ from kvskill.analyzer.plan import Plan, SourceKind
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
+from kvskill.core.kv_layouts import KV_LAYOUTS
 from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
 from kvskill.implementer.cache_widths import check_cache_widths
@@ -62,7 +63,6 @@ from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, 
 from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
 from kvskill.implementer.verify_prompts import read_prompts
 from kvskill.implementer.verify_report import Checked, PromptResult, VerifyReport
-from kvskill.runtime.layout import KV_LAYOUTS
 from kvskill.runtime.ops.reference.npu_profile import (
     NPU_BLOCK_SIZE,
     NpuProfile,

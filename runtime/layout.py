@@ -46,9 +46,6 @@ from torch import Tensor
 logger = logging.getLogger("kvskill.runtime.layout")
 LOG_PREFIX = "[non-contiguous-kv-cache]"
 
-#: the layouts by name, as the CLI and reports spell them: "page_pool" is ``use_hybrid_blocks``
-KV_LAYOUTS = ("contiguous", "page_pool")
-
 
 def _route_layout_log() -> None:
     """Make sure the layout lines reach someone once a caller asked for them.

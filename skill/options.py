@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from kvskill.runtime.layout import KV_LAYOUTS
+from kvskill.core.kv_layouts import KV_LAYOUTS
 
 OUTPUT_FORMATS_SIMPLE = ("table", "json")
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
-from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.options import (
     attn_tp_size_option,
     block_size_option,
@@ -119,6 +118,9 @@ def apply(model: str, **options) -> None:
     The input files are never modified; the result goes to --out. Model code is parsed with
     libcst, never executed.
     """
+    # imported here: the rewrite (libcst, the analyzer) loads only when a command needs it
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
     if options["plan_file"] is not None:
         _refuse_mode_with_plan()
     apply_options = ApplyOptions(

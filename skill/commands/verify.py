@@ -8,9 +8,7 @@ from pathlib import Path
 
 import click
 from kvskill.core.errors import BadInputError, ExitCode
-from kvskill.implementer.report import format_table
 from kvskill.implementer.verdict import DRIFT_RATIO
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.options import (
     block_size_option,
     cpu_only_shapes_option,
@@ -92,6 +90,10 @@ code without --trust-remote-code, a block size the NPU does not take).
 def verify(directory: Path, output_format: str, **options) -> int:
     """Run the original and the converted model in DIRECTORY on the same prompts and
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
+    # imported here so that `kvskill --help` and the other verbs start without torch
+    from kvskill.implementer.report import format_table
+    from kvskill.implementer.verify import VerifyOptions, verify_directory
+
     if options["atol"] is not None and math.isnan(options["atol"]):
         raise BadInputError("--atol nan is not a tolerance; give a number >= 0")
     if math.isnan(options["drift_ratio"]):

@@ -1,5 +1,6 @@
 """Deployment mode, in seed 003's order: the explicit flag; a ``部署模式: 框架部署 | 独立部署``
-line in the task prompt (``--prompt-file``) or in ``progress.md`` beside the model; what the
+line in the task prompt (``--prompt-file``) or in ``progress.md`` (beside the model, else in a
+folder above it up to the working directory, where an agent's workspace keeps it); what the
 model directory shows (a self-managing ``runner_*.py`` means standalone); else framework."""
 
 from __future__ import annotations
@@ -43,15 +44,13 @@ def decide_deploy_mode(
     prompt_file: Path | None = None,
     model_dir: Path | None = None,
 ) -> DeployMode:
-    """Flag > ``部署模式:`` in the prompt file > in progress.md beside the model > a
-    self-managing runner_*.py (standalone) > framework."""
+    """Flag > ``部署模式:`` in the prompt file > in progress.md beside the model, above it or
+    in the workspace > a self-managing runner_*.py (standalone) > framework."""
     if requested in ("framework", "standalone"):
         book.cite("deploy_mode", f"set explicitly to {requested}", "flag --mode")
         return DeployMode(requested)
     candidates = [] if prompt_file is None else [(prompt_file, prompt_file.parent, "--prompt-file")]
-    progress = None if model_dir is None else model_dir / PROGRESS_FILE
-    if progress is not None and progress.is_file():
-        candidates.append((progress, model_dir, "progress.md beside the model"))
+    candidates += progress_files(model_dir)
     for path, root, what in candidates:
         marker = deploy_marker(read_text(path, what=what, root=root))
         if marker is not None:
@@ -80,6 +79,33 @@ def decide_deploy_mode(
         return DeployMode.STANDALONE
     book.cite("deploy_mode", "no runner_*.py next to the model; framework is the default", "rule")
     return DeployMode.FRAMEWORK
+
+
+def progress_files(model_dir: Path | None) -> list[tuple[Path, Path, str]]:
+    """progress.md files that may name the deploy mode, nearest first: beside the model, in
+    each folder above it up to the working directory (the agent's workspace), then in the
+    working directory itself. (path, the folder it must stay inside, how to cite it)."""
+    workspace = Path.cwd().resolve()
+    folders: list[tuple[Path, str]] = []
+    if model_dir is not None:
+        model_dir = Path(model_dir).resolve()
+        folders.append((model_dir, "progress.md beside the model"))
+        if model_dir.is_relative_to(workspace):
+            for parent in model_dir.parents:
+                if not parent.is_relative_to(workspace):
+                    break
+                where = (
+                    "the workspace" if parent == workspace else f"{parent.name}/ above the model"
+                )
+                folders.append((parent, f"progress.md in {where}"))
+    if all(folder != workspace for folder, _ in folders):
+        folders.append((workspace, "progress.md in the workspace"))
+    found = []
+    for folder, what in folders:
+        path = folder / PROGRESS_FILE
+        if path.is_file():
+            found.append((path, folder, what))
+    return found
 
 
 def _engine_import(facts: ModuleFacts) -> tuple[str, int] | None:

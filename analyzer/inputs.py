@@ -13,6 +13,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvskill.analyzer.override_keys import (
+    canonical_dtype_key,
+    check_override_keys,
+    init_parameters,
+    mentioned_in,
+)
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import path_error, read_config_json, resolve_inside
@@ -159,6 +165,7 @@ def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) ->
     if model in known_model_types():
         modeling = transformers_modeling_file(model)
         config, derived = build_config(model, {}, overrides)
+        overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
         return ModelSource(
             derived=derived,
             kind="transformers",
@@ -200,8 +207,13 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
     derived: dict[str, Any] = {}
     if model_type in known_model_types() and kind == "directory":
         config, derived = build_config(model_type, raw, overrides)
+        overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
     else:
         # Remote code: its configuration class is the directory's own code, never run.
+        overrides, raw = canonical_dtype_key(overrides, raw, raw)
+        check_override_keys(
+            overrides, _remote_known_keys(path, raw, overrides), f"the config in {config_file}"
+        )
         config = _merge(raw, overrides)
         check_config_values(config, where=str(config_file))
     return ModelSource(
@@ -261,18 +273,50 @@ def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _default_keys(config_class: type, base: dict[str, Any]) -> set[str]:
+    """The keys the config class stores for BASE without any override."""
+    try:
+        kwargs = {key: value for key, value in base.items() if key != "model_type"}
+        return set(config_class(**kwargs).to_dict())
+    except Exception:  # noqa: BLE001 - an invalid base is reported once the overrides are merged
+        return set(base)
+
+
+def _stored_override_keys(overrides: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The override keys as the built config stores them (a dtype under its stored name)."""
+    renamed, _ = canonical_dtype_key(overrides, {}, config)
+    return [key for key in renamed if key in config] or list(overrides)
+
+
+def _remote_known_keys(path: Path, raw: dict[str, Any], overrides: dict[str, Any]) -> set[str]:
+    """Keys an override of remote code may set: config.json's, every name its configuration
+    files mention, and PretrainedConfig's own (looked up only when still missing)."""
+    known = set(raw) | mentioned_in(sorted(path.glob("configuration_*.py")))
+    if set(overrides) <= known:
+        return known
+    from transformers import PretrainedConfig
+
+    return known | init_parameters(PretrainedConfig) | set(PretrainedConfig().to_dict())
+
+
 def build_config(
     model_type: str, base: dict[str, Any], overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Instantiate transformers' config class; return ``to_dict()`` and derived values."""
     from transformers import CONFIG_MAPPING
 
+    config_class = CONFIG_MAPPING[model_type]
+    if overrides:
+        stored = _default_keys(config_class, base)
+        overrides, base = canonical_dtype_key(overrides, base, stored)
+        known = stored | set(base) | init_parameters(config_class)
+        known |= set(getattr(config_class, "attribute_map", None) or {})
+        check_override_keys(overrides, known, f"the '{model_type}' config")
     merged = _merge(base, overrides)
     # before the config class sees them: it may derive per-layer lists from the layer count
     check_config_values(merged, where=f"config for '{model_type}'")
     merged.pop("model_type", None)
     try:
-        config_class = CONFIG_MAPPING[model_type]
         config = config_class(**merged)
     except Exception as exc:  # noqa: BLE001 - config classes raise many validation types
         message = " ".join(str(exc).split())[:300]

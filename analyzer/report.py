@@ -123,22 +123,77 @@ def _model_line(plan: Plan) -> str:
     return f"Model: `{plan.model_type}` (`{plan.architecture}`), source {plan.source.kind}{where}"
 
 
-def to_markdown(plan: Plan) -> str:
-    """A self-contained ``## KVCache selection: <model>`` section for a progress file."""
-    lines = [f"{PROGRESS_HEADING}: {plan.model_type}", ""]
+def _checkpoint_name(plan: Plan) -> str:
+    """A section's title: the checkpoint's folder when there is one (two checkpoints of one
+    model type get two titles), else the model type."""
+    if plan.source.kind != "transformers" and plan.source.path:
+        name = os.path.basename(os.path.normpath(plan.source.path))
+        if name and name != plan.model_type:
+            return f"{name} ({plan.model_type})"
+    return plan.model_type
+
+
+def per_layer_line(plan: Plan) -> str:
+    """attn_type per layer, consecutive layers of one type as a range: ``0-2 FullAttention;
+    3 SlidingWindow(64)``. Layers with several kinds (a hybrid's attention and mixer) list
+    each."""
+    kinds: dict[int, list[str]] = {}
+    for layer in plan.layers:
+        kind = layer.attn_type + (f"({layer.sliding_window})" if layer.sliding_window else "")
+        kinds.setdefault(layer.index, []).append(kind)
+    runs: list[tuple[int, int, str]] = []
+    for index in sorted(kinds):
+        label = " + ".join(kinds[index])
+        if runs and runs[-1][2] == label and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index, label)
+        else:
+            runs.append((index, index, label))
+    return "; ".join(f"{a}-{b} {label}" if a != b else f"{a} {label}" for a, b, label in runs)
+
+
+#: the progress section's slots for what the agent records after analyze; analyze writes
+#: their placeholder once and keeps whatever was written there when it rewrites the section
+VERIFY_SLOT = "### Verify evidence"
+BY_HAND_SLOT = "### By hand"
+_SLOT_PLACEHOLDERS = {
+    VERIFY_SLOT: "- not run yet: paste the verdict line of `kvskill verify <converted dir>`",
+    BY_HAND_SLOT: "- nothing yet: list each change made by hand (file, what, why)",
+}
+
+
+def to_markdown(plan: Plan, slots: dict[str, str] | None = None) -> str:
+    """A self-contained ``## KVCache selection: <checkpoint>`` section for a progress file;
+    SLOTS carries the verify and by-hand notes over from an earlier version of it."""
+    lines = [f"{PROGRESS_HEADING}: {_checkpoint_name(plan)}", ""]
     lines.append(_model_line(plan))
     lines.append("")
     lines.append("| decision | value |")
     lines.append("|---|---|")
     for label, value in summary_rows(plan):
         lines.append(f"| {label} | {value.replace('|', '/')} |")
+    lines.append(f"| attn_type per layer | {per_layer_line(plan)} |")
     lines += ["", "Evidence:", ""]
     lines += [f"- **{e.decision}**: {e.reason} (`{e.source}`)" for e in plan.evidence]
     if plan.implementer_blockers:
         lines += ["", "Not converted by apply yet:", ""]
         lines += [f"- {b}" for b in plan.implementer_blockers]
     lines += ["", "Watch for:", ""] + [f"- {w}" for w in plan.warnings]
+    for slot, placeholder in _SLOT_PLACEHOLDERS.items():
+        kept = (slots or {}).get(slot)
+        lines += ["", slot, "", kept if kept else placeholder]
     return "\n".join(lines) + "\n"
+
+
+def _slots_of(section: str) -> dict[str, str]:
+    """What an existing section holds under its slot headings (up to the next heading)."""
+    found = {}
+    for slot in _SLOT_PLACEHOLDERS:
+        match = re.search(
+            rf"^{re.escape(slot)}[ \t]*\n(.*?)(?=^#{{1,3}} |\Z)", section, re.M | re.S
+        )
+        if match and match.group(1).strip():
+            found[slot] = match.group(1).strip()
+    return found
 
 
 #: one section: its heading (plain, as older versions wrote it, or naming the model) through
@@ -160,13 +215,13 @@ def update_progress(path: Path, plan: Plan) -> bool:
     Raises:
         BadInputError: the file cannot be read as UTF-8 text, or is too large.
     """
-    section = to_markdown(plan)
     old = read_text(path, what="progress file") if path.exists() else ""
     model_line = _model_line(plan)
     match = next(
         (s for s in _SECTION.finditer(old) if f"\n{model_line}\n" in s.group(0)),
         None,
     )
+    section = to_markdown(plan, _slots_of(match.group(0)) if match else None)
     if match:
         tail = old[match.end() :]
         new = old[: match.start()] + section + ("\n" + tail if tail else "")

@@ -15,6 +15,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def _compared_columns(report: VerifyReport) -> list[str]:
+    """What each prompt row compares: in float32 the converted model against the original;
+    in a low precision against the float32 original (the anchor), which both runs drift from."""
+    against = "float32 original" if report.low_precision is not None else "original"
+    return [f"greedy tokens vs {against}", f"max |logit diff| vs {against}"]
+
+
 def format_table(report: VerifyReport) -> str:
     """Prompts (length, tokens, logit difference), chains, failures and the verdict."""
     tolerance = (
@@ -51,7 +58,13 @@ def format_table(report: VerifyReport) -> str:
         for p in report.prompts
     ]
     if rows:
-        lines += _table(["prompt", "length", "greedy tokens", "max |logit diff|"], rows)
+        lines += _table(["prompt", "length", *_compared_columns(report)], rows)
+        if report.low_precision is not None:
+            lines.append(
+                f"(rows: the converted model in {report.dtype} against the float32 original; "
+                f"rounding alone moves them, so the verdict below weighs this drift against the "
+                f"original's own in {report.dtype})"
+            )
         lines.append("")
     if report.chains:
         chain_rows = [

@@ -18,6 +18,7 @@ from kvskill import __version__
 from kvskill.commands import COMMANDS
 from kvskill.core.errors import ExitCode, KvskillError
 from kvskill.entry import sigint_seen
+from kvskill.library_noise import quiet_kernel_fallbacks
 
 #: Ctrl-C (128 + SIGINT), as shells report it
 EXIT_INTERRUPTED = 130
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = _wants_json(argv)
     verbose = any(a in ("-v", "--verbose") or a.startswith("-vv") for a in argv)
+    if not verbose:
+        quiet_kernel_fallbacks()
     try:
         # NOTE: commands return None (success) or an int exit code (e.g. 1 for lint
         # findings); --help and --version come back here as 0.

@@ -73,7 +73,8 @@ prompt_file_option = click.option(
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="The task prompt; with --mode auto a '部署模式: 框架部署|独立部署' line in it decides "
-    "the deploy mode (before progress.md beside the model and runner detection).",
+    "the deploy mode (before progress.md beside the model or in the workspace, and runner "
+    "detection).",
 )
 
 seed_option = click.option(

@@ -38,8 +38,9 @@ Exit codes: 0 plan produced, 2 bad input, 3 model cannot be served.
     type=click.Choice(["auto", "framework", "standalone"]),
     default="auto",
     show_default=True,
-    help="Deployment mode; 'auto' reads it from --prompt-file, then progress.md beside the "
-    "model, then detects it (a runner_*.py means standalone), else framework.",
+    help="Deployment mode; 'auto' reads it from --prompt-file, then progress.md (beside the "
+    "model, above it, or in the working directory), then detects it (a runner_*.py means "
+    "standalone), else framework.",
 )
 @prompt_file_option
 @config_overrides_option

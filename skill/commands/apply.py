@@ -44,7 +44,8 @@ Exit codes: 0 written, 2 bad input (or DIR not empty without --force),
     default="auto",
     show_default=True,
     help="framework: the bundled runtime owns the cache; standalone: a generated runner does; "
-    "auto: as kvskill analyze decides it (--prompt-file, progress.md beside the model, a "
+    "auto: as kvskill analyze decides it (--prompt-file, progress.md beside the model or in "
+    "the workspace, a "
     "runner_*.py), else framework.",
 )
 @prompt_file_option

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 from kvskill.analyzer import Plan, analyze_model
-from kvskill.analyzer.report import PROGRESS_HEADING, to_markdown, update_progress
+from kvskill.analyzer.report import PROGRESS_HEADING, per_layer_line, to_markdown, update_progress
 from kvskill.cli import main
 
 CONTRACT_KEYS = {
@@ -118,6 +118,41 @@ def test_progress_replaces_only_the_same_models_section(tmp_path):
     after = progress.read_text("utf-8")
     assert after.startswith(qwen3_section) and after.count(PROGRESS_HEADING) == 2
     assert after != before
+
+
+def test_progress_sections_name_the_checkpoint_and_keep_the_agents_slots(tmp_path):
+    """Two checkpoints of one model type get two titled sections; the verify and by-hand
+    slots an agent filled survive the next analyze of that checkpoint."""
+    from transformers import CONFIG_MAPPING
+
+    progress = tmp_path / "progress.md"
+    for name, layers in (("ckpt-a", 2), ("ckpt-b", 3)):
+        CONFIG_MAPPING["qwen3"](num_hidden_layers=layers).save_pretrained(tmp_path / name)
+        update_progress(progress, analyze_model(str(tmp_path / name)))
+    text = progress.read_text("utf-8")
+    assert f"{PROGRESS_HEADING}: ckpt-a (qwen3)\n" in text
+    assert f"{PROGRESS_HEADING}: ckpt-b (qwen3)\n" in text
+    assert "| attn_type per layer | 0-1 FullAttention |" in text
+    assert "| attn_type per layer | 0-2 FullAttention |" in text
+    verdict = "- PASSED: tokens identical, max logit diff 1.2e-06, chains ok"
+    by_hand = "- modeling_qwen3.py: kept the rope cache in fp32 (accuracy)"
+    text = text.replace(
+        "- not run yet: paste the verdict line of `kvskill verify <converted dir>`", verdict, 1
+    ).replace("- nothing yet: list each change made by hand (file, what, why)", by_hand, 1)
+    progress.write_text(text, "utf-8")
+    # a changed plan for ckpt-a rewrites its table, not what was written in its slots
+    assert update_progress(progress, analyze_model(str(tmp_path / "ckpt-a"), attn_tp_size=2))
+    after = progress.read_text("utf-8")
+    first = after[: after.index(f"{PROGRESS_HEADING}: ckpt-b")]
+    assert verdict in first and by_hand in first and "attn_tp_size=2" in first
+    assert after.count("### Verify evidence") == 2
+
+
+def test_per_layer_line_groups_runs_of_one_kind():
+    plan = analyze_model("jamba", config_overrides={"num_hidden_layers": 6})
+    line = per_layer_line(plan)
+    assert line.split("; ")[0].endswith("Mamba") and "FullAttention" in line
+    assert len(line.split("; ")) < 6  # runs, not one entry a layer
 
 
 def test_progress_file_that_is_not_utf8_is_bad_input(tmp_path, capsys):

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.config import normalise
 from kvskill.analyzer.plan import WindowTokens
 from kvskill.core.errors import BadInputError
 from kvskill.core.overrides import parse_overrides
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from vendor_fixtures import VENDOR_ROOT  # noqa: E402
 
 FULL, SLIDING = "FullAttention", "SlidingWindow"
 
@@ -73,6 +81,44 @@ def test_invalid_overrides_are_bad_input():
         analyze_model("qwen3", config_overrides={"num_hidden_layers": "four"})
     with pytest.raises(BadInputError, match="not a multiple of num_key_value_heads 3"):
         analyze_model("qwen3", config_overrides={"num_key_value_heads": 3})
+
+
+def test_an_override_key_the_config_does_not_have_is_bad_input_naming_the_close_key(tmp_path):
+    """A config class keeps unknown keywords as attributes nothing reads: a misspelt key must
+    not pass as an override that changed nothing."""
+    with pytest.raises(BadInputError, match="did you mean 'num_hidden_layers'"):
+        analyze_model("qwen3", config_overrides={"num_hidden_layer": 4})
+    with pytest.raises(BadInputError, match="'no_such_setting' is not a key"):
+        analyze_model("qwen3", config_overrides={"no_such_setting": 1})
+    # keys the class maps or takes are overrides like any other
+    assert len(analyze_model("qwen3", config_overrides={"num_hidden_layers": 3}).layers) == 3
+
+
+def test_torch_dtype_is_the_dtype_transformers_stores_and_wins_over_config_json(tmp_path):
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING["qwen3"](num_hidden_layers=2, dtype="float32")
+    config.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text(encoding="utf-8"))
+    assert any(stored.get(key) == "float32" for key in ("dtype", "torch_dtype"))
+    full = analyze_model(str(tmp_path))
+    for spelling in ("torch_dtype", "dtype"):
+        half = analyze_model(str(tmp_path), config_overrides={spelling: "bfloat16"})
+        assert half.kv_bytes_per_token * 2 == full.kv_bytes_per_token, spelling
+    with pytest.raises(BadInputError, match="both dtype and torch_dtype"):
+        analyze_model(
+            str(tmp_path), config_overrides={"dtype": "float16", "torch_dtype": "float16"}
+        )
+
+
+def test_remote_code_overrides_are_checked_against_the_directorys_own_keys(tmp_path):
+    shutil.copytree(VENDOR_ROOT / "query_groups_bhsd", tmp_path / "m")
+    model = str(tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text(encoding="utf-8"))
+    depth_key = "num_layers" if "num_layers" in raw else "num_hidden_layers"
+    assert len(analyze_model(model, config_overrides={depth_key: 1}).layers) == 1
+    with pytest.raises(BadInputError, match=f"did you mean '{depth_key}'"):
+        analyze_model(model, config_overrides={depth_key + "s": 1})
 
 
 # -- vendor key names ------------------------------------------------------------------------

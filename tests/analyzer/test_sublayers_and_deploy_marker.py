@@ -90,6 +90,31 @@ def test_flag_beats_prompt_and_prompt_beats_progress_and_runner(tmp_path):
     assert _sources(flagged, "deploy_mode")[0].source == "flag --mode"
 
 
+def test_progress_md_in_the_workspace_root_decides_the_mode_of_a_model_below_it(
+    tmp_path, monkeypatch
+):
+    """The dispatch prompt's workspace keeps progress.md at its root, the checkpoint in a
+    folder below: the marker is found there, and one beside the model still comes first."""
+    workspace = tmp_path / "workspace"
+    model = write_remote_model(workspace / "checkpoints" / "model")
+    (workspace / "progress.md").write_text("# notes\n部署模式: 独立部署\n", encoding="utf-8")
+    monkeypatch.chdir(workspace)
+    plan = analyze_model(str(model))
+    assert plan.deploy_mode == "standalone"
+    (cited,) = _sources(plan, "deploy_mode")
+    assert cited.source == "progress.md:2" and "in the workspace" in cited.reason
+    # a built-in model type has no folder: the workspace's progress.md still speaks for it
+    assert analyze_model("qwen3").deploy_mode == "standalone"
+    (model / "progress.md").write_text("部署模式: 框架部署\n", encoding="utf-8")
+    nearest = analyze_model(str(model))
+    assert nearest.deploy_mode == "framework"
+    assert "beside the model" in _sources(nearest, "deploy_mode")[0].reason
+    # outside the workspace nothing above the model is read
+    monkeypatch.chdir(tmp_path / "workspace" / "checkpoints")
+    (model / "progress.md").unlink()
+    assert analyze_model(str(model)).deploy_mode == "framework"
+
+
 def test_a_missing_prompt_file_is_bad_input(tmp_path):
     with pytest.raises(BadInputError, match="--prompt-file .*nope.md does not exist"):
         analyze_model("qwen3", prompt_file=tmp_path / "nope.md")

@@ -46,6 +46,11 @@ def test_rounding_alone_passes_a_plain_moe_model_in_bfloat16(converted, family, 
     assert verdict.ratio < DRIFT_RATIO
     table = format_table(report)
     assert "bfloat16 drift from the float32 original" in table and "ratio" in table
+    # each row names its reference, so "differ at step 0" beside PASSED reads as rounding
+    header = next(line for line in table.splitlines() if line.startswith("prompt "))
+    assert "greedy tokens vs float32 original" in header
+    assert "max |logit diff| vs float32 original" in header
+    assert "the converted model in bfloat16 against the float32 original" in table
 
 
 def test_a_router_flip_in_the_converted_run_alone_is_rounding(converted):

@@ -76,6 +76,7 @@ def test_the_default_verify_passes_the_npu_profile_and_says_what_it_did_not_chec
     text = format_table(report)
     assert "NPU limits: checked (block sizes" in text
     assert "NOT checked: head counts and head dims" in text
+    assert "greedy tokens vs original" in text  # float32: the original in the same dtype
 
 
 def test_cpu_only_shapes_runs_tiny_blocks_and_the_json_says_not_checked(

@@ -194,6 +194,11 @@ def _widest(value: Any) -> int:
 
 
 def format_bytes(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (GiB at most): a small
+    model's 48 KiB pool must not read as "0.00 GiB"."""
     if not math.isfinite(num_bytes):
         return str(num_bytes)
-    return f"{num_bytes / 2**30:.2f} GiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"

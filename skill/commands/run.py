@@ -6,6 +6,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -240,6 +241,7 @@ def run(directory: Path, **options) -> None:
         check_layout_fits(converted.plan, options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
+    sized = size_for_workload(options)
     llm = LLM(
         directory,
         dtype=options["dtype"],
@@ -250,9 +252,9 @@ def run(directory: Path, **options) -> None:
         block_size=options["block_size"],
         num_blocks=options["num_blocks"],
         kv_memory_bytes=None if options["kv_memory"] is None else parse_size(options["kv_memory"]),
-        max_model_len=options["max_model_len"],
+        max_model_len=sized.max_model_len,
         max_num_batched_tokens=options["max_num_batched_tokens"],
-        max_num_seqs=options["max_num_seqs"],
+        max_num_seqs=sized.max_num_seqs,
         log_layout=options["log_layout"],
         use_hybrid_blocks=options["kv_layout"] == "page_pool",
         enable_prefix_caching=options["prefix_caching"],
@@ -264,10 +266,54 @@ def run(directory: Path, **options) -> None:
         npu_profile=profile,
     )
     with llm:
-        _generate_and_report(llm, directory, options)
+        _generate_and_report(llm, directory, options, sized.note)
 
 
-def _generate_and_report(llm, directory: Path, options: dict) -> None:
+@dataclass(frozen=True)
+class WorkloadSizing:
+    """What ``run`` passes to ``LLM`` for the pool's size, and the one line saying why."""
+
+    max_model_len: int | None
+    max_num_seqs: int
+    #: None when the flags decided (an explicit budget or --max-model-len)
+    note: str | None
+
+
+def size_for_workload(options: dict) -> WorkloadSizing:
+    """With no --num-blocks, --kv-memory or --max-model-len, the pool holds what this run's
+    prompts and --max-tokens need: max_model_len is the longest prompt plus --max-tokens and
+    at most one request per prompt runs at once, instead of --max-num-seqs requests of the
+    model's full context (a 4-layer Jamba: 128 x 262,144 tokens, 2.35 GiB zeroed to serve
+    three short prompts)."""
+    as_given = WorkloadSizing(options["max_model_len"], options["max_num_seqs"], None)
+    if any(options[k] is not None for k in ("num_blocks", "kv_memory", "max_model_len")):
+        return as_given
+    lengths = _prompt_lengths(options)
+    if not lengths:
+        return as_given
+    longest = max(lengths)
+    max_model_len = longest + options["max_tokens"]
+    max_num_seqs = min(options["max_num_seqs"], len(lengths))
+    note = (
+        f"sized for this run: {len(lengths)} prompt(s), the longest {longest} tokens + "
+        f"--max-tokens {options['max_tokens']} = max_model_len {max_model_len} "
+        "(--max-model-len, --kv-memory or --num-blocks size it otherwise)"
+    )
+    return WorkloadSizing(max_model_len, max_num_seqs, note)
+
+
+def _prompt_lengths(options: dict) -> list[int]:
+    """The prompts' lengths, known before the model loads (synthetic prompts need the
+    vocabulary only for their ids). Empty when the flags do not name prompts; the error for
+    that comes from _prompts."""
+    if options["prompt_ids"] is not None and options["num_requests"] is None:
+        return [len(p) for p in parse_prompt_ids(options["prompt_ids"])]
+    if options["num_requests"] is not None and options["prompt_ids"] is None:
+        return [options["prompt_len"]] * options["num_requests"]
+    return []
+
+
+def _generate_and_report(llm, directory: Path, options: dict, sizing_note: str | None) -> None:
     from kvskill.runtime import SamplingParams
     from kvskill.runtime.ops import backend, fla, profile_report
 
@@ -288,6 +334,7 @@ def _generate_and_report(llm, directory: Path, options: dict) -> None:
         progress.close()
     wall_s = time.perf_counter() - started
     report = _report(llm, outputs, wall_s, directory, backend().name)
+    report["kv_budget"]["workload"] = sizing_note
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
     report["npu_limits"] = profile_report(llm.npu_profile, dtype=options["dtype"], twin=False)
     # which backend ran each recurrent-state entry point (conv, delta rule, scan), and why
@@ -509,6 +556,8 @@ def _render_table(report: dict) -> str:
         ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
     ]
     rows.append(("KV budget", report["kv_budget"]["reason"]))
+    if report["kv_budget"].get("workload"):
+        rows.append(("", report["kv_budget"]["workload"]))
     rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     if report.get("prepacked_linear_layers"):

@@ -178,6 +178,31 @@ def test_default_budget_repeats_and_says_why(capsys, toy_dir, monkeypatch):
     assert budget["reason"].startswith("default: 4 requests x 64 tokens need ")
 
 
+def test_without_a_budget_or_length_run_sizes_the_pool_for_its_own_prompts(capsys, toy_dir):
+    """Three short prompts get what they need, not --max-num-seqs requests of the model's
+    whole context; the report says what sized it. A given --max-model-len still decides."""
+    code, out, _ = run_cli(
+        capsys, "run", str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3;4,5;6",
+        "--max-tokens", "5", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    assert report["max_model_len"] == 3 + 5
+    budget = report["kv_budget"]
+    assert budget["rule"] == "default"
+    assert budget["reason"].startswith("default: 3 requests x 8 tokens need ")
+    assert "the longest 3 tokens + --max-tokens 5 = max_model_len 8" in budget["workload"]
+    assert all(len(r["token_ids"]) == 5 for r in report["requests"])
+    code, out, _ = run_cli(
+        capsys, "run", str(toy_dir), "--trust-remote-code", "--num-requests", "2",
+        "--prompt-len", "6", "--max-tokens", "3", "--max-model-len", "64", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    assert report["max_model_len"] == 64 and report["kv_budget"]["workload"] is None
+    assert report["kv_budget"]["reason"].startswith("default: 128 requests x 64 tokens")
+
+
 def test_default_budget_is_capped_by_total_memory(monkeypatch, toy_dir):
     from kvskill.runtime import kv_cache_setup
 

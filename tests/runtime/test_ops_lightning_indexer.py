@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvskill.runtime.ops import reference as npu
 from kvskill.runtime.ops.reference import OpInputError
 from kvskill.runtime.ops.reference.npu_profile import npu_limits
@@ -182,3 +184,32 @@ def test_npu_profile_enforces_head_dim_block_size_and_dtypes():
             q.bfloat16(), cache, w.bfloat16(), block_table=table, layout_key="PA_BSND",
             actual_seq_lengths_key=torch.tensor([9], dtype=I32),
         )  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_len=st.integers(1, 5),
+    extra=st.integers(0, 6),
+    sparse_count=st.integers(1, 12),
+    sparse_mode=st.sampled_from([0, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_row_holds_the_best_visible_positions_then_minus_one(
+    q_len, extra, sparse_count, sparse_mode, seed
+):
+    kv_len = q_len + extra
+    q, k, w = make(seed, b=1, s1=q_len, s2=kv_len, n1=2, d=4)
+    idx, values = npu.npu_lightning_indexer(
+        q, k, w, sparse_count=sparse_count, sparse_mode=sparse_mode, return_value=True
+    )
+    for i in range(q_len):
+        visible = kv_len if sparse_mode == 0 else extra + i + 1
+        row, vals = idx[0, i, 0].tolist(), values[0, i, 0]
+        kept = min(sparse_count, visible)
+        assert row[kept:] == [-1] * (sparse_count - kept)
+        assert len(set(row[:kept])) == kept and all(0 <= j < visible for j in row[:kept])
+        assert all(vals[a] >= vals[a + 1] for a in range(kept - 1))  # best first
+        if kept < visible:  # every dropped visible position scores no higher than the kept
+            scores = (torch.relu(k[0, :visible, 0] @ q[0, i].T) * w[0, i]).sum(-1)
+            dropped = [j for j in range(visible) if j not in row[:kept]]
+            assert float(scores[dropped].max()) <= float(vals[kept - 1]) + 1e-6

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvskill.runtime.ops import reference as npu
 from kvskill.runtime.ops.reference import OpInputError, ReferenceUnsupportedError
 from kvskill.runtime.ops.reference.npu_profile import npu_limits
@@ -226,3 +228,42 @@ def test_npu_profile_enforces_latent_dims_and_dtypes():
     half = [x.bfloat16() for x in (q, qr, k, kr)]
     with npu_limits(), pytest.raises(OpInputError, match="head dim must be 512"):
         run(*half, idx, 1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sbs=st.sampled_from([2, 4]),
+    kv_len=st.integers(1, 14),
+    q_len=st.integers(1, 4),
+    sparse_mode=st.sampled_from([0, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_block_entry_equals_its_tokens_listed_one_by_one(sbs, kv_len, q_len, sparse_mode, seed):
+    # block e of sbs tokens is positions e*sbs .. e*sbs + sbs - 1: listing them token-wise
+    # (sparse_block_size 1) must give the same attention, causal clipping included
+    q, qr, k, kr = make(seed, b=1, s1=q_len, s2=kv_len, n1=2)
+    num_blocks = math.ceil(kv_len / sbs)
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(num_blocks, generator=g)[: max(1, num_blocks // 2)]
+    tokens = [int(b) * sbs + j for b in blocks for j in range(sbs) if int(b) * sbs + j < kv_len]
+    # as the indexer writes them: each row's visible entries first (only the first
+    # ceil(limit / sparse_block_size) entries of a row are read), -1 after
+    by_block = _visible_first([int(b) for b in blocks], q_len, kv_len, sparse_mode, sbs)
+    by_token = _visible_first(tokens, q_len, kv_len, sparse_mode, 1)
+    kwargs = {
+        "sparse_mode": sparse_mode,
+        "actual_seq_lengths_kv": torch.tensor([kv_len], dtype=I32),
+    }
+    a, _, _ = run(q, qr, k, kr, by_block, 0.5, sparse_block_size=sbs, **kwargs)
+    b, _, _ = run(q, qr, k, kr, by_token, 0.5, **kwargs)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def _visible_first(entries, q_len, kv_len, sparse_mode, sbs):
+    """[1, q_len, 1, len(entries)]: per row the entries whose first token is visible, -1 after."""
+    out = torch.full((1, q_len, 1, len(entries)), -1, dtype=I32)
+    for i in range(q_len):
+        limit = kv_len if sparse_mode == 0 else kv_len - q_len + i + 1
+        visible = [e for e in entries if e * sbs < limit]
+        out[0, i, 0, : len(visible)] = torch.tensor(visible, dtype=I32)
+    return out

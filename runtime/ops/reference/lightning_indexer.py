@@ -10,8 +10,9 @@ no softmax scale: DSA folds it into ``weights``). Key j is a candidate when j < 
 of ``sparse_indices`` lists the candidates by descending score, ties to the lower position,
 the first ``min(sparse_count, candidates)`` of them at the front and -1 after:
 
-    kv_len 5, q_len 2, sparse_count 4, mode 3, row 0 sees keys 0..3:  [2, 0, 3, 1]
-                                                  row 1 sees keys 0..4:  [4, 2, 0, 3]
+    kv_len 5, q_len 2, sparse_count 4, mode 3: row 0 sees keys 0..3, e.g. [2, 0, 3, 1]
+                                                row 1 sees keys 0..4, e.g. [4, 2, 0, 3]
+    kv_len 2, sparse_count 4: every row is e.g. [1, 0, -1, -1]
 
 NOTE: the tie order (lower position first) is the operator's golden test's stable sort;
 unconfirmed on device. Positions are logical (0 .. kv_len - 1), also with PA_BSND keys.
@@ -26,6 +27,7 @@ from ._checks import OpInputError, describe, strict_keywords
 from .sparse_inputs import (
     PAGED,
     LengthArgs,
+    SparseLengths,
     causal_limits,
     check_layouts,
     padded_keys,

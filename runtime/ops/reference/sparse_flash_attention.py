@@ -65,6 +65,8 @@ _HINTS = {
 }
 
 
+# NOTE: the doc pages print `sparse_block_size` as a required positional argument; the schema
+# the binding is generated from makes it keyword-only with default 1, and the schema wins.
 @strict_keywords(OP, _HINTS)
 def npu_sparse_flash_attention(
     query: Tensor,

@@ -177,7 +177,9 @@ def _scores(q: Tensor, k: Tensor, w: Tensor) -> Tensor:
     return (dots * wg).sum(dim=2)
 
 
-def _top_k(scores: Tensor, lengths, sparse_mode: int, sparse_count: int) -> tuple[Tensor, Tensor]:
+def _top_k(
+    scores: Tensor, lengths: SparseLengths, sparse_mode: int, sparse_count: int
+) -> tuple[Tensor, Tensor]:
     """Rows of candidates by descending score, -1 / -inf after them: [B, N2, S1, sparse_count]."""
     b, n2, s1, s2 = scores.shape
     device = scores.device

@@ -56,6 +56,9 @@ OPERATORS = (
     "npu_moe_finalize_routing",
     "npu_moe_re_routing",
     "npu_grouped_matmul",
+    # DeepSeek sparse attention (DSA): the indexer's top-k and the attention over it
+    "npu_lightning_indexer",
+    "npu_sparse_flash_attention",
 )
 
 # NOTE: several platform tags are tried because PyPI publishes torch_npu 2.13.0 only as

@@ -11,6 +11,7 @@ All of these are the same operator to the rules:
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
@@ -51,28 +52,46 @@ class FaCall:
         return "query_rope" in self.kwargs or "key_rope" in self.kwargs
 
 
-def op_name(ctx: FileContext, func: cst.BaseExpression, depth: int = 0) -> str | None:
+def op_name(ctx: FileContext, func: cst.BaseExpression) -> str | None:
     """The fused-attention operator ``func`` refers to, or None."""
+    return operator_name(ctx, func, FA_OPS, mentioned=ctx.mentions_fa)
+
+
+def operator_name(
+    ctx: FileContext,
+    func: cst.BaseExpression,
+    ops: Collection[str],
+    *,
+    mentioned: bool,
+    depth: int = 0,
+) -> str | None:
+    """Which of ``ops`` the callee ``func`` refers to, or None.
+
+    ``mentioned`` says whether any of the names appears in the file at all; without it no
+    import can bind one, and the (costly) scope analysis is skipped.
+    """
     if depth > 6:
         return None
     if isinstance(func, cst.Attribute):
-        if func.attr.value in FA_OPS:
+        if func.attr.value in ops:
             return func.attr.value
         if func.attr.value == "default" and isinstance(func.value, cst.Attribute):
-            return op_name(ctx, func.value, depth + 1)
+            return operator_name(ctx, func.value, ops, mentioned=mentioned, depth=depth + 1)
     if isinstance(func, cst.Name):
-        if func.value in FA_OPS:
+        if func.value in ops:
             return func.value
-        if not ctx.mentions_fa:
-            return None  # no import can bind an FA name: skip the scope analysis
+        if not mentioned:
+            return None
         for qualified in ctx.qualified(func):
             last = qualified.rsplit(".", 1)[-1]
-            if last in FA_OPS:
+            if last in ops:
                 return last
     # an alias: ``fa = torch_npu.<op>`` or ``self.fa = torch_npu.<op>``
     values = ctx.assigned_values(func) if isinstance(func, cst.Name | cst.Attribute) else None
     if values:
-        names = {op_name(ctx, value, depth + 1) for value in values}
+        names = {
+            operator_name(ctx, value, ops, mentioned=mentioned, depth=depth + 1) for value in values
+        }
         if len(names) == 1:
             return names.pop()
     return None

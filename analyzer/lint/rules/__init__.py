@@ -17,6 +17,11 @@ from kvskill.analyzer.lint.rules.kv011_mla_decode_sparse3 import MlaDecodeSparse
 from kvskill.analyzer.lint.rules.kv012_cache_info_incomplete import CacheInfoIncomplete
 from kvskill.analyzer.lint.rules.kv013_cache_entries_untouched import CacheEntriesUntouched
 from kvskill.analyzer.lint.rules.kv014_cache_entry_contract import CacheEntryContract
+from kvskill.analyzer.lint.rules.kv015_sparse_dense_mask import SparseDenseMask
+from kvskill.analyzer.lint.rules.kv016_sparse_paged_layout import SparsePagedLayout
+from kvskill.analyzer.lint.rules.kv017_sparse_mode_value import SparseModeValue
+from kvskill.analyzer.lint.rules.kv018_sparse_attention_mla_absorb import SparseAttentionMlaAbsorb
+from kvskill.analyzer.lint.rules.kv019_sparse_lengths_list import SparseLengthsList
 
 RULES: tuple[type[Rule], ...] = (
     NoCausalMaskInPrefill,
@@ -33,6 +38,11 @@ RULES: tuple[type[Rule], ...] = (
     CacheInfoIncomplete,
     CacheEntriesUntouched,
     CacheEntryContract,
+    SparseDenseMask,
+    SparsePagedLayout,
+    SparseModeValue,
+    SparseAttentionMlaAbsorb,
+    SparseLengthsList,
 )
 
 __all__ = ["RULES"]

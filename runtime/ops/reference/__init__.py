@@ -25,6 +25,7 @@ from .gated_delta import (
 )
 from .grouped_matmul import npu_grouped_matmul
 from .kv_rmsnorm_rope_cache import npu_kv_rmsnorm_rope_cache
+from .lightning_indexer import npu_lightning_indexer
 from .moe_gating import npu_moe_gating_top_k_softmax
 from .moe_routing import npu_moe_finalize_routing, npu_moe_init_routing_v2, npu_moe_re_routing
 from .refused import REFUSED_DTYPES, RefusedOperatorError, refuse, refusing_operator
@@ -37,6 +38,7 @@ from .scatter import (
     scatter_update,
     scatter_update_,
 )
+from .sparse_flash_attention import npu_sparse_flash_attention
 from .swiglu import npu_swiglu
 
 __all__ = [
@@ -62,10 +64,12 @@ __all__ = [
     "npu_interleave_rope",
     "npu_fused_infer_attention_score_v2",
     "npu_kv_rmsnorm_rope_cache",
+    "npu_lightning_indexer",
     "npu_recurrent_gated_delta_rule",
     "npu_recurrent_gated_delta_rule_functional",
     "npu_scatter_nd_update",
     "npu_scatter_nd_update_",
+    "npu_sparse_flash_attention",
     "scatter_update",
     "scatter_update_",
 ]

@@ -33,7 +33,7 @@ def resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> Shapes:
                 f"{nm.op}: {nm.q_lens} has a leading 0 ({_short(q_arg)}); the operator wants "
                 f"the cumulative ends only, e.g. query_start_loc[1:]"
             )
-        q_lens = _from_cumulative(nm.op, nm.q_lens, q_arg, total_q, "T")
+        q_lens = from_cumulative(nm.op, nm.q_lens, q_arg, total_q, "T")
         batch = len(q_lens)
         decode_branch = False
     else:
@@ -44,7 +44,7 @@ def resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> Shapes:
             # Decode branch: the operator ignores the query lengths (npu_ops.md §1.4).
             q_lens = [seq] * batch
         else:
-            q_lens = _per_batch(nm.op, nm.q_lens, q_arg, batch, limit=seq)
+            q_lens = per_batch(nm.op, nm.q_lens, q_arg, batch, limit=seq)
     if paged:
         kv_lens = _paged_kv_lens(call, layout, batch, kv_arg)
     elif layout.is_packed:
@@ -54,7 +54,7 @@ def resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> Shapes:
                 f"{nm.kv_lens} (cumulative key lengths)"
             )
         total_kv = call.key.size(0 if layout.query == "TND" else 1)
-        kv_lens = _from_cumulative(nm.op, nm.kv_lens, kv_arg, total_kv, "T_kv")
+        kv_lens = from_cumulative(nm.op, nm.kv_lens, kv_arg, total_kv, "T_kv")
         if len(kv_lens) != batch:
             raise OpInputError(
                 f"{nm.op}: {nm.kv_lens} has {len(kv_lens)} entries but {nm.q_lens} has {batch}"
@@ -63,7 +63,7 @@ def resolve_lengths(call: FaCall, layout: Layout, paged: bool) -> Shapes:
         kv_seq = call.key.size(2 if layout.query == "BNSD" else 1)
         kv_lens = [kv_seq] * batch if kv_arg is None else None
         if kv_lens is None:
-            kv_lens = _per_batch(nm.op, nm.kv_lens, kv_arg, batch, limit=kv_seq)
+            kv_lens = per_batch(nm.op, nm.kv_lens, kv_arg, batch, limit=kv_seq)
     return Shapes(batch=batch, q_lens=q_lens, kv_lens=kv_lens, decode_branch=decode_branch)
 
 
@@ -94,7 +94,7 @@ def _paged_kv_lens(call: FaCall, layout: Layout, batch: int, kv_arg: list[int] |
             )
         kv_lens = kv_arg
     else:
-        kv_lens = _per_batch(nm.op, nm.kv_lens, kv_arg, batch, limit=None)
+        kv_lens = per_batch(nm.op, nm.kv_lens, kv_arg, batch, limit=None)
     capacity = bt.size(1) * cache_bs
     for b, n in enumerate(kv_lens):
         if n < 0 or n > capacity:
@@ -106,7 +106,7 @@ def _paged_kv_lens(call: FaCall, layout: Layout, batch: int, kv_arg: list[int] |
     return kv_lens
 
 
-def _from_cumulative(op: str, name: str, cum: list[int], total: int, total_name: str) -> list[int]:
+def from_cumulative(op: str, name: str, cum: list[int], total: int, total_name: str) -> list[int]:
     if not cum:
         raise OpInputError(f"{op}: {name} is empty; expected cumulative lengths ending at {total}")
     prev = 0
@@ -127,7 +127,7 @@ def _from_cumulative(op: str, name: str, cum: list[int], total: int, total_name:
     return lens
 
 
-def _per_batch(op: str, name: str, lens: list[int], batch: int, limit: int | None) -> list[int]:
+def per_batch(op: str, name: str, lens: list[int], batch: int, limit: int | None) -> list[int]:
     """Per-batch lengths: one value shared by all requests, or the first ``batch`` values."""
     if len(lens) == 1:
         lens = lens * batch

@@ -8,7 +8,8 @@ Three groups, each with one reason:
 - collective: they communicate over HCCL between NPUs; a CPU run uses tensor/expert parallel
   size 1, where the framework takes the single-rank path.
 - unmodelled: real unquantized operators the framework's DSA models (glm_5_2) call, not written
-  yet.
+  yet (the indexer and the sparse attention themselves are modelled: lightning_indexer.py,
+  sparse_flash_attention.py).
 
 ``refusing_operator(name)`` gives a callable that raises ``RefusedOperatorError`` with a
 one-line message, so ``torch_npu.npu_quant_matmul`` resolves (and ``hasattr`` is true, as on
@@ -63,8 +64,6 @@ REFUSED_OPERATORS: dict[str, str] = {
     **dict.fromkeys(
         (
             "npu_mla_prolog_v3",
-            "npu_sparse_flash_attention",
-            "npu_lightning_indexer",
             "npu_gather_selection_kv_cache",
             "npu_moe_gating_top_k",
             "npu_fusion_attention",

@@ -274,12 +274,15 @@ def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _default_keys(config_class: type, base: dict[str, Any]) -> set[str]:
-    """The keys the config class stores for BASE without any override."""
+    """The keys the config class stores for BASE without any override; a composite
+    (vision-language) config's language-model keys too, which its class routes there."""
     try:
         kwargs = {key: value for key, value in base.items() if key != "model_type"}
-        return set(config_class(**kwargs).to_dict())
+        stored = config_class(**kwargs).to_dict()
     except Exception:  # noqa: BLE001 - an invalid base is reported once the overrides are merged
         return set(base)
+    inner = stored.get("text_config")
+    return set(stored) | (set(inner) if isinstance(inner, dict) else set())
 
 
 def _stored_override_keys(overrides: dict[str, Any], config: dict[str, Any]) -> list[str]:

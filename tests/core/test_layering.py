@@ -1,5 +1,5 @@
-"""The dependency direction of the design: the floor imports nothing of ours, the runtime
-imports only the floor, and exactly one AttnType exists."""
+"""The dependency direction of the design: the floor imports nothing of ours, the analyzer and
+the runtime import only the floor (and themselves), and exactly one AttnType exists."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # folder -> the kvskill packages its modules may import
 ALLOWED = {
     "core": {"kvskill.core"},
+    # the analyzer reads configs and code; it never runs a model, so neither the runtime nor
+    # the rewrite (the CLI asks the implementer whether apply would refuse a Plan)
+    "analyzer": {"kvskill.core", "kvskill.analyzer"},
     "runtime": {"kvskill.core", "kvskill.runtime"},
 }
 

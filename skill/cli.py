@@ -17,7 +17,7 @@ import click
 from kvskill import __version__
 from kvskill.commands import COMMANDS
 from kvskill.core.errors import ExitCode, KvskillError
-from kvskill.entry import sigint_seen
+from kvskill.interrupts import sigint_seen
 from kvskill.library_noise import quiet_kernel_fallbacks
 
 #: Ctrl-C (128 + SIGINT), as shells report it

@@ -13,33 +13,14 @@ import os
 import signal
 import sys
 
-INTERRUPTED = 130
-TERMINATED = 143
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived; unwinds like KeyboardInterrupt so cleanup code runs."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
-
-
-#: whether a SIGINT arrived in this process (``sigint_seen``)
-_sigint = False
-
-
-def _on_sigint(signum, frame) -> None:
-    global _sigint
-    _sigint = True
-    raise KeyboardInterrupt
-
-
-def sigint_seen() -> bool:
-    """Whether Ctrl-C reached this process. A library may turn the KeyboardInterrupt into an
-    error of its own (numpy's extension loader, interrupted mid-import, raises ImportError
-    "cannot load module more than once per process"); such an error is still an interrupt."""
-    return _sigint
+from kvskill.interrupts import (
+    INTERRUPTED,
+    TERMINATED,
+    Terminated,
+    on_sigint,
+    on_sigterm,
+    sigint_seen,
+)
 
 
 def interrupted(code: int = INTERRUPTED) -> None:
@@ -66,8 +47,8 @@ def exit_now(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        signal.signal(signal.SIGINT, _on_sigint)
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, on_sigterm)
         from kvskill.cli import main as cli_main
 
         cli_main(argv)

@@ -51,6 +51,6 @@ def npu_profile_default(monkeypatch):
 def _no_ctrl_c_carried_over(monkeypatch):
     """Each test starts as a fresh process would: no Ctrl-C recorded by the entry point.
 
-    A test that delivers SIGINT to this process leaves ``kvskill.entry``'s record set, and the
+    A test that delivers SIGINT to this process leaves ``kvskill.interrupts``' record set, and the
     CLI then reports any later failure as an interrupt (exit 130)."""
-    monkeypatch.setattr("kvskill.entry._sigint", False, raising=False)
+    monkeypatch.setattr("kvskill.interrupts._sigint", False, raising=False)

@@ -107,7 +107,7 @@ def test_an_interrupt_a_library_turns_into_another_error_is_still_exit_130(monke
     import signal
 
     import kvskill.cli as cli_module
-    from kvskill import entry
+    from kvskill import entry, interrupts
 
     def import_interrupted(argv):
         try:
@@ -127,6 +127,6 @@ def test_an_interrupt_a_library_turns_into_another_error_is_still_exit_130(monke
     finally:
         signal.signal(signal.SIGINT, saved[0])
         signal.signal(signal.SIGTERM, saved[1])
-        monkeypatch.setattr(entry, "_sigint", False)
+        monkeypatch.setattr(interrupts, "_sigint", False)
     assert exc.value.code == 130
     assert capsys.readouterr().err == "kvskill: interrupted\n"

@@ -10,6 +10,7 @@ about a class; a class that meets only half of it is refused by the checks befor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,54 @@ class ClassRewriteCommand(FrameworkCommand):
         if not self.selects(original_node):
             return updated_node
         return self.rewrite(original_node, updated_node)
+
+
+@functools.lru_cache(maxsize=64)
+def _gathered(gather: Callable[[cst.ClassDef], Any], node: cst.ClassDef) -> Any:
+    """GATHER's facts of NODE. libcst nodes compare and hash by identity, so a class the
+    earlier rewrites left untouched is read once for its problems, selection and rewrite."""
+    return gather(node)
+
+
+class StateMixerCommand(ClassRewriteCommand):
+    """The rewrite of one kind of recurrent-state mixer (gated delta net, Mamba-1, Mamba-2,
+    short conv): which classes are of the kind, their facts, and the conversion of one class
+    from its facts. The facts carry ``problems`` (why the class cannot be converted) and
+    ``converted`` (already declares its states)."""
+
+    #: the kind, as messages name it ("Mamba-2 mixer")
+    KIND = ""
+
+    @staticmethod
+    def is_kind(node: cst.ClassDef) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def gather(node: cst.ClassDef) -> Any:
+        raise NotImplementedError
+
+    def convert(
+        self, updated: cst.ClassDef, facts: Any, config: cst.PartialParserConfig
+    ) -> cst.ClassDef:
+        raise NotImplementedError
+
+    @classmethod
+    def facts_of(cls, node: cst.ClassDef) -> Any:
+        return _gathered(cls.gather, node)
+
+    @classmethod
+    def problems(cls, module: cst.Module, spec: Any) -> list[str]:
+        # NOTE: whether the Plan's state layers have a mixer at all is state_mixers' check
+        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+        return [p for c in classes if cls.is_kind(c) for p in cls.facts_of(c).problems]
+
+    def selects(self, cls: cst.ClassDef) -> bool:
+        return self.is_kind(cls) and not self.facts_of(cls).converted
+
+    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        facts = self.facts_of(original)
+        assert not facts.problems, f"the pipeline validates {self.KIND} facts first"
+        return self.convert(updated, facts, self.parser_config())
 
 
 def selects_attention(cls: cst.ClassDef) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 from kvskill.implementer._command import (
-    ClassRewriteCommand,
+    StateMixerCommand,
     append_statements,
     replace_method,
     with_body,
@@ -448,25 +448,17 @@ def splice_forward(
     return forward.with_changes(body=block.with_changes(body=body))
 
 
-class GatedDeltaCommand(ClassRewriteCommand):
+class GatedDeltaCommand(StateMixerCommand):
     """Declare the conv and ssm state entries and run both operators on the paged states."""
 
     DESCRIPTION = "Keep gated delta net states in the paged runtime's Mamba group."
+    KIND = "gated delta net"
+    is_kind = staticmethod(is_gated_delta_class)
+    gather = staticmethod(gated_delta_facts)
 
-    @classmethod
-    def problems(cls, module: cst.Module, spec) -> list[str]:
-        classes = m.findall(module, m.ClassDef())
-        # NOTE: whether the Plan's state layers have a mixer at all is state_mixers' check
-        state = [c for c in classes if isinstance(c, cst.ClassDef) and is_gated_delta_class(c)]
-        return [p for c in state for p in gated_delta_facts(c).problems]
-
-    def selects(self, cls: cst.ClassDef) -> bool:
-        return is_gated_delta_class(cls) and not gated_delta_facts(cls).converted
-
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = gated_delta_facts(original)
-        assert not facts.problems, "the pipeline validates gated delta facts first"
-        config = self.parser_config()
+    def convert(
+        self, updated: cst.ClassDef, facts: GatedDeltaFacts, config: cst.PartialParserConfig
+    ) -> cst.ClassDef:
         init_stmts = statements("framework_gdn_init.py.j2", config, **facts.shapes)
         updated = with_body(
             updated,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import ClassRewriteCommand
+from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN, _method, class_assigns
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import StateEntry, declare_states, with_pinned_dtypes
@@ -307,23 +307,17 @@ def mamba2_facts(cls: cst.ClassDef) -> Mamba2Facts:
     return facts
 
 
-class Mamba2Command(ClassRewriteCommand):
+class Mamba2Command(StateMixerCommand):
     """Declare the conv and SSM state entries; the forward runs on the paged states."""
 
     DESCRIPTION = "Keep Mamba-2 mixer states in the paged runtime's Mamba group."
+    KIND = "Mamba-2"
+    is_kind = staticmethod(is_mamba2_class)
+    gather = staticmethod(mamba2_facts)
 
-    @classmethod
-    def problems(cls, module: cst.Module, spec) -> list[str]:
-        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
-        return [p for c in classes if is_mamba2_class(c) for p in mamba2_facts(c).problems]
-
-    def selects(self, cls: cst.ClassDef) -> bool:
-        return is_mamba2_class(cls) and not mamba2_facts(cls).converted
-
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = mamba2_facts(original)
-        assert not facts.problems, "the pipeline validates Mamba-2 facts first"
-        config = self.parser_config()
+    def convert(
+        self, updated: cst.ClassDef, facts: Mamba2Facts, config: cst.PartialParserConfig
+    ) -> cst.ClassDef:
         forward_body = statements(
             "framework_mamba2_forward.py.j2",
             config,
@@ -342,7 +336,7 @@ class Mamba2Command(ClassRewriteCommand):
 
         # the SSM state in the dtype the Plan reports for it (mamba_ssm_cache_dtype)
         entries = with_pinned_dtypes(ENTRIES, getattr(self.spec, "pinned_state_dtypes", {}))
-        return declare_states(updated, "Mamba-2", entries, config, paged)
+        return declare_states(updated, self.KIND, entries, config, paged)
 
 
 __all__ = ["Mamba2Command", "Mamba2Facts", "is_mamba2_class", "mamba2_facts"]

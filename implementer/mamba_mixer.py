@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import (
-    ClassRewriteCommand,
-)
+from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     _assigned_names,
@@ -285,30 +283,22 @@ def _state_entries(facts: Mamba1Facts) -> list[StateEntry]:
     ]
 
 
-class Mamba1MixerCommand(ClassRewriteCommand):
+class Mamba1MixerCommand(StateMixerCommand):
     """Declare the conv and SSM state entries and run the conv and the scan on paged states."""
 
     DESCRIPTION = "Keep Mamba-1 mixer states in the paged runtime's Mamba group."
+    KIND = "Mamba-1 mixer"
+    is_kind = staticmethod(is_mamba1_class)
+    gather = staticmethod(mamba1_facts)
 
-    @classmethod
-    def problems(cls, module: cst.Module, spec) -> list[str]:
-        # NOTE: whether the Plan and the code agree on state layers at all is
-        # state_mixers.state_layer_problems' concern
-        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
-        return [p for c in classes if is_mamba1_class(c) for p in mamba1_facts(c).problems]
-
-    def selects(self, cls: cst.ClassDef) -> bool:
-        return is_mamba1_class(cls) and not mamba1_facts(cls).converted
-
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = mamba1_facts(original)
-        assert not facts.problems, "the pipeline validates Mamba-1 facts first"
-        config = self.parser_config()
+    def convert(
+        self, updated: cst.ClassDef, facts: Mamba1Facts, config: cst.PartialParserConfig
+    ) -> cst.ClassDef:
         # the SSM state in the dtype the Plan reports for it (mamba_ssm_cache_dtype)
         pinned = getattr(self.spec, "pinned_state_dtypes", {})
         return declare_states(
             updated,
-            "Mamba-1 mixer",
+            self.KIND,
             with_pinned_dtypes(_state_entries(facts), pinned),
             config,
             lambda forward: self._convert_forward(forward, facts, config),

@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.implementer._command import (
-    ClassRewriteCommand,
-)
+from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
     _assigned_names,
@@ -146,23 +144,17 @@ def _check_names(facts: ShortConvFacts, body: cst.IndentedBlock) -> None:
         )
 
 
-class ShortConvCommand(ClassRewriteCommand):
+class ShortConvCommand(StateMixerCommand):
     """Declare the conv state entry and run the fused causal conv on the paged states."""
 
     DESCRIPTION = "Keep short-conv states in the paged runtime's Mamba group."
+    KIND = "short conv"
+    is_kind = staticmethod(is_short_conv_class)
+    gather = staticmethod(short_conv_facts)
 
-    @classmethod
-    def problems(cls, module: cst.Module, spec) -> list[str]:
-        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
-        return [p for c in classes if is_short_conv_class(c) for p in short_conv_facts(c).problems]
-
-    def selects(self, cls: cst.ClassDef) -> bool:
-        return is_short_conv_class(cls) and not short_conv_facts(cls).converted
-
-    def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        facts = short_conv_facts(original)
-        assert not facts.problems, "the pipeline validates short-conv facts first"
-        config = self.parser_config()
+    def convert(
+        self, updated: cst.ClassDef, facts: ShortConvFacts, config: cst.PartialParserConfig
+    ) -> cst.ClassDef:
         values = {
             "hidden": facts.hidden,
             "target": facts.conv_target,
@@ -184,7 +176,7 @@ class ShortConvCommand(ClassRewriteCommand):
         }
         return declare_states(
             updated,
-            "short conv",
+            self.KIND,
             entries,
             config,
             lambda forward: splice_forward(forward, replacements),

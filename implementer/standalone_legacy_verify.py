@@ -46,6 +46,8 @@ from torch import nn
 
 #: tokens per block when none is asked: several blocks per row, so the block table matters
 CPU_BLOCK_SIZE = 8
+#: the same for MLA, whose fused attention takes blocks of a multiple of 16 (npu_ops §1.8)
+CPU_MLA_BLOCK_SIZE = 16
 
 
 def is_standalone_legacy(converted: ConvertedDir) -> bool:
@@ -87,8 +89,10 @@ def runner_settings(*, batch_size: int, input_max_len: int, max_new_tokens: int)
 class _PagedChains:
     """Hooks of the converted run that collect the init and runtime chains' evidence."""
 
-    def __init__(self, seed: int, get_forward_metadata) -> None:
+    def __init__(self, seed: int, get_forward_metadata, *, mla: bool) -> None:
         self.seed = seed
+        #: MLA: each layer's two caches are the latent (nope) and the rope keys
+        self.mla = mla
         #: the metadata getter the converted file imported (the executor's or kvskill's)
         self.get_forward_metadata = get_forward_metadata
         self.init_failures: list[str] = []
@@ -100,12 +104,18 @@ class _PagedChains:
             self.init_failures.append("init_cache built no block_table on the model")
             return
         for index, layer in enumerate(past_key_values):
-            for name, cache in zip(("key", "value"), layer, strict=True):
+            names = ("nope", "rope") if self.mla else ("key", "value")
+            for name, cache in zip(names, layer, strict=True):
                 self.caches += 1
-                if cache.dim() != 3 or cache.shape[:2] != (table.numel(), model.block_size):
+                # [blocks, block_size, width], or [blocks, block_size, 1, dim] (MLA's latent
+                # and rope caches)
+                if cache.dim() not in (3, 4) or cache.shape[:2] != (
+                    table.numel(),
+                    model.block_size,
+                ):
                     self.init_failures.append(
                         f"layer {index} {name} cache {tuple(cache.shape)}, expected "
-                        f"[{table.numel()}, {model.block_size}, width]"
+                        f"[{table.numel()}, {model.block_size}, ...]"
                     )
         # any one-to-one table is valid for a static allocation: shuffle it, so a kernel or a
         # slot formula that assumed arange reads and writes the wrong blocks
@@ -223,7 +233,8 @@ def verify_standalone_legacy(
         )
     if not needs:
         framework_root = None  # kvskill answers the executor's metadata module itself
-    report, prompts = legacy_report(converted, options, CPU_BLOCK_SIZE)
+    block_size = CPU_MLA_BLOCK_SIZE if plan.is_mla else CPU_BLOCK_SIZE
+    report, prompts = legacy_report(converted, options, block_size)
     lengths, block_size = [len(p) for p in prompts], report.block_size
     new_tokens = options.max_new_tokens
     pad = int(config.get("pad_token_id") or 0)
@@ -267,7 +278,7 @@ def verify_standalone_legacy(
             paged.load_state_dict(weights)
             _after_loading(paged)
             paged.block_size = block_size
-            chains = _PagedChains(options.seed, module.get_forward_metadata)
+            chains = _PagedChains(options.seed, module.get_forward_metadata, mla=plan.is_mla)
             metadata_module = sys.modules[module.get_forward_metadata.__module__]
             run = drive_runner_protocol(
                 paged, prompts, after_init=chains.after_init, on_step=chains.on_step, **drive

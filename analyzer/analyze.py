@@ -728,7 +728,15 @@ def _code_notes(
                 "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
                 "rule: the framework-Legacy state rewrite (KVR022)",
             )
-    if facts.get("legacy_standalone"):
+    if facts.get("legacy_standalone") and spec.mla is not None:
+        book.cite(
+            "code",
+            "current code is the standalone Legacy MLA path (init_cache latent and rope caches "
+            "written as rows with scatter_update_ at kv_len, read through the model's own arange "
+            "block table); converting it to paged mode 3 (absorbed MLA over mode 2)",
+            facts["legacy_standalone_source"],
+        )
+    elif facts.get("legacy_standalone"):
         book.cite(
             "code",
             "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "

@@ -8,13 +8,17 @@ every step, ``npu_scatter_nd_update_`` writes and a TND fused attention over the
 The runner is not touched: it still calls ``init_cache``, ``prepare_inputs_for_generation``,
 ``prefill`` / ``decode`` and keeps ``kv_len``; what each returns changed, not how it is driven.
 
+The MLA form of the attention (latent and rope caches) is KVR026's
+(``standalone_legacy_mla_codemods.py``).
+
 * KVR024, the attention's write method: each ``scatter_update_(rows, kv_len, states, -2)``
   becomes ``npu_scatter_nd_update_`` of the same states at the step's
   ``slot_mapping["FullAttention"]``; the BSH prefill / decode fused attention becomes one TND
   call over ``block_table["FullAttention"]`` with the step's lengths, viewed back to the BSH
   shape the code after it reads; assignments only the removed calls read go with them.
 * KVR025, the model class: ``init_cache`` allocates ``[total_blocks, block_size, width]``
-  caches and a static block table instead of ``[batch, max_len, width]`` rows;
+  caches and a static block table instead of ``[batch, max_len, width]`` rows (when it
+  allocates blocks already, GLM-5.2's MLA form, the table is added before its return);
   ``prepare_inputs_for_generation`` sets each step's paged metadata
   (``set_paged_step_metadata``) before returning the runner's inputs; ``self.block_size``
   comes from the Plan (``--block-size``).

@@ -19,6 +19,8 @@ and the model class:
 
     init_cache:  cache_shape = (batch, max_len, width)   (total_blocks, block_size, width) and
                                                          a static block table
+             or blocks (num_blocks, self.block_size,     kept; the step's block table added
+             1, dim) already (the MLA form, GLM-5.2)     before its return
     prepare_inputs_for_generation: ... return ...        the step's slots and lengths set as
                                                          the forward metadata before it returns
 
@@ -97,7 +99,8 @@ class StandaloneModelFacts:
     problems: list[str] = field(default_factory=list)
 
 
-def _lines(module: cst.Module):
+def line_reader(module: cst.Module):
+    """A function giving the first line of any node of MODULE (for the problems' messages)."""
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     return lambda node: positions[node].start.line
 
@@ -121,7 +124,7 @@ def writer_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
 def gather_standalone_attention(module: cst.Module) -> list[StandaloneAttentionFacts]:
     """Facts of every standalone Legacy (MHA / GQA) attention class of MODULE, in file
     order; the MLA ones are not read here."""
-    line = _lines(module)
+    line = line_reader(module)
     found = []
     for cls in standalone_attention_classes(module):
         if is_standalone_legacy_mla_attention(cls):
@@ -205,7 +208,7 @@ def gather_standalone_model(
     module: cst.Module, architecture: str | None
 ) -> list[StandaloneModelFacts]:
     """Facts of the causal-LM classes of MODULE (the model class the runner drives)."""
-    line = _lines(module)
+    line = line_reader(module)
     heads = set(causal_lm_classes(module, architecture))
     found = []
     for cls in m.findall(module, m.ClassDef()):
@@ -335,5 +338,6 @@ __all__ = [
     "StandaloneSeam",
     "gather_standalone_attention",
     "gather_standalone_model",
+    "line_reader",
     "writer_method",
 ]

@@ -35,6 +35,7 @@ from kvskill.analyzer.gather import (
     is_standalone_legacy_mla_attention,
 )
 from kvskill.implementer.framework_legacy_facts import CAUSAL_SPARSE_MODES, code
+from kvskill.implementer.standalone_legacy_facts import line_reader
 
 #: keywords of the Legacy call kept as written (heads, scale, the rope parts)
 KEPT_KEYWORDS = ("num_heads", "num_key_value_heads", "scale", "query_rope", "key_rope")
@@ -89,13 +90,6 @@ class MlaAttentionFacts:
     problems: list[str] = field(default_factory=list)
 
 
-def _lines(module: cst.Module):
-    from libcst.metadata import MetadataWrapper, PositionProvider
-
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    return lambda node: positions[node].start.line
-
-
 def mla_attention_classes(module: cst.Module) -> list[cst.ClassDef]:
     return [
         c
@@ -106,7 +100,7 @@ def mla_attention_classes(module: cst.Module) -> list[cst.ClassDef]:
 
 def gather_mla_attention(module: cst.Module) -> list[MlaAttentionFacts]:
     """Facts of every standalone Legacy MLA attention class of MODULE, in file order."""
-    line = _lines(module)
+    line = line_reader(module)
     found = []
     for cls in mla_attention_classes(module):
         facts = MlaAttentionFacts(name=cls.name.value, line=line(cls))
@@ -192,9 +186,13 @@ def _arg(call: cst.Call, index: int | None, keyword: str) -> cst.BaseExpression:
 def _row_write(call: cst.Call, func, where: str, line, problems: list[str]) -> RowWrite | None:
     """A bare ``scatter_update_(<cache>[.view(...)], kv_len, states, axis 1)`` statement."""
     rows = _arg(call, 0, "input")
+    # GLM-5.2 writes a row view of the block-shaped cache: the cache is under the view
+    is_view = m.matches(rows, m.Call(func=m.Attribute(attr=m.Name("view"))))
     cache = (
-        rows.func.value if m.matches(rows, m.Call(func=m.Attribute(attr=m.Name("view")))) else rows
-    )  # type: ignore[attr-defined]
+        cst.ensure_type(cst.ensure_type(rows, cst.Call).func, cst.Attribute).value
+        if is_view
+        else rows
+    )
     bare = m.findall(func, m.Expr(value=m.MatchIfTrue(lambda node: node is call)))
     axis = code(_arg(call, 3, "axis"))
     if not bare or len(call.args) != 4 or axis not in ROW_AXES or not isinstance(cache, cst.Name):

@@ -1,9 +1,11 @@
-"""The framework's own standalone Legacy model (mode 1) converted in place to mode 2.
+"""The framework's own standalone Legacy model (mode 1) converted in place to mode 2 (its
+MLA form to mode 3: absorbed MLA over the paged caches of mode 2).
 
 Unlike the other standalone conversions, no runner is generated: the model directory has its
 own (``runner_*.py``), which asks the model for its caches and each step's inputs. The
-rewrite (KVR024, KVR025) changes what the model answers; the runner files are written to the
-output unchanged, so the converted directory runs as the original did.
+rewrite (KVR024, or KVR026 for MLA, and KVR025) changes what the model answers; the runner
+files are written to the output unchanged, so the converted directory runs as the original
+did.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from kvskill.analyzer import Plan
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions, Conversion, read_source
-from kvskill.implementer.mla.spec import MlaSpec
+from kvskill.implementer.mla.spec import MlaSpec, check_mla_block_size
 from kvskill.implementer.pipeline import convert_standalone_legacy_source
 from kvskill.implementer.record import StandaloneRecord
 from kvskill.implementer.spec import ConversionSpec, FaVersion
@@ -62,6 +64,7 @@ def _mla_spec(plan: Plan, options: ApplyOptions) -> ConversionSpec:
     """The spec of KVR025 / KVR026 for an MLA Plan, after the MLA limits (rope dim 64, latent
     512 or 128, the absorbed sparse modes) are checked. The Legacy call's operator and
     layout are kept (v1, TND): only its paging and lengths change."""
+    check_mla_block_size(options.block_size)
     mla = MlaSpec.from_plan(plan, block_size=options.block_size)
     if options.fa_version not in ("auto", FaVersion.V1.value):
         raise UnsupportedModelError(

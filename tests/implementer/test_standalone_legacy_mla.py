@@ -198,6 +198,16 @@ def test_caches_of_two_block_counts_are_refused():
     assert "with 2 block count(s)" in message
 
 
+def test_a_block_size_the_mla_attention_cannot_page_is_bad_input(tmp_path):
+    from kvskill.core.errors import BadInputError
+    from kvskill.implementer.writer import apply_model
+
+    options = ApplyOptions(deploy_mode="standalone", block_size=24)
+    with pytest.raises(BadInputError, match="--block-size 24: the MLA caches need a multiple"):
+        apply_model(str(FIXTURE), tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_cli_refuses_in_one_line_with_exit_3(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(FIXTURE, model)
@@ -325,3 +335,19 @@ def test_the_fixtures_own_runner_drives_both_files_to_the_same_tokens(tmp_path):
             runs[name] = runner.generate(prompts, 6)
         reset_forward_metadata()
     assert runs["original"] == runs["converted"]
+
+
+@pytest.mark.slow
+def test_verify_fails_the_latent_and_rope_caches_swapped(tmp_path):
+    """init_cache handing each layer (rope, nope): the latent's slots fall outside the
+    narrower rope cache, and verify reports the converted run's error instead of passing."""
+    out = _apply(tmp_path)
+    _mutate(
+        out,
+        "past_key_values += ((cache_nope, cache_rope),)",
+        "past_key_values += ((cache_rope, cache_nope),)",
+    )
+    report = _verify(out)
+    assert not report.passed
+    assert report.error is not None and "the converted model failed in its runner" in report.error
+    assert "npu_scatter_nd_update_: indices out of range" in report.error

@@ -54,8 +54,6 @@ REPLACED_KEYWORDS = (
 DEFAULT_ONLY = {"antiquant_mode": ("0",), "antiquant_scale": ("None",)}
 #: the one layout whose lengths the step metadata gives as the call reads them
 LAYOUT = ('"TND"', "'TND'")
-#: the axis of a row write ``[B, max_len, D]`` along the sequence
-ROW_AXES = ("1", "-2")
 _BLOCK_TABLE_ATTR = m.Attribute(value=m.Name("self"), attr=m.Name("block_table"))
 
 
@@ -195,7 +193,10 @@ def _row_write(call: cst.Call, func, where: str, line, problems: list[str]) -> R
     )
     bare = m.findall(func, m.Expr(value=m.MatchIfTrue(lambda node: node is call)))
     axis = code(_arg(call, 3, "axis"))
-    if not bare or len(call.args) != 4 or axis not in ROW_AXES or not isinstance(cache, cst.Name):
+    # -2 is the sequence axis of 3-D rows only; of a 4-D view it would be the head axis
+    view_rank = len(cst.ensure_type(rows, cst.Call).args) if is_view else 3
+    along = axis == "1" or (axis == "-2" and view_rank == 3)
+    if not bare or len(call.args) != 4 or not along or not isinstance(cache, cst.Name):
         problems.append(
             f"{where} line {line(call)}: `{code(call)}` is not a bare scatter_update_(<cache> "
             "or <cache>.view(batch, -1, dim), kv_len, states, 1) statement along the sequence"

@@ -163,6 +163,14 @@ def test_a_third_write_is_refused_not_half_converted():
     assert "calls scatter_update_ 3 times" in message
 
 
+def test_a_write_along_the_head_axis_of_a_4d_view_is_refused():
+    rows = "nope_cache.view(bsz, -1, self.kv_lora_rank), kv_len, k_nope, 1)"
+    heads = "nope_cache.view(bsz, -1, 1, self.kv_lora_rank), kv_len, k_nope, -2)"
+    message = _refusal(SOURCE.replace(NOPE_WRITE, NOPE_WRITE.replace(rows, heads)))
+    assert f"LegacyMlaAttention.forward line {_line_of(NOPE_WRITE.rstrip())}" in message
+    assert "is not a bare scatter_update_(<cache> or <cache>.view(batch, -1, dim)" in message
+
+
 def test_writes_at_two_positions_are_refused():
     message = _refusal(SOURCE.replace(ROPE_WRITE, ROPE_WRITE.replace("kv_len", "kv_len + 1")))
     assert "the two writes index different positions" in message

@@ -372,6 +372,8 @@ def plan_for_source(
         null_layer_types="layer_types" in source.config and source.config["layer_types"] is None,
     )
     _per_layer_heads(source, book)
+    # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
+    keeps_absorbed_prefill = bool(facts_dict.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
         spec=spec,
         book=book,
@@ -383,6 +385,7 @@ def plan_for_source(
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
         scale_has_mscale=scale.has_yarn_mscale,
+        keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     add_operator_limits(
         spec=spec,
@@ -393,6 +396,7 @@ def plan_for_source(
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
+        keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     rope = rope_style(code, spec, source.config)
     book.cite("rope_style", f"rope style: {rope.style}", rope.source)

@@ -72,6 +72,10 @@ def test_the_plan_reads_the_standalone_legacy_mla_path_and_apply_keeps_the_runne
     plan = analyze_model(str(FIXTURE))
     assert plan.deploy_mode.value == "standalone" and plan.is_mla
     assert plan.code["legacy_standalone"] is True
+    # the conversion keeps the model's own absorbed call for prefill: no un-absorbed prefill
+    # limits, the 16-token limit of a 512-wide latent named instead
+    assert not [w for w in plan.warnings if "un-absorbed" in w]
+    assert any("keeps the model's own absorbed call for prefill" in w for w in plan.warnings)
     conversion = convert_standalone(plan, STANDALONE)
     runner = (FIXTURE / "runner_legacy_mla.py").read_text(encoding="utf-8")
     assert conversion.added == {"runner_legacy_mla.py": runner}

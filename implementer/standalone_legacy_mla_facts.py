@@ -149,6 +149,12 @@ def _read_seam(func: cst.FunctionDef, facts: MlaAttentionFacts, line) -> MlaSeam
             f"({', '.join(sorted(indices))}); the rewrite writes both at one slot mapping"
         )
         return None
+    if indices != {"kv_len"}:
+        facts.problems.append(
+            f"{where} line {line(calls[0])}: the writes start at {indices.pop()}, not at the "
+            "runner's kv_len the step's slots are built from"
+        )
+        return None
     kernel = _read_kernel(body[kernels[0]], where, line, facts.problems)
     if kernel is None:
         return None

@@ -180,6 +180,14 @@ def test_writes_at_two_positions_are_refused():
     assert "the two writes index different positions" in message
 
 
+def test_writes_not_at_kv_len_are_refused():
+    source = SOURCE.replace(NOPE_WRITE, NOPE_WRITE.replace("kv_len", "kv_len + 1")).replace(
+        ROPE_WRITE, ROPE_WRITE.replace("kv_len", "kv_len + 1")
+    )
+    message = _refusal(source)
+    assert "the writes start at kv_len + 1, not at the runner's kv_len" in message
+
+
 def test_the_table_read_elsewhere_is_refused():
     source = SOURCE.replace(
         "        return w_k.permute(1, 2, 0), w_v.transpose(0, 1)\n",

@@ -372,6 +372,8 @@ def plan_for_source(
         null_layer_types="layer_types" in source.config and source.config["layer_types"] is None,
     )
     _per_layer_heads(source, book)
+    # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
+    keeps_absorbed_prefill = bool(facts_dict.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
         spec=spec,
         book=book,
@@ -383,6 +385,7 @@ def plan_for_source(
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
         scale_has_mscale=scale.has_yarn_mscale,
+        keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     add_operator_limits(
         spec=spec,
@@ -393,6 +396,7 @@ def plan_for_source(
         kv_heads_per_rank=kv_heads,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
+        keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     rope = rope_style(code, spec, source.config)
     book.cite("rope_style", f"rope style: {rope.style}", rope.source)
@@ -728,7 +732,15 @@ def _code_notes(
                 "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
                 "rule: the framework-Legacy state rewrite (KVR022)",
             )
-    if facts.get("legacy_standalone"):
+    if facts.get("legacy_standalone") and spec.mla is not None:
+        book.cite(
+            "code",
+            "current code is the standalone Legacy MLA path (init_cache latent and rope caches "
+            "written as rows with scatter_update_ at kv_len, read through the model's own arange "
+            "block table); converting it to paged mode 3 (absorbed MLA over mode 2)",
+            facts["legacy_standalone_source"],
+        )
+    elif facts.get("legacy_standalone"):
         book.cite(
             "code",
             "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "

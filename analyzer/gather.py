@@ -591,6 +591,25 @@ def is_standalone_legacy_attention(cls: cst.ClassDef) -> bool:
     )
 
 
+#: a fused attention call given the MLA rope parts (``query_rope=`` / ``key_rope=``)
+MLA_FA_CALL = m.Call(
+    func=m.Attribute(attr=_names(*FA_OPS)),
+    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("query_rope")), m.ZeroOrMore()],
+)
+
+
+def is_standalone_legacy_mla_attention(cls: cst.ClassDef) -> bool:
+    """A standalone Legacy attention (:func:`is_standalone_legacy_attention`) over MLA
+    caches: the method that writes its rows with ``scatter_update_`` passes the fused
+    attention the rope parts apart (``query_rope`` / ``key_rope``), as GLM-5.2's latent
+    (nope) and rope caches are read."""
+    return is_standalone_legacy_attention(cls) and any(
+        m.findall(func, LEGACY_ROW_WRITE) and m.findall(func, MLA_FA_CALL)
+        for func in cls.body.body
+        if isinstance(func, cst.FunctionDef)
+    )
+
+
 def is_causal_lm_class(cls: cst.ClassDef) -> bool:
     """The class holding the language-model head as ``self.lm_head`` (the ``*ForCausalLM``)."""
     return class_assigns(cls, LM_HEAD_ASSIGN)

@@ -2,10 +2,11 @@
 none of the Legacy shapes the tool converts.
 
 The framework's Legacy models write their caches with ``torch_npu.scatter_update_`` into rows
-allocated ahead of time. Two of their shapes convert (``analyzer/gather.py``): GQA attention
-over the executor's ``cache_unit`` rows, and GQA attention over rows the model's own
-``init_cache`` allocates. Others exist at the pinned framework commit: ``models/glm_5_2``
-writes MLA latent caches (``npu_mla_prolog_v3`` and ``scatter_update_``) and attends with
+allocated ahead of time. Three of their shapes convert (``analyzer/gather.py``): GQA attention
+over the executor's ``cache_unit`` rows, GQA attention over rows the model's own ``init_cache``
+allocates, and its MLA form (latent and rope rows one method writes and reads with one fused
+attention). Others exist at the pinned framework commit: ``models/glm_5_2`` writes MLA latent
+caches (``npu_mla_prolog_v3`` and ``scatter_update_``) and attends with
 ``npu_sparse_flash_attention`` over the top-k of an indexer that keeps a cache of its own. Such
 a file has no attention class of a shape the tool reads, and saying only that would be false:
 the refusal names the class, its row writes and the operators that make it another kind.
@@ -80,7 +81,10 @@ def legacy_rows_reason(facts: ModuleFacts, config: dict[str, Any]) -> str | None
         f"rows with torch_npu.scatter_update_ (line{'s' if len(lines) > 1 else ''} "
         f"{', '.join(map(str, lines))}) but is not a Legacy shape the tool converts: {what}; "
         "the framework's Legacy GQA attention (cache_unit rows, or init_cache rows read by "
-        "npu_fused_infer_attention_score) converts, Legacy MLA and sparse attention do not yet"
+        "npu_fused_infer_attention_score) converts, and so does standalone Legacy MLA whose "
+        "latent and rope rows one method writes with scatter_update_ and reads with one "
+        "npu_fused_infer_attention_score; MLA written by npu_mla_prolog_v3 and sparse "
+        "attention do not yet"
     )
 
 

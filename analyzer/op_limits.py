@@ -35,13 +35,19 @@ def add_operator_limits(
     kv_heads_per_rank: int,
     attn_tp_size: int,
     block_size: int,
+    keeps_absorbed_prefill: bool = False,
 ) -> None:
-    """Blockers and warnings for every operator limit the model's shapes hit."""
+    """Blockers and warnings for every operator limit the model's shapes hit.
+
+    KEEPS_ABSORBED_PREFILL: the conversion keeps the model's own absorbed MLA call for prefill
+    (the framework's standalone Legacy MLA, ND block caches): no un-absorbed prefill and no
+    NZ cache, so their limits do not apply.
+    """
     heads = max(spec.num_heads // attn_tp_size, 1)
     if heads > lim.MAX_HEADS:
         _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
     if attention == "mla":
-        _mla(spec, book, fa_version, heads, block_size)
+        _mla(spec, book, fa_version, heads, block_size, keeps_absorbed_prefill)
         return
     if max(spec.head_dim, spec.v_head_dim) > lim.MAX_HEAD_DIM:
         _block(
@@ -73,7 +79,14 @@ def add_operator_limits(
     _paged_block_size(book, block_size)
 
 
-def _mla(spec: ModelSpec, book: Notebook, fa_version: str, heads: int, block_size: int) -> None:
+def _mla(
+    spec: ModelSpec,
+    book: Notebook,
+    fa_version: str,
+    heads: int,
+    block_size: int,
+    keeps_absorbed_prefill: bool,
+) -> None:
     mla = spec.mla or {}
     rope = int(mla.get("qk_rope_head_dim") or 0)
     rank = int(mla.get("kv_lora_rank") or 0)
@@ -101,6 +114,8 @@ def _mla(spec: ModelSpec, book: Notebook, fa_version: str, heads: int, block_siz
                 f"{_ON_NPU}; it takes {allowed} (› 当query的d等于512时 / query_rope和key_rope参数"
                 "约束: N为32、64、128)",
             )
+    if keeps_absorbed_prefill:
+        return
     # the un-absorbed prefill: TND without page attention on Q_D = K_D = nope + rope, V_D = v
     q_d = nope + rope
     dims = lim.TND_V2_DIMS if v2 else lim.TND_V1_DIMS

@@ -20,8 +20,13 @@ def add_pitfalls(
     kv_heads_per_rank: int,
     attn_tp_size: int,
     scale_has_mscale: bool,
+    keeps_absorbed_prefill: bool = False,
 ) -> None:
-    """Append one warning per applicable row of the common-error table (and operator limits)."""
+    """Append one warning per applicable row of the common-error table (and operator limits).
+
+    KEEPS_ABSORBED_PREFILL: the conversion keeps the model's own absorbed MLA call for prefill
+    too (the framework's standalone Legacy MLA), instead of an un-absorbed prefill.
+    """
     warn = book.warn
     if kv_mode == "legacy":
         warn(
@@ -60,11 +65,19 @@ def add_pitfalls(
         )
         # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9);
         # the operator limits the MLA dims hit are in op_limits
-        warn(
-            "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens per "
-            "request, so decode runs absorbed and prefill un-absorbed (the cached latent "
-            "decompressed by kv_b_proj, TND without page attention)"
-        )
+        if keeps_absorbed_prefill:
+            warn(
+                "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
+                "per request; the standalone Legacy MLA conversion keeps the model's own "
+                "absorbed call for prefill, so with kv_lora_rank 512 prompts longer than 16 "
+                "tokens are outside the device's limits (none documented for a 128-wide one)"
+            )
+        else:
+            warn(
+                "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
+                "per request, so decode runs absorbed and prefill un-absorbed (the cached "
+                "latent decompressed by kv_b_proj, TND without page attention)"
+            )
     if AttnType.SLIDING_WINDOW.value in attn_types:
         warn(
             "sliding-window layers keep sparse_mode=4 with pre_tokens=W-1, next_tokens=0 in "

@@ -47,6 +47,7 @@ from kvskill.implementer.standalone_legacy_codemods import (
     StandaloneLegacyAttentionCommand,
     StandaloneLegacyModelCommand,
 )
+from kvskill.implementer.standalone_legacy_mla_codemods import StandaloneLegacyMlaAttentionCommand
 from kvskill.implementer.state_mixers import StateLayersCheck
 from kvskill.implementer.text_model import LocalTextModelCommand
 
@@ -66,8 +67,8 @@ class ConversionPath(str, Enum):
     #: place to the executor's Paged contract; its imports stay the executor's
     FRAMEWORK_LEGACY = "framework_legacy"
     #: the framework's standalone Legacy model (mode 1: rows from its own init_cache, BSH
-    #: fused attention, its own runner) converted in place to standalone mode 2; its
-    #: imports stay the executor's
+    #: fused attention, its own runner) converted in place to standalone mode 2 (its MLA
+    #: form, latent and rope caches, to mode 3); its imports stay the executor's
     STANDALONE_LEGACY = "standalone_legacy"
 
 
@@ -125,6 +126,7 @@ REWRITES: tuple[Rewrite, ...] = (
     # NOTE: KVR022 / KVR023 are kept for the framework's gated-delta Legacy states
     Rewrite("KVR024", StandaloneLegacyAttentionCommand, _paths(STANDALONE_LEGACY)),
     Rewrite("KVR025", StandaloneLegacyModelCommand, _paths(STANDALONE_LEGACY)),
+    Rewrite("KVR026", StandaloneLegacyMlaAttentionCommand, _paths(STANDALONE_LEGACY)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )

@@ -17,8 +17,13 @@ from kvskill.implementer.standalone_legacy_facts import standalone_attention_cla
 
 #: the paged write KVR024 emits
 PAGED_WRITE = m.Call(func=m.Attribute(attr=m.Name("npu_scatter_nd_update_")))
-#: a keyword argument ``block_table=...`` of a fused attention call
-_BLOCK_TABLE = m.Arg(keyword=m.Name("block_table"))
+#: ``block_table=md.block_table[...]``: a fused attention call reading the step's table (the
+#: Legacy MLA call passes the model's own ``self.block_table``)
+_BLOCK_TABLE = m.Arg(
+    keyword=m.Name("block_table"),
+    value=m.Subscript(value=m.Attribute(value=m.Name("md"), attr=m.Name("block_table"))),
+)
+_OWN_TABLE = m.Attribute(value=m.Name("self"), attr=m.Name("block_table"))
 
 
 def check_standalone_legacy_module(
@@ -67,9 +72,11 @@ def standalone_legacy_self_check(
         if len(writes) != 2 or len(kernels) != 1 or unpaged:
             problems.append(
                 f"{name}.{after.name.value} writes {len(writes)} paged caches and makes "
-                f"{len(kernels)} fused attention calls ({len(unpaged)} without block_table); "
-                "expected 2 writes and one paged call"
+                f"{len(kernels)} fused attention calls ({len(unpaged)} without the step's "
+                "block_table); expected 2 writes and one paged call"
             )
+        if m.findall(classes[name], _OWN_TABLE):
+            problems.append(f"{name} still reads its own self.block_table")
     paged_heads = [c for c in classes.values() if method(c, "set_paged_step_metadata") is not None]
     if not paged_heads:
         problems.append("no model class sets the paged step metadata")

@@ -8,13 +8,17 @@ every step, ``npu_scatter_nd_update_`` writes and a TND fused attention over the
 The runner is not touched: it still calls ``init_cache``, ``prepare_inputs_for_generation``,
 ``prefill`` / ``decode`` and keeps ``kv_len``; what each returns changed, not how it is driven.
 
+The MLA form of the attention (latent and rope caches) is KVR026's
+(``standalone_legacy_mla_codemods.py``).
+
 * KVR024, the attention's write method: each ``scatter_update_(rows, kv_len, states, -2)``
   becomes ``npu_scatter_nd_update_`` of the same states at the step's
   ``slot_mapping["FullAttention"]``; the BSH prefill / decode fused attention becomes one TND
   call over ``block_table["FullAttention"]`` with the step's lengths, viewed back to the BSH
   shape the code after it reads; assignments only the removed calls read go with them.
 * KVR025, the model class: ``init_cache`` allocates ``[total_blocks, block_size, width]``
-  caches and a static block table instead of ``[batch, max_len, width]`` rows;
+  caches and a static block table instead of ``[batch, max_len, width]`` rows (when it
+  allocates blocks already, GLM-5.2's MLA form, the table is added before its return);
   ``prepare_inputs_for_generation`` sets each step's paged metadata
   (``set_paged_step_metadata``) before returning the runner's inputs; ``self.block_size``
   comes from the Plan (``--block-size``).
@@ -24,7 +28,12 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.analyzer.gather import LEGACY_ROW_WRITE, is_standalone_legacy_attention, method
+from kvskill.analyzer.gather import (
+    LEGACY_ROW_WRITE,
+    is_standalone_legacy_attention,
+    is_standalone_legacy_mla_attention,
+    method,
+)
 from kvskill.implementer._command import (
     ClassRewriteCommand,
     ModelClassRewrite,
@@ -38,6 +47,7 @@ from kvskill.implementer.framework_legacy_codemods import (
     led_by,
     names_read,
 )
+from kvskill.implementer.framework_legacy_facts import code
 from kvskill.implementer.snippets import methods, render, statements
 from kvskill.implementer.standalone_legacy_facts import (
     StandaloneAttentionFacts,
@@ -45,6 +55,7 @@ from kvskill.implementer.standalone_legacy_facts import (
     StandaloneSeam,
     gather_standalone_attention,
     gather_standalone_model,
+    standalone_attention_classes,
 )
 from libcst.codemod.visitors import AddImportsVisitor
 
@@ -63,7 +74,7 @@ def is_standalone_paged(module: cst.Module) -> bool:
 def standalone_legacy_problems(module: cst.Module) -> list[str]:
     """Why the standalone-Legacy attention rewrite cannot convert MODULE (all reasons)."""
     found = gather_standalone_attention(module)
-    if not found and not is_standalone_paged(module):
+    if not found and not standalone_attention_classes(module) and not is_standalone_paged(module):
         return [
             "no standalone Legacy attention found (a class one of whose methods writes rows "
             "with scatter_update_ and calls the fused attention, without cache_unit)"
@@ -91,7 +102,8 @@ class StandaloneLegacyAttentionCommand(ClassRewriteCommand):
         return True
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return is_standalone_legacy_attention(cls)
+        # the MLA classes (latent and rope caches) are KVR026's
+        return is_standalone_legacy_attention(cls) and not is_standalone_legacy_mla_attention(cls)
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         seam = self.facts[original.name.value].seam
@@ -146,15 +158,19 @@ class StandaloneLegacyAttentionCommand(ClassRewriteCommand):
                 new.extend(led_by(stmt, kernel))
             else:
                 new.append(
-                    cst.ensure_type(stmt.visit(_PagedWrites(seam.npu, config)), cst.BaseStatement)
+                    cst.ensure_type(stmt.visit(PagedRowWrites(seam.npu, config)), cst.BaseStatement)
                 )
         new = drop_dead_assignments(new, names_read([removed]))
         block = cst.ensure_type(func.body, cst.IndentedBlock)
         return func.with_changes(body=block.with_changes(body=new))
 
 
-class _PagedWrites(cst.CSTTransformer):
-    """``scatter_update_(rows, kv_len, states, -2)`` -> the slot-mapped paged write."""
+class PagedRowWrites(cst.CSTTransformer):
+    """``scatter_update_(rows, kv_len, states, -2)`` -> the slot-mapped paged write.
+
+    ROWS may be a row view of the cache (``nope_cache.view(batch, -1, dim)``, GLM-5.2's
+    form): the paged write flattens the cache itself to one row per slot.
+    """
 
     def __init__(self, npu: str, config: cst.PartialParserConfig) -> None:
         super().__init__()
@@ -163,7 +179,10 @@ class _PagedWrites(cst.CSTTransformer):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         if not m.matches(original, LEGACY_ROW_WRITE):
             return updated
-        cache, _, states, _ = (cst.Module(body=[]).code_for_node(a.value) for a in original.args)
+        rows, _, updates, _ = (a.value for a in original.args)
+        if m.matches(rows, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("view")))):
+            rows = cst.ensure_type(cst.ensure_type(rows, cst.Call).func, cst.Attribute).value
+        cache, states = code(rows), code(updates)
         text = render(
             "standalone_legacy_paged_write.py.j2", npu=self.npu, cache=cache, states=states
         )
@@ -197,18 +216,9 @@ class StandaloneLegacyModelCommand(ModelClassRewrite):
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = self.model_facts[original.name.value]
-        assert facts.row_shape is not None, "checked before any rewrite"
         config = self.parser_config()
         AddImportsVisitor.add_needed_import(self.context, METADATA_MODULE, "set_forward_metadata")
-        batch, max_len, width = facts.row_shape
-        blocks = statements(
-            "standalone_legacy_paged_blocks.py.j2",
-            config,
-            batch=batch,
-            max_len=max_len,
-            width=width,
-            device=f", device={facts.device}" if facts.device else "",
-        )
+        paged_init_cache = _paged_init_cache(facts, config)
         block_size = cst.parse_statement(
             "# tokens per block of the paged caches (standalone mode 2)\n"
             f"self.block_size = {self.spec.block_size}\n",
@@ -224,12 +234,39 @@ class StandaloneLegacyModelCommand(ModelClassRewrite):
                 if name == "__init__":
                     stmt = append_statements(stmt, [block_size])
                 elif name == "init_cache":
-                    stmt = _replace_statement(stmt, _CACHE_SHAPE, blocks)
+                    stmt = paged_init_cache(stmt)
                 elif name == "prepare_inputs_for_generation":
                     stmt = _before_return(stmt, step)
             body.append(stmt)
         helper = methods("standalone_legacy_step_metadata.py.j2", config)
         return with_body(updated, [*body, *helper])
+
+
+def _paged_init_cache(facts: StandaloneModelFacts, config):
+    """How KVR025 rewrites FACTS' ``init_cache``: its BSH row shape replaced by blocks and a
+    static table, or, when it allocates blocks already (the MLA form), the table added before
+    its return."""
+    device = f", device={facts.device}" if facts.device else ""
+    if facts.row_shape is not None:
+        batch, max_len, width = facts.row_shape
+        blocks = statements(
+            "standalone_legacy_paged_blocks.py.j2",
+            config,
+            batch=batch,
+            max_len=max_len,
+            width=width,
+            device=device,
+        )
+        return lambda func: _replace_statement(func, _CACHE_SHAPE, blocks)
+    assert facts.num_blocks is not None, "checked before any rewrite"
+    table = statements(
+        "standalone_legacy_paged_table.py.j2",
+        config,
+        num_blocks=facts.num_blocks,
+        rows="input_ids.shape[0]",
+        device=device,
+    )
+    return lambda func: _before_return(func, *table)
 
 
 def _replace_statement(func: cst.FunctionDef, matcher, new: list[cst.BaseStatement]):
@@ -241,14 +278,15 @@ def _replace_statement(func: cst.FunctionDef, matcher, new: list[cst.BaseStateme
     return func.with_changes(body=block.with_changes(body=body))
 
 
-def _before_return(func: cst.FunctionDef, stmt: cst.BaseStatement) -> cst.FunctionDef:
+def _before_return(func: cst.FunctionDef, *stmts: cst.BaseStatement) -> cst.FunctionDef:
     block = cst.ensure_type(func.body, cst.IndentedBlock)
     *rest, last = block.body
-    return func.with_changes(body=block.with_changes(body=[*rest, stmt, last]))
+    return func.with_changes(body=block.with_changes(body=[*rest, *stmts, last]))
 
 
 __all__ = [
     "StandaloneLegacyAttentionCommand",
     "StandaloneLegacyModelCommand",
+    "PagedRowWrites",
     "standalone_legacy_problems",
 ]

@@ -19,6 +19,8 @@ and the model class:
 
     init_cache:  cache_shape = (batch, max_len, width)   (total_blocks, block_size, width) and
                                                          a static block table
+             or blocks (num_blocks, self.block_size,     kept; the step's block table added
+             1, dim) already (the MLA form, GLM-5.2)     before its return
     prepare_inputs_for_generation: ... return ...        the step's slots and lengths set as
                                                          the forward metadata before it returns
 
@@ -38,6 +40,7 @@ from kvskill.analyzer.gather import (
     causal_lm_classes,
     dotted_name,
     is_standalone_legacy_attention,
+    is_standalone_legacy_mla_attention,
     method,
 )
 from kvskill.implementer.framework_legacy_facts import code, kernel_call
@@ -86,6 +89,9 @@ class StandaloneModelFacts:
     line: int
     #: (batch, max_len, width) of the ``cache_shape = (...)`` tuple in ``init_cache``
     row_shape: tuple[str, str, str] | None = None
+    #: or the block count of caches ``init_cache`` allocates already as blocks
+    #: ``(num_blocks, self.block_size, 1, dim)`` (the MLA form), read as rows of input_ids
+    num_blocks: str | None = None
     #: ``device=`` of the allocations (None: the default device)
     device: str | None = None
     #: already mode 2 (it has ``set_paged_step_metadata``): left as it is
@@ -93,7 +99,8 @@ class StandaloneModelFacts:
     problems: list[str] = field(default_factory=list)
 
 
-def _lines(module: cst.Module):
+def line_reader(module: cst.Module):
+    """A function giving the first line of any node of MODULE (for the problems' messages)."""
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     return lambda node: positions[node].start.line
 
@@ -115,10 +122,13 @@ def writer_method(cls: cst.ClassDef) -> cst.FunctionDef | None:
 
 
 def gather_standalone_attention(module: cst.Module) -> list[StandaloneAttentionFacts]:
-    """Facts of every standalone Legacy attention class of MODULE, in file order."""
-    line = _lines(module)
+    """Facts of every standalone Legacy (MHA / GQA) attention class of MODULE, in file
+    order; the MLA ones are not read here."""
+    line = line_reader(module)
     found = []
     for cls in standalone_attention_classes(module):
+        if is_standalone_legacy_mla_attention(cls):
+            continue  # latent and rope caches: standalone_legacy_mla_facts.py reads them
         facts = StandaloneAttentionFacts(name=cls.name.value, line=line(cls))
         writers = [
             f
@@ -198,7 +208,7 @@ def gather_standalone_model(
     module: cst.Module, architecture: str | None
 ) -> list[StandaloneModelFacts]:
     """Facts of the causal-LM classes of MODULE (the model class the runner drives)."""
-    line = _lines(module)
+    line = line_reader(module)
     heads = set(causal_lm_classes(module, architecture))
     found = []
     for cls in m.findall(module, m.ClassDef()):
@@ -222,18 +232,35 @@ def _read_init_cache(cls: cst.ClassDef, facts: StandaloneModelFacts, line) -> No
         )
         return
     where = f"{facts.name}.init_cache (line {line(init_cache)})"
-    shapes = [
-        cst.ensure_type(s, cst.Assign)
-        for s in m.findall(init_cache, m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))]))
-    ]
-    tuples = [s.value for s in shapes if isinstance(s.value, cst.Tuple)]
-    if len(shapes) != 1 or len(tuples) != 1 or len(tuples[0].elements) != 3:
+    shapes = {
+        code(cst.ensure_type(s, cst.Assign).targets[0].target): cst.ensure_type(s, cst.Assign)
+        for s in m.findall(init_cache, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        if isinstance(cst.ensure_type(s, cst.Assign).value, cst.Tuple)
+    }
+    allocations = [cst.ensure_type(c, cst.Call) for c in m.findall(init_cache, ALLOCATION)]
+    if "cache_shape" in shapes:
+        _read_rows(init_cache, shapes, allocations, facts, where, line)
+    else:
+        _read_blocks(init_cache, shapes, allocations, facts, where, line)
+    devices = {
+        code(a.value)
+        for c in allocations
+        for a in c.args
+        if a.keyword and a.keyword.value == "device"
+    }
+    facts.device = devices.pop() if len(devices) == 1 else None
+
+
+def _read_rows(init_cache, shapes, allocations, facts, where: str, line) -> None:
+    """The dense form: one ``cache_shape = (batch, max_len, width)`` every allocation takes."""
+    assigned = m.findall(init_cache, m.Assign(targets=[m.AssignTarget(m.Name("cache_shape"))]))
+    elements = cst.ensure_type(shapes["cache_shape"].value, cst.Tuple).elements
+    if len(assigned) != 1 or len(elements) != 3:
         facts.problems.append(
             f"{where} does not set one `cache_shape = (batch, max_len, width)`; the rewrite "
             "turns that BSH row shape into paged blocks"
         )
         return
-    allocations = [cst.ensure_type(c, cst.Call) for c in m.findall(init_cache, ALLOCATION)]
     others = [c for c in allocations if not c.args or code(c.args[0].value) != "cache_shape"]
     if not allocations or others:
         bad = ", ".join(f"line {line(c)}" for c in others) or "none found"
@@ -242,14 +269,45 @@ def _read_init_cache(cls: cst.ClassDef, facts: StandaloneModelFacts, line) -> No
             "kind are not converted to paged caches"
         )
         return
-    devices = {
-        code(a.value)
-        for c in allocations
-        for a in c.args
-        if a.keyword and a.keyword.value == "device"
-    }
-    facts.row_shape = tuple(code(e.value) for e in tuples[0].elements)  # type: ignore[assignment]
-    facts.device = devices.pop() if len(devices) == 1 else None
+    facts.row_shape = tuple(code(e.value) for e in elements)  # type: ignore[assignment]
+
+
+def _read_blocks(init_cache, shapes, allocations, facts, where: str, line) -> None:
+    """The MLA form (GLM-5.2's ``create_cache``): every allocation takes a shape
+    ``(num_blocks, self.block_size, 1, dim)`` with one ``num_blocks``, and the rows are
+    ``input_ids``'s batch."""
+    params = {p.name.value for p in init_cache.params.params}
+    counts = set()
+    for call in allocations:
+        shape = shapes.get(code(call.args[0].value)) if call.args else None
+        elements = (
+            [code(e.value) for e in cst.ensure_type(shape.value, cst.Tuple).elements]
+            if shape is not None
+            else []
+        )
+        if len(elements) != 4 or elements[1:3] != ["self.block_size", "1"]:
+            facts.problems.append(
+                f"{where} line {line(call)}: `{code(call)}` allocates neither the rows of one "
+                "`cache_shape = (batch, max_len, width)` nor blocks of a shape "
+                "`(num_blocks, self.block_size, 1, dim)`; other states are not converted"
+            )
+            return
+        counts.add(elements[0])
+    last = cst.ensure_type(init_cache.body, cst.IndentedBlock).body[-1]
+    if not m.matches(last, m.SimpleStatementLine(body=[m.Return()])):
+        facts.problems.append(
+            f"{where} does not end with its return; the rewrite adds the block table before it"
+        )
+        return
+    if not allocations or len(counts) != 1 or "input_ids" not in params:
+        facts.problems.append(
+            f"{where} allocates its block-shaped caches with "
+            f"{len(counts) or 'no'} block count(s) ({', '.join(sorted(counts))})"
+            + ("" if "input_ids" in params else " and takes no input_ids")
+            + "; the rewrite builds one block table over one block count, a row per request"
+        )
+        return
+    facts.num_blocks = counts.pop()
 
 
 def _read_step_inputs(cls: cst.ClassDef, facts: StandaloneModelFacts, line) -> None:
@@ -280,5 +338,6 @@ __all__ = [
     "StandaloneSeam",
     "gather_standalone_attention",
     "gather_standalone_model",
+    "line_reader",
     "writer_method",
 ]

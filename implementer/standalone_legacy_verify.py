@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvskill.analyzer.plan import MlaDims
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.framework_legacy_verify import (
     import_model,
     legacy_original_dir,
     legacy_report,
 )
+from kvskill.implementer.mla.spec import check_mla_block_size
 from kvskill.implementer.original_failure import original_failure
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
@@ -46,6 +48,8 @@ from torch import nn
 
 #: tokens per block when none is asked: several blocks per row, so the block table matters
 CPU_BLOCK_SIZE = 8
+#: the same for MLA, whose fused attention takes blocks of a multiple of 16 (npu_ops §1.8)
+CPU_MLA_BLOCK_SIZE = 16
 
 
 def is_standalone_legacy(converted: ConvertedDir) -> bool:
@@ -87,8 +91,11 @@ def runner_settings(*, batch_size: int, input_max_len: int, max_new_tokens: int)
 class _PagedChains:
     """Hooks of the converted run that collect the init and runtime chains' evidence."""
 
-    def __init__(self, seed: int, get_forward_metadata) -> None:
+    def __init__(self, seed: int, get_forward_metadata, *, mla: MlaDims | None) -> None:
         self.seed = seed
+        #: MLA: each layer's two caches are the latent (nope) and the rope keys, one head of
+        #: kv_lora_rank and qk_rope_head_dim each (the executor's nope_cache / rope_cache)
+        self.mla = mla
         #: the metadata getter the converted file imported (the executor's or kvskill's)
         self.get_forward_metadata = get_forward_metadata
         self.init_failures: list[str] = []
@@ -99,13 +106,26 @@ class _PagedChains:
         if not isinstance(table, torch.Tensor):
             self.init_failures.append("init_cache built no block_table on the model")
             return
+        blocks = (table.numel(), model.block_size)
+        # [blocks, block_size, width]; MLA: [blocks, block_size, 1, dim]
+        expected: dict[str, tuple[int, ...] | None] = (
+            {
+                "nope": (*blocks, 1, self.mla.kv_lora_rank),
+                "rope": (*blocks, 1, self.mla.qk_rope_head_dim),
+            }
+            if self.mla is not None
+            else {"key": None, "value": None}
+        )
         for index, layer in enumerate(past_key_values):
-            for name, cache in zip(("key", "value"), layer, strict=True):
+            for (name, shape), cache in zip(expected.items(), layer, strict=True):
                 self.caches += 1
-                if cache.dim() != 3 or cache.shape[:2] != (table.numel(), model.block_size):
+                found = tuple(cache.shape)
+                if (shape is not None and found != shape) or (
+                    shape is None and (cache.dim() != 3 or found[:2] != blocks)
+                ):
                     self.init_failures.append(
-                        f"layer {index} {name} cache {tuple(cache.shape)}, expected "
-                        f"[{table.numel()}, {model.block_size}, width]"
+                        f"layer {index} {name} cache {found}, expected "
+                        f"{list(shape) if shape else [*blocks, 'width']}"
                     )
         # any one-to-one table is valid for a static allocation: shuffle it, so a kernel or a
         # slot formula that assumed arange reads and writes the wrong blocks
@@ -223,7 +243,10 @@ def verify_standalone_legacy(
         )
     if not needs:
         framework_root = None  # kvskill answers the executor's metadata module itself
-    report, prompts = legacy_report(converted, options, CPU_BLOCK_SIZE)
+    block_size = CPU_MLA_BLOCK_SIZE if plan.is_mla else CPU_BLOCK_SIZE
+    if plan.is_mla:
+        check_mla_block_size(options.block_size)
+    report, prompts = legacy_report(converted, options, block_size)
     lengths, block_size = [len(p) for p in prompts], report.block_size
     new_tokens = options.max_new_tokens
     pad = int(config.get("pad_token_id") or 0)
@@ -267,7 +290,9 @@ def verify_standalone_legacy(
             paged.load_state_dict(weights)
             _after_loading(paged)
             paged.block_size = block_size
-            chains = _PagedChains(options.seed, module.get_forward_metadata)
+            chains = _PagedChains(
+                options.seed, module.get_forward_metadata, mla=plan.mla if plan.is_mla else None
+            )
             metadata_module = sys.modules[module.get_forward_metadata.__module__]
             run = drive_runner_protocol(
                 paged, prompts, after_init=chains.after_init, on_step=chains.on_step, **drive

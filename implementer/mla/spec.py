@@ -20,13 +20,28 @@ from kvskill.analyzer.plan import (
 )
 from kvskill.core import npu_limits
 from kvskill.core.attn_types import AttnType
-from kvskill.core.errors import UnsupportedModelError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.spec import pinned_state_dtypes
 
 MLA_ROPE_DIM = npu_limits.MLA_ROPE_DIM
 MLA_QUERY_DIMS = npu_limits.MLA_LATENT_DIMS
 #: block sizes of the MLA paths are multiples of 16 (NZ C0 for fp16/bf16; npu_ops §1.7, §4)
 MLA_BLOCK_SIZE = 16
+
+
+def check_mla_block_size(block_size: int | None) -> None:
+    """A block size the MLA caches take (a multiple of MLA_BLOCK_SIZE), or None (default).
+
+    Raises:
+        BadInputError: another size.
+    """
+    if block_size is not None and block_size % MLA_BLOCK_SIZE:
+        raise BadInputError(
+            f"--block-size {block_size}: the MLA caches need a multiple of {MLA_BLOCK_SIZE} (the "
+            "fused attention pages MLA caches in blocks of 16k, ND or NZ)"
+        )
+
+
 #: the sparse modes the MLA path emits: causal prefill (un-absorbed), dense absorbed decode
 MLA_SPARSE_MODE = {"prefill": 3, "decode": 0}
 

@@ -19,7 +19,7 @@ from kvskill.analyzer.plan import KvMode as PlanKvMode
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.legacy_codemods import legacy_spec
-from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE, MlaSpec
+from kvskill.implementer.mla.spec import MlaSpec, check_mla_block_size
 from kvskill.implementer.registry import ConversionPath
 from kvskill.implementer.spec import STATE_ATTN_TYPES, ConversionSpec
 
@@ -129,11 +129,7 @@ class StandaloneSpec:
             )
         if is_mla:
             _check_mla(plan, mode, absorb)
-            if block_size is not None and block_size % MLA_BLOCK_SIZE:
-                raise BadInputError(
-                    f"--block-size {block_size}: the MLA caches need a multiple of "
-                    f"{MLA_BLOCK_SIZE} (NZ layout)"
-                )
+            check_mla_block_size(block_size)
             base = MlaSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)
             return cls(kv_mode=mode, mla=True, base=base)
         spec = ConversionSpec.from_plan(plan, fa_version=fa_version, block_size=block_size)

@@ -112,3 +112,9 @@ def test_the_frameworks_glm_5_2_is_refused_with_its_true_reason(tmp_path):
     message = str(refused.value)
     assert "GlmMoeDsaAttention" in message and "no attention class" not in message
     assert "npu_mla_prolog_v3" in message and "npu_sparse_flash_attention" in message
+    # the standalone MLA rewrite (KVR026) does not take it either: its writes go through the
+    # MLA prolog and its attention is sparse
+    with pytest.raises(UnsupportedModelError) as standalone:
+        apply_model(str(model), tmp_path / "out", ApplyOptions(deploy_mode="standalone"))
+    assert str(standalone.value) == message
+    assert not (tmp_path / "out").exists()

@@ -82,6 +82,8 @@ BEFORE_OF_REWRITE = {
     "KVR013": HERE / "before_runtime_imports.py",
     # the framework's Legacy gated-delta states (init_cache rows per batch slot)
     "KVR022": FIXTURES / "cann_legacy" / "gqa_gated_delta" / "modeling_legacy_gated_delta.py",
+    # the framework's standalone Legacy MLA attention (latent and rope caches)
+    "KVR026": FIXTURES / "cann_legacy" / "mla_standalone" / "modeling_legacy_mla.py",
 }
 #: rewrites that run before a lower code, and why: KVR022 reads the states' row shapes from
 #: init_cache, which KVR021 removes
@@ -178,6 +180,7 @@ def test_the_standalone_legacy_path_keeps_the_executors_imports():
         "LocalTextModelCommand",
         "StandaloneLegacyAttentionCommand",
         "StandaloneLegacyModelCommand",
+        "StandaloneLegacyMlaAttentionCommand",
     ]
 
 

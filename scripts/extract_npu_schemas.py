@@ -56,6 +56,9 @@ OPERATORS = (
     "npu_moe_finalize_routing",
     "npu_moe_re_routing",
     "npu_grouped_matmul",
+    # the expert-parallel pair qwen3_5 decodes through (modelled at one rank)
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine_v2",
 )
 
 # NOTE: several platform tags are tried because PyPI publishes torch_npu 2.13.0 only as

@@ -41,6 +41,7 @@ from kvskill.implementer.framework_legacy_verify import (
 from kvskill.implementer.record import ConvertedDir
 from kvskill.implementer.verify import VerifyOptions, VerifyReport, compare_prompt
 from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS, EngineDriver
+from kvskill.runtime.ops.reference import OpInputError, ReferenceUnsupportedError
 from torch import nn
 
 
@@ -111,18 +112,25 @@ def verify_against_checkout(converted: ConvertedDir, options: VerifyOptions) -> 
         original_cls, original_config, original_module = import_model(
             original_dir, plan.code, config
         )
-        original, legacy_config = build(original_cls, original_config, {})
-        random_weights(original, options.seed)
-        weights = {k: v.clone() for k, v in original.state_dict().items()}
-        after_loading(original)
-        legacy = drive_legacy(
-            original,
-            prompts,
-            max_new_tokens=new_tokens,
-            infer_config=legacy_config,
-            metadata_cls=original_module.ForwardMetaData,
-            seed=options.seed,
-        )
+        try:
+            original, legacy_config = build(original_cls, original_config, {})
+            random_weights(original, options.seed)
+            weights = {k: v.clone() for k, v in original.state_dict().items()}
+            after_loading(original)
+            legacy = drive_legacy(
+                original,
+                prompts,
+                max_new_tokens=new_tokens,
+                infer_config=legacy_config,
+                metadata_cls=original_module.ForwardMetaData,
+                seed=options.seed,
+            )
+        except (ReferenceUnsupportedError, OpInputError) as exc:
+            # an operator the stand-in refuses by name, or a documented limit of one
+            raise UnsupportedModelError(
+                f"the Legacy original {original_dir.name}/{plan.code['modeling_file']} does not "
+                f"run on the CPU stand-in in {options.dtype}: {exc}"
+            ) from exc
         try:  # the converted code is what is being checked, from its import on
             with kvskill_answers_cache_and_metadata():
                 converted_cls, converted_config, _ = import_model(

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvskill.runtime.executor_host import ANSWERED_MODULES, answered_modules
 from torch import nn
 
-#: the framework modules kvskill answers itself (``executor_host.framework_modules``)
-ANSWERED_MODULES = ("executor.utils.forward_metadata", "executor.core.kv_cache")
 _FRAMEWORK_IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:executor|module)(?:\.\w+)*)", re.M)
 #: what marks a directory as a cann-recipes-infer checkout
 _CHECKOUT_MARK = Path("executor") / "core" / "kv_cache" / "cache_info.py"
@@ -77,13 +76,10 @@ def kvskill_answers_cache_and_metadata() -> Iterator[None]:
     """
     import importlib
 
-    from kvskill.runtime.executor_host import _framework_aliases
-
     for name in ANSWERED_MODULES:
         importlib.import_module(name)  # the checkout's, loaded before it is shadowed
-    aliases = _framework_aliases()
     saved = {name: sys.modules[name] for name in ANSWERED_MODULES}
-    sys.modules.update({name: aliases[name] for name in ANSWERED_MODULES})
+    sys.modules.update(answered_modules())
     try:
         yield
     finally:

@@ -106,6 +106,7 @@ def verify_against_checkout(converted: ConvertedDir, options: VerifyOptions) -> 
             comms.append(one_rank_comm(framework_config.CommManager, infer_config.parallel_config))
             # verify's dtype is the model's: its init_cache allocates in config.torch_dtype
             model_config.torch_dtype = model_config.dtype = dtype
+            torch.manual_seed(options.seed)  # what __init__ draws (A_log) is reproducible
             with loader_utils.set_default_torch_dtype(dtype):
                 return cls(model_config, infer_config, comms[-1]).eval(), infer_config
 

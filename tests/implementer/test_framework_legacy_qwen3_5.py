@@ -86,10 +86,22 @@ def framework_requirements():
 
 @needs_checkout
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("num_prompts", "max_new_tokens", "block_size", "rows"),
+    # the second: 37 prompt tokens, more than the engine's usual step budget of 32, still
+    # prefilled in one step (the static decode batch needs every prompt in every decode
+    # step); blocks of 4 tokens, 17 steps
+    [(4, 8, None, [4, 19, 32]), (6, 16, 4, [6, 27, 32])],
+)
 def test_the_real_qwen3_5_is_token_exact_against_its_legacy_original(
-    tmp_path, framework_requirements
+    tmp_path, framework_requirements, num_prompts, max_new_tokens, block_size, rows
 ):
-    report = _verify(_apply(tmp_path))
+    report = _verify(
+        _apply(tmp_path),
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+    )
     assert report.error is None
     assert report.tokens_identical and report.logits_within
     assert report.max_logit_diff <= report.atol
@@ -97,8 +109,9 @@ def test_the_real_qwen3_5_is_token_exact_against_its_legacy_original(
     runtime_chain = next(c for c in report.chains if c["name"] == "runtime")
     assert "Mamba" in str(runtime_chain) and "FullAttention" in str(runtime_chain)
     notes = "\n".join(report.notes)
-    # the Legacy rows its init_cache allocated: 4 prompts, 11 + 8 tokens, 2 kv heads x 16
-    assert "Legacy rows allocated by init_cache: [4, 19, 32]" in notes
+    # the Legacy rows its init_cache allocated: a row per prompt, longest prompt + new tokens,
+    # 2 kv heads x 16
+    assert f"Legacy rows allocated by init_cache: {rows}" in notes
     # at one rank the MoE still takes the expert-parallel path, through groups the model
     # registers only above one rank
     assert "['moe_ep_group', 'moe_ep_group_mc2']" in notes
@@ -138,14 +151,22 @@ def test_verify_fails_a_wrong_conversion_of_the_real_qwen3_5(
 
 @needs_checkout
 @pytest.mark.slow
-def test_a_float32_run_of_the_real_qwen3_5_is_refused_in_one_line(tmp_path, framework_requirements):
+def test_a_float32_run_of_the_real_qwen3_5_is_refused_in_one_line(
+    tmp_path, framework_requirements, capsys
+):
     """Its gated-delta kernels return bfloat16 whatever the model dtype, which the next
-    operator refuses against float32 weights: one line naming it, not a traceback."""
-    with pytest.raises(UnsupportedModelError) as info:
-        _verify(_apply(tmp_path), dtype="float32", max_new_tokens=2)
-    message = str(info.value)
-    assert "\n" not in message and "does not run on the CPU stand-in in float32" in message
-    assert "npu_rms_norm" in message
+    operator refuses against float32 weights: exit 3, one line naming it, no traceback."""
+    from kvskill.cli import main
+
+    out = _apply(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", str(out), "--trust-remote-code", "--max-new-tokens", "2"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "kvskill:" in line]
+    assert exc.value.code == 3
+    assert len(errors) == 1 and "Traceback" not in errors[0]
+    assert "does not run on the CPU stand-in in float32" in errors[0]
+    assert "npu_rms_norm" in errors[0]
 
 
 def test_without_a_checkout_verify_is_refused_naming_the_framework_imports(tmp_path, monkeypatch):

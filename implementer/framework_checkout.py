@@ -149,10 +149,13 @@ def one_rank_comm(comm_manager_cls: type, parallel_config: Any) -> Any:
 def build_settings(*, batch_size: int, input_truncated_len: int, max_new_tokens: int) -> dict:
     """The YAML settings of one eager rank with BATCH_SIZE rows (``InferenceConfig.from_dict``)."""
     return {
+        # A3: the framework's default platform, named so that it is not read from a device
+        # name (the stand-in's is not one)
         "model_config": {
             "model_name": "kvskill-verify",
             "model_path": "unused",
             "exe_mode": "eager",
+            "platform_version": "A3",
         },
         "data_config": {"dataset": "default", "input_truncated_len": input_truncated_len},
         "parallel_config": {"world_size": 1},  # every tp / ep size then defaults to 1

@@ -164,7 +164,7 @@ def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) ->
         raise BadInputError(f"MODEL '{model}' is a file; give a model directory or a model type")
     if model in known_model_types():
         modeling = transformers_modeling_file(model)
-        config, derived = build_config(model, {}, overrides)
+        config, derived = build_config(model, {}, overrides, code_files=(modeling,))
         overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
         return ModelSource(
             derived=derived,
@@ -206,7 +206,7 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
         modeling = transformers_modeling_file(model_type)
     derived: dict[str, Any] = {}
     if model_type in known_model_types() and kind == "directory":
-        config, derived = build_config(model_type, raw, overrides)
+        config, derived = build_config(model_type, raw, overrides, code_files=(modeling,))
         overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
     else:
         # Remote code: its configuration class is the directory's own code, never run.
@@ -293,8 +293,9 @@ def _stored_override_keys(overrides: dict[str, Any], config: dict[str, Any]) -> 
 
 def _remote_known_keys(path: Path, raw: dict[str, Any], overrides: dict[str, Any]) -> set[str]:
     """Keys an override of remote code may set: config.json's, every name its configuration
-    files mention, and PretrainedConfig's own (looked up only when still missing)."""
-    known = set(raw) | mentioned_in(sorted(path.glob("configuration_*.py")))
+    and modeling files mention, and PretrainedConfig's own (looked up only when still
+    missing)."""
+    known = set(raw) | mentioned_in(sorted(path.glob("*.py")))
     if set(overrides) <= known:
         return known
     from transformers import PretrainedConfig
@@ -303,9 +304,16 @@ def _remote_known_keys(path: Path, raw: dict[str, Any], overrides: dict[str, Any
 
 
 def build_config(
-    model_type: str, base: dict[str, Any], overrides: dict[str, Any]
+    model_type: str,
+    base: dict[str, Any],
+    overrides: dict[str, Any],
+    code_files: tuple[Path | None, ...] = (),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Instantiate transformers' config class; return ``to_dict()`` and derived values."""
+    """Instantiate transformers' config class; return ``to_dict()`` and derived values.
+
+    An override must be a key the class stores, takes or maps, or a name the modeling code
+    reads (CODE_FILES: ``getattr(config, "head_dim", ...)`` reads a key the class may not
+    store)."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
@@ -313,6 +321,7 @@ def build_config(
         stored = _default_keys(config_class, base)
         overrides, base = canonical_dtype_key(overrides, base, stored)
         known = stored | set(base) | init_parameters(config_class)
+        known |= mentioned_in(f for f in code_files if f is not None)
         known |= set(getattr(config_class, "attribute_map", None) or {})
         check_override_keys(overrides, known, f"the '{model_type}' config")
     merged = _merge(base, overrides)

@@ -3,7 +3,8 @@
 A config class takes unknown keyword arguments silently (they become attributes nothing
 reads), so a misspelt key such as ``num_hidden_layer=4`` would leave the model as it was and
 the command would still exit 0. Every key must be one the config has, one its class takes or
-maps (``attribute_map``), or, for remote code, one its configuration file mentions.
+maps (``attribute_map``), or a name the modeling or configuration code mentions (a model may
+read ``getattr(config, "head_dim", default)`` for a key its config class does not store).
 
 ``dtype`` and ``torch_dtype`` name the same setting: transformers 5 stores ``dtype`` and still
 accepts ``torch_dtype``; 4.x stores ``torch_dtype``. An override under either name is moved to
@@ -66,7 +67,7 @@ def init_parameters(config_class: type) -> set[str]:
 
 
 def mentioned_in(files: Iterable[str | Path]) -> set[str]:
-    """Identifiers and quoted keys in a remote configuration file (read, never run)."""
+    """Identifiers and quoted keys in configuration or modeling files (read, never run)."""
     words: set[str] = set()
     for file in files:
         try:

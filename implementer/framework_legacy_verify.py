@@ -70,15 +70,21 @@ def import_model(model_dir: Path, code: dict[str, Any], config: dict[str, Any]):
     return getattr(module, code["causal_lm_class"]), config_cls(**settings), module
 
 
-def legacy_original_dir(converted: ConvertedDir, options: VerifyOptions, kind: str) -> Path:
+def legacy_original_dir(
+    converted: ConvertedDir,
+    options: VerifyOptions,
+    kind: str,
+    dtypes: tuple[str, ...] = ("float32",),
+) -> Path:
     """The folder of the Legacy original a KIND conversion is verified against.
 
     Raises:
         BadInputError: an option these paths do not take, or the original is gone.
     """
-    if options.dtype != "float32" or options.kv_layout != "contiguous":
+    if options.dtype not in dtypes or options.kv_layout != "contiguous":
         raise BadInputError(
-            f"verify of a {kind} conversion runs float32 on the contiguous layout only"
+            f"verify of a {kind} conversion runs {' or '.join(dtypes)} on the contiguous "
+            "layout only"
         )
     plan = converted.plan
     original_dir = Path(plan.source.path)
@@ -118,10 +124,18 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
         BadInputError: the original's folder is gone, or an option this path does not take.
         UnsupportedModelError: the model imports framework modules the CPU host lacks.
     """
+    from kvskill.implementer.framework_checkout import framework_packages
     from kvskill.runtime.executor_host import executor_infer_config, framework_modules
     from kvskill.runtime.ops.npu_standin import npu_standin
 
     plan, config = converted.plan, converted.config
+    source_file = Path(plan.source.path) / plan.code["modeling_file"]
+    if source_file.is_file() and framework_packages(source_file.read_text(encoding="utf-8")):
+        # the rest of the framework (its config, parallel layers, fused MoE) comes from the
+        # user's checkout
+        from kvskill.implementer.framework_legacy_checkout import verify_against_checkout
+
+        return verify_against_checkout(converted, options)
     original_dir = legacy_original_dir(converted, options, "framework-Legacy")
     report, prompts = legacy_report(converted, options)
     lengths, block_size = [len(p) for p in prompts], report.block_size

@@ -19,7 +19,6 @@ The converted run also proves the three chains a runner-owned paged cache has:
 
 from __future__ import annotations
 
-import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from kvskill.analyzer.plan import MlaDims
 from kvskill.core.errors import BadInputError
+from kvskill.implementer.framework_checkout import after_loading, framework_packages, random_weights
 from kvskill.implementer.framework_legacy_verify import (
     import_model,
     legacy_original_dir,
@@ -41,7 +41,6 @@ from kvskill.implementer.verify import (
     VerifyOptions,
     VerifyReport,
     compare_prompt,
-    condition_weights,
 )
 from kvskill.runtime.chains import ChainResult, chain_result
 from torch import nn
@@ -169,40 +168,6 @@ def _runtime_chain(steps: list[dict[str, Any]], lengths: list[int]) -> ChainResu
     )
 
 
-#: the framework modules kvskill answers itself (``executor_host.framework_modules``)
-ANSWERED_MODULES = ("executor.utils.forward_metadata", "executor.core.kv_cache")
-_FRAMEWORK_IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:executor|module)(?:\.\w+)*)", re.M)
-
-
-def framework_packages(source: str) -> list[str]:
-    """The framework's own modules SOURCE imports that only a checkout can answer."""
-    found = {name for name in _FRAMEWORK_IMPORT.findall(source) if name not in ANSWERED_MODULES}
-    return sorted(found)
-
-
-def _random_weights(model: nn.Module, seed: int) -> None:
-    """verify's conditioned weights, plus seeded biases: the framework's parallel linears
-    allocate theirs with ``torch.empty`` (a checkpoint fills them), so left as they are they
-    would hold whatever the memory held."""
-    condition_weights(model, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for name, param in model.named_parameters():
-        if param.dim() == 1 and name.endswith("bias"):
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    unset = [name for name, param in model.named_parameters() if not param.isfinite().all()]
-    assert not unset, f"parameters left non-finite by the random weights: {unset[:3]}"
-
-
-def _after_loading(model: nn.Module) -> None:
-    """What the framework's runner does once weights are in (``_process_weight_after_loading``):
-    each layer's quant method lays its weights out for the device (the unquantized one
-    transposes them). Nothing for a model of plain ``nn.Linear``."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-
-
 @contextmanager
 def _framework_imports(framework_root: Path | None):
     """The framework's imports answered by kvskill's equal classes, or, given a checkout, by
@@ -272,9 +237,9 @@ def verify_standalone_legacy(
             raise original_failure(
                 converted, exc, stage="build", shrunk=False, workdir=converted.directory
             ) from exc
-        _random_weights(original, options.seed)
+        random_weights(original, options.seed)
         weights = {k: v.clone() for k, v in original.state_dict().items()}
-        _after_loading(original)
+        after_loading(original)
         try:
             legacy = drive_runner_protocol(original, prompts, **drive)
         except Exception as exc:
@@ -288,7 +253,7 @@ def verify_standalone_legacy(
             )
             paged = converted_cls(converted_config, settings).eval().float()
             paged.load_state_dict(weights)
-            _after_loading(paged)
+            after_loading(paged)
             paged.block_size = block_size
             chains = _PagedChains(
                 options.seed, module.get_forward_metadata, mla=plan.mla if plan.is_mla else None

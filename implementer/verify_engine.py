@@ -55,6 +55,9 @@ class EngineDriver:
     #: split a prompt over steps when it exceeds the token budget (off: whole-prompt prefill
     #: steps, as the executor at fbc225d runs them; it has no chunked prefill)
     chunked_prefill: bool = True
+    #: tokens per step; a model built for a static decode batch needs every prompt prefilled
+    #: in one step, so that each decode step holds all of them
+    max_batched_tokens: int = MAX_BATCHED_TOKENS
 
     def run(
         self, model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, block_size: int
@@ -69,7 +72,7 @@ class EngineDriver:
             block_size=block_size,
             num_blocks=total_blocks + 8,
             free_block_order_seed=self.seed + 7,
-            max_num_batched_tokens=MAX_BATCHED_TOKENS,
+            max_num_batched_tokens=self.max_batched_tokens,
             max_model_len=max(len(p) for p in prompts) + max_new_tokens,
             seed=self.seed,
             use_hybrid_blocks=self.use_hybrid_blocks,

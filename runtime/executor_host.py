@@ -66,6 +66,16 @@ def _framework_aliases() -> dict[str, ModuleType]:
     return aliases
 
 
+#: the executor modules kvskill answers with its own equal classes
+ANSWERED_MODULES = ("executor.core.kv_cache", "executor.utils.forward_metadata")
+
+
+def answered_modules() -> dict[str, ModuleType]:
+    """kvskill's module for each of ANSWERED_MODULES, by name."""
+    aliases = _framework_aliases()
+    return {name: aliases[name] for name in ANSWERED_MODULES}
+
+
 @contextmanager
 def framework_modules() -> Iterator[None]:
     """While the block runs, ``executor.core.kv_cache``, ``executor.utils.forward_metadata``

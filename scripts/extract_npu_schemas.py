@@ -59,6 +59,9 @@ OPERATORS = (
     # DeepSeek sparse attention (DSA): the indexer's top-k and the attention over it
     "npu_lightning_indexer",
     "npu_sparse_flash_attention",
+    # the expert-parallel pair qwen3_5 decodes through (modelled at one rank)
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine_v2",
 )
 
 # NOTE: several platform tags are tried because PyPI publishes torch_npu 2.13.0 only as

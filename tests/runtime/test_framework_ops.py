@@ -300,6 +300,59 @@ def test_grouped_matmul_list_form_and_refusals():
         )
 
 
+# --- expert-parallel dispatch / combine at one rank ------------------------------------------
+
+
+def _dispatch_one_rank(x, expert_ids, **kwargs):
+    return npu.npu_moe_distribute_dispatch_v2(
+        x, expert_ids, "cpu-one-rank", 1, 0, 4, tp_world_size=1, shared_expert_num=0, **kwargs
+    )
+
+
+def test_dispatch_sorts_each_tokens_copies_by_expert_and_combine_weighs_them_back():
+    # the worked example of moe_distribute.py: 3 tokens, K 2, experts 0..3
+    torch.manual_seed(11)
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    expert_ids = torch.tensor([[2, 0], [1, 2], [0, 3]], dtype=torch.int32)
+    out = _dispatch_one_rank(x, expert_ids)
+    expand_x, _, assist, token_nums, ep_recv, tp_recv, _ = out
+    # rows grouped by expert, stable: copies 1, 4 | 2 | 0, 3 | 5 -> tokens 0, 2, 1, 0, 1, 2
+    assert torch.equal(expand_x, x[[0, 2, 1, 0, 1, 2]])
+    assert token_nums.tolist() == [2, 1, 2, 1] and token_nums.dtype == torch.int64
+    assert ep_recv.tolist() == [2, 1, 2, 1] and tp_recv.tolist() == [6]
+    assert assist.shape == (6 * 128,) and assist.dtype == torch.int32
+    # each expert doubles its rows by its index + 1; the combine must give, per token, the
+    # naive sum over its K choices of weight * (expert + 1) * x
+    factor = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0, 4.0]).unsqueeze(-1)  # experts 0 0 1 2 2 3
+    scales = torch.rand(3, 2)
+    combined = npu.npu_moe_distribute_combine_v2(
+        (expand_x.float() * factor).to(torch.bfloat16), expert_ids, assist, ep_recv, scales,
+        "cpu-one-rank", 1, 0, 4, tp_send_counts=tp_recv, tp_world_size=1, shared_expert_num=0,
+    )  # fmt: skip
+    naive = torch.zeros(3, 8)
+    for t in range(3):
+        for k in range(2):
+            naive[t] += scales[t, k] * (int(expert_ids[t, k]) + 1) * x[t].float()
+    assert combined.dtype == torch.bfloat16
+    torch.testing.assert_close(combined.float(), naive, rtol=1.6e-2, atol=1e-2)
+    cumsum = _dispatch_one_rank(x, expert_ids, expert_token_nums_type=0)[3]
+    assert cumsum.tolist() == [2, 3, 5, 6]
+
+
+def test_dispatch_refuses_more_than_one_rank_quantization_and_float32_by_name():
+    x, ids = torch.randn(2, 8).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(RefusedOperatorError, match="one rank only"):
+        npu.npu_moe_distribute_dispatch_v2(x, ids, "hcom", 2, 0, 4)
+    with pytest.raises(RefusedOperatorError, match="quantized"):
+        _dispatch_one_rank(x, ids, quant_mode=4)
+    with pytest.raises(OpInputError, match="bfloat16"):
+        _dispatch_one_rank(x.float(), ids)
+    with pytest.raises(OpInputError, match="must differ"):
+        _dispatch_one_rank(x, torch.tensor([[1, 1], [2, 3]], dtype=torch.int32))
+    with pytest.raises(OpInputError, match="group_ep"):
+        npu.npu_moe_distribute_dispatch_v2(x, ids, None, 1, 0, 4)
+
+
 # --- refused by name ------------------------------------------------------------------------
 
 

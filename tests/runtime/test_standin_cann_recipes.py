@@ -148,9 +148,9 @@ def tiny_qwen3_5(q, config_cls, inference_config_cls, comm_manager_cls, *, batch
 def test_qwen3_5_state_mixers_decode_from_their_legacy_state_as_a_prefill_would(framework_root):
     # Layer 0 is gated delta (npu_chunk_gated_delta_rule, then npu_recurrent_gated_delta_rule
     # on the conv/recurrent states init_cache allocates), layer 1 Legacy attention
-    # (scatter_update_ into k_cache/v_cache, BSH fused attention). The MoE blocks are not run:
-    # at one rank qwen3_5 still routes experts through EP collectives (all_to_all,
-    # npu_moe_distribute_dispatch_v2), which a CPU cannot answer.
+    # (scatter_update_ into k_cache/v_cache, BSH fused attention). The MoE blocks are not run
+    # here: at one rank they take the expert-parallel path through groups the model registers
+    # only above one rank (the whole model runs in test_framework_legacy_qwen3_5.py).
     with npu_standin(framework_root=framework_root), torch.no_grad():
         from executor.core.config import CommManager, InferenceConfig
         from executor.utils.forward_metadata import ForwardMetaData

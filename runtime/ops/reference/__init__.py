@@ -26,6 +26,7 @@ from .gated_delta import (
 from .grouped_matmul import npu_grouped_matmul
 from .kv_rmsnorm_rope_cache import npu_kv_rmsnorm_rope_cache
 from .lightning_indexer import npu_lightning_indexer
+from .moe_distribute import npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
 from .moe_gating import npu_moe_gating_top_k_softmax
 from .moe_routing import npu_moe_finalize_routing, npu_moe_init_routing_v2, npu_moe_re_routing
 from .refused import REFUSED_DTYPES, RefusedOperatorError, refuse, refusing_operator
@@ -48,6 +49,8 @@ __all__ = [
     "npu_add_rms_norm",
     "npu_apply_rotary_pos_emb",
     "npu_grouped_matmul",
+    "npu_moe_distribute_combine_v2",
+    "npu_moe_distribute_dispatch_v2",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
     "npu_moe_init_routing_v2",

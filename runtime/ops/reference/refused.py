@@ -6,7 +6,8 @@ Three groups, each with one reason:
   formats the reference does not model, and emulating them silently would make a CPU run look
   like proof of a quantized model. Run an unquantized (bf16/fp32) config instead.
 - collective: they communicate over HCCL between NPUs; a CPU run uses tensor/expert parallel
-  size 1, where the framework takes the single-rank path.
+  size 1, where the framework takes the single-rank path. (The expert-parallel dispatch /
+  combine pair is modelled at one rank, ``moe_distribute.py``, and refuses any other size.)
 - unmodelled: real unquantized operators the framework's DSA models (glm_5_2) call, not written
   yet (the indexer and the sparse attention themselves are modelled: lightning_indexer.py,
   sparse_flash_attention.py).
@@ -54,11 +55,7 @@ REFUSED_OPERATORS: dict[str, str] = {
         QUANTIZED,
     ),
     **dict.fromkeys(
-        (
-            "npu_mm_all_reduce_base",
-            "npu_moe_distribute_dispatch_v2",
-            "npu_moe_distribute_combine_v2",
-        ),
+        ("npu_mm_all_reduce_base",),
         COLLECTIVE,
     ),
     **dict.fromkeys(

@@ -73,8 +73,9 @@ test-cann-recipes: $(STAMP)
 	$(PIP) install -c constraints.txt -c constraints-cann-recipes.txt datasets loguru requests
 	$(PY) -m pytest -m "slow or not slow" tests/runtime/test_executor_contract.py \
 		tests/runtime/test_cann_recipes_executor.py tests/runtime/test_standin_cann_recipes.py \
-		tests/skill/test_lint_executor.py tests/analyzer/test_legacy_rows.py \
-		tests/implementer/test_standalone_legacy.py tests/implementer/test_framework_legacy.py \
+		tests/skill/test_lint_executor.py tests/skill/test_lint_sparse.py \
+		tests/analyzer/test_legacy_rows.py tests/implementer/test_standalone_legacy.py \
+		tests/implementer/test_standalone_legacy_mla.py tests/implementer/test_framework_legacy.py \
 		tests/implementer/test_framework_legacy_states.py tests/implementer/test_framework_legacy_qwen3_5.py
 
 demo: $(STAMP)

@@ -193,6 +193,11 @@ def test_attention_in_a_method_verifies_token_exact(tmp_path):
 EINSUM_BMM = """        # [sq, b, np, hn] . [sk, b, np, hn] -> [b, np, sq, sk]
         scores = torch.einsum("sbhd,tbhd->bhst", query_layer, key_layer)
         scores = scores / (self.hidden_size_per_attention_head**0.5)
+        if attention_mask is None and scores.shape[2] == scores.shape[3]:
+            # the model passes no mask for a plain causal prefill: build it here
+            attention_mask = torch.ones(
+                scores.shape[2], scores.shape[3], dtype=torch.bool, device=scores.device
+            ).triu(1)
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -176,6 +176,16 @@ def _inherited_source(source: ModelSource, facts) -> ModelSource | None:
     return replace(source, modeling_file=str(path))
 
 
+def _cite_config_branches(facts, source: ModelSource, book: Notebook) -> None:
+    """Which branch of each config-decided ``if`` of an attention forward runs, and why
+    (``analyzer/config_branch.py``; apply keeps that branch only)."""
+    config = text_config(source.config)[0]
+    for branch in facts.config_branches:
+        value = config.get(branch.key)
+        if isinstance(value, bool):
+            book.cite("attention_branch", branch.reason(value), facts.where(branch.line))
+
+
 def _converted_sibling_plan(source: ModelSource, facts, options: dict) -> Plan | None:
     """The Plan of the converted module beside a remote file that takes its attention from it
     (``from .modeling_llama import LlamaAttention``): an output apply wrote for an inherited
@@ -316,6 +326,7 @@ def plan_for_source(
     spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
+    _cite_config_branches(facts, source, book)
     if source.delegated_from:
         book.cite(
             "source",

@@ -315,12 +315,19 @@ def _softmax_over_keys(
     found = [
         (index, cst.ensure_type(a, cst.Assign))
         for index, stmt in enumerate(between)
-        for a in m.findall(stmt, m.Assign(value=SOFTMAX_CALL))
+        for a in m.findall(stmt, m.Assign())
+        if m.matches(chain_start(cst.ensure_type(a, cst.Assign).value), SOFTMAX_CALL)
     ]
     if len(found) != 1 or sum(len(m.findall(s, SOFTMAX_CALL)) for s in between) != 1:
         raise Unread(f"{where}: its einsum attention does not assign exactly one softmax")
     at, holder = found[0]
-    call = cst.ensure_type(holder.value, cst.Call)
+    call = cst.ensure_type(chain_start(holder.value), cst.Call)
+    cast = holder.value
+    while cast is not call:
+        cast_call = cst.ensure_type(cast, cst.Call)
+        if _method(cast_call) not in _CASTS:
+            raise Unread(f"{where}: `{_code(holder)}` changes the softmaxed weights")
+        cast = cst.ensure_type(cast_call.func, cst.Attribute).value
     if isinstance(call.func, cst.Attribute) and dotted_name(call.func.value) not in _MODULES:
         operand, dim_at = call.func.value, 0  # scores.softmax(dim)
     else:

@@ -504,12 +504,15 @@ def _kernel_facts(
     first_index: int,
     kernel_index: int,
     methods: dict[str, cst.FunctionDef],
-    write: CacheWriteFacts,
+    write: CacheWriteFacts | None = None,
 ) -> _Kernel | None:
-    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say."""
+    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say.
+    WRITE: the forward's cache write, which einsum attention is read from (a callee's
+    kernel has none and is never einsum attention, ``callee.kernel_position``)."""
     if first_index != kernel_index:
         scores = cst.ensure_type(body.body[first_index], cst.SimpleStatementLine).body[0]
         if einsum_scores(cst.ensure_type(scores, cst.Assign).value) is not None:
+            assert write is not None, "einsum attention is read in a forward that writes"
             return _einsum_kernel(facts, body, first_index, kernel_index, write)
         return _matmul_kernel(facts, body, first_index, kernel_index)
     stmt = body.body[kernel_index]

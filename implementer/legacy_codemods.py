@@ -195,8 +195,10 @@ def _matmul_mask(statements: list[cst.BaseStatement]) -> KernelMask | None:
     return None
 
 
-def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
-    """The mask the Legacy seam rebinds for this forward's kernel.
+def legacy_kernel_mask(
+    seam: SeamFacts, forward: cst.FunctionDef, where: str = "the attention forward"
+) -> KernelMask:
+    """The mask the Legacy seam rebinds for this forward's kernel (WHERE: ``X.forward``).
 
     Raises:
         UnsupportedModelError: the seam cannot wrap the kernel.
@@ -204,7 +206,7 @@ def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
     styles = (KernelStyle.INTERFACE, KernelStyle.MATMUL, KernelStyle.BIAS_BMM)
     if seam.style not in styles or seam.layout is not CacheLayout.BHSD:
         raise UnsupportedModelError(
-            f"cannot convert: Legacy KV: the attention is called as {seam.style.value} over "
+            f"cannot convert: Legacy KV: {where} runs its attention as {seam.style.value} over "
             f"{seam.layout.value} tensors; the Legacy rewrite wraps an attention-interface call "
             "or hand-written matmul attention over [b, h, s, d] tensors"
         )
@@ -285,7 +287,7 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         seam: SeamFacts,
         config: cst.PartialParserConfig,
     ) -> cst.FunctionDef:
-        mask = legacy_kernel_mask(seam, forward)
+        mask = legacy_kernel_mask(seam, forward, f"{self.class_name}.forward")
         body = cst.ensure_type(forward.body, cst.IndentedBlock).body
         kept = list(body[seam.update_index + 1 : seam.kernel_index + 1])
         values = seam_values(seam)

@@ -170,6 +170,8 @@ def test_a_method_refusal_names_what_is_in_the_file(old, new):
 
 
 def test_einsum_attention_refusal_names_what_is_in_the_file(tmp_path):
+    """The einsum attention converts in the paged seam; Legacy (which wraps [b, h, s, d]
+    kernels only) and an einsum contracting the positions are refused naming what is there."""
     model = tmp_path / "model"
     shutil.copytree(VENDOR_ROOT / "mqa_groups_sbhd", model)
     modeling = model / "modeling_vendor_glm.py"
@@ -178,10 +180,15 @@ def test_einsum_attention_refusal_names_what_is_in_the_file(tmp_path):
     end = text.index("        # [b, np, sq, hn] -> [sq, b, hp]\n")
     source = text[:start] + EINSUM_BMM + text[end:]
     modeling.write_text(source, encoding="utf-8")
-    for deploy_mode, kv_mode in (("framework", "paged"), ("framework", "legacy")):
-        message = _refusal(model, tmp_path / kv_mode, deploy_mode, kv_mode)
-        assert message is not None
-        _assert_true_refusal(message, source)
+    assert _refusal(model, tmp_path / "paged", "framework", "paged") is None
+    message = _refusal(model, tmp_path / "legacy", "framework", "legacy")
+    assert message is not None
+    _assert_true_refusal(message, source)
+    wrong = source.replace('"sbhd,tbhd->bhst"', '"sbhd,tbhd->bhsd"')
+    modeling.write_text(wrong, encoding="utf-8")
+    message = _refusal(model, tmp_path / "wrong", "framework", "paged")
+    assert message is not None and '"sbhd,tbhd->bhsd"' in message
+    _assert_true_refusal(message, wrong)
 
 
 def test_falcons_alibi_branches_are_refused_naming_the_branch(tmp_path):

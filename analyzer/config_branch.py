@@ -51,12 +51,12 @@ class ConfigBranch:
     def reason(self, config_value: object) -> str:
         """Which branch runs and why, in one sentence naming the lines."""
         none = not config_value
-        branch = "its body" if self.taken(config_value) else "not its body"
+        runs = "runs its body" if self.taken(config_value) else "skips its body"
         return (
-            f"{self.cls}.forward's `if {self.test}:` (line {self.line}) runs {branch}: "
+            f"{self.cls}.forward's `if {self.test}:` (line {self.line}) {runs}: "
             f"config.{self.key} is {config_value!r}, so {self.param} is "
             f"{'None' if none else 'built'} ({self.owner}.__init__ sets self.{self.flag} = "
-            f"config.{self.key} at line {self.switch_line}, and {self.param} is set only "
+            f"config.{self.key} at line {self.switch_line}, and {self.param} is built only "
             f"under it)"
         )
 

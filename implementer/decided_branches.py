@@ -40,11 +40,11 @@ def take_decided_branches(
     if not branches:
         return module
     if any(switches[b.key] for b in branches):
-        if not replaces_kernel:
-            return module  # Legacy keeps the model's own math: it reads the file as it is
-        raise UnsupportedModelError(
-            f"{filename}: cannot convert: {_built_reason(module, branches, switches)}"
-        )
+        built = next(b for b in branches if switches[b.key])
+        reason = _built_reason(module, built, switches[built.key], replaces_kernel)
+        if reason is None:
+            return module  # the file is read as it is, and refused or converted by the seam
+        raise UnsupportedModelError(f"{filename}: cannot convert: {reason}")
     by_class: dict[str, list[ConfigBranch]] = {}
     for branch in branches:
         by_class.setdefault(branch.cls, []).append(branch)
@@ -57,23 +57,47 @@ def take_decided_branches(
 
 
 def _built_reason(
-    module: cst.Module, branches: list[ConfigBranch], switches: dict[str, bool]
-) -> str:
-    """Why a config that builds the tested parameter cannot be converted by the seam."""
-    branch = branches[0]
+    module: cst.Module, branch: ConfigBranch, value: bool, replaces_kernel: bool
+) -> str | None:
+    """Why a config that builds BRANCH's parameter cannot be converted: the paged seam
+    (REPLACES_KERNEL) has no input for a bias added to the scores; the Legacy seam keeps
+    the model's kernel but passes its own mask, which loses a bias the model folds into
+    its mask. None when the file does neither (it is then read as it is)."""
     reads = _branch_reading(module, branch)
-    return (
-        branch.reason(switches[branch.key])
-        + (
-            f"; there the model adds {branch.param} to the attention scores (an ALiBi bias; "
-            "it also folds it into the mask it passes)"
-            if reads
-            else ""
+    folded = _folded_into_mask(module, branch)
+    if replaces_kernel and (reads or folded):
+        return (
+            f"{branch.reason(value)}; there the model adds {branch.param} to the attention "
+            "scores (an ALiBi bias): the fused operator takes no ALiBi slopes, and its "
+            "pse_shift bias is not confirmed to be added before the scale as the model adds "
+            "it (npu_ops §1.6), so the paged seam converts only configs under which "
+            f"{branch.param} is None"
         )
-        + ": the fused operator takes no ALiBi slopes, and its pse_shift bias is not confirmed "
-        "to be added before the scale as the model adds it (npu_ops §1.6), so the paged seam "
-        "converts only configs under which it is None"
+    if not replaces_kernel and folded:
+        return (
+            f"{branch.reason(value)}; {branch.owner}.forward folds {branch.param} into the "
+            "attention mask it passes to the layers, and the Legacy seam gives the kept "
+            "kernel its own causal mask instead, which would drop that bias"
+        )
+    return None
+
+
+def _folded_into_mask(module: cst.Module, branch: ConfigBranch) -> bool:
+    """Whether BRANCH's owner (the class that builds the parameter) assigns a mask from it
+    (Falcon: ``causal_mask = torch.masked_fill(alibi / ..., ...)``)."""
+    owner = next(
+        (c for c in module.body if isinstance(c, cst.ClassDef) and c.name.value == branch.owner),
+        None,
     )
+    if owner is None:
+        return False
+    for node in m.findall(owner, m.Assign()):
+        assign = cst.ensure_type(node, cst.Assign)
+        targets = [n for t in assign.targets for n in m.findall(t.target, m.Name())]
+        masks = [t for t in targets if "mask" in cst.ensure_type(t, cst.Name).value.lower()]
+        if masks and m.findall(assign.value, m.Name(branch.param)):
+            return True
+    return False
 
 
 def _branch_reading(module: cst.Module, branch: ConfigBranch) -> bool:

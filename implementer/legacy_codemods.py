@@ -22,7 +22,12 @@ from kvskill.implementer.attn_init import (
 )
 from kvskill.implementer.facts import CacheLayout, KernelStyle, SeamFacts
 from kvskill.implementer.snippets import statements
-from kvskill.implementer.spec import ConversionSpec, WindowRule, _layer_type_mapping
+from kvskill.implementer.spec import (
+    ConversionSpec,
+    WindowRule,
+    _layer_type_mapping,
+    config_switches,
+)
 
 #: the layer kinds whose attention a Legacy mask reproduces
 LEGACY_KINDS = frozenset({AttnType.FULL_ATTENTION.value, AttnType.SLIDING_WINDOW.value})
@@ -81,6 +86,7 @@ def legacy_spec(plan: Plan, block_size: int | None = None) -> LegacySpec:
         causal_lm_class=plan.architecture,
         config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
         chunked_layer_types=chunked,
+        config_switches=config_switches(plan),
     )
 
 

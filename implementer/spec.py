@@ -130,12 +130,14 @@ class ConversionSpec:
             pinned_state_dtypes=pinned_state_dtypes(plan),
             fused_qkv=fused_qkv_layouts(plan),
             reads_shared_kv=_reads_shared_kv(plan),
-            config_switches={
-                key: value
-                for key, value in text_config(plan.config)[0].items()
-                if isinstance(value, bool)
-            },
+            config_switches=config_switches(plan),
         )
+
+
+def config_switches(plan: Plan) -> dict[str, bool]:
+    """The config's boolean keys (``alibi``), which may decide an attention branch."""
+    config = text_config(plan.config)[0]
+    return {key: value for key, value in config.items() if isinstance(value, bool)}
 
 
 def _reads_shared_kv(plan: Plan) -> str | None:

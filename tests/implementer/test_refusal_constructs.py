@@ -191,14 +191,29 @@ def test_einsum_attention_refusal_names_what_is_in_the_file(tmp_path):
     _assert_true_refusal(message, wrong)
 
 
-def test_falcons_alibi_branches_are_refused_naming_the_branch(tmp_path):
+def test_falcons_alibi_branches_convert_under_its_config_and_refusals_name_the_branch(tmp_path):
     """transformers' own Falcon: ``if alibi is None:`` SDPA, else matmul scores plus the
-    ALiBi bias, each branch with its own output projection and return."""
+    ALiBi bias, each branch with its own output projection and return. With config.alibi
+    false the seam keeps the SDPA branch and converts; Legacy (which wraps no SDPA over
+    [b, h, s, d] from a class that is not an interface call) and config.alibi true are
+    refused naming what is in the file."""
     spec = importlib.util.find_spec("transformers.models.falcon.modeling_falcon")
     source = Path(spec.origin).read_text(encoding="utf-8")
-    for kv_mode in ("paged", "legacy"):
-        message = _refusal(Path("falcon"), tmp_path / kv_mode, "framework", kv_mode)
-        assert message is not None
-        assert "FalconAttention.forward runs attention inside `if alibi is None:`" in message
-        assert "a branch reads alibi, an ALiBi bias" in message
+    assert _refusal(Path("falcon"), tmp_path / "paged", "framework", "paged") is None
+    message = _refusal(Path("falcon"), tmp_path / "legacy", "framework", "legacy")
+    assert message is not None
+    _assert_true_refusal(message, source)
+    for kv_mode in ("legacy", "auto"):
+        try:
+            apply_model(
+                "falcon",
+                tmp_path / f"alibi-{kv_mode}",
+                ApplyOptions(config_overrides={"alibi": True}, kv_mode=kv_mode),
+            )
+        except UnsupportedModelError as refused:
+            message = str(refused)
+        else:
+            raise AssertionError("a Falcon config with alibi true converted")
+        assert "config.alibi is True, so alibi is built" in message
+        assert "FalconModel.forward folds alibi into the attention mask" in message
         _assert_true_refusal(message, source)

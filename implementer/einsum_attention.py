@@ -22,10 +22,11 @@ order decides how the seam hands the fused output back. Anything not proved is a
 naming the statement; a wrong conversion is worse than a refusal.
 
 NOTE: between the cache write and the products a key or value may be expanded from its KV
-heads to the query heads (``unsqueeze``/``expand`` then ``view``/``reshape``, or
-``repeat_interleave``); that keeps the axis order, and the fused operator pairs the heads
-itself (query head h with KV head h // G), as for an SDPA kernel. ``.repeat`` tiles heads
-the other way and is a fused limit of the seam checks.
+heads to the query heads (``unsqueeze`` right after the heads, ``expand``, then ``view`` /
+``reshape``; or ``repeat_interleave`` over the heads): that keeps the axis order and pairs
+query head h with KV head h // G, as the fused operator does itself (:func:`_expanded`).
+Copies put before the heads would pair h with h % KVN and are not read; ``.repeat`` tiles
+heads that way too and is a fused limit of the seam checks.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class EinsumReading:
     query: str
     #: the role order of the output the source computes (a permutation of ``bnqv``)
     output_roles: str
-    #: the softmaxed weights' name, when it is not the scores'
+    #: the name the softmaxed weights are assigned to
     probs: str
 
 
@@ -150,35 +151,33 @@ class _Tracker:
                 self.roles.pop(name, None)
 
     def _rebound(self, value: cst.BaseExpression) -> str | None:
+        """The roles of VALUE, a tracked name followed by relayouts, casts or the steps of a
+        head expansion; None when it is anything else."""
         root, calls = _calls(value)
-        if root is None or self.roles.get(root) is None:
+        roles = self.roles.get(root or "")
+        if roles is None:
             return None
-        roles = self.roles[root]
-        expanded = False
-        for call in calls:
-            if _method(call) in _HEAD_EXPANSION:
-                expanded = True
-                continue
-            if expanded and _method(call) not in _CASTS:
-                return None
-            try:
-                roles = _relaid(roles, call, self.where)
-            except Unread:
-                return None
-        if expanded and any(_method(c) in ("permute", "transpose") for c in calls):
+        try:
+            for call in calls:
+                if _method(call) in _CASTS:
+                    continue
+                if _method(call) in _HEAD_EXPANSION:
+                    roles = _expanded(roles, call)
+                elif "g" not in roles:
+                    roles = _relaid(roles, call, self.where)
+                else:
+                    return None
+                if roles is None:
+                    return None
+        except Unread:
             return None
         return roles
 
     def operand(self, expr: cst.BaseExpression, what: str) -> tuple[str, str]:
         """(root name, roles) of an einsum operand: a tracked name, maybe re-laid out."""
         root, calls = _calls(expr)
-        if root is None:
-            if isinstance(expr, cst.Name):
-                root, calls = expr.value, []
-            else:
-                raise Unread(f"{self.where}: the {what} `{_code(expr)}` is not a name")
-        roles = self.roles.get(root)
-        if roles is None:
+        roles = self.roles.get(root or "")
+        if roles is None or "g" in roles:
             raise Unread(
                 f"{self.where}: the {what} `{_code(expr)}` is not read from the query, key and "
                 "value of the cache write by relayouts, casts or head expansion"
@@ -186,6 +185,38 @@ class _Tracker:
         for call in calls:
             roles = _relaid(roles, call, self.where)
         return root, roles
+
+
+def _expanded(roles: str, call: cst.Call) -> str | None:
+    """ROLES after one step of expanding KV heads to the query heads, with ``g`` the copies
+    of a KV head while they have their own axis; None for a step that would not pair query
+    head h with KV head h // G as the fused operator does.
+
+    ``unsqueeze`` must put the copies right after the heads (``[s, b, n, d]`` ->
+    ``unsqueeze(-2)`` -> ``[s, b, n, g, d]``): merged back, head h reads KV head h // G.
+    Before the heads (``unsqueeze(2)``) the merge would read KV head h % KVN, as ``.repeat``
+    does. ``expand`` sizes the copies; a ``view``/``reshape`` merges them into the heads;
+    ``repeat_interleave(G, dim=<heads>)`` does both at once.
+    """
+    name = _method(call)
+    ints = _ints(call)
+    if name == "unsqueeze":
+        if "g" in roles or ints is None or len(ints) != 1:
+            return None
+        at = ints[0] % (len(roles) + 1)
+        return roles[:at] + "g" + roles[at:] if at > 0 and roles[at - 1] == "n" else None
+    if name == "expand":
+        return roles if "g" in roles else None
+    if name in ("view", "reshape"):
+        return roles.replace("g", "") if "g" in roles else None
+    if name == "repeat_interleave":
+        dims = [_int(a.value) for a in call.args[1:] if a.keyword is None] + [
+            _int(a.value) for a in call.args if a.keyword and a.keyword.value == "dim"
+        ]
+        if "g" in roles or len(dims) != 1 or dims[0] is None:
+            return None
+        return roles if roles[dims[0] % len(roles)] == "n" else None
+    return None
 
 
 def _names_in(node: cst.CSTNode) -> list[str]:
@@ -509,7 +540,6 @@ class _Sizes:
             used += len(run)
         if used != len(flat) or not all(out):
             raise Unread(f"{where}: `{_code(call)}` does not cover the axes it reshapes")
-        # a split must land on the boundaries of runs already merged
         return out
 
 
@@ -520,11 +550,10 @@ def _factors(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
 
 
 def _reshaped(
-    sized: _Sizes, expr: cst.BaseExpression, roles: str, calls: list[cst.Call], where: str
+    sized: _Sizes, expr: cst.BaseExpression, axes: list[str], calls: list[cst.Call], where: str
 ) -> list[str]:
-    """The axes (runs of roles) of a tensor of ROLES after CALLS (relayouts of whole axes
-    while none is merged, then reshapes)."""
-    axes = list(roles)
+    """AXES (runs of roles) after CALLS, the method chain of EXPR: relayouts of whole axes
+    while none is merged, reshapes that merge or split them, casts."""
     for call in calls:
         name = _method(call)
         if name in ("view", "reshape"):
@@ -553,13 +582,13 @@ def _bmm_output(
     root, calls = _calls(left_expr)
     if root != probs:
         raise Unread(f"{where}: `{_code(call)}` does not weight by the softmaxed scores")
-    left = _reshaped(sized, left_expr, scores, calls, where)
+    left = _reshaped(sized, left_expr, list(scores), calls, where)
     right_expr = _defined(call.args[1].value, between)
     root, calls = _calls(right_expr)
     roles = tracker.roles.get(root or "")
     if roles is None or "v" not in roles:
         raise Unread(f"{where}: `{_code(call)}` does not read the value")
-    right = _reshaped(sized, right_expr, roles, calls, where)
+    right = _reshaped(sized, right_expr, list(roles), calls, where)
     if len(left) != 3 or len(right) != 3 or left[2] != "k" or right[1] != "k":
         raise Unread(
             f"{where}: `{_code(call)}` does not multiply [batch, sq, sk] weights by [batch, "
@@ -599,15 +628,7 @@ def _after_product(
         call = cst.ensure_type(node, cst.Call)
         calls.append(call)
         node = cst.ensure_type(call.func, cst.Attribute).value
-    axes = list(axes)
-    for call in calls[::-1]:
-        name = _method(call)
-        if name in ("view", "reshape"):
-            axes = sized.groups(call, axes, where)
-        elif all(len(a) == 1 for a in axes):
-            axes = list(_relaid("".join(axes), call, where))
-        elif name not in _CASTS:
-            raise Unread(f"{where}: `{_code(output)}` re-lays out axes it has merged")
+    axes = _reshaped(sized, output, list(axes), calls[::-1], where)
     if not all(len(a) == 1 for a in axes):
         raise Unread(f"{where}: the attention output `{_code(output)}` keeps axes merged")
     return "".join(axes)

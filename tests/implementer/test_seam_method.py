@@ -370,3 +370,22 @@ def test_a_query_changed_inside_the_seam_is_a_fused_limit_naming_the_statement()
         "        present = (key, value) if use_cache else None\n        query = query.contiguous()\n",
     )
     assert "torch_npu." in convert_source(relaid, SPEC, filename="modeling_vendor.py")
+
+
+def test_kv_heads_copied_before_the_head_axis_are_not_read_as_the_operators_grouping(tmp_path):
+    """``unsqueeze(2)`` puts the copies of each KV head before the heads: merged, query head
+    h reads KV head h % KVN, where the fused operator pairs it with h // G. The original
+    runs; converting it would change its output, so it is refused."""
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    model, text = _einsum_model(tmp_path)
+    old = "key_layer.unsqueeze(-2).expand(-1, -1, -1, ratio, -1)"
+    assert text.count(old) == 1
+    modeling = next(model.glob("modeling_*.py"))
+    modeling.write_text(
+        text.replace(old, "key_layer.unsqueeze(2).expand(-1, -1, ratio, -1, -1)"),
+        encoding="utf-8",
+    )
+    with pytest.raises(UnsupportedModelError, match="the key operand `key_layer` is not read"):
+        apply_model(str(model), tmp_path / "out", ApplyOptions())

@@ -378,6 +378,8 @@ def _softmax_over_keys(
     target = holder.targets[0].target
     if len(holder.targets) != 1 or not isinstance(target, cst.Name):
         raise Unread(f"{where}: the softmax's result is not assigned to one name")
+    for stmt in between:
+        _check_in_place(stmt, {weights, target.value}, where)
     for index, stmt in enumerate(between):
         for node in m.findall(stmt, m.Assign()):
             assign = cst.ensure_type(node, cst.Assign)
@@ -401,6 +403,22 @@ def _int(expr: cst.BaseExpression) -> int | None:
     if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
         expr, sign = expr.expression, -1
     return sign * int(expr.value) if isinstance(expr, cst.Integer) else None
+
+
+def _check_in_place(stmt: cst.BaseStatement, names: set[str], where: str) -> None:
+    """An in-place method on the scores or weights (``scores.masked_fill_(mask, ...)``,
+    ``scores.add_(bias)``) changes them without an assignment: only a mask is allowed."""
+    in_place = m.Call(
+        func=m.Attribute(
+            value=m.Name(value=m.MatchIfTrue(lambda name: name in names)),
+            attr=m.Name(value=m.MatchIfTrue(lambda attr: attr.endswith("_"))),
+        )
+    )
+    for node in m.findall(stmt, in_place):
+        call = cst.ensure_type(node, cst.Call)
+        masked = _method(call) == "masked_fill_" and bool(call.args)
+        if not (masked and any("mask" in n.lower() for n in _names_in(call.args[0].value))):
+            raise Unread(f"{where}: `{_code(call)}` changes the scores in place beyond a mask")
 
 
 def _check_weights_update(assign: cst.Assign, probs: str, where: str) -> None:

@@ -336,8 +336,14 @@ def test_an_einsum_output_verifies_token_exact(tmp_path):
             "VendorGlmSelfAttention.forward: `scores = scores.masked_fill(scores < 0, "
             'float("-inf"))` changes the scores beyond a mask or a cast',
         ),
+        (
+            "        probs = torch.softmax(scores, dim=-1)\n",
+            "        scores.add_(self.position_bias)\n        probs = torch.softmax(scores, dim=-1)\n",
+            "VendorGlmSelfAttention.forward: `scores.add_(self.position_bias)` changes the scores "
+            "in place beyond a mask",
+        ),
     ],
-    ids=["contracts-positions", "heads-first-scores", "softmax-over-queries", "heads-first-values", "not-a-mask"],
+    ids=["contracts-positions", "heads-first-scores", "softmax-over-queries", "heads-first-values", "not-a-mask", "in-place-bias"],
 )  # fmt: skip
 def test_einsum_attention_the_seam_cannot_prove_is_refused_naming_it(old, new, reason, tmp_path):
     """An einsum whose subscripts, softmax axis or reshapes the seam cannot prove to be the

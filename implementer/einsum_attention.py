@@ -457,9 +457,9 @@ def _check_score_update(assign: cst.Assign, weights: str, where: str) -> None:
 
 def _einsum_output(tracker: _Tracker, call: cst.Call, probs: str, scores: str, where: str) -> str:
     """The roles of ``einsum("...", probs, value)``."""
+    if len(call.args) != 3:
+        raise Unread(f"{where}: `{_code(call)}` does not take two operands")
     root, calls = _calls(call.args[1].value)
-    if isinstance(call.args[1].value, cst.Name):
-        root, calls = call.args[1].value.value, []
     if root != probs or any(_method(c) not in _CASTS for c in calls):
         raise Unread(f"{where}: `{_code(call)}` does not weight by the softmaxed scores")
     _, v_roles = tracker.operand(call.args[2].value, "value operand")

@@ -395,3 +395,42 @@ def test_kv_heads_copied_before_the_head_axis_are_not_read_as_the_operators_grou
     )
     with pytest.raises(UnsupportedModelError, match="the key operand `key_layer` is not read"):
         apply_model(str(model), tmp_path / "out", ApplyOptions())
+
+
+BADDBMM = """        # ChatGLM-6B's form: scores into an empty buffer, [b * np, sq, sk]
+        output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
+        q2 = query_layer.reshape(output_size[2], output_size[0] * output_size[1], -1)
+        k2 = key_layer.reshape(output_size[3], output_size[0] * output_size[1], -1)
+        matmul_result = torch.baddbmm(
+            torch.empty(output_size[0] * output_size[1], output_size[2], output_size[3]),
+            q2.transpose(0, 1),
+            k2.transpose(0, 1).transpose(1, 2),
+            beta=0.0,
+            alpha=1.0 / (self.hidden_size_per_attention_head**0.5),
+        )
+        scores = matmul_result.view(*output_size)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        v2 = value_layer.reshape(value_layer.size(0), output_size[0] * output_size[1], -1)
+        context_layer = torch.bmm(probs.view(-1, output_size[2], output_size[3]), v2.transpose(0, 1))
+        context_layer = context_layer.view(*output_size[:3], -1)
+
+"""
+
+
+def test_scores_into_an_empty_buffer_with_baddbmm_are_refused_naming_the_products(tmp_path):
+    """ChatGLM-6B (v1) computes its scores with ``torch.baddbmm`` into an empty buffer: not
+    read by the seam, refused naming what the file does."""
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    model, text = _einsum_model(tmp_path, BADDBMM)
+    with pytest.raises(UnsupportedModelError) as refused:
+        apply_model(str(model), tmp_path / "out", ApplyOptions())
+    message = str(refused.value)
+    assert (
+        "VendorGlmSelfAttention.forward writes the KV cache, then computes attention by hand "
+        "with torch.bmm and torch.baddbmm and a softmax, which the seam does not read"
+    ) in message
+    assert "torch.baddbmm(" in text and "torch.bmm(" in text and "torch.einsum(" not in text

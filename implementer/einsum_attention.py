@@ -123,8 +123,11 @@ class _Tracker:
     through the forward's top-level statements from the cache write on."""
 
     def __init__(self, names: dict[str, str], where: str) -> None:
-        self.roles = dict(names)
+        self.roles: dict[str, str | None] = dict(names)
         self.where = where
+        #: ``unsqueeze`` calls on a tracked key or value that put the copies of its KV heads
+        #: before the heads (query head h would read KV head h % KVN, :func:`_expanded`)
+        self.misgrouped: list[cst.Call] = []
 
     def follow(self, stmt: cst.BaseStatement) -> None:
         """Update the roles for one statement: a rebinding of a tracked name from a tracked
@@ -162,7 +165,10 @@ class _Tracker:
                 if _method(call) in _CASTS:
                     continue
                 if _method(call) in _HEAD_EXPANSION:
-                    roles = _expanded(roles, call)
+                    expanded = _expanded(roles, call)
+                    if expanded is None and _method(call) == "unsqueeze" and "g" not in roles:
+                        self.misgrouped.append(call)
+                    roles = expanded
                 elif "g" not in roles:
                     roles = _relaid(roles, call, self.where)
                 else:
@@ -217,6 +223,19 @@ def _expanded(roles: str, call: cst.Call) -> str | None:
             return None
         return roles if roles[dims[0] % len(roles)] == "n" else None
     return None
+
+
+def misgrouped_kv_heads(
+    stmts: list[cst.BaseStatement], layout: str, key: str, value: str
+) -> list[str]:
+    """The ``unsqueeze`` calls in STMTS (the seam, after a cache write of LAYOUT) that copy
+    the KV heads of KEY or VALUE before the head axis: merged back, query head h reads KV
+    head h % KVN, which the fused operator (h // G) does not; any kernel style."""
+    _, key_roles, value_roles = _WRITE_ROLES[layout]
+    tracker = _Tracker({key: key_roles, value: value_roles}, "")
+    for stmt in stmts:
+        tracker.follow(stmt)
+    return [_code(call) for call in tracker.misgrouped]
 
 
 def _names_in(node: cst.CSTNode) -> list[str]:
@@ -662,4 +681,4 @@ def hand_back(output: str, roles: str) -> list[cst.BaseStatement]:
     return [cst.parse_statement(line)]
 
 
-__all__ = ["EinsumReading", "hand_back", "read_einsum_attention"]
+__all__ = ["EinsumReading", "hand_back", "misgrouped_kv_heads", "read_einsum_attention"]

@@ -1029,6 +1029,15 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
             f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
         )
+    from kvskill.implementer.einsum_attention import misgrouped_kv_heads
+
+    misgrouped = misgrouped_kv_heads(inside[1:], seam.layout.value, seam.key, seam.value)
+    if misgrouped:
+        facts.fused_limits.append(
+            f"{facts.name}.forward copies its KV heads before the head axis (`{misgrouped[0]}`): "
+            "merged, query head h reads KV head h % KVN; the fused operator pairs query head h "
+            "with KV head h // G"
+        )
     facts.query_changes = _query_changes(seam, inside)
     if leaked:
         facts.fused_limits.append(

@@ -397,6 +397,30 @@ def test_kv_heads_copied_before_the_head_axis_are_not_read_as_the_operators_grou
         apply_model(str(model), tmp_path / "out", ApplyOptions())
 
 
+def test_kv_heads_copied_before_the_head_axis_are_refused_for_an_sdpa_kernel_too(tmp_path):
+    """The same grouping before SDPA (the fixture's own kernel): the original runs and its
+    query head h reads KV head h % KVN; the fused operator would read h // G."""
+    from kvskill.implementer.convert import ApplyOptions
+    from kvskill.implementer.writer import apply_model
+
+    model = tmp_path / "model"
+    shutil.copytree(VENDOR_ROOT / "mqa_groups_sbhd", model)
+    modeling = next(model.glob("modeling_*.py"))
+    text = modeling.read_text(encoding="utf-8")
+    for name in ("key_layer", "value_layer"):
+        old = f"{name}.unsqueeze(-2).expand(-1, -1, -1, ratio, -1)"
+        assert text.count(old) == 1
+        text = text.replace(old, f"{name}.unsqueeze(2).expand(-1, -1, ratio, -1, -1)")
+    modeling.write_text(text, encoding="utf-8")
+    with pytest.raises(UnsupportedModelError) as refused:
+        apply_model(str(model), tmp_path / "out", ApplyOptions())
+    assert (
+        "VendorGlmSelfAttention.forward copies its KV heads before the head axis "
+        "(`key_layer.unsqueeze(2)`): merged, query head h reads KV head h % KVN"
+    ) in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
 BADDBMM = """        # ChatGLM-6B's form: scores into an empty buffer, [b * np, sq, sk]
         output_size = (query_layer.size(1), query_layer.size(2), query_layer.size(0), key_layer.size(0))
         q2 = query_layer.reshape(output_size[2], output_size[0] * output_size[1], -1)

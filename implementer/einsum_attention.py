@@ -166,7 +166,7 @@ class _Tracker:
                     continue
                 if _method(call) in _HEAD_EXPANSION:
                     expanded = _expanded(roles, call)
-                    if expanded is None and _method(call) == "unsqueeze" and "g" not in roles:
+                    if expanded is None and _copies_before_heads(roles, call):
                         self.misgrouped.append(call)
                     roles = expanded
                 elif "g" not in roles:
@@ -223,6 +223,16 @@ def _expanded(roles: str, call: cst.Call) -> str | None:
             return None
         return roles if roles[dims[0] % len(roles)] == "n" else None
     return None
+
+
+def _copies_before_heads(roles: str, call: cst.Call) -> bool:
+    """CALL is ``unsqueeze`` putting a new axis right before the head axis of ROLES (the
+    copies of each KV head, merged back, would read KV head h % KVN)."""
+    ints = _ints(call)
+    if _method(call) != "unsqueeze" or "g" in roles or ints is None or len(ints) != 1:
+        return False
+    at = ints[0] % (len(roles) + 1)
+    return at < len(roles) and roles[at] == "n"
 
 
 def misgrouped_kv_heads(

@@ -23,6 +23,7 @@ from kvskill.analyzer.inherited import (
     inherited_attention,
     inherited_attention_reason,
     inherited_module,
+    sibling_module,
 )
 from kvskill.analyzer.inputs import (
     ModelSource,
@@ -175,17 +176,57 @@ def _inherited_source(source: ModelSource, facts) -> ModelSource | None:
     return replace(source, modeling_file=str(path))
 
 
+def _cite_config_branches(facts, source: ModelSource, book: Notebook) -> None:
+    """Which branch of each config-decided ``if`` of an attention forward runs, and why
+    (``analyzer/config_branch.py``; apply keeps that branch only)."""
+    config = text_config(source.config)[0]
+    for branch in facts.config_branches:
+        value = config.get(branch.key)
+        if isinstance(value, bool):
+            book.cite("attention_branch", branch.reason(value), facts.where(branch.line))
+
+
+def _converted_sibling_plan(source: ModelSource, facts, options: dict) -> Plan | None:
+    """The Plan of the converted module beside a remote file that takes its attention from it
+    (``from .modeling_llama import LlamaAttention``): an output apply wrote for an inherited
+    attention, read again. None when the file takes none from a module beside it, or that
+    module is not converted code (the refusal then names the file's classes as before)."""
+    module = sibling_module(facts) if source.kind == "remote_code" else None
+    if module is None:
+        return None
+    path = Path(source.modeling_file).parent / f"{module[1:]}.py"
+    if not path.is_file():
+        return None
+    try:
+        plan = plan_for_source(replace(source, modeling_file=str(path)), **options)
+    except UnsupportedModelError:
+        return None
+    return plan if plan.code.get("already_converted") else None
+
+
 def _inheriting_plan(plan: Plan, source: ModelSource, facts, roles) -> Plan:
-    """PLAN (made from the inherited transformers file) for the remote file: its own
-    causal-LM class, its source, and the evidence of where the attention comes from."""
+    """PLAN (made from the inherited transformers file, or the converted module beside the
+    file) for the remote file: its own causal-LM class, its source, and the evidence of where
+    the attention comes from."""
     inherits = plan.source.modeling_file
+    beside = Path(inherits).parent == Path(source.modeling_file).parent
+    found = inherited_attention(facts) or [
+        f"{cls.name} {'subclasses' if base in cls.bases else 'builds'} {base} from "
+        f"{Path(inherits).name} beside it"
+        for cls in facts.classes.values()
+        for base in (*cls.bases, *sorted({n for ns in cls.attr_classes.values() for n in ns}))
+        if f".{Path(inherits).stem}.{base}" in facts.imported_names
+        and base.endswith(("Attention", "DecoderLayer"))
+    ]
+    how = (
+        "which is already converted (an output of apply): nothing is rewritten"
+        if beside
+        else "so that file is planned and converted into the output directory, and this file "
+        "imports it from there"
+    )
     cited = Evidence(
         decision="source",
-        reason=(
-            "; ".join(inherited_attention(facts))
-            + f": the attention is {Path(inherits).name}'s, so that file is planned and "
-            "converted into the output directory, and this file imports it from there"
-        ),
+        reason="; ".join(found) + f": the attention is {Path(inherits).name}'s, " + how,
         source=f"{facts.file_name}:{facts.classes[roles.causal_lm].line}",
     )
     return replace(
@@ -263,6 +304,9 @@ def plan_for_source(
         inherited = _inherited_source(source, facts)
         if inherited is not None:
             return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
+        converted = _converted_sibling_plan(source, facts, options)
+        if converted is not None:
+            return _inheriting_plan(converted, source, facts, roles)
         raise UnsupportedModelError(
             inherited_attention_reason(facts)
             or legacy_rows_reason(facts, source.config)
@@ -282,6 +326,7 @@ def plan_for_source(
     spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
+    _cite_config_branches(facts, source, book)
     if source.delegated_from:
         book.cite(
             "source",

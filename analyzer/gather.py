@@ -156,6 +156,8 @@ BIAS_SCORES_CALL = m.Call(
     func=m.Attribute(value=m.Name(value=m.DoesNotMatch("torch")), attr=m.Name("baddbmm"))
 )
 BMM_CALL = m.Call(func=m.Name("bmm") | m.Attribute(attr=m.Name("bmm")))
+#: ``torch.einsum("<subscripts>", a, b)`` under any import spelling
+EINSUM_CALL = m.Call(func=m.Name("einsum") | m.Attribute(attr=m.Name("einsum")))
 #: ``softmax(...)`` as a function (``F.softmax``, ``torch.softmax``) or a tensor method
 SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
@@ -323,6 +325,56 @@ def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
     return None
 
 
+def einsum_scores(value: cst.BaseExpression) -> cst.Call | None:
+    """The ``einsum("<q>,<k>-><w>", query, key)`` a score assignment computes, optionally
+    multiplied or divided by a scale; else None. Its subscripts are read where it is
+    converted (``implementer/einsum_attention.py``), which refuses what it cannot prove."""
+    if isinstance(value, cst.BinaryOperation) and isinstance(
+        value.operator, (cst.Multiply, cst.Divide)
+    ):
+        value = value.left
+    if not m.matches(value, EINSUM_CALL):
+        return None
+    call = cst.ensure_type(value, cst.Call)
+    return call if len(call.args) == 3 else None
+
+
+def chain_start(value: cst.BaseExpression) -> cst.BaseExpression:
+    """The innermost receiver of a method chain: ``torch.bmm(p, v)`` of ``torch.bmm(p,
+    v).view(b, h, s, -1).contiguous()``."""
+    while (
+        isinstance(value, cst.Call)
+        and isinstance(value.func, cst.Attribute)
+        and isinstance(value.func.value, cst.Call)
+    ):
+        value = value.func.value
+    return value
+
+
+def einsum_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
+    """(scores index, output index) of attention computed by hand with ``torch.einsum``
+    among the top-level statements of BODY: ``w = einsum("...", q, k) [* or / scale]``, then
+    a statement with a softmax, then ``o = einsum("...", w, v)`` or ``o = bmm(w', v')``, maybe
+    re-laid out in the same statement (``.view(b, h, s, -1)``); else None (ChatGLM-style
+    files, ``[s, b, h, d]`` operands)."""
+    stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
+    for first, stmt in enumerate(stmts):
+        assigned = _assigned_call(stmt)
+        if assigned is None or einsum_scores(assigned[1]) is None:
+            continue
+        softmax = False
+        for index in range(first + 1, len(stmts)):
+            softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
+            found = _assigned_call(stmts[index])
+            if (
+                softmax
+                and found is not None
+                and m.matches(chain_start(found[1]), EINSUM_CALL | BMM_CALL)
+            ):
+                return first, index
+    return None
+
+
 def attention_methods(cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
     """CLS's own methods (not ``forward``) that compute attention by hand,
     :func:`matmul_attention` (GPT-2's and Qwen-7B's ``self._attn(query, key, value, mask)``)."""
@@ -397,7 +449,11 @@ def is_attention_class(cls: cst.ClassDef) -> bool:
     # NOTE: a forward that hands its grown cache to a module of its own (ChatGLM's
     # core_attention) is an attention class too: converted or refused naming that module
     has_kernel = has_kernel or (has_update and bool(attention_submodules(cls)))
-    return has_update and (has_kernel or matmul_attention(forward.body) is not None)
+    return has_update and (
+        has_kernel
+        or matmul_attention(forward.body) is not None
+        or einsum_attention(forward.body) is not None
+    )
 
 
 #: module classes by name, to resolve methods a class inherits from a class of the same file

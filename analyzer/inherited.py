@@ -52,18 +52,50 @@ def inherited_attention(facts: ModuleFacts) -> list[str]:
     return found
 
 
-def inherited_module(facts: ModuleFacts) -> str | None:
-    """The one transformers modeling module (``transformers.models.<x>.modeling_<x>``) every
-    attention-carrying class the file subclasses or builds comes from, else None (none, or
-    several modules: one converted module per output directory)."""
-    origins = {
+def _attention_origins(facts: ModuleFacts, origin_of) -> set[str]:
+    """ORIGIN_OF (a class name -> its module, or None) over every attention-carrying class the
+    file subclasses or builds."""
+    return {
         origin
         for cls in facts.classes.values()
         for name in (*cls.bases, *(n for names in cls.attr_classes.values() for n in names))
         if _carries_attention(name)
-        for origin in [_transformers_origin(facts, name)]
+        for origin in [origin_of(facts, name)]
         if origin is not None
     }
+
+
+def _sibling_origin(facts: ModuleFacts, name: str) -> str | None:
+    """The module beside the file NAME was imported from (``from .modeling_llama import
+    NAME``), else None."""
+    for dotted in facts.imported_names:
+        module, _, imported = dotted.rpartition(".")
+        if imported == name and module.startswith(".") and not module.startswith(".."):
+            return module
+    return None
+
+
+def sibling_module(facts: ModuleFacts) -> str | None:
+    """The one module beside the file (``.modeling_llama``) every attention-carrying class it
+    subclasses or builds comes from, when it takes none from transformers, else None.
+
+    That is the shape apply writes for an inherited attention (:func:`inherited_module`): the
+    converted transformers module beside the file, imported relatively; re-applying to such
+    an output plans it from that module."""
+    if _attention_origins(facts, _transformers_origin):
+        return None
+    origins = _attention_origins(facts, _sibling_origin)
+    if len(origins) != 1:
+        return None
+    (module,) = origins
+    return module if "." not in module[1:] and module[1:].startswith("modeling_") else None
+
+
+def inherited_module(facts: ModuleFacts) -> str | None:
+    """The one transformers modeling module (``transformers.models.<x>.modeling_<x>``) every
+    attention-carrying class the file subclasses or builds comes from, else None (none, or
+    several modules: one converted module per output directory)."""
+    origins = _attention_origins(facts, _transformers_origin)
     if len(origins) != 1:
         return None
     (module,) = origins
@@ -89,4 +121,9 @@ def inherited_attention_reason(facts: ModuleFacts) -> str | None:
     )
 
 
-__all__ = ["inherited_attention", "inherited_attention_reason", "inherited_module"]
+__all__ = [
+    "inherited_attention",
+    "inherited_attention_reason",
+    "inherited_module",
+    "sibling_module",
+]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.config_branch import ConfigBranch, config_branches
 from kvskill.analyzer.gather import cache_cat_growth, classify_call, dotted_name
 from kvskill.core.errors import UnsupportedModelError
 
@@ -91,6 +92,9 @@ class ModuleFacts:
     imported_names: dict[str, int] = field(default_factory=dict)
     #: ``config.X`` attributes read anywhere -> first line
     config_reads: dict[str, int] = field(default_factory=dict)
+    #: ``if <param> is [not] None:`` branches of attention forwards the config decides
+    #: (``analyzer/config_branch.py``): Falcon's ``if alibi is None:``
+    config_branches: list[ConfigBranch] = field(default_factory=list)
 
     def where(self, line: int) -> str:
         return f"{self.file_name}:{line}"
@@ -126,6 +130,7 @@ def scan_source(source: str, *, path: str = "<memory>") -> ModuleFacts:
         path=path, file_name=os.path.basename(path), num_lines=source.count("\n") + 1
     )
     _Collector(module, _LineLocator(source), facts).collect()
+    facts.config_branches = config_branches(module, source)
     return facts
 
 

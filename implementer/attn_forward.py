@@ -107,6 +107,8 @@ class AttentionForwardCommand(AttentionForwardRewrite):
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         seam = attention_facts(original, self.classes).seam
         assert seam is not None, "the pipeline validates attention facts first"
+        #: the class being rewritten, for the messages of the forward rewrites
+        self.class_name = original.name.value
         config = self.parser_config()
         body = replace_method(
             updated,

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 
 import libcst as cst
+from kvskill.analyzer.gather import method
 from kvskill.analyzer.kv_sizing import ConfigView, kv_sizing
 from kvskill.implementer._command import (
     AttentionInitRewrite,
@@ -20,8 +21,10 @@ from kvskill.implementer._command import (
     with_body,
 )
 from kvskill.implementer.facts import (
+    CACHE_UPDATE_CALL,
     attention_facts,
     class_assigns,
+    code,
     init_owner,
     m,
     module_classes,
@@ -105,10 +108,57 @@ def kv_heads_expr(
     sizing = kv_sizing(cls, classes or {cls.name.value: cls}, ConfigView({}))
     if sizing is not None and sizing.kv_heads_expr and sizing.owner == cls.name.value:
         return sizing.kv_heads_expr
+    reshaped = _forward_kv_heads(cls)
+    if reshaped is not None:
+        return reshaped
     if spec.config_has_kv_heads:
         return head_count_expr(cls, config, "num_key_value_heads")
     # MHA vendor configs (Qwen-7B, Baichuan) have no KV-head count: every head has its own
     return f'(getattr({config}, "num_key_value_heads", None) or {config}.num_attention_heads)'
+
+
+def _forward_kv_heads(cls: cst.ClassDef) -> str | None:
+    """The head count the forward lays out the keys it writes with, ``key.reshape(b, H, s,
+    d)`` before ``<cache>.update(key, ...)``, when H reads only attributes ``__init__`` sets
+    (Falcon: ``num_kv_heads = self.num_heads if self.new_decoder_architecture else
+    self.num_kv_heads``, its multi-query configs keeping one KV head); else None."""
+    forward, init = method(cls, "forward"), method(cls, "__init__")
+    if forward is None or init is None:
+        return None
+    updates = m.findall(forward, CACHE_UPDATE_CALL)
+    if len(updates) != 1:
+        return None
+    key = cst.ensure_type(updates[0], cst.Call).args[0].value
+    if not isinstance(key, cst.Name):
+        return None
+    reshape = m.Call(func=m.Attribute(attr=m.Name("reshape") | m.Name("view")))
+    heads = {
+        code(cst.ensure_type(call, cst.Call).args[1].value)
+        for a in m.findall(forward, m.Assign(targets=[m.AssignTarget(target=m.Name(key.value))]))
+        for call in m.findall(cst.ensure_type(a, cst.Assign).value, reshape)
+        if len(cst.ensure_type(call, cst.Call).args) == 4
+    }
+    if len(heads) != 1:
+        return None
+    (count,) = heads
+    locals_ = [
+        cst.ensure_type(a, cst.Assign).value
+        for a in m.findall(forward, m.Assign(targets=[m.AssignTarget(target=m.Name(count))]))
+    ]
+    expr = locals_[0] if len(locals_) == 1 else cst.parse_expression(count)
+    set_in_init = {
+        cst.ensure_type(cst.ensure_type(t, cst.AssignTarget).target, cst.Attribute).attr.value
+        for t in m.findall(init, m.AssignTarget(target=m.Attribute(value=m.Name("self"))))
+    }
+    names = [cst.ensure_type(n, cst.Name).value for n in m.findall(expr, m.Name())]
+    attrs = [
+        cst.ensure_type(a, cst.Attribute).attr.value
+        for a in m.findall(expr, m.Attribute(value=m.Name("self")))
+    ]
+    # every name is ``self`` (reading an attribute __init__ sets) or the attribute's own
+    if not attrs or not set(attrs) <= set_in_init or set(names) - {"self", *attrs}:
+        return None
+    return f"({code(expr)})"
 
 
 def init_values(

@@ -138,7 +138,7 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
     ``self.core_attention(...)``, a method other than hand-written matmul attention, which
     ``facts._method_kernel`` follows): the seam from the cache write to the kernel would span
     two modules, which the rewrite does not do; or that compute attention by hand in a form
-    the seam does not read (einsum, bmm)."""
+    the seam does not read (ChatGLM-6B's ``torch.baddbmm`` into an empty buffer)."""
     found = []
     for cls in classes:
         forward = method(cls, "forward")
@@ -149,9 +149,9 @@ def _writers_without_kernel(classes: list[cst.ClassDef]) -> list[str]:
             found.append(
                 f"{cls.name.value}.forward writes the KV cache, then computes attention by "
                 f"hand with {' and '.join(by_hand)} and a softmax, which the seam does not "
-                "read: it reads hand-written attention as matmul(q, k.transpose(...)) scores, "
-                "a softmax and matmul(w, v), and it would have to prove from the einsum "
-                "equation and the reshapes around the bmm which axes are heads and positions"
+                "read: it reads hand-written attention as scores assigned in one statement "
+                "from matmul(q, k.transpose(...)) or torch.einsum(q, k), a softmax, and an "
+                "output assigned from matmul(w, v), torch.einsum or torch.bmm"
             )
             continue
         found.append(

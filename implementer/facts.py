@@ -35,6 +35,8 @@ from kvskill.analyzer.gather import (
     causal_lm_classes,
     class_assigns,
     declares_token_caches,
+    einsum_attention,
+    einsum_scores,
     is_attention_class,
     is_causal_lm_class,
     is_converted_attention,
@@ -69,6 +71,10 @@ class KernelStyle(str, Enum):
     #: attention (``implementer/callee.py``); its output ``[B, N, S, D]``, then the module's
     #: own tail (ChatGLM: back to ``[s, b, h * d]``)
     SUBMODULE = "submodule"
+    #: hand-written ``torch.einsum`` scores -> softmax -> ``einsum``/``bmm`` output
+    #: (``implementer/einsum_attention.py``); the fused output ``[B, S, N, D]`` is then
+    #: permuted to the order the source's subscripts and reshapes give (SeamFacts.after)
+    EINSUM = "einsum"
 
 
 #: the styles whose kernel returns ``[B, N, S, D]`` (the others return ``[B, S, N, D]``)
@@ -373,7 +379,7 @@ def _seam_facts(facts: AttentionFacts, forward: cst.FunctionDef, methods: dict) 
                 f"{facts.name}.forward does not write the cache before calling attention"
             )
         return None
-    kernel = _kernel_facts(facts, body, *position, methods)
+    kernel = _kernel_facts(facts, body, *position, methods, write)
     if kernel is None:
         return None
     if kernel.inputs is not None and kernel.inputs != (write.key, write.value):
@@ -485,7 +491,7 @@ def _kernel_position(body: cst.IndentedBlock, methods: dict) -> tuple[int, int] 
     kernel_index = _top_index(body, INTERFACE_CALL | SDPA_CALL | FLASH_CALL)
     if kernel_index is not None:
         return kernel_index, kernel_index
-    inline = matmul_attention(body)
+    inline = matmul_attention(body) or einsum_attention(body)
     if inline is not None or not methods:
         return inline
     kernel_index = _top_index(body, attention_method_call(methods))
@@ -498,9 +504,16 @@ def _kernel_facts(
     first_index: int,
     kernel_index: int,
     methods: dict[str, cst.FunctionDef],
+    write: CacheWriteFacts | None = None,
 ) -> _Kernel | None:
-    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say."""
+    """The kernel's style, query, scale, sinks and outputs; a problem when it cannot say.
+    WRITE: the forward's cache write, which einsum attention is read from (a callee's
+    kernel has none and is never einsum attention, ``callee.kernel_position``)."""
     if first_index != kernel_index:
+        scores = cst.ensure_type(body.body[first_index], cst.SimpleStatementLine).body[0]
+        if einsum_scores(cst.ensure_type(scores, cst.Assign).value) is not None:
+            assert write is not None, "einsum attention is read in a forward that writes"
+            return _einsum_kernel(facts, body, first_index, kernel_index, write)
         return _matmul_kernel(facts, body, first_index, kernel_index)
     stmt = body.body[kernel_index]
     assign = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
@@ -581,7 +594,33 @@ def _matmul_kernel(
     assert product is not None, "matmul_attention found these scores"
     between = list(body.body[scores_index + 1 : output_index])
     where = where or f"{facts.name}.forward"
-    value = assign.value
+    scale = _read_scale(facts, weights, assign.value, between, where)
+    output = _assigned_name(body.body[output_index])
+    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
+    probs = _matmul_operand(body.body[output_index])
+    targets = [output, weights] + ([probs] if probs not in (None, weights, output) else [])
+    if m.matches(product, BIAS_SCORES_CALL):
+        return _bias_kernel(facts, product, output_index, targets)
+    return _Kernel(
+        index=output_index,
+        style=KernelStyle.MATMUL,
+        query=code(product.args[0].value),
+        scale=scale,
+        sinks=None,
+        targets=targets,
+    )
+
+
+def _read_scale(
+    facts: AttentionFacts,
+    weights: str,
+    value: cst.BaseExpression,
+    between: list[cst.BaseStatement],
+    where: str,
+) -> str:
+    """The softmax scale of hand-written scores ``weights = VALUE`` (the product, maybe
+    times or divided by a scale), or of the one later ``w = w / s`` in BETWEEN; what else
+    BETWEEN does to the scores goes to ``fused_limits`` (:func:`_score_changes`)."""
     folded = None if isinstance(value, cst.BinaryOperation) else _later_scale(weights, between)
     if folded is not None:
         # GPT-J / CodeGen: the product, the causal mask, then ``w = w / self.scale_attn``:
@@ -591,29 +630,59 @@ def _matmul_kernel(
         ).value
         between = between[:folded] + between[folded + 1 :]
     facts.fused_limits.extend(_score_changes(where, weights, between))
+    if not isinstance(value, cst.BinaryOperation):
+        return "1.0"  # the source applies no scale to q.k
+    factor = code(value.right)
+    # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
+    atom = value.right.lpar or isinstance(
+        value.right, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Float)
+    )
+    divisor = factor if atom else f"({factor})"
+    return factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
+
+
+def _einsum_kernel(
+    facts: AttentionFacts,
+    body: cst.IndentedBlock,
+    scores_index: int,
+    output_index: int,
+    write: CacheWriteFacts,
+) -> _Kernel | None:
+    """Hand-written einsum attention (``implementer/einsum_attention.py`` proves it is
+    scaled dot-product attention and reads the order of its output); the scale and what
+    else is done to the scores are read as for matmul attention."""
+    from kvskill.implementer.einsum_attention import hand_back, read_einsum_attention
+
+    assign = cst.ensure_type(
+        cst.ensure_type(body.body[scores_index], cst.SimpleStatementLine).body[0], cst.Assign
+    )
+    weights = cst.ensure_type(assign.targets[0].target, cst.Name).value
+    product = einsum_scores(assign.value)
+    assert product is not None, "einsum_attention found these scores"
+    inside = list(body.body[write.index : scores_index])
+    query = _name_before(product.args[1].value, inside)
+    reading = read_einsum_attention(
+        facts,
+        body,
+        scores_index,
+        output_index,
+        write_index=write.index,
+        layout=write.layout.value,
+        qkv=(query, write.key, write.value),
+    )
+    if reading is None:
+        return None
+    between = list(body.body[scores_index + 1 : output_index])
+    scale = _read_scale(facts, weights, assign.value, between, f"{facts.name}.forward")
     output = _assigned_name(body.body[output_index])
-    # the softmaxed weights may have their own name (mpt: attention_scores -> attn_weights)
-    probs = _matmul_operand(body.body[output_index])
-    targets = [output, weights] + ([probs] if probs not in (None, weights, output) else [])
-    if m.matches(product, BIAS_SCORES_CALL):
-        return _bias_kernel(facts, product, output_index, targets)
-    if isinstance(value, cst.BinaryOperation):
-        factor = code(value.right)
-        # a divisor that is one term (a name, a call, a literal, parenthesised) needs no parens
-        atom = value.right.lpar or isinstance(
-            value.right, (cst.Name, cst.Attribute, cst.Call, cst.Integer, cst.Float)
-        )
-        divisor = factor if atom else f"({factor})"
-        scale = factor if isinstance(value.operator, cst.Multiply) else f"1 / {divisor}"
-    else:
-        scale = "1.0"  # the source applies no scale to q.k
     return _Kernel(
         index=output_index,
-        style=KernelStyle.MATMUL,
-        query=code(product.args[0].value),
+        style=KernelStyle.EINSUM,
+        query=reading.query,
         scale=scale,
         sinks=None,
-        targets=targets,
+        targets=[output, *dict.fromkeys(n for n in (weights, reading.probs) if n != output)],
+        after=tuple(hand_back(output, reading.output_roles)),
     )
 
 
@@ -959,6 +1028,15 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
         facts.fused_limits.append(
             f"{facts.name}.forward tiles its KV heads with .repeat before attention (query head "
             "h reads KV head h % KVN); the fused operator pairs query head h with KV head h // G"
+        )
+    from kvskill.implementer.einsum_attention import misgrouped_kv_heads
+
+    misgrouped = misgrouped_kv_heads(inside[1:], seam.layout.value, seam.key, seam.value)
+    if misgrouped:
+        facts.fused_limits.append(
+            f"{facts.name}.forward copies its KV heads before the head axis (`{misgrouped[0]}`): "
+            "merged, query head h reads KV head h % KVN; the fused operator pairs query head h "
+            "with KV head h // G"
         )
     facts.query_changes = _query_changes(seam, inside)
     if leaked:

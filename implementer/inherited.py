@@ -50,6 +50,8 @@ def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
             f"{where}: cannot convert: --target {options.target}: the executor's model-class "
             f"contract is not generated for an attention inherited from {inherits.name}"
         )
+    if inherits.parent == remote_path.parent:
+        return _already_converted(plan, options, remote_path, inherits)
     if (remote_path.parent / inherits.name).exists():
         raise UnsupportedModelError(
             f"{where}: cannot convert: the converted {inherits.name} is written beside it, but "
@@ -81,6 +83,35 @@ def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
         ),
         original=remote,
         converted=rewritten,
+        added={inherits.name: converted.converted, **converted.added},
+    )
+
+
+def _already_converted(
+    plan: Plan, options: ApplyOptions, remote_path: Path, inherits: Path
+) -> Conversion:
+    """An output of :func:`convert_inherited` applied to again: the module beside the remote
+    file is the converted one (the analyzer plans from it only when it is converted code), so
+    both files are kept as they are."""
+    inner = dataclasses.replace(
+        plan,
+        source=dataclasses.replace(plan.source, modeling_file=str(inherits), inherits_code=None),
+    )
+    if plan.deploy_mode is DeployMode.STANDALONE:
+        from kvskill.implementer.standalone.convert import convert_standalone
+
+        converted = convert_standalone(inner, options)
+    else:
+        converted = convert_framework(inner, options)
+    assert converted.converted == converted.original, "converted code converts to itself"
+    remote = read_source(remote_path)
+    return dataclasses.replace(
+        converted,
+        plan=dataclasses.replace(
+            converted.plan, architecture=plan.architecture, source=plan.source
+        ),
+        original=remote,
+        converted=remote,
         added={inherits.name: converted.converted, **converted.added},
     )
 

@@ -22,7 +22,12 @@ from kvskill.implementer.attn_init import (
 )
 from kvskill.implementer.facts import CacheLayout, KernelStyle, SeamFacts
 from kvskill.implementer.snippets import statements
-from kvskill.implementer.spec import ConversionSpec, WindowRule, _layer_type_mapping
+from kvskill.implementer.spec import (
+    ConversionSpec,
+    WindowRule,
+    _layer_type_mapping,
+    config_switches,
+)
 
 #: the layer kinds whose attention a Legacy mask reproduces
 LEGACY_KINDS = frozenset({AttnType.FULL_ATTENTION.value, AttnType.SLIDING_WINDOW.value})
@@ -81,6 +86,7 @@ def legacy_spec(plan: Plan, block_size: int | None = None) -> LegacySpec:
         causal_lm_class=plan.architecture,
         config_has_kv_heads="num_key_value_heads" in text_config(plan.config)[0],
         chunked_layer_types=chunked,
+        config_switches=config_switches(plan),
     )
 
 
@@ -195,8 +201,10 @@ def _matmul_mask(statements: list[cst.BaseStatement]) -> KernelMask | None:
     return None
 
 
-def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
-    """The mask the Legacy seam rebinds for this forward's kernel.
+def legacy_kernel_mask(
+    seam: SeamFacts, forward: cst.FunctionDef, where: str = "the attention forward"
+) -> KernelMask:
+    """The mask the Legacy seam rebinds for this forward's kernel (WHERE: ``X.forward``).
 
     Raises:
         UnsupportedModelError: the seam cannot wrap the kernel.
@@ -204,7 +212,7 @@ def legacy_kernel_mask(seam: SeamFacts, forward: cst.FunctionDef) -> KernelMask:
     styles = (KernelStyle.INTERFACE, KernelStyle.MATMUL, KernelStyle.BIAS_BMM)
     if seam.style not in styles or seam.layout is not CacheLayout.BHSD:
         raise UnsupportedModelError(
-            f"cannot convert: Legacy KV: the attention is called as {seam.style.value} over "
+            f"cannot convert: Legacy KV: {where} runs its attention as {seam.style.value} over "
             f"{seam.layout.value} tensors; the Legacy rewrite wraps an attention-interface call "
             "or hand-written matmul attention over [b, h, s, d] tensors"
         )
@@ -285,7 +293,7 @@ class LegacyAttentionForwardCommand(AttentionForwardCommand):
         seam: SeamFacts,
         config: cst.PartialParserConfig,
     ) -> cst.FunctionDef:
-        mask = legacy_kernel_mask(seam, forward)
+        mask = legacy_kernel_mask(seam, forward, f"{self.class_name}.forward")
         body = cst.ensure_type(forward.body, cst.IndentedBlock).body
         kept = list(body[seam.update_index + 1 : seam.kernel_index + 1])
         values = seam_values(seam)

@@ -20,6 +20,7 @@ from kvskill.implementer.checks import (
     check_framework_legacy_module,
     check_mla_module,
 )
+from kvskill.implementer.decided_branches import take_decided_branches
 from kvskill.implementer.mla.spec import MlaSpec
 from kvskill.implementer.registry import ConversionPath, rewrites_for
 from kvskill.implementer.self_check import self_check
@@ -95,7 +96,14 @@ _CONVERTED: dict[tuple[Any, ...], str] = {}
 def _convert(
     source: str, spec: Any, path: ConversionPath, package: str | None, filename: str
 ) -> str:
-    original = module = parse(source, filename)
+    # the branches the config decides (Falcon's ``if alibi is None:``) become the one that
+    # runs before anything is read: the checks and rewrites then see one kernel
+    original = module = take_decided_branches(
+        parse(source, filename),
+        getattr(spec, "config_switches", {}),
+        replaces_kernel=not getattr(spec, "keeps_model_kernel", False),
+        filename=filename,
+    )
     rewrites = rewrites_for(path)
     problems = [p for rewrite in rewrites for p in rewrite.command.problems(module, spec)]
     _CHECKS[path](module, spec, filename, problems)

@@ -70,6 +70,9 @@ class ConversionSpec:
     #: test, valid at the end of the attention's ``__init__``, true in a layer that reads an
     #: earlier layer's cache instead of holding its own; None when every layer holds its own
     reads_shared_kv: str | None = None
+    #: the config's boolean keys (``alibi``): what decides the attention branches the file
+    #: proves config-decided (``implementer/decided_branches.py``)
+    config_switches: dict[str, bool] = field(default_factory=dict)
     #: whether the rewrite keeps the model's own attention math (Legacy) instead of replacing
     #: its kernel with the fused operator, so score changes the operator cannot express
     #: (soft-capping, ALiBi) do not block it
@@ -127,7 +130,14 @@ class ConversionSpec:
             pinned_state_dtypes=pinned_state_dtypes(plan),
             fused_qkv=fused_qkv_layouts(plan),
             reads_shared_kv=_reads_shared_kv(plan),
+            config_switches=config_switches(plan),
         )
+
+
+def config_switches(plan: Plan) -> dict[str, bool]:
+    """The config's boolean keys (``alibi``), which may decide an attention branch."""
+    config = text_config(plan.config)[0]
+    return {key: value for key, value in config.items() if isinstance(value, bool)}
 
 
 def _reads_shared_kv(plan: Plan) -> str | None:

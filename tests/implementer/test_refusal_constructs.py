@@ -170,6 +170,8 @@ def test_a_method_refusal_names_what_is_in_the_file(old, new):
 
 
 def test_einsum_attention_refusal_names_what_is_in_the_file(tmp_path):
+    """The einsum attention converts in the paged seam; Legacy (which wraps [b, h, s, d]
+    kernels only) and an einsum contracting the positions are refused naming what is there."""
     model = tmp_path / "model"
     shutil.copytree(VENDOR_ROOT / "mqa_groups_sbhd", model)
     modeling = model / "modeling_vendor_glm.py"
@@ -178,20 +180,40 @@ def test_einsum_attention_refusal_names_what_is_in_the_file(tmp_path):
     end = text.index("        # [b, np, sq, hn] -> [sq, b, hp]\n")
     source = text[:start] + EINSUM_BMM + text[end:]
     modeling.write_text(source, encoding="utf-8")
-    for deploy_mode, kv_mode in (("framework", "paged"), ("framework", "legacy")):
-        message = _refusal(model, tmp_path / kv_mode, deploy_mode, kv_mode)
-        assert message is not None
-        _assert_true_refusal(message, source)
+    assert _refusal(model, tmp_path / "paged", "framework", "paged") is None
+    message = _refusal(model, tmp_path / "legacy", "framework", "legacy")
+    assert message is not None
+    _assert_true_refusal(message, source)
+    wrong = source.replace('"sbhd,tbhd->bhst"', '"sbhd,tbhd->bhsd"')
+    modeling.write_text(wrong, encoding="utf-8")
+    message = _refusal(model, tmp_path / "wrong", "framework", "paged")
+    assert message is not None and '"sbhd,tbhd->bhsd"' in message
+    _assert_true_refusal(message, wrong)
 
 
-def test_falcons_alibi_branches_are_refused_naming_the_branch(tmp_path):
+def test_falcons_alibi_branches_convert_under_its_config_and_refusals_name_the_branch(tmp_path):
     """transformers' own Falcon: ``if alibi is None:`` SDPA, else matmul scores plus the
-    ALiBi bias, each branch with its own output projection and return."""
+    ALiBi bias, each branch with its own output projection and return. With config.alibi
+    false the seam keeps the SDPA branch and converts; Legacy (which wraps no SDPA over
+    [b, h, s, d] from a class that is not an interface call) and config.alibi true are
+    refused naming what is in the file."""
     spec = importlib.util.find_spec("transformers.models.falcon.modeling_falcon")
     source = Path(spec.origin).read_text(encoding="utf-8")
-    for kv_mode in ("paged", "legacy"):
-        message = _refusal(Path("falcon"), tmp_path / kv_mode, "framework", kv_mode)
-        assert message is not None
-        assert "FalconAttention.forward runs attention inside `if alibi is None:`" in message
-        assert "a branch reads alibi, an ALiBi bias" in message
+    assert _refusal(Path("falcon"), tmp_path / "paged", "framework", "paged") is None
+    message = _refusal(Path("falcon"), tmp_path / "legacy", "framework", "legacy")
+    assert message is not None
+    _assert_true_refusal(message, source)
+    for kv_mode in ("legacy", "auto"):
+        try:
+            apply_model(
+                "falcon",
+                tmp_path / f"alibi-{kv_mode}",
+                ApplyOptions(config_overrides={"alibi": True}, kv_mode=kv_mode),
+            )
+        except UnsupportedModelError as refused:
+            message = str(refused)
+        else:
+            raise AssertionError("a Falcon config with alibi true converted")
+        assert "config.alibi is True, so alibi is built" in message
+        assert "FalconModel.forward folds alibi into the attention mask" in message
         _assert_true_refusal(message, source)

@@ -9,6 +9,7 @@ is refused with what to add.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -193,3 +194,53 @@ def test_a_subclass_with_its_own_forward_and_init_converts():
     assert "self.cache_entries = [" in init_text
     assert "torch_npu.npu_fused_infer_attention_score(" in converted
     assert "past_key_value.update(" not in converted
+
+
+def test_reapplying_to_an_inherited_output_recognises_it_as_converted(tmp_path):
+    first = tmp_path / "first"
+    apply_model(str(INHERITED), first, ApplyOptions())
+    # analyze reads the converted module beside the file and says so
+    plan = analyze_model(str(first))
+    assert Path(plan.source.inherits_code).resolve() == (first / "modeling_llama.py").resolve()
+    assert plan.code["already_converted"]
+    cited = next(e for e in plan.evidence if e.decision == "source")
+    assert "VendorSubAttention subclasses LlamaAttention from modeling_llama.py beside it" in (
+        cited.reason
+    )
+    assert "already converted" in cited.reason
+    # a dry run changes nothing
+    dry = apply_model(str(first), None, ApplyOptions(dry_run=True))
+    assert not dry.changed and dry.diff == ""
+    # a second output holds the same code and the first conversion's record
+    second = tmp_path / "second"
+    apply_model(str(first), second, ApplyOptions())
+    for name in (MODELING, "modeling_llama.py", "configuration_vendor_sub.py"):
+        assert (second / name).read_text(encoding="utf-8") == (first / name).read_text(
+            encoding="utf-8"
+        )
+    first_record = json.loads((first / "kvskill_plan.json").read_text(encoding="utf-8"))
+    second_record = json.loads((second / "kvskill_plan.json").read_text(encoding="utf-8"))
+    assert second_record["conversion"] == first_record["conversion"]
+
+
+def test_a_module_beside_the_file_that_is_not_converted_code_is_still_refused(tmp_path):
+    first = tmp_path / "first"
+    apply_model(str(INHERITED), first, ApplyOptions())
+    # the module beside the file replaced by transformers' own, unconverted text
+    plan = analyze_model(str(INHERITED))
+    (first / "modeling_llama.py").write_text(
+        Path(plan.source.inherits_code).read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    with pytest.raises(UnsupportedModelError, match="no attention class"):
+        apply_model(str(first), tmp_path / "second", ApplyOptions())
+
+
+@pytest.mark.slow
+def test_a_reapplied_inherited_output_verifies_token_exact(tmp_path):
+    first = tmp_path / "first"
+    apply_model(str(INHERITED), first, ApplyOptions())
+    second = tmp_path / "second"
+    apply_model(str(first), second, ApplyOptions())
+    report = verify_directory(second, VerifyOptions(trust_remote_code=True))
+    assert report.passed, report.failures()
+    assert report.tokens_identical and report.max_logit_diff < 1e-4

@@ -241,7 +241,7 @@ def run(directory: Path, **options) -> None:
         check_layout_fits(converted.plan, options["kv_layout"], directory)
     if options["num_blocks"] is not None and options["kv_memory"] is not None:
         raise BadInputError("give --num-blocks or --kv-memory, not both")
-    sized = size_for_workload(options)
+    sized = size_for_workload(options, directory)
     llm = LLM(
         directory,
         dtype=options["dtype"],
@@ -279,7 +279,7 @@ class WorkloadSizing:
     note: str | None
 
 
-def size_for_workload(options: dict) -> WorkloadSizing:
+def size_for_workload(options: dict, directory: Path) -> WorkloadSizing:
     """With no --num-blocks, --kv-memory or --max-model-len, the pool holds what this run's
     prompts and --max-tokens need: max_model_len is the longest prompt plus --max-tokens and
     at most one request per prompt runs at once, instead of --max-num-seqs requests of the
@@ -292,14 +292,33 @@ def size_for_workload(options: dict) -> WorkloadSizing:
     if not lengths:
         return as_given
     longest = max(lengths)
-    max_model_len = longest + options["max_tokens"]
+    need = longest + options["max_tokens"]
+    limit = _position_limit(directory)
+    # never past the model's positions: a prompt that leaves no room there stays an error
+    max_model_len = need if limit is None else min(need, limit)
     max_num_seqs = min(options["max_num_seqs"], len(lengths))
+    capped = "" if max_model_len == need else f", capped at the model's {limit} positions"
     note = (
         f"sized for this run: {len(lengths)} prompt(s), the longest {longest} tokens + "
-        f"--max-tokens {options['max_tokens']} = max_model_len {max_model_len} "
+        f"--max-tokens {options['max_tokens']} = max_model_len {max_model_len}{capped} "
         "(--max-model-len, --kv-memory or --num-blocks size it otherwise)"
     )
     return WorkloadSizing(max_model_len, max_num_seqs, note)
+
+
+def _position_limit(directory: Path) -> int | None:
+    """The decoder's position count from DIR's config.json (its text_config for a
+    vision-language model), when it names one."""
+    from kvskill.analyzer.config import text_config
+    from kvskill.analyzer.config_keys import lookup
+    from kvskill.core.inputs import read_config_json
+
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    decoder, _ = text_config(read_config_json(path, root=directory))
+    value, _ = lookup(decoder, "max_positions")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
 
 
 def _prompt_lengths(options: dict) -> list[int]:

@@ -8,12 +8,28 @@ from collections import Counter
 import pytest
 from kvskill.analyzer.corpus import analyze_corpus, corpus_model_types
 
+#: types every run analyzes, whatever the sample: the ones asserted on below
+NAMED = (
+    *("llama", "qwen3", "gpt_oss", "deepseek_v3", "qwen3_next", "mixtral"),
+    *("bart", "bert", "whisper"),
+)
+
+
+def _sample(types: list[str]) -> list[str]:
+    """Every type with KVSKILL_CORPUS_FULL=1; otherwise every third type (sorted, so the
+    sample is the same on every run) and the named ones, which keeps CI's slow suite inside
+    its time budget. `scripts/verify_corpus.py` covers every type end to end."""
+    if os.environ.get("KVSKILL_CORPUS_FULL") == "1":
+        return types
+    ordered = sorted(types)
+    return sorted(set(ordered[::3]) | (set(NAMED) & set(ordered)))
+
 
 @pytest.mark.slow
 def test_every_causal_lm_type_gets_a_plan_or_a_refusal():
     types = corpus_model_types()
     assert len(types) > 150  # the installed transformers maps this many types to a causal LM
-    results = analyze_corpus(types, workers=min(2, os.cpu_count() or 1))
+    results = analyze_corpus(_sample(types), workers=min(2, os.cpu_count() or 1))
     counts = Counter(r.outcome for r in results)
     print(f"\ncorpus: {len(results)} model types, {dict(counts)}")
     crashes = [f"{r.model_type}: {r.message}" for r in results if r.outcome == "crash"]

@@ -34,12 +34,13 @@ from kvskill.implementer.framework_checkout import (
 )
 from kvskill.implementer.framework_legacy_drive import drive_legacy
 from kvskill.implementer.framework_legacy_verify import (
+    compare_legacy_prompts,
     import_model,
     legacy_original_dir,
     legacy_report,
 )
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.verify import VerifyOptions, VerifyReport, compare_prompt
+from kvskill.implementer.verify import VerifyOptions, VerifyReport
 from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS, EngineDriver
 from kvskill.runtime.ops.reference import OpInputError, ReferenceUnsupportedError
 from torch import nn
@@ -155,17 +156,6 @@ def verify_against_checkout(converted: ConvertedDir, options: VerifyOptions) -> 
         f"Legacy rows allocated by init_cache: {list(legacy.cache_shape)}; groups read but "
         f"registered only above one rank, answered as the one rank: {answered or 'none'}"
     )
-    for index, prompt in enumerate(prompts):
-        report.prompts.append(
-            compare_prompt(
-                index,
-                prompt,
-                legacy.token_ids[index],
-                torch.stack(legacy.logits[index]),
-                run.token_ids[index],
-                run.logits[index],
-                report.atol,
-            )
-        )
+    compare_legacy_prompts(report, prompts, legacy, run)
     report.chains = [chain.to_dict() for chain in run.chains]
     return report

@@ -96,6 +96,23 @@ def legacy_original_dir(
     return original_dir
 
 
+def compare_legacy_prompts(report: VerifyReport, prompts, legacy, run) -> None:
+    """Add verify's comparison of every prompt to REPORT: the Legacy original's greedy tokens
+    and logits (LEGACY) against the paged run's (RUN), at the report's tolerance."""
+    for index, prompt in enumerate(prompts):
+        report.prompts.append(
+            compare_prompt(
+                index,
+                prompt,
+                legacy.token_ids[index],
+                torch.stack(legacy.logits[index]),
+                run.token_ids[index],
+                run.logits[index],
+                report.atol,
+            )
+        )
+
+
 def legacy_report(
     converted: ConvertedDir, options: VerifyOptions, default_block_size: int = CPU_BLOCK_SIZE
 ) -> tuple[VerifyReport, list[list[int]]]:
@@ -178,17 +195,6 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
             report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
             return report
     report.notes.append(f"Legacy rows allocated by the worker: {list(legacy.cache_shape)}")
-    for index, prompt in enumerate(prompts):
-        report.prompts.append(
-            compare_prompt(
-                index,
-                prompt,
-                legacy.token_ids[index],
-                torch.stack(legacy.logits[index]),
-                run.token_ids[index],
-                run.logits[index],
-                report.atol,
-            )
-        )
+    compare_legacy_prompts(report, prompts, legacy, run)
     report.chains = [chain.to_dict() for chain in run.chains]
     return report

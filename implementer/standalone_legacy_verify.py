@@ -29,6 +29,7 @@ from kvskill.analyzer.plan import MlaDims
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.framework_checkout import after_loading, framework_packages, random_weights
 from kvskill.implementer.framework_legacy_verify import (
+    compare_legacy_prompts,
     import_model,
     legacy_original_dir,
     legacy_report,
@@ -40,7 +41,6 @@ from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
 from kvskill.implementer.verify import (
     VerifyOptions,
     VerifyReport,
-    compare_prompt,
 )
 from kvskill.runtime.chains import ChainResult, chain_result
 from torch import nn
@@ -275,18 +275,7 @@ def verify_standalone_legacy(
     report.notes.append(
         f"Legacy rows from init_cache: {list(shape)}; paged block size {block_size}"
     )
-    for index, prompt in enumerate(prompts):
-        report.prompts.append(
-            compare_prompt(
-                index,
-                prompt,
-                legacy.token_ids[index],
-                torch.stack(legacy.logits[index]),
-                run.token_ids[index],
-                run.logits[index],
-                report.atol,
-            )
-        )
+    compare_legacy_prompts(report, prompts, legacy, run)
     release = [
         f"prompt {i}: {a} on the reused caches, {b} on fresh ones"
         for i, (a, b) in enumerate(zip(again.token_ids[::-1], run.token_ids, strict=True))

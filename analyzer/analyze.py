@@ -19,6 +19,7 @@ from kvskill.analyzer.config_keys import (
 )
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.indexer import decide_indexer, plannable_indexer
 from kvskill.analyzer.inherited import (
     inherited_attention,
     inherited_attention_reason,
@@ -255,6 +256,16 @@ def _refuse_non_causal(source: ModelSource) -> None:
         )
 
 
+def _unplanned_indexer_note(spec: ModelSpec) -> str:
+    note = "indexed sparse attention (a top-k indexer with its own cache)"
+    if spec.indexer and spec.indexer["shared_layers"]:
+        return (
+            f"{note} whose {spec.indexer['shared_layers']} 'shared' layers (indexer_types) reuse "
+            "the previous layer's top-k"
+        )
+    return note
+
+
 def plan_for_source(
     source: ModelSource,
     *,
@@ -367,7 +378,9 @@ def plan_for_source(
     kv_mode, legacy_reason = decide_kv_mode(spec, code, book, alibi)
     fa_version, fa_reason = decide_fa_version(code, book)
     layout, absorb = decide_layout(kv_mode, attention, book)
-    modes, windows = decide_sparse_modes(kv_mode, attention, attn_types, spec.sliding_window, book)
+    modes, windows = decide_sparse_modes(
+        kv_mode, attention, attn_types, spec.sliding_window, book, indexed=plannable_indexer(spec)
+    )
     scale = decide_scale(spec, code, book)
     kv_heads = decide_kv_heads(spec, attn_tp_size, book)
     sliding_heads = (
@@ -488,6 +501,7 @@ def plan_for_source(
         rotary_dim=rope.rotary_dim,
         position_bias="alibi" if alibi else None,
         mla=mla,
+        indexer=decide_indexer(spec, book) if kv_mode is KvMode.PAGED else None,
         code=facts_dict,
         config=dict(source.config),
         memory=memory,
@@ -809,9 +823,12 @@ def _code_notes(
             facts["cache_update_source"],
         )
     kinds = {k for k in spec.layer_kinds if not holds_attention_and_state(spec, k)}
+    if plannable_indexer(spec):
+        # the indexer's keys are a cache entry of the layer (analyzer/indexer.py)
+        kinds.discard("indexed_attention")
     for kind, note in (
         ("hybrid", "layers that hold both attention KV and a Mamba state"),
-        ("indexed_attention", "indexed sparse attention (a top-k indexer with its own cache)"),
+        ("indexed_attention", _unplanned_indexer_note(spec)),
         ("compressed_attention", "compressed sparse attention layers"),
     ):
         if kind in kinds:

@@ -26,6 +26,7 @@ from kvskill.analyzer.gather import (
     CACHE_WRITE_CALL,
     FA_CALL,
     LEGACY_READ_CALL,
+    SPARSE_READ_CALL,
     ClassTable,
     class_methods,
     method_chain,
@@ -200,7 +201,7 @@ def call_access(
     and reads (the fused attention over them)."""
     if m.matches(call, CACHE_WRITE_CALL):
         return Access(writes=refs.reached(_args(call)))
-    if m.matches(call, FA_CALL | LEGACY_READ_CALL):
+    if m.matches(call, FA_CALL | SPARSE_READ_CALL | LEGACY_READ_CALL):
         return Access(reads=refs.reached(_args(call)))
     helper = self_method_name(call)
     if helper is not None and helper in helper_writes:

@@ -82,6 +82,9 @@ class ModelSpec:
     max_positions: int | None = None
     #: the config's ALiBi switch (Falcon's ``alibi``, MPT's ``attn_config.alibi``); None if unset
     alibi: bool | None = None
+    #: the DSA indexer of indexed sparse attention ({"n_heads", "head_dim", "topk",
+    #: "shared_layers"}), None without one
+    indexer: dict[str, int] | None = None
     #: field -> the config key it was read from (a vendor's name where the config uses one)
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -218,6 +221,7 @@ def normalise(
         intermediate_size=intermediate if _is_int(intermediate) else 0,
         max_positions=max_positions if _is_int(max_positions) else None,
         alibi=_alibi_switch(cfg),
+        indexer=_indexer(cfg, sources, prefix),
         sources=sources,
     )
 
@@ -242,6 +246,22 @@ def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str,
         "qk_rope_head_dim": int(rope_dim),
         "v_head_dim": int(cfg.get("v_head_dim") or 0),
     }
+
+
+#: the DSA indexer's config keys (DeepSeek-V3.2, GLM-5): its query heads, its key width and
+#: how many positions each query keeps
+_INDEXER_KEYS = {"n_heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk"}
+
+
+def _indexer(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int] | None:
+    values = {name: cfg.get(key) for name, key in _INDEXER_KEYS.items()}
+    if not all(_is_int(v) and v > 0 for v in values.values()):
+        return None
+    sources["indexer"] = prefix + "index_topk"
+    # GLM-5's indexer_types: "shared" layers reuse the previous full layer's top-k
+    kinds = cfg.get("indexer_types")
+    shared = sum(1 for k in kinds if k == "shared") if isinstance(kinds, list) else 0
+    return {**{k: int(v) for k, v in values.items()}, "shared_layers": shared}
 
 
 def _layer_kinds(

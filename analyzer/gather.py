@@ -162,6 +162,10 @@ EINSUM_CALL = m.Call(func=m.Name("einsum") | m.Attribute(attr=m.Name("einsum")))
 SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax")))
 #: a call of either fused-attention operator, through any module or alias attribute
 FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
+#: the DSA operators read paged caches too: the indexer its keys, the sparse attention the
+#: latent and rope caches at the indexer's top-k
+SPARSE_READ_OPS = ("npu_sparse_flash_attention", "npu_lightning_indexer")
+SPARSE_READ_CALL = m.Call(func=m.Attribute(attr=_names(*SPARSE_READ_OPS)))
 #: the Legacy read: a request's static rows handed to the model's own attention function
 LEGACY_READ_CALL = m.Call(func=m.Name("legacy_attention_inputs"))
 #: ``self.cache_entries = ...``: the class declares its paged caches
@@ -573,7 +577,7 @@ def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None)
     if forward is None or not declares_token_caches(cls, classes):
         return False
     writers = cache_writer_methods(cls, classes)
-    reads = m.findall(forward, FA_CALL | LEGACY_READ_CALL)
+    reads = m.findall(forward, FA_CALL | SPARSE_READ_CALL | LEGACY_READ_CALL)
     return calls_cache_write(forward, writers) and bool(reads)
 
 

@@ -160,6 +160,24 @@ class MlaDims:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IndexerPlan:
+    """The DSA indexer of indexed sparse attention (DeepSeek-V3.2): per layer a top-k of the
+    context positions, scored over a key cache of its own, picks what the attention reads."""
+
+    #: query heads of the indexer and the width of its one key head
+    n_heads: int
+    head_dim: int
+    #: positions each query keeps (the operators' ``sparse_count``)
+    topk: int
+    #: the layers' extra cache entry, paged beside the latent (same blocks, same block table)
+    key_cache: str
+    #: cache bytes per token of one layer's indexer keys
+    key_cache_bytes_per_token: int
+    #: the selection operator and the attention over what it selects
+    operators: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanSource:
     """Where the model came from."""
 
@@ -250,6 +268,8 @@ class Plan:
     position_bias: PositionBias | None = None
     #: MLA dimensions when attention is MLA
     mla: MlaDims | None = None
+    #: the DSA indexer when the attention is indexed sparse attention, else None
+    indexer: IndexerPlan | None = None
     #: facts from the code scan: attention class names, decoder/model/CausalLM classes, ...
     #: (an open set of scan results, kept as plain data)
     code: dict[str, Any] = field(default_factory=dict)
@@ -295,6 +315,8 @@ class Plan:
         )
         if self.mla is not None:
             put("mla", _record(MlaDims, self.mla))
+        if self.indexer is not None:
+            put("indexer", _record(IndexerPlan, self.indexer))
         if self.mla_cache_write is not None:
             put("mla_cache_write", MlaCacheWrite(self.mla_cache_write))
         if self.position_bias is not None:

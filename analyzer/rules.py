@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvskill.analyzer.config import ATTENTION_AND_STATE_MODEL_TYPES, ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
+from kvskill.analyzer.indexer import INDEXER_KEY_CACHE, plannable_indexer
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
@@ -283,9 +284,16 @@ def decide_layout(
 
 
 def decide_sparse_modes(
-    kv_mode: str, attention: str, attn_types: list[str], window: int | None, book: Notebook
+    kv_mode: str,
+    attention: str,
+    attn_types: list[str],
+    window: int | None,
+    book: Notebook,
+    *,
+    indexed: bool = False,
 ) -> tuple[dict[str, SparseModes], dict[str, WindowTokens]]:
-    """sparse_mode per attn_type and pre/next tokens for windows."""
+    """sparse_mode per attn_type and pre/next tokens for windows (``indexed``: MLA whose
+    indexer's top-k picks the keys, attended by the sparse attention operator)."""
     if kv_mode is KvMode.LEGACY:
         return {}, {}
     modes: dict[str, SparseModes] = {}
@@ -302,6 +310,14 @@ def decide_sparse_modes(
                 f"the query itself (key j visible iff j > i - W), and pre_tokens=P admits P+1 "
                 f"keys with the diagonal, so pre_tokens={window - 1}, next_tokens=0",
                 f"{hf_window_rule_source()}; npu_ops.md §1.5",
+            )
+        elif attention is AttentionKind.MLA and indexed:
+            modes[attn_type] = SparseModes(prefill=3, decode=3)
+            book.cite(
+                f"sparse_mode.{attn_type}",
+                "DSA: the indexer and the sparse attention are causal (3, bottom-right) in "
+                "prefill and decode; they take no mask, the indexer's top-k picks the keys",
+                "rule: npu_lightning_indexer / npu_sparse_flash_attention sparse_mode 3",
             )
         elif attention is AttentionKind.MLA:
             modes[attn_type] = SparseModes(prefill=3, decode=0)
@@ -394,6 +410,11 @@ def cache_entries(
                 _entry("nope_cache", int(spec.mla["kv_lora_rank"] or 0), 1, dtype),
                 _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
             ]
+            if plannable_indexer(spec):
+                assert spec.indexer is not None
+                entries[attn_type].append(
+                    _entry(INDEXER_KEY_CACHE, spec.indexer["head_dim"], 1, dtype)
+                )
         else:
             sliding = attn_type == AttnType.SLIDING_WINDOW.value
             window = spec.sliding_window if sliding else None

@@ -50,3 +50,13 @@ MAX_PAGED_BLOCK = 512
 PROMPT_HEAD_DIM_MULTIPLE = 16
 #: query/key/value dtypes (int8 quantised paths aside): fp32 is a CPU-only convenience
 NPU_FLOAT_DTYPES = ("float16", "bfloat16")
+
+#: npu_lightning_indexer / npu_sparse_flash_attention (the DSA pair), wheel doc › sparse_count:
+#: "支持1-2048以及3072、4096、5120、6144、7168、8192"
+SPARSE_COUNT_MAX_RANGE = 2048
+SPARSE_COUNT_EXTRA = (3072, 4096, 5120, 6144, 7168, 8192)
+
+
+def sparse_count_allowed(count: int) -> bool:
+    """Whether the lightning indexer keeps COUNT positions per query (its ``sparse_count``)."""
+    return 1 <= count <= SPARSE_COUNT_MAX_RANGE or count in SPARSE_COUNT_EXTRA

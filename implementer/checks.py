@@ -253,7 +253,8 @@ def check_mla_module(
         if is_converted_attention(cls):
             continue
         fused = spec.cache_write is CacheWrite.FUSED
-        problems.extend(mla_attention_facts(cls, classes, fused).problems)
+        indexed = spec.indexer is not None
+        problems.extend(mla_attention_facts(cls, classes, fused, indexed).problems)
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
     return [c.name.value for c in attention]

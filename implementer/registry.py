@@ -41,6 +41,7 @@ from kvskill.implementer.mla.codemods import (
     MlaAttentionInitCommand,
     MlaCacheInfoCommand,
 )
+from kvskill.implementer.mla.indexer import IndexerCommand
 from kvskill.implementer.model_class import CacheInfoCommand
 from kvskill.implementer.short_conv import ShortConvCommand
 from kvskill.implementer.standalone_legacy_codemods import (
@@ -127,6 +128,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR024", StandaloneLegacyAttentionCommand, _paths(STANDALONE_LEGACY)),
     Rewrite("KVR025", StandaloneLegacyModelCommand, _paths(STANDALONE_LEGACY)),
     Rewrite("KVR026", StandaloneLegacyMlaAttentionCommand, _paths(STANDALONE_LEGACY)),
+    Rewrite("KVR027", IndexerCommand, _paths(MLA)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )

@@ -44,6 +44,7 @@ from kvskill.analyzer.gather import (
     super_call,
 )
 from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.delegated_caches import delegated_entries
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 
@@ -114,6 +115,8 @@ class _Paths:
     #: what a ``super().forward(...)`` call surely does: the base forward's state at every
     #: exit (transformers 4's ``XSdpaAttention`` falls back to the eager base that way)
     super_forward: PathState | None = None
+    #: {submodule attribute: entries a ``self.<sub>(...)`` call writes and reads}
+    delegates: Mapping[str, frozenset[str]] = field(default_factory=dict)
     #: (the return statement, or None for the end of the function; the state there)
     exits: list[tuple[cst.CSTNode | None, PathState]] = field(default_factory=list)
     #: per enclosing loop, the states at its ``break`` / ``continue`` statements
@@ -133,6 +136,11 @@ class _Paths:
             if self.super_forward is not None and m.matches(call, super_call("forward")):
                 done = self.super_forward
                 state = PathState(written=state.written | done.written, read=state.read | done.read)
+                continue
+            delegated = self.delegates.get(_self_submodule(call), frozenset())
+            if delegated:
+                # the submodule writes and then reads these entries (delegated_caches.py)
+                state = PathState(written=state.written | delegated, read=state.read | delegated)
                 continue
             access = call_access(call, self.refs, self.helper_writes)
             written = state.written | access.writes
@@ -228,6 +236,14 @@ _ADOPT_PRODUCER_CACHE = m.Assign(
 )
 
 
+def _self_submodule(call: cst.Call) -> str:
+    """``sub`` of a call ``self.sub(...)``, else ""."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and m.matches(func.value, m.Name("self")):
+        return func.attr.value
+    return ""
+
+
 def _caches_adopted_from_producer(small: cst.BaseSmallStatement) -> frozenset[str]:
     """Entries a cross-layer KV sharing layer takes from its producer (``self.k_cache =
     self.kv_source.k_cache``): written, by the producer, earlier in the same step."""
@@ -262,11 +278,13 @@ def _analyse(
     helper_writes: Mapping[str, frozenset[str]],
     super_forward: PathState | None = None,
     readers: Mapping[str, frozenset[str]] | None = None,
+    delegates: Mapping[str, frozenset[str]] | None = None,
 ) -> list[tuple[cst.CSTNode | None, PathState]]:
     paths = _Paths(
         refs=entry_refs(func, entries, readers),
         helper_writes=helper_writes,
         super_forward=super_forward,
+        delegates=delegates or {},
     )
     paths.run(func)
     return paths.exits
@@ -315,6 +333,12 @@ class Gap:
     missing_reads: frozenset[str]
 
 
+def _writes_and_reads(func: cst.FunctionDef, attr: str) -> bool:
+    """Whether every exit of FUNC has written ``self.<attr>`` and read it after the write."""
+    exits = _analyse(func, frozenset({attr}), {})
+    return bool(exits) and all(attr in s.written and attr in s.read for _, s in exits)
+
+
 def forward_gaps(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list[Gap]:
     """The exits of CLS's forward at which a declared entry is not written, or not read
     with the fused attention after its write."""
@@ -323,8 +347,9 @@ def forward_gaps(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list
     writes = helper_must_writes(class_methods(cls, classes), entries)
     readers = reader_methods(cls, entries, classes)
     base_state = _base_forward_state(bases, entries, writes, readers)
+    delegates = delegated_entries(cls, classes, _writes_and_reads)
     gaps = []
-    for node, state in _analyse(forward, entries, writes, base_state, readers):
+    for node, state in _analyse(forward, entries, writes, base_state, readers, delegates):
         missing_writes = entries - state.written
         # an entry never written is reported as such, not also as unread
         missing_reads = entries - state.read - missing_writes

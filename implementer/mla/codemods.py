@@ -43,7 +43,12 @@ class MlaCommand(ClassRewriteCommand):
         return True
 
     def facts(self, cls: cst.ClassDef) -> MlaAttentionFacts:
-        facts = mla_attention_facts(cls, self.classes, self.spec.cache_write is CacheWrite.FUSED)
+        facts = mla_attention_facts(
+            cls,
+            self.classes,
+            self.spec.cache_write is CacheWrite.FUSED,
+            indexed=self.spec.indexer is not None,
+        )
         assert not facts.problems, "the pipeline validates attention facts first"
         return facts
 
@@ -69,8 +74,15 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
             "attn_tp_size": self.spec.attn_tp_size,
             "kv_b_proj": facts.kv_b_proj,
             "scatter": self.spec.cache_write is CacheWrite.SCATTER,
+            "indexer_attr": "",
+            "indexer_key_cache": "",
         }
         entries = [("nope_cache", f"{cfg}.kv_lora_rank"), ("rope_cache", f"{cfg}.qk_rope_head_dim")]
+        indexer = self.spec.indexer
+        if indexer is not None:
+            entries.append((indexer.key_cache, f"{cfg}.index_head_dim"))
+            values["indexer_attr"] = facts.indexer.attr if facts.indexer else ""
+            values["indexer_key_cache"] = indexer.key_cache
         init_stmts = statements("mla_init.py.j2", config, entries=entries, **values)
         body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
         return with_body(updated, [*body, *methods("mla_methods.py.j2", config, **values)])
@@ -177,7 +189,14 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "prefill_kwargs": prefill_fa_kwargs(self.spec, seam),
             "decode_kwargs": decode_fa_kwargs(self.spec, seam),
         }
-        new = statements("mla_seam.py.j2", self.parser_config(), **values)
+        if facts.indexer is not None:
+            values["topk"] = facts.indexer.target
+            values["scale"] = _scale(seam)
+            new = statements("mla_dsa_seam.py.j2", self.parser_config(), **values)
+            # the indexer runs after the latent write, as in the source, on the same step
+            new.insert(_after_write(new), facts.indexer.statement)
+        else:
+            new = statements("mla_seam.py.j2", self.parser_config(), **values)
         if facts.query_in_seam:
             # the query is built inside the seam: keep the statements that define it
             new = [*_defining(inside, seam.query), *new]
@@ -191,6 +210,12 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         converted, sized = cover_positions(forward.with_changes(body=block.with_changes(body=body)))
         self.sized_rotary = self.sized_rotary or sized
         return converted
+
+
+def _after_write(stmts: list[cst.BaseStatement]) -> int:
+    """Index right after the DSA seam's latent write (the statement that names rope_cache)."""
+    writes = [i for i, s in enumerate(stmts) if m.findall(s, m.Name("rope_cache"))]
+    return writes[0] + 1
 
 
 def _drop_latent_norm(

@@ -32,6 +32,7 @@ from kvskill.implementer.facts import (
     init_owner,
     seam_forward,
 )
+from kvskill.implementer.mla.indexer import IndexerCallFacts, indexer_call
 
 LATENT_RANK = "kv_lora_rank"
 ROPE_DIM_KEY = "qk_rope_head_dim"
@@ -82,6 +83,8 @@ class MlaAttentionFacts:
     #: the rotated rope key; None when the source's cache write takes the latent itself
     decompressed: DecompressedFacts | None = None
     fused: FusedWriteFacts | None = None
+    #: the DSA indexer's call in the seam (indexed sparse attention), None without one
+    indexer: IndexerCallFacts | None = None
     problems: list[str] = field(default_factory=list)
 
 
@@ -116,7 +119,7 @@ def _positional(call: cst.Call, index: int) -> str:
 
 
 def mla_attention_facts(
-    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], fused: bool
+    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], fused: bool, indexed: bool = False
 ) -> MlaAttentionFacts:
     """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite.
 
@@ -158,7 +161,37 @@ def mla_attention_facts(
         facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
         facts.fused = _fused_facts(facts, forward, modules, classes)
+    _indexer_facts(facts, forward, modules, classes, indexed)
     return facts
+
+
+def _indexer_facts(
+    facts: MlaAttentionFacts,
+    forward: cst.FunctionDef,
+    modules: dict[str, cst.Call],
+    classes: dict[str, cst.ClassDef],
+    indexed: bool,
+) -> None:
+    """The indexer call the DSA seam keeps; a dense rewrite must not drop one."""
+    seam = facts.seam
+    assert seam is not None
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    found = indexer_call(body[seam.update_index : seam.kernel_index], modules, classes, forward)
+    where = f"{facts.name}.forward"
+    if isinstance(found, str):
+        facts.problems.append(f"{where}: {found}")
+    elif found is None and indexed:
+        facts.problems.append(
+            f"{where}: the Plan has a DSA indexer but the attention calls none between its "
+            "cache write and its kernel"
+        )
+    elif found is not None and not indexed:
+        facts.problems.append(
+            f"{where}: `self.{found.attr}(...)` selects the attended keys (a top-k indexer) "
+            "but the Plan has no indexer; a dense rewrite would attend to every key"
+        )
+    else:
+        facts.indexer = found
 
 
 def _decompressed_facts(

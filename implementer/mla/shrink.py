@@ -20,6 +20,13 @@ LATENT_RANK = min(MLA_QUERY_DIMS)
 NOPE_HEAD_DIM = 16
 V_HEAD_DIM = 24
 Q_LORA_RANK = 32
+#: the DSA indexer of a shrunk twin: heads, and positions kept per query. A position scores
+#: exactly 0 when relu zeroes it in every head (probability 2^-heads with random weights), and
+#: the top-k breaks such ties by an order the operator and torch.topk need not share; with 16
+#: heads a tie at the top-k boundary is out of reach of the verify prompts (4 heads made one in
+#: three short rows).
+INDEX_N_HEADS = 16
+INDEX_TOPK = 24
 
 
 def is_mla_config(config: dict[str, Any]) -> bool:
@@ -57,6 +64,11 @@ def shrink_mla(
             new["qk_head_dim"] = NOPE_HEAD_DIM + rope
     if config.get("q_lora_rank"):
         new["q_lora_rank"] = Q_LORA_RANK
+    if isinstance(config.get("index_topk"), int):
+        # the sparse attention takes the 512 latent only, the indexer a 128 key head only
+        new["kv_lora_rank"] = config["kv_lora_rank"]
+        new["index_n_heads"] = min(INDEX_N_HEADS, int(config.get("index_n_heads") or 1))
+        new["index_topk"] = min(INDEX_TOPK, config["index_topk"])
     dense = config.get("first_k_dense_replace")
     if isinstance(dense, int):
         new["first_k_dense_replace"] = min(dense, 1)

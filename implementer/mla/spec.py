@@ -44,6 +44,16 @@ def check_mla_block_size(block_size: int | None) -> None:
 
 #: the sparse modes the MLA path emits: causal prefill (un-absorbed), dense absorbed decode
 MLA_SPARSE_MODE = {"prefill": 3, "decode": 0}
+#: with a DSA indexer both steps run the sparse attention, causal (bottom-right) in both
+DSA_SPARSE_MODE = {"prefill": 3, "decode": 3}
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexerSpec:
+    """The DSA indexer the codemods page: its key cache entry and its top-k."""
+
+    key_cache: str
+    topk: int
 
 
 #: how the latent reaches the caches: the Plan's ``mla_cache_write`` (one enum for both)
@@ -66,6 +76,8 @@ class MlaSpec:
     has_state_layers: bool = False
     #: {state name: dtype name} of the recurrent states the Plan pins (ConversionSpec's)
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
+    #: the DSA indexer (indexed sparse attention), None for dense MLA
+    indexer: IndexerSpec | None = None
 
     @classmethod
     def from_plan(
@@ -88,6 +100,11 @@ class MlaSpec:
             block_size=block_size or plan.block_size,
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
             pinned_state_dtypes=pinned_state_dtypes(plan),
+            indexer=(
+                IndexerSpec(key_cache=plan.indexer.key_cache, topk=plan.indexer.topk)
+                if plan.indexer is not None
+                else None
+            ),
         )
 
 
@@ -118,7 +135,19 @@ def _check_supported(plan: Plan) -> None:
         )
     modes = plan.sparse_mode.get(AttnType.FULL_ATTENTION.value)
     found = {"prefill": modes.prefill, "decode": modes.decode} if modes else {}
-    if found != MLA_SPARSE_MODE:
+    if plan.indexer is not None:
+        if found != DSA_SPARSE_MODE:
+            reasons.append(
+                f"sparse_mode {found}; the DSA sparse attention needs 3 (causal) in prefill "
+                "and decode"
+            )
+        if not npu_limits.sparse_count_allowed(plan.indexer.topk):
+            reasons.append(
+                f"index_topk {plan.indexer.topk}; npu_lightning_indexer keeps 1.."
+                f"{npu_limits.SPARSE_COUNT_MAX_RANGE} or one of "
+                f"{list(npu_limits.SPARSE_COUNT_EXTRA)} positions (sparse_count)"
+            )
+    elif found != MLA_SPARSE_MODE:
         reasons.append(
             f"sparse_mode {found}; absorbed MLA needs prefill 3 (causal, 2048 mask) and "
             "decode 0 (no mask)"

@@ -13,15 +13,17 @@ targets). Checks marked with ``NPU_ONLY`` run only when the NPU profile enforces
 from __future__ import annotations
 
 import torch
+from kvskill.core.npu_limits import (
+    SPARSE_COUNT_EXTRA,
+    SPARSE_COUNT_MAX_RANGE,
+    sparse_count_allowed,
+)
 from torch import Tensor
 
 from ._checks import OpInputError, describe
 from .npu_limits import NPU_ONLY, require_npu_dtype
 from .npu_profile import current_profile
 
-#: wheel doc, sparse_count: "支持1-2048以及3072、4096、5120、6144、7168、8192"
-SPARSE_COUNT_MAX_RANGE = 2048
-SPARSE_COUNT_EXTRA = (3072, 4096, 5120, 6144, 7168, 8192)
 #: wheel doc, sparse_mode: "支持0/3" (both operators)
 SPARSE_MODES = (0, 3)
 #: schema default of pre_tokens / next_tokens; kernel docs: "仅支持默认值2^63-1"
@@ -61,7 +63,7 @@ def check_common(op: str, *, sparse_mode: int, pre_tokens: int, next_tokens: int
 
 
 def check_sparse_count(op: str, sparse_count: int) -> None:
-    if not (1 <= sparse_count <= SPARSE_COUNT_MAX_RANGE or sparse_count in SPARSE_COUNT_EXTRA):
+    if not sparse_count_allowed(sparse_count):
         raise OpInputError(
             f"{op}: sparse_count must be in 1..{SPARSE_COUNT_MAX_RANGE} or one of "
             f"{list(SPARSE_COUNT_EXTRA)}, got {sparse_count}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.indexer import plannable_indexer
 from kvskill.core import npu_limits as lim
 
 _DOC = "torch_npu 2.13.0 FA docs, 约束说明"
@@ -46,6 +47,9 @@ def add_operator_limits(
     heads = max(spec.num_heads // attn_tp_size, 1)
     if heads > lim.MAX_HEADS:
         _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
+    if attention == "mla" and plannable_indexer(spec):
+        _dsa(spec, book, heads, block_size)
+        return
     if attention == "mla":
         _mla(spec, book, fa_version, heads, block_size, keeps_absorbed_prefill)
         return
@@ -77,6 +81,43 @@ def add_operator_limits(
             f"{_ON_NPU} for every prompt (› 当Q_S大于1时: D轴需16对齐)",
         )
     _paged_block_size(book, block_size)
+
+
+def _dsa(spec: ModelSpec, book: Notebook, heads: int, block_size: int) -> None:
+    """The DSA pair's limits (kernel docs, 约束说明, Atlas A2/A3): the sparse attention over the
+    absorbed 512 latent, the indexer over its 128-wide keys."""
+    mla = spec.mla or {}
+    indexer = spec.indexer or {}
+    rope = int(mla.get("qk_rope_head_dim") or 0)
+    rank = int(mla.get("kv_lora_rank") or 0)
+    if rope != lim.MLA_ROPE_DIM or rank != lim.SFA_LATENT_DIM:
+        _block(
+            book,
+            f"DSA latent {rank} with rope {rope}: npu_sparse_flash_attention takes the "
+            f"{lim.SFA_LATENT_DIM} latent with rope {lim.MLA_ROPE_DIM} only (› Q_D和key、value的"
+            "KV_D值相等为512, Dr值相等为64)",
+        )
+    if heads not in lim.SFA_QUERY_HEADS:
+        _warn(
+            book,
+            f"DSA attention with {heads} query heads per rank: {_ON_NPU}; "
+            f"npu_sparse_flash_attention takes {lim.SFA_QUERY_HEADS} (› Q_N支持1/2/4/8/16/32/64/128)",
+        )
+    index_heads, index_dim = int(indexer.get("n_heads") or 0), int(indexer.get("head_dim") or 0)
+    if index_dim != lim.INDEXER_HEAD_DIM or index_heads > lim.INDEXER_MAX_QUERY_HEADS:
+        _block(
+            book,
+            f"DSA indexer with {index_heads} heads of {index_dim}: npu_lightning_indexer takes "
+            f"head dim {lim.INDEXER_HEAD_DIM} and at most {lim.INDEXER_MAX_QUERY_HEADS} query "
+            "heads (› headdim支持128, query Q_N支持小于等于64)",
+        )
+    if block_size % lim.SPARSE_BLOCK_MULTIPLE or block_size > lim.SPARSE_MAX_BLOCK_SIZE:
+        _warn(
+            book,
+            f"block_size {block_size}: {_ON_NPU}; the DSA operators page in multiples of "
+            f"{lim.SPARSE_BLOCK_MULTIPLE} up to {lim.SPARSE_MAX_BLOCK_SIZE} (› block_size取值为16的"
+            "倍数，最大支持1024)",
+        )
 
 
 def _mla(

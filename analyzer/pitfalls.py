@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
+from kvskill.analyzer.indexer import plannable_indexer
 from kvskill.analyzer.rules import TND_HEAD_DIMS
 from kvskill.core.attn_types import AttnType
 
@@ -34,50 +35,19 @@ def add_pitfalls(
             "blocker is gone"
         )
         return
-    warn(
-        "atten_mask must be the bool [2048, 2048] tile (True = masked, triu(diagonal=1)); "
-        "float masks or other shapes are rejected by the operator"
-    )
-    if fa_version == "v1":
-        warn(
-            "FA v1 keywords: scale=, num_heads=, actual_seq_lengths=, actual_seq_lengths_kv=; "
-            "a v2 name (softmax_scale=) leaves the scale at its default 1.0"
-        )
+    dsa = attention == "mla" and plannable_indexer(spec)
+    if dsa:
+        _dsa_pitfalls(warn)
     else:
-        warn(
-            "FA v2 keywords: softmax_scale=, num_query_heads=, actual_seq_qlen=, "
-            "actual_seq_kvlen=; a v1 name (scale=) leaves the scale at its default 1.0"
-        )
+        _fused_attention_pitfalls(warn, fa_version)
     full_like = [t for t in attn_types if t != AttnType.MAMBA.value]
     if attention != "mla" and AttnType.FULL_ATTENTION.value in full_like:
         warn(
             "full attention needs sparse_mode=3 with the causal mask in prefill and decode; "
             "sparse_mode=0 without a mask removes causal masking (garbled prefill, no error)"
         )
-    if attention == "mla":
-        warn(
-            "MLA absorb decode must use sparse_mode=0 with atten_mask=None; sparse_mode=3 "
-            "there gives large deviations"
-        )
-        warn(
-            "MLA absorb: the FA call's num_key_value_heads=1 must equal cache_entries "
-            "num_head=1, and the model class must set is_mla_backend=True"
-        )
-        # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9);
-        # the operator limits the MLA dims hit are in op_limits
-        if keeps_absorbed_prefill:
-            warn(
-                "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
-                "per request; the standalone Legacy MLA conversion keeps the model's own "
-                "absorbed call for prefill, so with kv_lora_rank 512 prompts longer than 16 "
-                "tokens are outside the device's limits (none documented for a 128-wide one)"
-            )
-        else:
-            warn(
-                "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
-                "per request, so decode runs absorbed and prefill un-absorbed (the cached "
-                "latent decompressed by kv_b_proj, TND without page attention)"
-            )
+    if attention == "mla" and not dsa:
+        _mla_pitfalls(warn, keeps_absorbed_prefill)
     if AttnType.SLIDING_WINDOW.value in attn_types:
         warn(
             "sliding-window layers keep sparse_mode=4 with pre_tokens=W-1, next_tokens=0 in "
@@ -129,3 +99,64 @@ def add_pitfalls(
         )
     if not spec.dtype_known:
         warn(f"config names no dtype; cache dtype {spec.dtype} assumed")
+
+
+def _dsa_pitfalls(warn) -> None:
+    """The indexed sparse attention's rows (lint KV015-KV019 check the code for them)."""
+    warn(
+        "DSA: npu_lightning_indexer and npu_sparse_flash_attention take no atten_mask (causal "
+        "through sparse_mode=3, prefill and decode); their lengths are int32 tensors, cumulative "
+        "for the TND query, per request for the paged keys"
+    )
+    warn(
+        "DSA: with block_table both read the paged caches as layout 'PA_BSND' (ND rows, "
+        "[blocks, block_size, 1, dim]): the latent is written with cache_mode 'PA_BNSD', not "
+        "NZ; the indexer's keys are the layer's third cache entry, paged with the latent"
+    )
+    warn(
+        "DSA: the indexer's relu(q . k) scores are not scaled by the operator; the model's "
+        "softmax scale (and 1/sqrt(heads)) go into its weights; sparse_count = index_topk"
+    )
+
+
+def _fused_attention_pitfalls(warn, fa_version: str) -> None:
+    warn(
+        "atten_mask must be the bool [2048, 2048] tile (True = masked, triu(diagonal=1)); "
+        "float masks or other shapes are rejected by the operator"
+    )
+    if fa_version == "v1":
+        warn(
+            "FA v1 keywords: scale=, num_heads=, actual_seq_lengths=, actual_seq_lengths_kv=; "
+            "a v2 name (softmax_scale=) leaves the scale at its default 1.0"
+        )
+    else:
+        warn(
+            "FA v2 keywords: softmax_scale=, num_query_heads=, actual_seq_qlen=, "
+            "actual_seq_kvlen=; a v1 name (scale=) leaves the scale at its default 1.0"
+        )
+
+
+def _mla_pitfalls(warn, keeps_absorbed_prefill: bool) -> None:
+    warn(
+        "MLA absorb decode must use sparse_mode=0 with atten_mask=None; sparse_mode=3 "
+        "there gives large deviations"
+    )
+    warn(
+        "MLA absorb: the FA call's num_key_value_heads=1 must equal cache_entries "
+        "num_head=1, and the model class must set is_mla_backend=True"
+    )
+    # torch_npu 2.13.0 docs, FA 约束说明 › 当query的d等于512时 (references/npu_ops.md §9);
+    # the operator limits the MLA dims hit are in op_limits
+    if keeps_absorbed_prefill:
+        warn(
+            "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
+            "per request; the standalone Legacy MLA conversion keeps the model's own "
+            "absorbed call for prefill, so with kv_lora_rank 512 prompts longer than 16 "
+            "tokens are outside the device's limits (none documented for a 128-wide one)"
+        )
+    else:
+        warn(
+            "MLA on the NPU: the 512-wide latent (absorbed) query takes 1..16 query tokens "
+            "per request, so decode runs absorbed and prefill un-absorbed (the cached "
+            "latent decompressed by kv_b_proj, TND without page attention)"
+        )

@@ -60,3 +60,15 @@ SPARSE_COUNT_EXTRA = (3072, 4096, 5120, 6144, 7168, 8192)
 def sparse_count_allowed(count: int) -> bool:
     """Whether the lightning indexer keeps COUNT positions per query (its ``sparse_count``)."""
     return 1 <= count <= SPARSE_COUNT_MAX_RANGE or count in SPARSE_COUNT_EXTRA
+
+
+#: kernel docs of the pair (hicann/ops-transformer, 约束说明, Atlas A2/A3): the indexer's key
+#: head dim "headdim支持128" with "query Q_N支持小于等于64"; the sparse attention's latent
+#: "Q_D和key、value的KV_D值相等为512", rope "Dr值相等为64", "Q_N支持1/2/4/8/16/32/64/128"; both
+#: page blocks "block_size取值为16的倍数，最大支持1024"
+INDEXER_HEAD_DIM = 128
+INDEXER_MAX_QUERY_HEADS = 64
+SFA_LATENT_DIM = 512
+SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+SPARSE_BLOCK_MULTIPLE = 16
+SPARSE_MAX_BLOCK_SIZE = 1024

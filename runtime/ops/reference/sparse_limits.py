@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import torch
 from kvskill.core.npu_limits import (
+    INDEXER_HEAD_DIM,
+    INDEXER_MAX_QUERY_HEADS,
+    SFA_QUERY_HEADS,
     SPARSE_COUNT_EXTRA,
     SPARSE_COUNT_MAX_RANGE,
     sparse_count_allowed,
 )
+from kvskill.core.npu_limits import SFA_LATENT_DIM as LATENT_DIM
+from kvskill.core.npu_limits import SPARSE_BLOCK_MULTIPLE as BLOCK_MULTIPLE
+from kvskill.core.npu_limits import SPARSE_MAX_BLOCK_SIZE as MAX_BLOCK_SIZE
 from torch import Tensor
 
 from ._checks import OpInputError, describe
@@ -30,17 +36,8 @@ SPARSE_MODES = (0, 3)
 UNBOUNDED_TOKENS = 9223372036854775807
 #: kernel docs: "K_N仅支持1" / "KV_N仅支持1"
 KEY_HEADS = 1
-#: indexer kernel doc: "headdim支持128"; A2/A3 "query Q_N支持小于等于64"
-INDEXER_HEAD_DIM = 128
-INDEXER_MAX_QUERY_HEADS = 64
-#: attention kernel doc: "Q_D和key、value的KV_D值相等为512, ... Dr值相等为64";
-#: A2/A3 "Q_N支持1/2/4/8/16/32/64/128"
-LATENT_DIM = 512
+#: attention kernel doc: "... Dr值相等为64" (the latent, query heads and block sizes: core)
 ROPE_DIM = 64
-SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
-#: both kernel docs: "block_size取值为16的倍数，最大支持1024"
-BLOCK_MULTIPLE = 16
-MAX_BLOCK_SIZE = 1024
 #: attention kernel doc, A2/A3: "sparse_block_size支持[1,128]，且要求是2的幂次方"
 MAX_SPARSE_BLOCK = 128
 #: attention kernel doc: "attention_mode ... 仅支持传入2，表示MLA-absorb模式"

@@ -85,6 +85,17 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("cache entries", " | ".join(_entries_line(plan))),
         ("KV bytes/token", f"{plan.kv_bytes_per_token} ({_human_bytes(plan.kv_bytes_per_token)})"),
     ]
+    if plan.indexer is not None:
+        index = plan.indexer
+        rows.insert(
+            rows.index(("softmax scale", f"{plan.softmax_scale:.8g}")) + 1,
+            (
+                "DSA indexer",
+                f"{index.n_heads} heads x {index.head_dim}, top-{index.topk}; "
+                f"{index.key_cache} {index.key_cache_bytes_per_token} B/token/layer; "
+                f"{' + '.join(index.operators)}",
+            ),
+        )
     memory = plan.memory
     if "kv_memory_bytes" in memory:
         tokens = memory.get("max_tokens")

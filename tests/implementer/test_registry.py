@@ -91,8 +91,10 @@ RUNS_BEFORE = {"KVR022": "KVR021"}
 #: rewrites the before files give nothing to do; the goldens (tests/goldens) freeze what they
 #: do on real files: gated delta nets (qwen3_next, kimi_linear), the MLA files' relative
 #: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper;
-#: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py)
+#: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py); DSA indexers
+#: (the MLA toy has none: tests/implementer/test_dsa.py converts deepseek_v32's)
 NO_WORK_IN_FIXTURE = {
+    ("KVR027", "mla"),
     ("KVR012", "framework_legacy"),
     ("KVR012", "standalone_legacy"),
     ("KVR008", "paged"),

@@ -40,6 +40,48 @@ def _human_bytes(value: int | None) -> str:
     return str(value)
 
 
+def memory_line(memory: dict) -> str:
+    """The budget's block counts as ``kvskill run`` allocates them, and what it pays for."""
+    by_group = memory.get("num_blocks_by_group", {})
+    reserved = memory.get("reserved_groups", [])
+    block_size = memory["block_size"]
+    growing = [f"{key} {n:,} blocks" for key, n in by_group.items() if key not in reserved]
+    if "legacy_row_tokens" in memory:
+        growing = [
+            f"{g} = {memory['max_requests']:,} request rows of {memory['legacy_row_tokens']:,} "
+            "tokens + the null block"
+            for g in growing
+        ]
+    tokens = memory.get("max_tokens")
+    line = (
+        f"{_human_bytes(memory['kv_memory_bytes'])} for KV at {memory['dtype']}, block_size "
+        f"{block_size}, {memory.get('layout', 'contiguous')} layout: "
+        + (", ".join(growing) or "no growing group")
+        + " (block 0 of each pool is the null block), max tokens "
+        + (f"{tokens:,}" if tokens is not None else "unbounded (window/state only)")
+    )
+    seqs = memory.get("max_num_seqs")
+    paid = [_reserved_words(memory, key, by_group[key], seqs) for key in reserved]
+    if paid:
+        line += f"; paid first: {'; '.join(paid)}"
+    if not memory.get("budget_fits", True):
+        line += " -- the budget does not cover that: run refuses it"
+    if seqs is not None:
+        line += (
+            f"; sized with run's defaults max_num_seqs {seqs}, max_num_batched_tokens "
+            f"{memory['max_num_batched_tokens']}"
+        )
+    flag = "" if memory["dtype"] == "float32" else f" --dtype {memory['dtype']}"
+    return line + f"; `kvskill run{flag}` with this --kv-memory allocates these"
+
+
+def _reserved_words(memory: dict, key: str, num_blocks: int, max_num_seqs: int) -> str:
+    """``Mamba 129 blocks (128 requests x 1 state row + the null block)``."""
+    rows = (num_blocks - 1) // max(max_num_seqs, 1)
+    what = "state row" if key == "Mamba" else "window blocks"
+    return f"{key} {num_blocks:,} blocks ({max_num_seqs} requests x {rows} {what} + the null block)"
+
+
 def _layers_line(plan: Plan) -> str:
     counts: dict[str, int] = {}
     for layer in plan.layers:
@@ -85,17 +127,8 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("cache entries", " | ".join(_entries_line(plan))),
         ("KV bytes/token", f"{plan.kv_bytes_per_token} ({_human_bytes(plan.kv_bytes_per_token)})"),
     ]
-    memory = plan.memory
-    if "kv_memory_bytes" in memory:
-        tokens = memory.get("max_tokens")
-        rows.append(
-            (
-                "memory",
-                f"{_human_bytes(memory['kv_memory_bytes'])} for KV, block_size "
-                f"{memory['block_size']}: {memory['num_blocks']} blocks, max tokens "
-                f"{tokens if tokens is not None else 'unbounded (window/state only)'}",
-            )
-        )
+    if "kv_memory_bytes" in plan.memory:
+        rows.append(("memory", memory_line(plan.memory)))
     return rows
 
 

@@ -41,27 +41,30 @@ def _human_bytes(value: int | None) -> str:
 
 
 def memory_line(memory: dict) -> str:
-    """The budget's block counts as ``kvskill run`` allocates them, and what it pays for."""
+    """The budget's block counts as ``kvskill run`` allocates them, and what it pays for.
+
+    Counts are usable blocks, as run's ``KV <group> blocks`` lines show them; each pool also
+    holds the null block (the plan's ``num_blocks_by_group`` counts it, as ``--num-blocks``
+    does).
+    """
     by_group = memory.get("num_blocks_by_group", {})
     reserved = memory.get("reserved_groups", [])
-    block_size = memory["block_size"]
-    growing = [f"{key} {n:,} blocks" for key, n in by_group.items() if key not in reserved]
-    if "legacy_row_tokens" in memory:
-        growing = [
-            f"{g} = {memory['max_requests']:,} request rows of {memory['legacy_row_tokens']:,} "
-            "tokens + the null block"
-            for g in growing
-        ]
+    unit = " request rows" if "legacy_row_tokens" in memory else " blocks"
+    growing = [
+        f"{key} {_usable(n):,}{unit} + the null block"
+        for key, n in by_group.items()
+        if key not in reserved
+    ]
     tokens = memory.get("max_tokens")
     line = (
         f"{_human_bytes(memory['kv_memory_bytes'])} for KV at {memory['dtype']}, block_size "
-        f"{block_size}, {memory.get('layout', 'contiguous')} layout: "
+        f"{memory['block_size']}, {memory.get('layout', 'contiguous')} layout: "
         + (", ".join(growing) or "no growing group")
-        + " (block 0 of each pool is the null block), max tokens "
+        + ", max tokens "
         + (f"{tokens:,}" if tokens is not None else "unbounded (window/state only)")
     )
     seqs = memory.get("max_num_seqs")
-    paid = [_reserved_words(memory, key, by_group[key], seqs) for key in reserved]
+    paid = [_reserved_words(key, by_group[key], seqs) for key in reserved]
     if paid:
         line += f"; paid first: {'; '.join(paid)}"
     if not memory.get("budget_fits", True):
@@ -75,11 +78,19 @@ def memory_line(memory: dict) -> str:
     return line + f"; `kvskill run{flag}` with this --kv-memory allocates these"
 
 
-def _reserved_words(memory: dict, key: str, num_blocks: int, max_num_seqs: int) -> str:
-    """``Mamba 129 blocks (128 requests x 1 state row + the null block)``."""
-    rows = (num_blocks - 1) // max(max_num_seqs, 1)
+def _reserved_words(key: str, num_blocks: int, max_num_seqs: int) -> str:
+    """``Mamba 128 blocks + the null block (128 requests x 1 state row)``."""
+    per_request = _usable(num_blocks) // max(max_num_seqs, 1)
     what = "state row" if key == "Mamba" else "window blocks"
-    return f"{key} {num_blocks:,} blocks ({max_num_seqs} requests x {rows} {what} + the null block)"
+    return (
+        f"{key} {_usable(num_blocks):,} blocks + the null block ({max_num_seqs} requests x "
+        f"{per_request} {what})"
+    )
+
+
+def _usable(num_blocks: int) -> int:
+    """Blocks a pool hands out: all but block 0, the null block (what run reports)."""
+    return max(num_blocks - 1, 0)
 
 
 def _layers_line(plan: Plan) -> str:

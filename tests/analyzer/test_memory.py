@@ -58,7 +58,7 @@ def test_a_budget_below_the_reserved_pools_is_reported_as_refused():
     assert not plan.memory["budget_fits"] and plan.memory["max_tokens"] == 0
     assert any("smaller than the window and state pools" in w for w in plan.warnings)
     line = dict(summary_rows(plan))["memory"]
-    assert "SlidingWindow 17,537 blocks (128 requests x 137 window blocks + the null block)" in line
+    assert "SlidingWindow 17,536 blocks + the null block (128 requests x 137 window blocks)" in line
     assert "run refuses it" in line
 
 
@@ -71,8 +71,9 @@ def test_report_line_names_what_the_budget_pays_first():
     mamba_pool = 128 * 1 + 1
     full_pool = ((256 << 20) - mamba_pool * 3_584) // 16_384
     assert plan.memory["num_blocks_by_group"] == {"FullAttention": full_pool, "Mamba": mamba_pool}
-    assert f"FullAttention {full_pool:,} blocks (block 0 of each pool is the null block)" in line
-    assert "paid first: Mamba 129 blocks (128 requests x 1 state row + the null block)" in line
+    # usable blocks, as run's "KV <group> blocks" lines count them, and the null block
+    assert f"FullAttention {full_pool - 1:,} blocks + the null block, max tokens" in line
+    assert "paid first: Mamba 128 blocks + the null block (128 requests x 1 state row)" in line
     assert "run's defaults max_num_seqs 128, max_num_batched_tokens 2048" in line
     assert "`kvskill run --dtype bfloat16` with this --kv-memory allocates these" in line
 

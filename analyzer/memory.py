@@ -15,6 +15,14 @@ from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import dtype_bytes as element_bytes
 from kvskill.core.cache_bytes import entry_bytes
+from kvskill.core.kv_blocks import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    NULL_BLOCKS_PER_POOL,
+    GroupBlockCost,
+    split_kv_budget,
+    window_blocks_per_request,
+)
 
 GIB = 1 << 30
 #: fraction of device memory usable by weights + KV (activations and workspace take the rest)
@@ -118,29 +126,89 @@ def plan_memory(
     budget, budget_source = _budget(spec, config, kv_memory_bytes, hbm_gb, plan)
     if budget is None:
         return plan
-    if legacy_row_tokens:
-        plan["kv_memory_bytes"] = budget
-        plan["kv_memory_source"] = budget_source
-        plan["max_requests"] = budget // max(plan["legacy_bytes_per_request"], 1)
-        return plan
     plan["kv_memory_bytes"] = budget
     plan["kv_memory_source"] = budget_source
-    growing = sum(v for k, v in per_token.items() if k != AttnType.SLIDING_WINDOW.value)
+    if legacy_row_tokens:
+        # one block of the Legacy pool is one request's row
+        costs = [
+            GroupBlockCost(
+                key=AttnType.LEGACY.value,
+                bytes_per_block=plan["legacy_bytes_per_request"],
+                max_blocks_per_request=None,
+            )
+        ]
+    else:
+        costs = _group_costs(per_token, state, window or None, block_size)
+    plan.update(_blocks_for_budget(costs, budget, legacy_row_tokens or block_size))
+    if legacy_row_tokens:
+        plan["max_requests"] = max(plan["num_blocks"] - NULL_BLOCKS_PER_POOL, 0)
+        return plan
     fixed_per_request = plan["sliding_bytes_per_request"] + state
     all_per_token = sum(per_token.values())
-    # NOTE: one request in flight; each further request costs fixed_per_request more.
-    available = budget - fixed_per_request
-    if growing:
-        plan["max_tokens"] = max(available // growing, 0)
-        plan["num_blocks"] = max(available // (growing * block_size), 0)
-    else:
-        plan["max_tokens"] = None  # window/state only: memory bounds requests, not length
-        plan["num_blocks"] = sliding_blocks
     if fixed_per_request:
         plan["max_requests_short"] = budget // fixed_per_request
     if all_per_token:
         plan["max_tokens_without_window_bound"] = budget // all_per_token
     return plan
+
+
+def _group_costs(
+    per_token: dict[str, int], state: int, window: int | None, block_size: int
+) -> list[GroupBlockCost]:
+    """The cache groups ``kvskill run`` builds for this model (contiguous layout), priced.
+
+    A window group holds what one step of ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` new tokens can
+    add to its window, as the runtime's sliding-window manager reserves; a state group one
+    row per request.
+    """
+    costs = []
+    for attn_type, bytes_per_token in per_token.items():
+        if not bytes_per_token:
+            continue  # every layer of the type reads another's cache: no group of its own
+        bound = None
+        if attn_type == AttnType.SLIDING_WINDOW.value:
+            bound = window_blocks_per_request(
+                sliding_window=window,
+                block_size=block_size,
+                max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            )
+        costs.append(
+            GroupBlockCost(
+                key=attn_type,
+                bytes_per_block=bytes_per_token * block_size,
+                max_blocks_per_request=bound,
+            )
+        )
+    if state:
+        costs.append(
+            GroupBlockCost(
+                key=AttnType.MAMBA.value, bytes_per_block=state, max_blocks_per_request=1
+            )
+        )
+    return costs
+
+
+def _blocks_for_budget(costs: list[GroupBlockCost], budget: int, tokens_per_block: int) -> dict:
+    """The plan's block keys: what ``kvskill run --kv-memory`` allocates with its defaults."""
+    split = split_kv_budget(costs, budget_bytes=budget, max_num_seqs=DEFAULT_MAX_NUM_SEQS)
+    growing = split.growing_keys
+    by_group = split.num_blocks
+    num_blocks = by_group[growing[0]] if growing else max(by_group.values(), default=0)
+    usable = max(num_blocks - NULL_BLOCKS_PER_POOL, 0)
+    return {
+        "layout": "contiguous",
+        "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
+        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "num_blocks_by_group": by_group,
+        "reserved_groups": list(split.reserved_keys),
+        "reserved_bytes": split.reserved_bytes,
+        "null_blocks": NULL_BLOCKS_PER_POOL * len(by_group),
+        "budget_fits": split.fits,
+        # one pool per growing group, all of the same size (null included); else the largest
+        "num_blocks": num_blocks,
+        # window/state only: memory bounds requests, not length
+        "max_tokens": usable * tokens_per_block if growing else None,
+    }
 
 
 def _budget(

@@ -275,7 +275,9 @@ class Plan:
     code: dict[str, Any] = field(default_factory=dict)
     #: the normalised config values used for the decisions (the model's own config)
     config: dict[str, Any] = field(default_factory=dict)
-    #: memory plan: {"block_size", "kv_memory_bytes", "num_blocks", "max_tokens", ...}
+    #: memory plan: {"block_size", "kv_memory_bytes", "num_blocks", "max_tokens", ...}; with a
+    #: budget, "num_blocks_by_group" is what ``kvskill run --kv-memory`` allocates per group
+    #: (null block included, ``kvskill.core.kv_blocks``)
     memory: dict[str, Any] = field(default_factory=dict)
     #: reasons the implementer cannot convert this model yet (not a refusal of analysis)
     implementer_blockers: list[str] = field(default_factory=list)

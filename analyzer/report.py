@@ -40,6 +40,59 @@ def _human_bytes(value: int | None) -> str:
     return str(value)
 
 
+def memory_line(memory: dict) -> str:
+    """The budget's block counts as ``kvskill run`` allocates them, and what it pays for.
+
+    Counts are usable blocks, as run's ``KV <group> blocks`` lines show them; each pool also
+    holds the null block (the plan's ``num_blocks_by_group`` counts it, as ``--num-blocks``
+    does).
+    """
+    by_group = memory.get("num_blocks_by_group", {})
+    reserved = memory.get("reserved_groups", [])
+    unit = " request rows" if "legacy_row_tokens" in memory else " blocks"
+    growing = [
+        f"{key} {_usable(n):,}{unit} + the null block"
+        for key, n in by_group.items()
+        if key not in reserved
+    ]
+    tokens = memory.get("max_tokens")
+    line = (
+        f"{_human_bytes(memory['kv_memory_bytes'])} for KV at {memory['dtype']}, block_size "
+        f"{memory['block_size']}, {memory.get('layout', 'contiguous')} layout: "
+        + (", ".join(growing) or "no growing group")
+        + ", max tokens "
+        + (f"{tokens:,}" if tokens is not None else "unbounded (window/state only)")
+    )
+    seqs = memory.get("max_num_seqs")
+    paid = [_reserved_words(key, by_group[key], seqs) for key in reserved]
+    if paid:
+        line += f"; paid first: {'; '.join(paid)}"
+    if not memory.get("budget_fits", True):
+        line += " -- the budget does not cover that: run refuses it"
+    if seqs is not None:
+        line += (
+            f"; sized with run's defaults max_num_seqs {seqs}, max_num_batched_tokens "
+            f"{memory['max_num_batched_tokens']}"
+        )
+    flag = "" if memory["dtype"] == "float32" else f" --dtype {memory['dtype']}"
+    return line + f"; `kvskill run{flag}` with this --kv-memory allocates these"
+
+
+def _reserved_words(key: str, num_blocks: int, max_num_seqs: int) -> str:
+    """``Mamba 128 blocks + the null block (128 requests x 1 state row)``."""
+    per_request = _usable(num_blocks) // max(max_num_seqs, 1)
+    what = "state row" if key == "Mamba" else "window blocks"
+    return (
+        f"{key} {_usable(num_blocks):,} blocks + the null block ({max_num_seqs} requests x "
+        f"{per_request} {what})"
+    )
+
+
+def _usable(num_blocks: int) -> int:
+    """Blocks a pool hands out: all but block 0, the null block (what run reports)."""
+    return max(num_blocks - 1, 0)
+
+
 def _layers_line(plan: Plan) -> str:
     counts: dict[str, int] = {}
     for layer in plan.layers:
@@ -96,17 +149,8 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                 f"{' + '.join(index.operators)}",
             ),
         )
-    memory = plan.memory
-    if "kv_memory_bytes" in memory:
-        tokens = memory.get("max_tokens")
-        rows.append(
-            (
-                "memory",
-                f"{_human_bytes(memory['kv_memory_bytes'])} for KV, block_size "
-                f"{memory['block_size']}: {memory['num_blocks']} blocks, max tokens "
-                f"{tokens if tokens is not None else 'unbounded (window/state only)'}",
-            )
-        )
+    if "kv_memory_bytes" in plan.memory:
+        rows.append(("memory", memory_line(plan.memory)))
     return rows
 
 

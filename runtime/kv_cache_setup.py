@@ -15,6 +15,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
+from kvskill.core.kv_blocks import NULL_BLOCKS_PER_POOL
 from kvskill.runtime.cache_info import ModelCacheInfo, fill_block_sizes
 from kvskill.runtime.device import available_memory_bytes, total_memory_bytes
 from kvskill.runtime.kv_cache_groups import build_groups
@@ -205,7 +206,7 @@ def default_kv_budget(
             group, max_num_seqs, max_num_batched_tokens, FIXED_BLOCK_ATTN_TYPES
         )
         if fixed is None:
-            blocks = max_num_seqs * -(-model_len // group.block_size) + 1
+            blocks = max_num_seqs * -(-model_len // group.block_size) + NULL_BLOCKS_PER_POOL
             wanted += blocks * group.bytes_per_block()
         else:
             wanted += fixed * group.bytes_per_block()

@@ -37,6 +37,7 @@ import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.cache_bytes import hybrid_block_size
 from kvskill.core.errors import BadInputError
+from kvskill.core.kv_blocks import GroupBlockCost, reserved_pool_blocks, split_kv_budget
 from kvskill.runtime import huge_pages
 from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, layer_binder
 from kvskill.runtime.kv_cache_groups import KVCacheGroup
@@ -272,37 +273,53 @@ def calculate_block_num(
     max_num_batched_tokens: int | None = None,
     fixed_block_attn_types: Collection[str] = (),
 ) -> dict[str, int]:
-    """Blocks per group (null included) that fit the budget.
+    """Blocks per group (null included) that fit the budget (``kvskill.core.kv_blocks``).
 
-    Page pool: every block costs one page in each raw view. Contiguous: fixed-block types
-    (when ``max_num_seqs`` bounds them) get ``max_num_seqs * max_blocks_per_request + 1``
-    blocks off the top; the growing groups share the rest with one common block count.
+    Page pool: one shared pool, every block costs one page in each raw view. Contiguous:
+    fixed-block types (when ``max_num_seqs`` bounds them) get ``max_num_seqs *
+    max_blocks_per_request + 1`` blocks off the top; the growing groups share the rest with
+    one common block count.
     """
     if memory_budget_bytes is None or memory_budget_bytes <= 0:
         raise BadInputError(f"memory budget must be positive, got {memory_budget_bytes}")
     if use_hybrid_blocks:
         page = page_size_bytes(groups, page_alignment_bytes)
         num_raw = max(len(g.layers) for g in groups.values())
-        return dict.fromkeys(groups, memory_budget_bytes // (page * num_raw))
-    result: dict[str, int] = {}
-    remaining = memory_budget_bytes
-    for key, g in groups.items():
-        n_fixed = calculate_fixed_block_num(
-            g, max_num_seqs, max_num_batched_tokens, fixed_block_attn_types
+        pool = GroupBlockCost(
+            key="page_pool", bytes_per_block=page * num_raw, max_blocks_per_request=None
         )
-        if n_fixed is not None:
-            result[key] = n_fixed
-            remaining -= n_fixed * g.bytes_per_block()
-    if remaining < 0:
+        split = split_kv_budget([pool], budget_bytes=memory_budget_bytes, max_num_seqs=None)
+        return dict.fromkeys(groups, split.num_blocks["page_pool"])
+    costs = [
+        group_block_cost(g, max_num_batched_tokens, fixed_block_attn_types) for g in groups.values()
+    ]
+    split = split_kv_budget(costs, budget_bytes=memory_budget_bytes, max_num_seqs=max_num_seqs)
+    if not split.fits:
         raise BadInputError(
             f"memory budget {memory_budget_bytes} B is smaller than the fixed-block groups "
-            f"need ({memory_budget_bytes - remaining} B); raise it or lower max_num_seqs"
+            f"need ({split.reserved_bytes} B); raise it or lower max_num_seqs"
         )
-    growing = [k for k in groups if k not in result]
-    if growing:
-        per_block = sum(groups[k].bytes_per_block() for k in growing)
-        result.update(dict.fromkeys(growing, remaining // per_block))
-    return {key: result[key] for key in groups}
+    return split.num_blocks
+
+
+def group_block_cost(
+    group: KVCacheGroup,
+    max_num_batched_tokens: int | None,
+    fixed_block_attn_types: Collection[str],
+) -> GroupBlockCost:
+    """A group's block price and per-request bound (its manager's hook), for the budget."""
+    per_request = None
+    if group.attn_type in fixed_block_attn_types:
+        per_request = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
+            block_size=group.block_size,
+            sliding_window=group.sliding_window,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    return GroupBlockCost(
+        key=group.key,
+        bytes_per_block=group.bytes_per_block(),
+        max_blocks_per_request=per_request,
+    )
 
 
 def calculate_fixed_block_num(
@@ -312,14 +329,10 @@ def calculate_fixed_block_num(
     fixed_block_attn_types: Collection[str],
 ) -> int | None:
     """Blocks a fixed-block group needs for ``max_num_seqs`` requests, or None if unbounded."""
-    if group.attn_type not in fixed_block_attn_types or max_num_seqs is None:
+    cost = group_block_cost(group, max_num_batched_tokens, fixed_block_attn_types)
+    if cost.max_blocks_per_request is None or max_num_seqs is None:
         return None
-    per_request = ATTN_TYPE_MANAGER_MAP[group.attn_type].max_blocks_per_request(
-        block_size=group.block_size,
-        sliding_window=group.sliding_window,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    return None if per_request is None else max_num_seqs * per_request + 1
+    return reserved_pool_blocks(cost.max_blocks_per_request, max_num_seqs)
 
 
 def choose_hybrid_block_size(

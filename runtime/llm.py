@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
+from kvskill.core.kv_blocks import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache
@@ -97,8 +98,8 @@ class LLM:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         enable_chunked_prefill: bool = True,
         mix_decode_with_prefill: bool = True,
         free_block_order_seed: int | None = None,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvskill.core.attn_types import AttnType
+from kvskill.core.kv_blocks import window_blocks_per_request
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
 from kvskill.runtime.prefix_hash import BlockHash, HashableRequest, block_hashes
 from kvskill.runtime.tables import (
@@ -422,9 +423,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def max_blocks_per_request(
         cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
     ) -> int | None:
-        if sliding_window is None or max_num_batched_tokens is None:
-            return None
-        return cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1
+        return window_blocks_per_request(
+            sliding_window=sliding_window,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
 
 
 class MambaManager(SingleTypeKVCacheManager):

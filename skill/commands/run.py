@@ -17,6 +17,7 @@ from kvskill.core.inputs import (
     loads_json,
     read_text,
 )
+from kvskill.core.kv_blocks import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvskill.core.sizes import parse_size as core_parse_size
 from kvskill.options import (
     block_size_option,
@@ -167,11 +168,13 @@ class _Progress:
 @click.option(
     "--max-num-batched-tokens",
     type=click.IntRange(min=1),
-    default=2048,
+    default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
     show_default=True,
     help="Tokens per step at most (longer prompts are chunked).",
 )
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option(
+    "--max-num-seqs", type=click.IntRange(min=1), default=DEFAULT_MAX_NUM_SEQS, show_default=True
+)
 @click.option(
     "--prefix-caching/--no-prefix-caching",
     default=True,

@@ -73,8 +73,9 @@ def test_memory_options_reach_the_plan(capsys):
     # 16 KV heads per rank x 128 dims x K and V x 2 bytes x 32 layers
     per_token = 16 * 128 * 2 * 2 * 32
     assert payload["kv_bytes_per_token"] == per_token
-    assert memory["max_tokens"] == (1 << 30) // per_token
-    assert memory["num_blocks"] == (1 << 30) // (per_token * 64)
+    # 1 GiB pays for 64 blocks of 64 tokens; block 0 is the null block
+    assert memory["num_blocks"] == (1 << 30) // (per_token * 64) == 64
+    assert memory["max_tokens"] == (64 - 1) * 64
 
 
 def test_progress_section_is_added_once_and_replaced_in_place(tmp_path, capsys):

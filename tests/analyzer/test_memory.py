@@ -7,11 +7,24 @@ import math
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.memory import parse_memory
+from kvskill.analyzer.report import summary_rows
 from kvskill.core.errors import BadInputError
+
+SMALL_JAMBA = {
+    "num_hidden_layers": 3,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "mamba_d_state": 4,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
 
 
 def test_sliding_layers_hold_a_bounded_number_of_blocks():
-    budget = 256 << 20
+    budget = 16 << 30
     plan = analyze_model("gpt_oss", block_size=16, kv_memory_bytes=budget)
     memory = plan.memory
     per_layer = 2 * 8 * 64 * 2  # K+V, 8 KV heads x 64 dims, bf16
@@ -19,14 +32,50 @@ def test_sliding_layers_hold_a_bounded_number_of_blocks():
         "FullAttention": per_layer * 18,
         "SlidingWindow": per_layer * 18,
     }
-    # window 128 with 16-token blocks: a 128-token span touches at most 9 blocks
+    # window 128 with 16-token blocks: a decoding request's 128-token span touches 9 blocks
     assert memory["sliding_blocks_per_request"] == math.ceil(127 / 16) + 1 == 9
-    fixed = 9 * 16 * per_layer * 18
-    assert memory["sliding_bytes_per_request"] == fixed
-    assert memory["max_tokens"] == (budget - fixed) // (per_layer * 18)
+    assert memory["sliding_bytes_per_request"] == 9 * 16 * per_layer * 18
+    # run reserves for a step of 2,048 new tokens: ceil((127 + 2048) / 16) + 1 = 137 blocks
+    # per request, for its default 128 requests, plus the null block
+    block_bytes = 16 * per_layer * 18
+    window_pool = 128 * 137 + 1
+    assert memory["reserved_groups"] == ["SlidingWindow"]
+    assert memory["reserved_bytes"] == window_pool * block_bytes
+    full_pool = (budget - window_pool * block_bytes) // block_bytes
+    assert memory["num_blocks_by_group"] == {
+        "FullAttention": full_pool,
+        "SlidingWindow": window_pool,
+    }
+    assert memory["num_blocks"] == full_pool
+    assert memory["max_tokens"] == (full_pool - 1) * 16
     # counting the sliding layers as growing would halve the tokens in flight
     assert memory["max_tokens_without_window_bound"] == budget // (per_layer * 36)
-    assert memory["max_tokens"] > memory["max_tokens_without_window_bound"]
+
+
+def test_a_budget_below_the_reserved_pools_is_reported_as_refused():
+    # the same window pool needs 17,537 blocks x 576 KiB (about 9.6 GiB) before any token
+    plan = analyze_model("gpt_oss", block_size=16, kv_memory_bytes=256 << 20)
+    assert not plan.memory["budget_fits"] and plan.memory["max_tokens"] == 0
+    assert any("smaller than the window and state pools" in w for w in plan.warnings)
+    line = dict(summary_rows(plan))["memory"]
+    assert "SlidingWindow 17,536 blocks + the null block (128 requests x 137 window blocks)" in line
+    assert "run refuses it" in line
+
+
+def test_report_line_names_what_the_budget_pays_first():
+    plan = analyze_model("jamba", config_overrides=SMALL_JAMBA, kv_memory_bytes=256 << 20)
+    line = dict(summary_rows(plan))["memory"]
+    # 1 attention layer x 1 KV head x 32 dims x K+V x 2 B = 128 B/token, 16,384 B per block;
+    # 2 Mamba layers x (conv 128 x 3 + SSM 128 x 4) x 2 B = 3,584 B per request
+    assert plan.memory["state_bytes_per_request"] == 3_584
+    mamba_pool = 128 * 1 + 1
+    full_pool = ((256 << 20) - mamba_pool * 3_584) // 16_384
+    assert plan.memory["num_blocks_by_group"] == {"FullAttention": full_pool, "Mamba": mamba_pool}
+    # usable blocks, as run's "KV <group> blocks" lines count them, and the null block
+    assert f"FullAttention {full_pool - 1:,} blocks + the null block, max tokens" in line
+    assert "paid first: Mamba 128 blocks + the null block (128 requests x 1 state row)" in line
+    assert "run's defaults max_num_seqs 128, max_num_batched_tokens 2048" in line
+    assert "`kvskill run --dtype bfloat16` with this --kv-memory allocates these" in line
 
 
 def test_window_only_model_is_bounded_by_requests_not_tokens():

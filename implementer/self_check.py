@@ -34,6 +34,7 @@ from kvskill.analyzer.cache_access import (
     entry_refs,
     reader_methods,
 )
+from kvskill.analyzer.delegated_caches import delegated_entries
 from kvskill.analyzer.gather import (
     class_methods,
     declares_token_caches,
@@ -44,7 +45,6 @@ from kvskill.analyzer.gather import (
     super_call,
 )
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.delegated_caches import delegated_entries
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 

@@ -12,6 +12,7 @@ from kvskill.analyzer.cache_access import (
     may_touch,
     reader_methods,
 )
+from kvskill.analyzer.delegated_caches import calls_submodule, delegated_entries
 from kvskill.analyzer.gather import declares_token_caches, resolve_method
 from kvskill.analyzer.lint.context import FileContext
 from kvskill.analyzer.lint.model import Finding
@@ -74,6 +75,55 @@ _FORWARD = """
 """
 
 
+def _may_write_and_read(func, attr: str) -> bool:
+    """Whether FUNC writes ``self.<attr>`` with a cache-write operator and reads it."""
+    touched = may_touch(func, frozenset({attr}), {}, {}, {}, {})
+    return attr in touched.writes and attr in touched.reads
+
+
+#: a DSA-style layer: its third entry goes to the indexer module, which writes and reads it
+_INDEXER = """
+class Indexer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.key_cache = torch.Tensor([])
+
+    def forward(self, q, k, weights):
+        md = get_forward_metadata()
+        torch_npu.npu_scatter_nd_update_(self.key_cache.view(-1, 128), md.slot_mapping["FullAttention"].view(-1, 1), k)
+        return torch_npu.npu_lightning_indexer(
+            q, self.key_cache, weights, actual_seq_lengths_query=md.actual_seq_lengths_cu_q,
+            actual_seq_lengths_key=md.actual_seq_lengths_kv,
+            block_table=md.block_table["FullAttention"], layout_query="TND",
+            layout_key="PA_BSND", sparse_count=8, sparse_mode=3)[0]
+
+
+"""
+_INDEXED = (
+    _INDEXER
+    + _DECLARE_NAMED.replace(
+        "        self.cache_entries = [",
+        "        self.indexer = Indexer()\n        self.cache_entries = [",
+    ).replace(
+        "                       tensor_setter=self.set_v_cache),\n",
+        "                       tensor_setter=self.set_v_cache),\n"
+        '            CacheEntry(cache_name="indexer_key_cache", attn_type=self.attn_type, dim=128,\n'
+        "                       num_head=1, dtype=torch.float16, needs_block=True,\n"
+        "                       block_size=self.block_size, tensor_setter=self.set_indexer_key_cache),\n",
+    )
+    + """
+    def set_indexer_key_cache(self, tensor):
+        self.indexer.key_cache = tensor
+"""
+    + _WRITE
+    + _FORWARD.replace(
+        "        self.update_cache(md.slot_mapping[self.attn_type], k, v)\n",
+        "        self.update_cache(md.slot_mapping[self.attn_type], k, v)\n"
+        "        self.indexer(q, k, v)\n",
+    )
+)
+
+
 class CacheEntriesUntouched(Rule):
     """A class declares cache_entries that its forward never writes or never reads.
 
@@ -90,8 +140,16 @@ class CacheEntriesUntouched(Rule):
         example(_DECLARE_NAMED + _WRITE + _FORWARD),
         # names built in a loop: any write and any fused-attention read count for all
         example(_DECLARE + _WRITE + _FORWARD),
+        # an entry handed to a submodule that writes and reads it, called by the forward
+        example(_INDEXED),
     ]
     INVALID = [
+        # the submodule never writes the entry it is handed
+        example(
+            _INDEXED.replace(
+                "        torch_npu.npu_scatter_nd_update_(self.key_cache", "        (self.key_cache"
+            )
+        ),
         # the forward still runs its own attention: the declared caches stay empty
         example(
             _DECLARE_NAMED
@@ -126,9 +184,17 @@ class CacheEntriesUntouched(Rule):
             reads = helper_may_reads(cls, entries, classes, readers)
             attrs = attribute_methods(cls, classes)
             touched = may_touch(forward, entries, writes, reads, readers, attrs)
+            # entries a submodule the forward calls writes and reads (the DSA indexer's keys)
+            delegated = frozenset().union(
+                *(
+                    found
+                    for sub, found in delegated_entries(cls, classes, _may_write_and_read).items()
+                    if calls_submodule(forward, sub)
+                )
+            )
             owner = f"{cls.name.value}.forward"
-            unwritten = sorted(entries - touched.writes)
-            unread = sorted(entries - touched.reads)
+            unwritten = sorted(entries - touched.writes - delegated)
+            unread = sorted(entries - touched.reads - delegated)
             if unwritten:
                 yield self.finding(
                     ctx,

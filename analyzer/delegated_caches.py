@@ -5,8 +5,8 @@ latent), and the entry's ``tensor_setter`` gives the tensor to the indexer modul
 (``self.indexer.key_cache = tensor``), whose forward writes this step's keys into it and
 selects over it. For the self-check a call ``self.indexer(...)`` in the layer's forward then
 writes and reads that entry - but only when the submodule's own forward surely does both on
-every path (the same must-analysis, run on the submodule's attribute), so an indexer that
-forgets its write still fails the check.
+every path (the self-check's must-analysis, or lint's may-analysis, run on the submodule's
+attribute), so an indexer that forgets its write still fails the check.
 """
 
 from __future__ import annotations
@@ -93,3 +93,8 @@ def delegated_entries(
             if forward is not None and surely_writes_and_reads(forward, target.attr.value):
                 found.setdefault(sub, set()).add(entry)
     return {sub: frozenset(entries) for sub, entries in found.items()}
+
+
+def calls_submodule(func: cst.FunctionDef, sub: str) -> bool:
+    """Whether FUNC calls ``self.<sub>(...)`` anywhere."""
+    return bool(m.findall(func, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(sub)))))

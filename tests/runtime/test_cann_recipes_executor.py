@@ -33,7 +33,7 @@ from kvskill.runtime.ops.npu_standin import npu_standin
 ROOT = os.environ.get("KVSKILL_CANN_RECIPES")
 pytestmark = pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")
 
-FAMILIES = ["qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next"]
+FAMILIES = ["qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_next"]
 PROMPTS = [[3, 17, 5, 9, 41, 2, 8], [11, 4, 30], [7, 7, 12, 25, 1, 9, 14, 33, 6, 2, 19]]
 NEW_TOKENS = 6
 BLOCK_SIZE = 16

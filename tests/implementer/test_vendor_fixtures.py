@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from kvskill.implementer.convert import ApplyOptions
-from kvskill.implementer.reference_drive import tuple_cache_generate
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.reference.drive import tuple_cache_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from kvskill.implementer.record import StandaloneRecord
-from kvskill.implementer.verify_driver import DriverRun
 from kvskill.runtime.chains import ChainResult, chain_result
+from kvskill.verify.drivers.base import DriverRun
 from torch import nn
 
 

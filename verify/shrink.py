@@ -21,7 +21,7 @@ from typing import Any
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.analyzer.config import text_config
 from kvskill.analyzer.config_keys import SSM_ALIASES, kv_heads, kv_heads_keys, lookup, write_keys
-from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
+from kvskill.verify.shrink_mla import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
 #: head_dim stays 64, a size the fused attention accepts on every path (TND, learnable

@@ -3,7 +3,7 @@
 Stages (design §6):
   1. read ``kvskill_plan.json`` and ``config.json`` from the converted directory; code that
      does not come from the installed transformers needs ``trust_remote_code``;
-  2. choose what to check (``real_weights.py``): the directory's own weights when it has
+  2. choose what to check (``weights.py``): the directory's own weights when it has
      some and they fit in memory, else a shrunk config keeping every structural feature
      (``shrink.py``) with random weights;
   3. build the reference (transformers with the *original* modeling code, eager attention,
@@ -264,7 +264,7 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     """Run the original and the converted model on the same prompts and compare.
 
     One verify for both deploy modes: a framework output runs in the bundled runtime's
-    engine, a standalone output in its own runner (the driver, see ``verify_driver.py``);
+    engine, a standalone output in its own runner (the driver of its output kind, ``drivers/``);
     prompts, comparison, report and exit code are the same.
 
     Raises:

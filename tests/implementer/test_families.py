@@ -143,7 +143,7 @@ def test_prompt_tokens_equal_to_the_pad_id_are_attended_by_the_reference(convert
 
 def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp_path):
     # granite_swa's tied embeddings and unscaled q.k (attention_multiplier 1.0) give logits
-    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify.py); a
+    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify/compare.py); a
     # window off by one must still fail.
     from kvskill.implementer.writer import ApplyOptions, apply_model
     from kvskill.verify.flow import verify_directory

@@ -1,7 +1,7 @@
 """Vendor-shape model directories (tests/fixtures/vendor/): analyze -> apply -> verify.
 
 Each is converted in framework mode and in both standalone modes and verified token-exact
-against its original, driven with its own tuple cache (reference_drive.py) under the installed
+against its original, driven with its own tuple cache (verify/reference/drive.py) under the installed
 transformers. The compatibility suite (tests/compat/) runs the same under the older locks.
 """
 

@@ -4,7 +4,7 @@ original, on a CPU.
 The original is the framework's model as ``apply`` read it (``kvskill_plan.json`` names its
 folder); it runs its Legacy path on rows allocated as the framework's worker does
 (``framework_legacy_drive.py``). The converted model runs paged in the bundled runtime's
-engine (continuous batching, shuffled free blocks, the three chains; ``verify_engine.py``).
+engine (continuous batching, shuffled free blocks, the three chains; ``engine.py``).
 Both run inside the CPU ``torch_npu`` stand-in with the executor's imports answered by
 kvskill's equal classes, on the same random weights and prompts; the comparison is verify's
 (``compare_prompt``): greedy tokens identical and every step's logits within the tolerance.

@@ -3,7 +3,7 @@
 
 Both models are built as the framework's worker builds them: the checkout's
 ``InferenceConfig`` (one eager rank, a static batch of one row per prompt) and
-``CommManager`` (``framework_checkout.one_rank_comm``: a one-rank gloo world group), under the
+``CommManager`` (``checkout.one_rank_comm``: a one-rank gloo world group), under the
 checkout's ``set_default_torch_dtype``. The Legacy original then runs its own path
 (``framework_legacy_drive``); the converted one, whose cache classes and step metadata kvskill
 answers (``kvskill_answers_cache_and_metadata``), runs paged in the bundled runtime's engine.

@@ -1,6 +1,6 @@
 """The verify driver for standalone outputs: the generated ``runner_<model>.py``.
 
-Same criterion as framework outputs (design §6; ``verify.py`` compares): the converted model
+Same criterion as framework outputs (design §6; ``flow.py`` compares): the converted model
 gets the reference's weights and runs the same variable-length prompts through the runner as
 one static batch. The chains that apply to a runner-owned cache:
 

@@ -1,1 +1,1 @@
-"""Implementer: libcst codemods that convert a model to paged KV, and verification."""
+"""Implementer: libcst codemods that convert a model to paged KV; verify lives in kvskill.verify."""

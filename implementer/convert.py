@@ -1,9 +1,10 @@
 """What ``apply`` was asked, and the framework conversion of a planned model (``str -> str``).
 
-``convert_framework`` takes a Plan, reads the modeling file it names and returns the
-converted text; it writes nothing. The standalone conversion (``standalone/convert.py``)
-returns the same :class:`Conversion`, with its runner among the files it adds, so one writer
-(``writer.py``) writes both.
+``convert_framework`` is framework mode's one entry: it takes a Plan, reads the modeling file
+it names and returns the converted text; it writes nothing. Paged (MLA too), Legacy rows and
+the framework's own Legacy model are its private cases below. The standalone conversion
+(``standalone/convert.py``) returns the same :class:`Conversion`, with its runner among the
+files it adds, so one writer (``writer.py``) writes both.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer import Plan
-from kvskill.analyzer.plan import AttentionKind
+from kvskill.analyzer.plan import AttentionKind, KvMode
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import read_source as checked_read_source
 from kvskill.implementer.kv_mode import resolve_kv_mode
+from kvskill.implementer.legacy_codemods import legacy_spec
 from kvskill.implementer.mla import MlaSpec
 from kvskill.implementer.pipeline import (
+    convert,
     convert_framework_legacy_source,
     convert_mla_source,
     convert_source,
 )
 from kvskill.implementer.record import ReviewedPlan, StandaloneRecord
+from kvskill.implementer.registry import ConversionPath
 from kvskill.implementer.spec import ConversionSpec
 
 
@@ -103,11 +107,9 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
     """Convert the modeling file of a framework-mode Plan (MLA: latent caches, absorbed;
     Legacy: ``cache_unit`` caches in static rows)."""
     if resolve_kv_mode(plan, options.kv_mode) == "legacy":
-        from kvskill.implementer.legacy import convert_framework_legacy
-
-        return convert_framework_legacy(plan, options)
+        return _convert_framework_legacy(plan, options)
     if plan.code.get("legacy_framework"):
-        return convert_framework_own_legacy(plan, options)
+        return _convert_framework_own_legacy(plan, options)
     if plan.code.get("legacy_standalone"):
         raise UnsupportedModelError(
             f"{Path(plan.source.modeling_file).name}: cannot convert in framework mode: the "
@@ -116,7 +118,7 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
             "convert it with --mode standalone (mode 2, the runner kept)"
         )
     mla = plan.is_mla
-    check_mla_absorb(plan, options.mla_absorb)
+    _check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(
         plan, fa_version=options.fa_version, block_size=options.block_size
     )
@@ -128,7 +130,7 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
     return Conversion(plan=plan, original=original, converted=converted)
 
 
-def convert_framework_own_legacy(plan: Plan, options: ApplyOptions) -> Conversion:
+def _convert_framework_own_legacy(plan: Plan, options: ApplyOptions) -> Conversion:
     """The framework's own Legacy model (``cache_unit`` rows, BSH fused attention) converted
     in place to the executor's Paged contract; MLA Legacy models are not converted yet."""
     modeling_file = Path(plan.source.modeling_file)
@@ -145,7 +147,7 @@ def convert_framework_own_legacy(plan: Plan, options: ApplyOptions) -> Conversio
     return Conversion(plan=plan, original=original, converted=converted)
 
 
-def check_mla_absorb(plan: Plan, choice: str) -> None:
+def _check_mla_absorb(plan: Plan, choice: str) -> None:
     """``--mla-absorb on`` needs an MLA model; ``off`` is refused for one (absorbed only)."""
     mla = plan.attention is AttentionKind.MLA
     if choice == "on" and not mla:
@@ -159,3 +161,35 @@ def check_mla_absorb(plan: Plan, choice: str) -> None:
             "only the latent (nope + rope caches) and attends absorbed; un-absorbed MLA is not "
             "generated, use --mla-absorb auto or on"
         )
+
+
+def _convert_framework_legacy(plan: Plan, options: ApplyOptions) -> Conversion:
+    """Convert a Legacy Plan's modeling file (``--kv-mode legacy``, or auto on a Legacy Plan).
+
+    Seed 003 keeps Legacy for models the fused operator cannot serve (logit soft-capping,
+    chunked attention): each attention declares its caches under attn_type "Legacy", the runtime
+    gives every request one static row of ``max_model_len`` positions per cache (``[rows,
+    max_model_len, num_head, dim]``), and the layer writes this step's keys and values at ``row
+    * max_model_len + position`` (the positions ``scatter_update_`` at ``kv_len`` would address)
+    and then calls the source's own attention function over its rows, with a mask built from the
+    step's lengths, the layer's window and its chunk (``runtime/legacy_attention.py``).
+
+    Only the seam changes: the cache update becomes the write and the read of the rows, the
+    source's kernel call stays as written (so soft-capping, scaling and dropout stay the
+    model's), and its output is packed back to the step's tokens.
+
+    Raises:
+        UnsupportedModelError: the model needs something the Legacy rewrite does not write.
+    """
+    assert options.kv_mode == "legacy" or plan.kv_mode is KvMode.LEGACY
+    spec = legacy_spec(plan, options.block_size)
+    modeling_file = Path(plan.source.modeling_file)
+    original = read_source(modeling_file)
+    converted = convert(
+        original,
+        spec,
+        ConversionPath.LEGACY,
+        package=source_package(plan),
+        filename=modeling_file.name,
+    )
+    return Conversion(plan=plan, original=original, converted=converted)

@@ -37,6 +37,7 @@ from kvskill.implementer.convert import (
 )
 from kvskill.implementer.executor_target import RUNTIME_TARGET
 from kvskill.implementer.facts import SUPER_INIT, code, module_classes
+from kvskill.implementer.standalone.convert import convert_standalone
 
 
 def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
@@ -69,8 +70,6 @@ def convert_inherited(plan: Plan, options: ApplyOptions) -> Conversion:
     inner = dataclasses.replace(plan, architecture=base, source=inner_source)
     if plan.deploy_mode is DeployMode.STANDALONE:
         # the runner names the model type only and loads the remote file's class by auto_map
-        from kvskill.implementer.standalone.convert import convert_standalone
-
         converted = convert_standalone(inner, options)
     else:
         converted = convert_framework(inner, options)
@@ -98,8 +97,6 @@ def _already_converted(
         source=dataclasses.replace(plan.source, modeling_file=str(inherits), inherits_code=None),
     )
     if plan.deploy_mode is DeployMode.STANDALONE:
-        from kvskill.implementer.standalone.convert import convert_standalone
-
         converted = convert_standalone(inner, options)
     else:
         converted = convert_framework(inner, options)

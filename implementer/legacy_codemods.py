@@ -1,5 +1,5 @@
 """The Legacy rewrite's codemods: static-row caches declared, the seam around the model's own
-attention call (see ``legacy.py`` for the design)."""
+attention call (see ``convert._convert_framework_legacy`` for the design)."""
 
 from __future__ import annotations
 

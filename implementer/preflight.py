@@ -16,6 +16,7 @@ from kvskill.analyzer import Plan
 from kvskill.analyzer.plan import DeployMode
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions, Conversion, convert_framework
+from kvskill.implementer.inherited import convert_inherited
 from kvskill.implementer.standalone.convert import convert_standalone
 
 
@@ -30,8 +31,6 @@ def convert_plan(plan: Plan, options: ApplyOptions) -> Conversion:
         UnsupportedModelError: the model cannot be converted; the message says why.
     """
     if plan.source.inherits_code:
-        from kvskill.implementer.inherited import convert_inherited
-
         return convert_inherited(plan, options)
     if plan.deploy_mode is DeployMode.STANDALONE:
         return convert_standalone(plan, options)

@@ -99,8 +99,9 @@ def run_family(family: Family, workdir: Path) -> dict[str, str]:
     """One table row: analyze, apply + verify (framework), standalone."""
     from kvskill.analyzer import analyze_model
     from kvskill.core.errors import KvskillError
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     row = {"family": family.name, "note": family.note}
     model = _model_source(family, workdir)
@@ -124,8 +125,9 @@ def run_family(family: Family, workdir: Path) -> dict[str, str]:
 def _standalone_cell(model: str, family: Family, workdir: Path) -> str:
     """Standalone mode: apply, then the same verify as framework mode."""
     from kvskill.core.errors import KvskillError
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = workdir / f"{family.name.replace(' ', '_')}-standalone"
     try:

@@ -17,6 +17,7 @@ from kvskill.implementer.convert import ApplyOptions, Conversion, read_source, s
 from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.pipeline import convert
 from kvskill.implementer.record import StandaloneRecord
+from kvskill.implementer.standalone.own_legacy import convert_standalone_own_legacy
 from kvskill.implementer.standalone.runner import render_runner, takes_logits_to_keep
 from kvskill.implementer.standalone.spec import KvMode, StandaloneSpec
 
@@ -46,8 +47,6 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
     """
     if plan.code.get("legacy_standalone"):
         # the framework's own standalone model: its runner stays, its mode 1 rows become mode 2
-        from kvskill.implementer.standalone.own_legacy import convert_standalone_own_legacy
-
         return convert_standalone_own_legacy(plan, options)
     sharing = plan.code.get("kv_sharing") or {}
     if sharing.get("shared"):

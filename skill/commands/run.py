@@ -233,7 +233,7 @@ def run(directory: Path, **options) -> None:
 
     # a directory apply wrote says who runs it; one without a record is framework code
     if (directory / PLAN_FILE).is_file():
-        from kvskill.implementer.verify import check_layout_fits
+        from kvskill.verify.flow import check_layout_fits
 
         converted = ConvertedDir.read(directory)
         converted.check_layout(options["kv_layout"])
@@ -385,13 +385,13 @@ def tp_size_for(plan_tp: int, requested: int | None, directory: Path) -> int:
 
 
 def _run_standalone(directory: Path, options: dict, profile) -> None:
-    from kvskill.implementer.standalone.launch import StandaloneRun, render_table
     from kvskill.runtime.ops import (
         check_run_block_size,
         profile_line,
         profile_report,
         use_npu_profile,
     )
+    from kvskill.verify.launch import StandaloneRun, render_table
 
     if options["temperature"] > 0 or options["top_k"] or options["top_p"] < 1.0:
         raise BadInputError(

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 from kvskill.core.errors import BadInputError, ExitCode
-from kvskill.implementer.verdict import DRIFT_RATIO
 from kvskill.options import (
     block_size_option,
     cpu_only_shapes_option,
@@ -21,6 +20,7 @@ from kvskill.options import (
     tp_option,
     trust_remote_code_option,
 )
+from kvskill.verify.verdict import DRIFT_RATIO
 
 EPILOG = """\b
 Examples:
@@ -91,8 +91,9 @@ def verify(directory: Path, output_format: str, **options) -> int:
     """Run the original and the converted model in DIRECTORY on the same prompts and
     compare greedy tokens, per-step logits and the init / runtime / release chains."""
     # imported here so that `kvskill --help` and the other verbs start without torch
-    from kvskill.implementer.report import format_table
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
+    from kvskill.verify.table import format_table
 
     if options["atol"] is not None and math.isnan(options["atol"]):
         raise BadInputError("--atol nan is not a tolerance; give a number >= 0")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from kvskill.implementer.verify import VerifyOptions, VerifyReport, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.report import VerifyReport
 
 #: how each deploy mode is asked of apply (standalone mode 1 keeps per-row BSH caches)
 MODES = {

@@ -79,6 +79,7 @@ def test_every_attention_variant_of_a_family_is_converted_and_runs(tmp_path):
         config = json.loads((variant / "config.json").read_text())
         config["attn_implementation"] = impl
         (variant / "config.json").write_text(json.dumps(config))
-        from kvskill.implementer.verify import VerifyOptions, verify_directory
+        from kvskill.verify.flow import verify_directory
+        from kvskill.verify.options import VerifyOptions
 
         assert_token_exact(verify_directory(variant, VerifyOptions(trust_remote_code=True)))

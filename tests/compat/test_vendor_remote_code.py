@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 from transformers.cache_utils import DynamicCache
 
 from tests.compat.roundtrip import MODES, assert_token_exact, round_trip

@@ -1,5 +1,7 @@
 """The dependency direction of the design: the floor imports nothing of ours, the analyzer and
-the runtime import only the floor (and themselves), and exactly one AttnType exists."""
+the runtime import only the floor (and themselves), the implementer the analyzer (never the
+runtime it writes code for), verify everything below the CLI, and exactly one AttnType
+exists."""
 
 from __future__ import annotations
 
@@ -16,6 +18,17 @@ ALLOWED = {
     # the analyzer reads configs and code; it never runs a model, so neither the runtime nor
     # the rewrite (the CLI asks the implementer whether apply would refuse a Plan)
     "analyzer": {"kvskill.core", "kvskill.analyzer"},
+    # the rewrite reads the Plan and the analyzer's code facts; it runs no model, so neither
+    # the runtime nor verify (``from kvskill.runtime import ...`` in emitted code is text)
+    "implementer": {"kvskill.core", "kvskill.analyzer", "kvskill.implementer"},
+    # verify runs both models: the original, and the converted one on the runtime
+    "verify": {
+        "kvskill.core",
+        "kvskill.analyzer",
+        "kvskill.implementer",
+        "kvskill.runtime",
+        "kvskill.verify",
+    },
     "runtime": {"kvskill.core", "kvskill.runtime"},
 }
 
@@ -48,7 +61,7 @@ def test_one_attn_type_enum_is_shared_by_every_part() -> None:
     assert runtime.AttnType is core.AttnType
     defining = [
         path.relative_to(ROOT)
-        for folder in ("core", "analyzer", "implementer", "runtime", "skill")
+        for folder in ("core", "analyzer", "implementer", "verify", "runtime", "skill")
         for path in (ROOT / folder).rglob("*.py")
         if "class AttnType(" in path.read_text(encoding="utf-8")
     ]

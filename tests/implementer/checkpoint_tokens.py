@@ -7,8 +7,8 @@ same number of new tokens on the checkpoint's own weights.
 from __future__ import annotations
 
 import torch
-from kvskill.implementer.verify import condition_weights
 from kvskill.runtime import LLM, SamplingParams
+from kvskill.verify.weights import condition_weights
 
 PROMPTS = [[3, 14, 15, 92, 65], list(range(20, 57))]
 NEW_TOKENS = 8

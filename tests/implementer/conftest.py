@@ -69,7 +69,8 @@ class Converted:
         return dest
 
     def report(self, family: str):
-        from kvskill.implementer.verify import VerifyOptions, verify_directory
+        from kvskill.verify.flow import verify_directory
+        from kvskill.verify.options import VerifyOptions
 
         if family not in self._reports:
             self._reports[family] = verify_directory(

@@ -212,7 +212,8 @@ def test_verify_refuses_models_that_do_not_fit_in_memory_before_building_them(
 ):
     # Counted on the meta device: a too-large config is a one-line error, not an OOM kill.
     from kvskill.core.errors import BadInputError
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     monkeypatch.setattr("kvskill.runtime.loader.available_memory_bytes", lambda device: 1 << 20)
     with pytest.raises(BadInputError, match="GiB is free"):
@@ -223,7 +224,7 @@ def test_an_original_model_that_fails_to_generate_is_bad_input(converted, monkey
     # e.g. hrm_text, whose stacks index layers past the shrunk count: the original's own
     # failure is reported as such (exit 2), not as an internal error.
     from kvskill.core.errors import BadInputError
-    from kvskill.implementer import verify
+    from kvskill.verify import flow as verify
 
     def broken(*args, **kwargs):
         raise IndexError("list index out of range")

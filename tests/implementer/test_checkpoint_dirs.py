@@ -13,10 +13,11 @@ import pytest
 import torch
 from checkpoint_tokens import NEW_TOKENS, PROMPTS, hf_tokens, kvskill_tokens, save_checkpoint
 from kvskill.analyzer import analyze_model
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM, SamplingParams
 from kvskill.runtime.composite_weights import language_model_state
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 TEXT = dict(
     hidden_size=64,

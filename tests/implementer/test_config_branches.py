@@ -160,8 +160,9 @@ def test_a_branch_the_file_does_not_prove_decided_is_not_read_as_decided(old, ne
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
 def test_falcon_verifies_token_exact_under_its_default_config(mode, tmp_path):
     from kvskill.implementer.convert import ApplyOptions
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "out"
     apply_model("falcon", out, ApplyOptions(deploy_mode=mode))

@@ -10,9 +10,10 @@ import yaml
 from kvskill.analyzer.lint.runner import lint_source
 from kvskill.implementer.convert import ApplyOptions
 from kvskill.implementer.executor_target import framework_imports
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import apply_model
 from kvskill.runtime.loader import load_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 TREE = "models/qwen3_paged"
 SMALL_QWEN3 = {

@@ -50,7 +50,8 @@ def test_gpt_oss_keeps_its_layer_pattern_and_sinks(converted):
 def test_conversion_is_token_exact_on_the_page_pool_layout(converted, family):
     # The same converted code, given strided page views instead of dense caches: its cache
     # write must address (block, offset) pairs, since the views cannot be flattened to slots.
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     report = verify_directory(converted.directory(family), VerifyOptions(kv_layout="page_pool"))
     assert report.kv_layout == "page_pool"
@@ -95,8 +96,9 @@ def test_value_head_dim_and_per_layer_kv_heads_of_mimo_verify(tmp_path):
     # MiMo-V2-Flash: values 128 wide on 192-wide keys (shrunk: 128 on 64), and sliding layers
     # whose __init__ doubles the KV heads in a local. The value cache takes the value head
     # dim; the heads per rank take the layer's own count.
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "mimo"
     apply_model("mimo_v2_flash", out, ApplyOptions())
@@ -116,8 +118,9 @@ def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
     # DynamicCache windows every layer by it, but the window never binds, so the plain
     # causal conversion is exact. verify must not shrink that window below its prompts (the
     # original would then see only the last 8 tokens in decode and all of them in prefill).
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "moshi"
     apply_model("moshi", out, ApplyOptions())
@@ -129,7 +132,9 @@ def test_moshi_verifies_with_the_window_its_cache_never_reaches(tmp_path):
 def test_prompt_tokens_equal_to_the_pad_id_are_attended_by_the_reference(converted):
     # Seed 2 draws token 0, verify's pad_token_id: without an explicit attention mask
     # transformers' generate masks those prompt tokens out, and the runtime does not.
-    from kvskill.implementer.verify import VerifyOptions, make_prompts, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
+    from kvskill.verify.prompts import make_prompts
 
     assert any(0 in p for p in make_prompts([3, 21, 19, 25], 256, seed=2))
     report = verify_directory(converted.directory("qwen3"), VerifyOptions(seed=2))
@@ -138,10 +143,11 @@ def test_prompt_tokens_equal_to_the_pad_id_are_attended_by_the_reference(convert
 
 def test_granite_swa_passes_within_float32_resolution_and_a_real_error_fails(tmp_path):
     # granite_swa's tied embeddings and unscaled q.k (attention_multiplier 1.0) give logits
-    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify.py); a
+    # near 170, where float32 rounding alone exceeds 1e-4 (LOGIT_RTOL in verify/compare.py); a
     # window off by one must still fail.
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "granite_swa"
     apply_model("granite_swa", out, ApplyOptions())
@@ -163,8 +169,9 @@ def test_emu3_causal_lm_is_built_from_the_text_config_of_its_composite_config(tm
     # emu3's config.json is the composite Emu3Config, while Emu3ForCausalLM takes the
     # Emu3TextConfig inside it (as transformers' AutoModelForCausalLM does). Built from the
     # composite it failed ("'Emu3Config' object has no attribute 'pad_token_id'").
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "emu3"
     apply_model("emu3", out, ApplyOptions())
@@ -180,8 +187,9 @@ def test_hybrids_clamping_dt_in_their_scan_only_verify_with_default_configs(conv
     # logits by up to 0.03. Verify's chunked prefill leaves the short prompts decoding while
     # the long ones are computed, so they would ride along.
     import torch
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
-    from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS
+    from kvskill.verify.drivers.engine import MAX_BATCHED_TOKENS
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     report = converted.report(family)
     assert report.error is None, report.error

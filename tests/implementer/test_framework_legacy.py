@@ -109,8 +109,9 @@ def test_a_windowed_legacy_call_is_refused():
 
 @pytest.mark.slow
 def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "out"
     apply_model(str(FIXTURE), out, ApplyOptions())
@@ -125,8 +126,9 @@ def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
 @pytest.mark.slow
 def test_verify_fails_a_conversion_whose_paged_attention_is_wrong(tmp_path):
     """The comparison can fail: a scale 10% off in the paged call moves the logits."""
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "out"
     apply_model(str(FIXTURE), out, ApplyOptions())

@@ -69,7 +69,8 @@ def _apply(tmp_path: Path) -> Path:
 
 
 def _verify(out: Path, **options):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     settings = {"trust_remote_code": True, "dtype": "bfloat16", "max_new_tokens": 8, **options}
     return verify_directory(out, VerifyOptions(**settings))
@@ -171,7 +172,7 @@ def test_a_float32_run_of_the_real_qwen3_5_is_refused_in_one_line(
 
 def test_without_a_checkout_verify_is_refused_naming_the_framework_imports(tmp_path, monkeypatch):
     """No KVSKILL_CANN_RECIPES and no checkout above the model folder: exit 3, one line."""
-    from kvskill.implementer.framework_legacy_checkout import checkout_for
+    from kvskill.verify.drivers.legacy_checkout import checkout_for
 
     monkeypatch.delenv("KVSKILL_CANN_RECIPES", raising=False)
     (tmp_path / MODELING).write_text(
@@ -184,7 +185,7 @@ def test_without_a_checkout_verify_is_refused_naming_the_framework_imports(tmp_p
 
 
 def test_a_model_folder_inside_a_checkout_finds_it(tmp_path, monkeypatch):
-    from kvskill.implementer.framework_checkout import find_checkout
+    from kvskill.verify.drivers.checkout import find_checkout
 
     monkeypatch.delenv("KVSKILL_CANN_RECIPES", raising=False)
     checkout = tmp_path / "cann-recipes-infer"
@@ -207,12 +208,12 @@ def test_one_rank_comm_answers_the_groups_the_model_skips_and_keeps_its_own(
     """The checkout's CommManager at world size 1: registered groups keep its answers; a
     group read without registration is rank 0 alone (the default group, a stand-in name)."""
     import torch.distributed as dist
-    from kvskill.implementer.framework_checkout import (
+    from kvskill.runtime.ops.npu_standin import npu_standin
+    from kvskill.verify.drivers.checkout import (
         ONE_RANK_COMM_NAME,
         one_rank_comm,
         one_rank_process_group,
     )
-    from kvskill.runtime.ops.npu_standin import npu_standin
 
     with npu_standin(framework_root=ROOT), one_rank_process_group():
         from executor.core.config import CommManager, InferenceConfig

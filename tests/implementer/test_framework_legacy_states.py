@@ -165,7 +165,8 @@ def _apply(tmp_path):
 
 
 def _verify(out):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     return verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=8))
 
@@ -180,7 +181,8 @@ def _verify(out):
 def test_apply_then_verify_is_token_exact_against_the_legacy_original(
     tmp_path, num_prompts, max_new_tokens, block_size
 ):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     options = VerifyOptions(
         trust_remote_code=True,
@@ -222,7 +224,8 @@ def test_verify_of_a_model_importing_more_of_the_framework_is_refused_in_one_lin
     it is refused, not a crash (test_framework_legacy_qwen3_5.py runs the real one)."""
     import shutil
 
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     monkeypatch.delenv("KVSKILL_CANN_RECIPES", raising=False)
 
@@ -255,11 +258,12 @@ def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropp
     import json
 
     import torch
-    from kvskill.implementer.framework_legacy_verify import import_model
-    from kvskill.implementer.verify import condition_weights, make_prompts
-    from kvskill.implementer.verify_engine import EngineDriver
     from kvskill.runtime.executor_host import executor_infer_config, framework_modules
     from kvskill.runtime.ops.npu_standin import npu_standin
+    from kvskill.verify.drivers.engine import EngineDriver
+    from kvskill.verify.drivers.framework_legacy import import_model
+    from kvskill.verify.prompts import make_prompts
+    from kvskill.verify.weights import condition_weights
 
     out = _apply(tmp_path)
     config = json.loads((out / "config.json").read_text())

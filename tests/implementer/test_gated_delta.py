@@ -246,8 +246,9 @@ def test_a_request_never_reads_the_state_a_block_held_before(small_qwen3_next):
     ],
 )
 def test_other_delta_layers_convert_token_exact(tmp_path, model_type, expected, reapply):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / model_type
     apply_model(model_type, out, ApplyOptions())

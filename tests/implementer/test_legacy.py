@@ -113,7 +113,8 @@ def _prompts() -> list[list[int]]:
 )
 def test_legacy_families_verify_token_exact(tmp_path, model_type, mode):
     from kvskill.implementer.record import ConvertedDir
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / model_type
     apply_model(model_type, out, ApplyOptions(deploy_mode=mode))

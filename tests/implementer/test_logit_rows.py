@@ -36,8 +36,9 @@ def test_the_variant_really_takes_no_logits_to_keep():
     ids=["framework", "standalone-contiguous", "standalone-paged"],
 )  # fmt: skip
 def test_a_forward_without_logits_to_keep_verifies_token_exact(options, tmp_path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     source = write_remote_model(tmp_path / "src", OLD_HEAD)
     out = tmp_path / "out"

@@ -274,7 +274,8 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.slow
 def test_mamba2_verifies_and_serves_a_mixed_batch_from_state_groups_alone(small_mamba2):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     code = (small_mamba2 / "modeling_mamba2.py").read_text()
     assert "mamba.mamba_chunk_scan_combined(" in code and "gather_ssm_states(" in code
@@ -312,8 +313,9 @@ def test_a_request_never_reads_the_state_a_block_held_before(small_mamba2):
 
 @pytest.mark.slow
 def test_bamba_hybrid_verifies_and_preempted_requests_keep_their_tokens(tmp_path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "bamba"
     apply_model("bamba", out, ApplyOptions(config_overrides=SMALL_BAMBA))
@@ -366,8 +368,9 @@ def test_the_falcon_h1_mixer_is_converted_with_its_scales_and_its_gate_choice():
 
 @pytest.mark.slow
 def test_falcon_h1_verifies_with_attention_and_mamba_states_in_every_layer(tmp_path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "falcon_h1"
     apply_model("falcon_h1", out, ApplyOptions(config_overrides=SMALL_FALCON_H1))
@@ -441,8 +444,9 @@ def test_granitemoehybrid_with_an_attention_layer_verifies(tmp_path):
     # generate cannot run a model without an attention layer: one of each here
     import json
 
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "granitemoehybrid"
     overrides = {**SMALL_BAMBA, "layer_types": ["mamba", "attention"]}
@@ -473,8 +477,9 @@ def test_a_saved_config_s_special_float_tags_read_as_transformers_reads_them(tmp
 @pytest.mark.slow
 def test_a_mamba2_checkpoint_saved_by_save_pretrained_converts_and_verifies(tmp_path):
     import torch
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     torch.manual_seed(0)

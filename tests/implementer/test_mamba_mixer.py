@@ -196,8 +196,9 @@ def test_jamba_served_with_preemption_equals_transformers_generate(small_jamba):
     ],
 )
 def test_state_models_verify_token_exact(tmp_path, model_type, overrides, expected):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / model_type
     apply_model(model_type, out, ApplyOptions(config_overrides=overrides))

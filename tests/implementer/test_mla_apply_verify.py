@@ -12,9 +12,10 @@ import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from mla_models import YARN, build_pair, tiny_config  # noqa: E402
@@ -197,7 +198,7 @@ def test_latent_cache_memory_matches_plan(tmp_path):
 
 
 def test_verify_shrink_routes_to_two_experts_when_the_config_leaves_top_k_unset():
-    from kvskill.implementer.shrink import shrink_config
+    from kvskill.verify.shrink import shrink_config
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("deepseek_v2").to_dict()

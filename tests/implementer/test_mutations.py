@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvskill.implementer.verify import VerifyOptions, verify_directory
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 
 def _mutate(converted, tmp_path, family: str, file: str, old: str, new: str):

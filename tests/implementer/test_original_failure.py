@@ -118,7 +118,7 @@ def test_a_transformers_kvskill_does_not_support_is_never_advised(tmp_path, caps
 
 
 def test_the_supported_range_is_the_installed_requirement():
-    from kvskill.implementer.original_failure import supported_transformers
+    from kvskill.verify.reference.original_failure import supported_transformers
     from packaging.specifiers import SpecifierSet
 
     supported = SpecifierSet(supported_transformers())

@@ -16,10 +16,11 @@ import pytest
 from checkpoint_tokens import hf_tokens, kvskill_tokens, save_checkpoint
 from kvskill.analyzer import analyze_model
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.text_model import LocalTextModelCommand, text_model_problems
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.shrink import shrink_config
 from libcst.codemod import CodemodContext
 
 #: head_dim 16: the multimodal rope splits its 8 rotary frequencies into three sections

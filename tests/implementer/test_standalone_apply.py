@@ -17,10 +17,11 @@ from kvskill.analyzer.lint import lint_source
 from kvskill.cli import main
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.convert import source_package
-from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.standalone import StandaloneSpec, convert_standalone_source
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.shrink import shrink_config
 
 pytestmark = pytest.mark.slow
 

@@ -213,7 +213,8 @@ def _apply(tmp_path: Path) -> Path:
 
 
 def _verify(out: Path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     return verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=8))
 
@@ -234,7 +235,7 @@ def test_apply_then_verify_is_token_exact_against_the_legacy_original(tmp_path):
 
 def test_run_refuses_an_output_that_keeps_its_own_runner(tmp_path):
     from kvskill.core.errors import BadInputError
-    from kvskill.implementer.standalone.launch import StandaloneRun
+    from kvskill.verify.launch import StandaloneRun
 
     out = _apply(tmp_path)
     with pytest.raises(BadInputError, match=r"its own runner \(runner_legacy_dense.py\)"):
@@ -278,13 +279,13 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
     import importlib
 
     import torch
-    from kvskill.implementer.framework_legacy_verify import import_model
-    from kvskill.implementer.standalone.verify import import_runner
-    from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
-    from kvskill.implementer.standalone_legacy_verify import runner_settings
     from kvskill.runtime.executor_host import framework_modules
     from kvskill.runtime.forward_context import reset_forward_metadata
     from kvskill.runtime.ops.npu_standin import npu_standin
+    from kvskill.verify.drivers.framework_legacy import import_model
+    from kvskill.verify.drivers.runner import import_runner
+    from kvskill.verify.drivers.standalone_legacy import runner_settings
+    from kvskill.verify.drivers.standalone_legacy_drive import drive_runner_protocol
 
     out = _apply(tmp_path)
     plan = json.loads((out / "kvskill_plan.json").read_text())
@@ -343,8 +344,9 @@ PANGU_CONFIG = {
 @pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")
 def test_the_real_pangu_7b_converts_to_mode_2_and_verifies_token_exact(tmp_path):
     pytest.importorskip("datasets", reason="the framework's executor imports datasets")
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
     from kvskill.implementer.writer import apply_model
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     real = Path(ROOT) / "models" / "pangu_7b"
     model = tmp_path / "pangu_7b"

@@ -257,7 +257,8 @@ def _apply(tmp_path: Path) -> Path:
 
 
 def _verify(out: Path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     return verify_directory(out, VerifyOptions(trust_remote_code=True, max_new_tokens=8))
 
@@ -330,12 +331,12 @@ def test_verify_fails_slots_that_ignore_the_block_table(tmp_path):
 @pytest.mark.slow
 def test_the_fixtures_own_runner_drives_both_files_to_the_same_tokens(tmp_path):
     import torch
-    from kvskill.implementer.framework_legacy_verify import import_model
-    from kvskill.implementer.standalone.verify import import_runner
-    from kvskill.implementer.standalone_legacy_verify import runner_settings
     from kvskill.runtime.executor_host import framework_modules
     from kvskill.runtime.forward_context import reset_forward_metadata
     from kvskill.runtime.ops.npu_standin import npu_standin
+    from kvskill.verify.drivers.framework_legacy import import_model
+    from kvskill.verify.drivers.runner import import_runner
+    from kvskill.verify.drivers.standalone_legacy import runner_settings
 
     out = _apply(tmp_path)
     plan = json.loads((out / "kvskill_plan.json").read_text())

@@ -21,7 +21,6 @@ from kvskill.analyzer import analyze_model
 from kvskill.analyzer.lint import lint_source
 from kvskill.implementer.snippets import render
 from kvskill.implementer.standalone import StandaloneSpec, render_runner
-from kvskill.implementer.standalone.verify import import_runner
 from kvskill.runtime import (
     CacheEntry,
     LayerCacheInfo,
@@ -29,6 +28,7 @@ from kvskill.runtime import (
     get_forward_metadata,
     prepare_slot_mapping,
 )
+from kvskill.verify.drivers.runner import import_runner
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]

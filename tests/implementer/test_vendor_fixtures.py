@@ -1,7 +1,7 @@
 """Vendor-shape model directories (tests/fixtures/vendor/): analyze -> apply -> verify.
 
 Each is converted in framework mode and in both standalone modes and verified token-exact
-against its original, driven with its own tuple cache (reference_drive.py) under the installed
+against its original, driven with its own tuple cache (verify/reference/drive.py) under the installed
 transformers. The compatibility suite (tests/compat/) runs the same under the older locks.
 """
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from kvskill.implementer.convert import ApplyOptions
-from kvskill.implementer.reference_drive import tuple_cache_generate
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.reference.drive import tuple_cache_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 

@@ -12,10 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from kvskill.analyzer.analyze import analyze_model  # noqa: E402
 from kvskill.core.errors import UnsupportedModelError  # noqa: E402
 from kvskill.implementer.convert import ApplyOptions  # noqa: E402
-from kvskill.implementer.verify import VerifyOptions, verify_directory  # noqa: E402
 from kvskill.implementer.writer import apply_model  # noqa: E402
 from kvskill.runtime.distributed.shard import Slice, plan_shards  # noqa: E402
 from kvskill.runtime.loader import load_model  # noqa: E402
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 from vendor_fixtures import VENDOR_ROOT  # noqa: E402
 
 #: fixture -> (modeling file, projection, layout, the cut the evidence cites)

@@ -20,8 +20,9 @@ from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions
 from kvskill.implementer.pipeline import convert_source
 from kvskill.implementer.spec import ConversionSpec
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 

@@ -20,8 +20,8 @@ from kvskill.analyzer.kv_sizing import ConfigView, kv_sizing
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions
-from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.writer import apply_model
+from kvskill.verify.shrink import shrink_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
@@ -62,7 +62,8 @@ def test_the_converted_attention_sizes_its_caches_with_the_code_s_own_count(mode
 
 
 def test_a_cache_sized_otherwise_than_the_projection_is_refused_before_it_runs(tmp_path):
-    from kvskill.implementer.verify import VerifyOptions, verify_directory
+    from kvskill.verify.flow import verify_directory
+    from kvskill.verify.options import VerifyOptions
 
     out = tmp_path / "out"
     apply_model(str(GROUPS), out, ApplyOptions())

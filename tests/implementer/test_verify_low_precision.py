@@ -7,9 +7,10 @@ float32 original against the original's own drift in the same dtype.
 from __future__ import annotations
 
 import pytest
-from kvskill.implementer.report import format_table
-from kvskill.implementer.verdict import DRIFT_RATIO
-from kvskill.implementer.verify import VerifyOptions, verify_directory
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.table import format_table
+from kvskill.verify.verdict import DRIFT_RATIO
 
 #: where the converted qwen3_moe attention flattens K and V to TND, and its scale
 KEY_TND = "key_tnd = key_states.transpose(1, 2)"

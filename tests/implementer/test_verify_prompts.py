@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.verify_prompts import read_prompts
+from kvskill.verify.prompts import read_prompts
 
 
 def _read(path, tokenizer_dirs=(), vocab_size=100, max_len=16):

@@ -15,10 +15,12 @@ import torch
 from checkpoint_tokens import NEW_TOKENS, PROMPTS, hf_tokens
 from kvskill.cli import main
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.real_weights import choose_checked
-from kvskill.implementer.report import format_table
-from kvskill.implementer.verify import Checked, VerifyOptions, condition_weights, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.report import Checked
+from kvskill.verify.table import format_table
+from kvskill.verify.weights import choose_checked, condition_weights
 
 MOE = dict(
     hidden_size=64,
@@ -130,7 +132,7 @@ def test_bfloat16_on_the_real_weights_gives_the_noise_floor_verdict(moe_checkpoi
 
 
 def test_a_loader_reading_other_weights_is_reported(moe_checkpoint, monkeypatch):
-    from kvskill.implementer import real_weights
+    from kvskill.verify import weights as real_weights
 
     out, _, _ = moe_checkpoint
     load = real_weights.load_real_converted
@@ -141,7 +143,7 @@ def test_a_loader_reading_other_weights_is_reported(moe_checkpoint, monkeypatch)
             next(p for n, p in model.named_parameters() if "experts" in n).mul_(1.5)
         return model
 
-    monkeypatch.setattr("kvskill.implementer.verify.load_real_converted", one_expert_off)
+    monkeypatch.setattr("kvskill.verify.flow.load_real_converted", one_expert_off)
     report = verify_directory(out, VerifyOptions(num_prompts=1))
     assert not report.passed
     assert "read other weights than the original's loader" in report.error
@@ -210,7 +212,7 @@ def test_a_remote_code_checkpoint_verifies_on_its_real_weights(tmp_path):
 
 
 def test_a_buffer_no_state_dict_holds_is_compared_too():
-    from kvskill.implementer.real_weights import weights_differ
+    from kvskill.verify.weights import weights_differ
 
     class Rotary(torch.nn.Module):
         def __init__(self, base: float) -> None:

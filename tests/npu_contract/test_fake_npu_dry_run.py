@@ -20,9 +20,10 @@ import fake_torch_npu
 import pytest
 import torch
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import LLM, SamplingParams
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "implementer"))
 from remote_model import write_remote_model  # noqa: E402

@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvskill.implementer.convert import ApplyOptions
-from kvskill.implementer.shrink import shrink_config
 from kvskill.implementer.writer import apply_model
 from kvskill.runtime.executor_host import executor_infer_config
 from kvskill.runtime.ops.npu_standin import npu_standin
+from kvskill.verify.shrink import shrink_config
 
 ROOT = os.environ.get("KVSKILL_CANN_RECIPES")
 pytestmark = pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-HEAVY = ("torch", "transformers", "kvskill.runtime", "kvskill.implementer.verify")
+HEAVY = ("torch", "transformers", "kvskill.runtime", "kvskill.verify.flow")
 
 _PROBE = """
 import json, sys
@@ -69,4 +69,4 @@ def test_a_command_that_needs_torch_still_gets_it(tmp_path):
     answered before the model runs, but verify's imports are made by then."""
     code, loaded = _loaded_after("verify", str(tmp_path))
     assert code == 2
-    assert "torch" in loaded and "kvskill.implementer.verify" in loaded
+    assert "torch" in loaded and "kvskill.verify.flow" in loaded

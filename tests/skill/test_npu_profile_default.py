@@ -10,9 +10,10 @@ import json
 
 import pytest
 from kvskill.cli import main
-from kvskill.implementer.report import format_table
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.table import format_table
 
 #: a one-layer qwen3 whose head dims the NPU takes (32: 16-aligned)
 SMALL_QWEN3 = {

@@ -1,5 +1,5 @@
-"""How ``verify`` drives the original model: transformers ``generate``, or the model's own
-tuple cache.
+"""How ``verify`` drives the original model: transformers ``generate`` (``reference_generate``),
+or the model's own tuple cache (``tuple_cache_generate``).
 
 Vendor files written for transformers 4.3x keep their KV cache as tuples grown with
 ``torch.cat`` and returned as ``past_key_values`` (the Plan's ``code.cache_api`` is
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kvskill.verify.reference.recompute import greedy_config
 from torch import nn
 
 #: the Plan's ``code.cache_api`` of a cache written as tuples grown with ``torch.cat``
@@ -55,3 +56,23 @@ def tuple_cache_generate(
 
 
 __all__ = ["TUPLE_CACHE_API", "drives_own_tuple_cache", "tuple_cache_generate"]
+
+
+def reference_generate(
+    model: nn.Module, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and raw logits ``[steps, vocab]`` from transformers ``generate``."""
+    config = greedy_config(max_new_tokens, output_logits=True, return_dict_in_generate=True)
+    # NOTE: both sides generate exactly max_new_tokens; the model's own EOS must not stop
+    # the reference early (the runtime runs with ignore_eos).
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt])
+    # NOTE: an explicit all-ones mask: without one, generate masks out every prompt token
+    # equal to pad_token_id (0), which the runtime attends to (seed 2 draws token 0).
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logits = torch.stack([step[0].float() for step in out.logits])
+    return tokens, logits

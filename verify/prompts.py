@@ -1,4 +1,7 @@
-"""Prompts from a file for ``verify --prompts FILE``: one prompt per line.
+"""The prompts verify runs: generated ones of varied lengths, or ``--prompts FILE``.
+
+Generated prompts are random token ids whose lengths cross block edges and the sliding
+window (``choose_prompt_lengths``). A prompts file holds one prompt per line.
 
 A line of integers (separated by commas and/or spaces) is a prompt of token ids; any other
 line is text, tokenized with the checkpoint's own tokenizer when its files are present
@@ -9,9 +12,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import torch
+from kvskill.analyzer.config import text_config
+from kvskill.analyzer.config_keys import lookup
+from kvskill.analyzer.plan import Plan
+from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
 from kvskill.core.inputs import read_text
+from kvskill.verify.options import VerifyOptions
 
 _IDS = re.compile(r"\d+(?:[\s,]+\d+)*,?")
 #: any one of these marks a directory holding a tokenizer transformers can load offline
@@ -93,3 +103,41 @@ def read_prompts(
     if not prompts:
         raise BadInputError(f"{path} holds no prompt (one per line: token ids or text)")
     return prompts
+
+
+def choose_prompt_lengths(
+    num_prompts: int, block_size: int, window: int | None, limit: int
+) -> list[int]:
+    """Variable lengths: short, several blocks long, and past the window when there is one.
+
+    Example (block 4, window 8): 3, 21, 19, 33 for four prompts.
+    """
+    span = max(window or 0, 2 * block_size)
+    base = [3, span + 2 * block_size + 5, 4 * block_size + 3, 6 * block_size + 1 + (window or 0)]
+    lengths = [base[i % len(base)] + (i // len(base)) * 2 for i in range(num_prompts)]
+    return [max(1, min(n, limit)) for n in lengths]
+
+
+def make_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def prompt_lengths_for(
+    plan: Plan,
+    config: dict[str, Any],
+    options: VerifyOptions,
+    block_size: int,
+    names: dict[str, str] | None = None,
+) -> list[int]:
+    """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
+    text = text_config(config)[0]  # a vision-language model's decoder keeps these
+    window = text.get("sliding_window") if is_windowed(plan) else None
+    positions = lookup(text, "max_positions", names)[0]  # seq_length (ChatGLM), n_positions
+    limit = int(positions or 4096) - options.max_new_tokens
+    return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
+
+
+def is_windowed(plan: Plan) -> bool:
+    """Whether any layer of the plan attends over a sliding window."""
+    return AttnType.SLIDING_WINDOW in plan.layer_attn_types()

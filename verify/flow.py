@@ -3,7 +3,7 @@
 Stages (design §6):
   1. read ``kvskill_plan.json`` and ``config.json`` from the converted directory; code that
      does not come from the installed transformers needs ``trust_remote_code``;
-  2. choose what to check (``real_weights.py``): the directory's own weights when it has
+  2. choose what to check (``weights.py``): the directory's own weights when it has
      some and they fit in memory, else a shrunk config keeping every structural feature
      (``shrink.py``) with random weights;
   3. build the reference (transformers with the *original* modeling code, eager attention,
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -39,30 +37,13 @@ import torch
 from kvskill.analyzer.config import text_config
 from kvskill.analyzer.config_keys import attribute_map_for, lookup
 from kvskill.analyzer.plan import Plan, SourceKind
-from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, KvskillError, UnsupportedModelError
 from kvskill.core.kv_layouts import KV_LAYOUTS
 from kvskill.core.safetensors_check import check_safetensors
 from kvskill.core.trust import require_trust
-from kvskill.implementer.cache_widths import check_cache_widths
 from kvskill.implementer.mla.spec import MLA_BLOCK_SIZE
-from kvskill.implementer.original_failure import original_failure
-from kvskill.implementer.real_weights import (
-    choose_checked,
-    load_real_converted,
-    load_real_reference,
-    weights_differ,
-)
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.reference import build_reference
-from kvskill.implementer.reference_drive import drives_own_tuple_cache, tuple_cache_generate
-from kvskill.implementer.reference_recompute import cache_path_note, greedy_config
-from kvskill.implementer.shrink import SLIDING_WINDOW, ShrinkResult, shrink_config
-from kvskill.implementer.verdict import DRIFT_RATIO, LOW_PRECISION, Generation, judge
-from kvskill.implementer.verify_driver import DriverRun, VerifyDriver
-from kvskill.implementer.verify_prompts import read_prompts
-from kvskill.implementer.verify_report import Checked, PromptResult, VerifyReport
 from kvskill.runtime.ops.reference.npu_profile import (
     NPU_BLOCK_SIZE,
     NpuProfile,
@@ -71,57 +52,37 @@ from kvskill.runtime.ops.reference.npu_profile import (
     run_profile,
     use_npu_profile,
 )
+from kvskill.verify.cache_widths import check_cache_widths
+from kvskill.verify.compare import DEFAULT_ATOL, LOGIT_RTOL, compare_prompt
+from kvskill.verify.drivers import OWN_FLOWS, DriverRun, driver_for, output_kind
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.prompts import is_windowed, make_prompts, prompt_lengths_for, read_prompts
+from kvskill.verify.reference.build import build_reference
+from kvskill.verify.reference.drive import (
+    drives_own_tuple_cache,
+    reference_generate,
+    tuple_cache_generate,
+)
+from kvskill.verify.reference.original_failure import original_failure
+from kvskill.verify.reference.recompute import cache_path_note
+from kvskill.verify.report import Checked, VerifyReport
+from kvskill.verify.shrink import ShrinkResult, shrink_config
+from kvskill.verify.verdict import LOW_PRECISION, Generation, judge
+from kvskill.verify.weights import (
+    choose_checked,
+    condition_weights,
+    load_real_converted,
+    load_real_reference,
+    weights_differ,
+)
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-#: On top of atol, a prompt's logits may differ by this many float32 spacings (ulps) of its
-#: largest reference logit. NOTE: logits are compared in float32, where one ulp is about
-#: eps * |logit|, so a fixed atol is stricter for a model with large logits than float32
-#: can be. granite_swa (tied embeddings of std 1 and an unscaled q.k, attention_multiplier
-#: 1.0) has logits near 170, where one ulp is 1.5e-5: there the original differs from its
-#: own float64 run by up to 1.6e-4 and from itself with an equal sink formula by 4.2e-5,
-#: while the conversion differs by 1.8e-4 (12 ulps; 3 with the usual 1/sqrt(d) scale). A
-#: real error (a window off by one, a wrong scale) moves logits by 0.1 or more, far above
-#: 16 ulps (3.3e-4 at 170); for logits of order 1 the term adds under 1e-5 to atol.
-LOGIT_ULPS = 16
-LOGIT_RTOL = LOGIT_ULPS * torch.finfo(torch.float32).eps
 #: tokens per block with --cpu-only-shapes: tiny, so short prompts span several blocks. Under
 #: the NPU profile (the default) the block size is NPU_BLOCK_SIZE (128) and the prompts grow
 #: with it (``choose_prompt_lengths``).
 DEFAULT_BLOCK_SIZE = 4
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyOptions:
-    #: True: a shrunk random-weight twin; False: the full config (the directory's weights
-    #: when it has some); None: the real weights when present and they fit, else the twin
-    shrink: bool | None = None
-    num_prompts: int = 4
-    max_new_tokens: int = 8
-    atol: float | None = None
-    #: relative logit tolerance (of the largest reference logit); None: LOGIT_RTOL
-    rtol: float | None = None
-    block_size: int | None = None
-    dtype: str = "float32"
-    seed: int = 0
-    trust_remote_code: bool = False
-    #: the runtime's cache layout for the converted model: "contiguous" (one dense tensor per
-    #: cache) or "page_pool" (one pool of pages, strided views; references/
-    #: noncontiguous_kv_reference.md)
-    kv_layout: str = "contiguous"
-    #: prompts, one per line (token ids, or text with a local tokenizer); None: generated
-    prompts_file: Path | None = None
-    #: float16 / bfloat16: the conversion's drift may be this many times the original's
-    drift_ratio: float = DRIFT_RATIO
-    #: tensor-parallel ranks the converted model runs on (None: the size it was converted
-    #: for); the reference is always one process
-    tensor_parallel_size: int | None = None
-    tp_backend: str = "auto"
-    #: skip the NPU profile (tiny blocks; the report says the NPU limits were not checked);
-    #: None: KVSKILL_CPU_ONLY_SHAPES decides (off unless it is set)
-    cpu_only_shapes: bool | None = None
 
 
 def check_trust(converted: ConvertedDir, trust_remote_code: bool) -> None:
@@ -150,62 +111,6 @@ def check_inputs(converted: ConvertedDir) -> None:
     # still not pass, so every file's header is checked against its size.
     for weights in sorted(converted.directory.glob("*.safetensors")):
         check_safetensors(weights)
-
-
-def choose_prompt_lengths(
-    num_prompts: int, block_size: int, window: int | None, limit: int
-) -> list[int]:
-    """Variable lengths: short, several blocks long, and past the window when there is one.
-
-    Example (block 4, window 8): 3, 21, 19, 33 for four prompts.
-    """
-    span = max(window or 0, 2 * block_size)
-    base = [3, span + 2 * block_size + 5, 4 * block_size + 3, 6 * block_size + 1 + (window or 0)]
-    lengths = [base[i % len(base)] + (i // len(base)) * 2 for i in range(num_prompts)]
-    return [max(1, min(n, limit)) for n in lengths]
-
-
-def make_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def condition_weights(model: nn.Module, seed: int) -> None:
-    """Random weights with well-separated logits.
-
-    Default initialisers (std 0.02) give near-uniform logits whose top two can tie within
-    float noise, which would make a greedy comparison meaningless; fan-in scaled normals
-    keep activations O(1) and the top tokens apart.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                fan_in = param.shape[-1]
-                std = 1.0 if "embed" in name else fan_in**-0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-            elif "sink" in name:
-                param.copy_(torch.randn(param.shape, generator=generator))
-
-
-def reference_generate(
-    model: nn.Module, prompt: list[int], max_new_tokens: int
-) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and raw logits ``[steps, vocab]`` from transformers ``generate``."""
-    config = greedy_config(max_new_tokens, output_logits=True, return_dict_in_generate=True)
-    # NOTE: both sides generate exactly max_new_tokens; the model's own EOS must not stop
-    # the reference early (the runtime runs with ignore_eos).
-    model.generation_config.eos_token_id = None
-    input_ids = torch.tensor([prompt])
-    # NOTE: an explicit all-ones mask: without one, generate masks out every prompt token
-    # equal to pad_token_id (0), which the runtime attends to (seed 2 draws token 0).
-    with torch.no_grad():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logits = torch.stack([step[0].float() for step in out.logits])
-    return tokens, logits
 
 
 @contextmanager
@@ -355,26 +260,11 @@ def config_names(converted: ConvertedDir) -> dict[str, str]:
     return attribute_map_for(plan.model_type, converted.config, converted.directory, remote=remote)
 
 
-def prompt_lengths_for(
-    plan: Plan,
-    config: dict[str, Any],
-    options: VerifyOptions,
-    block_size: int,
-    names: dict[str, str] | None = None,
-) -> list[int]:
-    """Prompt lengths that cross block (and window) edges and leave room for the new tokens."""
-    text = text_config(config)[0]  # a vision-language model's decoder keeps these
-    window = text.get("sliding_window") if is_windowed(plan) else None
-    positions = lookup(text, "max_positions", names)[0]  # seq_length (ChatGLM), n_positions
-    limit = int(positions or 4096) - options.max_new_tokens
-    return choose_prompt_lengths(options.num_prompts, block_size, window, limit)
-
-
 def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     """Run the original and the converted model on the same prompts and compare.
 
     One verify for both deploy modes: a framework output runs in the bundled runtime's
-    engine, a standalone output in its own runner (the driver, see ``verify_driver.py``);
+    engine, a standalone output in its own runner (the driver of its output kind, ``drivers/``);
     prompts, comparison, report and exit code are the same.
 
     Raises:
@@ -385,27 +275,10 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     plan, config = converted.plan, converted.config
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
-    from kvskill.implementer.framework_legacy_verify import (
-        is_framework_legacy,
-        verify_framework_legacy,
-    )
-
-    if is_framework_legacy(converted):
-        # the original is the framework's own Legacy model, not a transformers reference
-        return verify_framework_legacy(converted, options)
-    from kvskill.implementer.standalone_legacy_verify import (
-        is_standalone_legacy,
-        verify_standalone_legacy,
-    )
-
-    if is_standalone_legacy(converted):
-        # the original is the framework's standalone model, driven as its own runner does
-        # NOTE: a model that imports the framework's own packages (executor, module) runs
-        # against the checkout KVSKILL_CANN_RECIPES names, as the opt-in tests do
-        root = os.environ.get("KVSKILL_CANN_RECIPES")
-        return verify_standalone_legacy(
-            converted, options, framework_root=Path(root) if root else None
-        )
+    kind = output_kind(converted, options.tensor_parallel_size or plan.attn_tp_size)
+    if kind in OWN_FLOWS:
+        # the original is the framework's own model, not a transformers reference
+        return OWN_FLOWS[kind](converted, options)
     check_verifiable(converted, options)
     options = replace(
         options, tensor_parallel_size=options.tensor_parallel_size or plan.attn_tp_size
@@ -459,31 +332,6 @@ def choose_block_size(requested: int | None, profile: NpuProfile, *, is_mla: boo
     if is_mla:  # the MLA NZ caches need 16-token-aligned blocks
         block_size = max(MLA_BLOCK_SIZE, -(-block_size // MLA_BLOCK_SIZE) * MLA_BLOCK_SIZE)
     return block_size
-
-
-def driver_for(
-    converted: ConvertedDir, converted_dir: Path, options: VerifyOptions
-) -> VerifyDriver:
-    """The runner of a standalone output, else the bundled engine."""
-    standalone = converted.record.standalone
-    if standalone is not None:
-        from kvskill.implementer.standalone.verify import RunnerDriver
-
-        return RunnerDriver(converted_dir=converted_dir, record=standalone)
-    if (options.tensor_parallel_size or 1) > 1:
-        from kvskill.implementer.verify_tp import TensorParallelDriver
-
-        return TensorParallelDriver(
-            seed=options.seed,
-            use_hybrid_blocks=options.kv_layout == "page_pool",
-            tensor_parallel_size=options.tensor_parallel_size,
-            backend=options.tp_backend,
-            code_dir=converted_dir,
-            dtype=options.dtype,
-        )
-    from kvskill.implementer.verify_engine import EngineDriver
-
-    return EngineDriver(seed=options.seed, use_hybrid_blocks=options.kv_layout == "page_pool")
 
 
 def _verify(
@@ -667,67 +515,4 @@ def low_precision_verdict(
     )
 
 
-def is_windowed(plan: Plan) -> bool:
-    """Whether any layer of the plan attends over a sliding window."""
-    return AttnType.SLIDING_WINDOW in plan.layer_attn_types()
-
-
-def compare_prompt(
-    index: int,
-    prompt: list[int],
-    tokens: list[int],
-    ref_logits: torch.Tensor,
-    runtime_tokens: list[int],
-    runtime_logits: list[torch.Tensor],
-    atol: float,
-) -> PromptResult:
-    """One prompt's reference against what the driver generated.
-
-    Tokens must be identical, or differ first where the reference scored both tokens within
-    ``atol`` (a near tie); logits are compared up to and including the first differing step.
-    """
-    mismatch = next(
-        (i for i, (a, b) in enumerate(zip(tokens, runtime_tokens, strict=False)) if a != b),
-        None if len(tokens) == len(runtime_tokens) else min(len(tokens), len(runtime_tokens)),
-    )
-    # logits are comparable up to and including the first differing step
-    steps = len(tokens) if mismatch is None else mismatch + 1
-    steps = min(steps, len(ref_logits))
-    diff = 0.0
-    for step in range(steps):
-        if step >= len(runtime_logits):  # the driver recorded no logits for this step
-            diff = math.inf
-            break
-        diff = max(diff, (runtime_logits[step] - ref_logits[step]).abs().max().item())
-    near_tie = False
-    if mismatch is not None and mismatch < min(len(ref_logits), len(runtime_tokens)):
-        scores = ref_logits[mismatch]
-        margin = (scores[tokens[mismatch]] - scores[runtime_tokens[mismatch]]).item()
-        near_tie = margin <= atol
-    return PromptResult(
-        index=index,
-        prompt_len=len(prompt),
-        reference_tokens=tokens,
-        runtime_tokens=runtime_tokens,
-        max_logit_diff=diff,
-        first_mismatch=mismatch,
-        near_tie=near_tie,
-        logit_scale=logit_scale(ref_logits, steps),
-    )
-
-
-def logit_scale(ref_logits: torch.Tensor, steps: int) -> float:
-    """Largest |reference logit| over the first ``steps`` steps (0.0 for none)."""
-    return ref_logits[:steps].abs().max().item() if steps > 0 else 0.0
-
-
-__all__ = [
-    "LOGIT_RTOL",
-    "Checked",
-    "PromptResult",
-    "SLIDING_WINDOW",
-    "VerifyOptions",
-    "VerifyReport",
-    "choose_prompt_lengths",
-    "verify_directory",
-]
+__all__ = ["VerifyOptions", "VerifyReport", "check_layout_fits", "verify_directory"]

@@ -4,7 +4,7 @@ original, on a CPU.
 The original is the framework's model as ``apply`` read it (``kvskill_plan.json`` names its
 folder); it runs its Legacy path on rows allocated as the framework's worker does
 (``framework_legacy_drive.py``). The converted model runs paged in the bundled runtime's
-engine (continuous batching, shuffled free blocks, the three chains; ``verify_engine.py``).
+engine (continuous batching, shuffled free blocks, the three chains; ``engine.py``).
 Both run inside the CPU ``torch_npu`` stand-in with the executor's imports answered by
 kvskill's equal classes, on the same random weights and prompts; the comparison is verify's
 (``compare_prompt``): greedy tokens identical and every step's logits within the tolerance.
@@ -18,19 +18,14 @@ from typing import Any
 
 import torch
 from kvskill.core.errors import BadInputError, UnsupportedModelError
-from kvskill.implementer.framework_legacy_drive import drive_legacy, legacy_infer_config
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.verify import (
-    DEFAULT_ATOL,
-    LOGIT_RTOL,
-    Checked,
-    VerifyOptions,
-    VerifyReport,
-    compare_prompt,
-    condition_weights,
-    make_prompts,
-)
-from kvskill.implementer.verify_engine import EngineDriver
+from kvskill.verify.compare import DEFAULT_ATOL, LOGIT_RTOL, compare_prompt
+from kvskill.verify.drivers.engine import EngineDriver
+from kvskill.verify.drivers.framework_legacy_drive import drive_legacy, legacy_infer_config
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.prompts import make_prompts
+from kvskill.verify.report import Checked, VerifyReport
+from kvskill.verify.weights import condition_weights
 from torch import nn
 
 #: prompt lengths, cycled: unequal, so the Legacy rows are right-padded differently
@@ -141,16 +136,16 @@ def verify_framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> 
         BadInputError: the original's folder is gone, or an option this path does not take.
         UnsupportedModelError: the model imports framework modules the CPU host lacks.
     """
-    from kvskill.implementer.framework_checkout import framework_packages
     from kvskill.runtime.executor_host import executor_infer_config, framework_modules
     from kvskill.runtime.ops.npu_standin import npu_standin
+    from kvskill.verify.drivers.checkout import framework_packages
 
     plan, config = converted.plan, converted.config
     source_file = Path(plan.source.path) / plan.code["modeling_file"]
     if source_file.is_file() and framework_packages(source_file.read_text(encoding="utf-8")):
         # the rest of the framework (its config, parallel layers, fused MoE) comes from the
         # user's checkout
-        from kvskill.implementer.framework_legacy_checkout import verify_against_checkout
+        from kvskill.verify.drivers.legacy_checkout import verify_against_checkout
 
         return verify_against_checkout(converted, options)
     original_dir = legacy_original_dir(converted, options, "framework-Legacy")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.verify_report import Checked
+from kvskill.verify.report import Checked
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def load_real_reference(
         BadInputError: transformers cannot build it, or the checkpoint leaves parameters
             missing or unexpected (not every tensor of the model came from the file).
     """
-    from kvskill.implementer.reference import (
+    from kvskill.verify.reference.build import (
         REFERENCE_ATTENTION,
         installed_differs_note,
         transformers_class,
@@ -158,8 +158,8 @@ def _reference_by_name(
     - the language model of a composite (vision-language) checkpoint, whose tensors are
       named ``model.language_model...``: the causal LM's ``from_pretrained`` finds none.
     """
-    from kvskill.implementer.reference import build_reference
     from kvskill.runtime.loader import load_checkpoint_tensors
+    from kvskill.verify.reference.build import build_reference
 
     plan, directory = converted.plan, converted.directory
     reference, note = build_reference(
@@ -235,3 +235,21 @@ def _tied_names(model: nn.Module) -> set[str]:
             tied.add(name)
         seen.add(id(param))
     return tied
+
+
+def condition_weights(model: nn.Module, seed: int) -> None:
+    """Random weights with well-separated logits.
+
+    Default initialisers (std 0.02) give near-uniform logits whose top two can tie within
+    float noise, which would make a greedy comparison meaningless; fan-in scaled normals
+    keep activations O(1) and the top tokens apart.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                fan_in = param.shape[-1]
+                std = 1.0 if "embed" in name else fan_in**-0.5
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif "sink" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))

@@ -1,9 +1,8 @@
 """The small protocol ``verify`` runs a converted model through, whoever drives it.
 
 ``verify`` builds the reference and the converted model, picks the prompts and compares; a
-driver only runs the converted model on those prompts and checks its own three chains. Two
-drivers exist: the bundled runtime's engine (``verify_engine.EngineDriver``, framework
-outputs) and the generated runner (``standalone.verify.RunnerDriver``, standalone outputs).
+driver only runs the converted model on those prompts and checks its own three chains. The
+registry of drivers by output kind is ``kvskill.verify.drivers``.
 """
 
 from __future__ import annotations

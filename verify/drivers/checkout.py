@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from kvskill.runtime.executor_host import ANSWERED_MODULES, answered_modules
+from kvskill.verify.weights import condition_weights
 from torch import nn
 
 _FRAMEWORK_IMPORT = re.compile(r"^\s*(?:from|import)\s+((?:executor|module)(?:\.\w+)*)", re.M)
@@ -167,8 +168,6 @@ def random_weights(model: nn.Module, seed: int) -> None:
     """verify's conditioned weights, plus seeded biases: the framework's parallel linears
     allocate theirs with ``torch.empty`` (a checkpoint fills them), so left as they are they
     would hold whatever the memory held."""
-    from kvskill.implementer.verify import condition_weights
-
     condition_weights(model, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     for name, param in model.named_parameters():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvskill.implementer.verify_report import VerifyReport
 from kvskill.runtime.ops.reference.npu_profile import profile_line
+from kvskill.verify.report import VerifyReport
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

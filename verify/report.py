@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvskill.implementer.verdict import LowPrecisionVerdict
+from kvskill.verify.verdict import LowPrecisionVerdict
 
 
 class Checked(str, Enum):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kvskill.implementer.reference_recompute import cache_path_note
+from kvskill.verify.reference.recompute import cache_path_note
 
 
 class _Generator:

@@ -27,22 +27,20 @@ from typing import Any
 import torch
 from kvskill.analyzer.plan import MlaDims
 from kvskill.core.errors import BadInputError
-from kvskill.implementer.framework_checkout import after_loading, framework_packages, random_weights
-from kvskill.implementer.framework_legacy_verify import (
+from kvskill.implementer.mla.spec import check_mla_block_size
+from kvskill.implementer.record import ConvertedDir
+from kvskill.runtime.chains import ChainResult, chain_result
+from kvskill.verify.drivers.checkout import after_loading, framework_packages, random_weights
+from kvskill.verify.drivers.framework_legacy import (
     compare_legacy_prompts,
     import_model,
     legacy_original_dir,
     legacy_report,
 )
-from kvskill.implementer.mla.spec import check_mla_block_size
-from kvskill.implementer.original_failure import original_failure
-from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.standalone_legacy_drive import drive_runner_protocol
-from kvskill.implementer.verify import (
-    VerifyOptions,
-    VerifyReport,
-)
-from kvskill.runtime.chains import ChainResult, chain_result
+from kvskill.verify.drivers.standalone_legacy_drive import drive_runner_protocol
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.reference.original_failure import original_failure
+from kvskill.verify.report import VerifyReport
 from torch import nn
 
 #: tokens per block when none is asked: several blocks per row, so the block table matters

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvskill.implementer.verify_driver import DriverRun
-from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS, LogitRecorder
+from kvskill.verify.drivers.base import DriverRun
+from kvskill.verify.drivers.engine import MAX_BATCHED_TOKENS, LogitRecorder
 from torch import nn
 
 

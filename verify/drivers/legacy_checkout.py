@@ -3,7 +3,7 @@
 
 Both models are built as the framework's worker builds them: the checkout's
 ``InferenceConfig`` (one eager rank, a static batch of one row per prompt) and
-``CommManager`` (``framework_checkout.one_rank_comm``: a one-rank gloo world group), under the
+``CommManager`` (``checkout.one_rank_comm``: a one-rank gloo world group), under the
 checkout's ``set_default_torch_dtype``. The Legacy original then runs its own path
 (``framework_legacy_drive``); the converted one, whose cache classes and step metadata kvskill
 answers (``kvskill_answers_cache_and_metadata``), runs paged in the bundled runtime's engine.
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.framework_checkout import (
+from kvskill.implementer.record import ConvertedDir
+from kvskill.runtime.ops.reference import OpInputError, ReferenceUnsupportedError
+from kvskill.verify.drivers.checkout import (
     after_loading,
     build_settings,
     find_checkout,
@@ -32,17 +34,16 @@ from kvskill.implementer.framework_checkout import (
     one_rank_process_group,
     random_weights,
 )
-from kvskill.implementer.framework_legacy_drive import drive_legacy
-from kvskill.implementer.framework_legacy_verify import (
+from kvskill.verify.drivers.engine import MAX_BATCHED_TOKENS, EngineDriver
+from kvskill.verify.drivers.framework_legacy import (
     compare_legacy_prompts,
     import_model,
     legacy_original_dir,
     legacy_report,
 )
-from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.verify import VerifyOptions, VerifyReport
-from kvskill.implementer.verify_engine import MAX_BATCHED_TOKENS, EngineDriver
-from kvskill.runtime.ops.reference import OpInputError, ReferenceUnsupportedError
+from kvskill.verify.drivers.framework_legacy_drive import drive_legacy
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.report import VerifyReport
 from torch import nn
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvskill.implementer.shrink import INTERMEDIATE_SIZE, MIN_LAYERS, VOCAB_SIZE, shrink_config
+from kvskill.verify.shrink import INTERMEDIATE_SIZE, MIN_LAYERS, VOCAB_SIZE, shrink_config
 
 
 def test_every_per_layer_list_is_cut_with_the_layers_and_keeps_each_kind():

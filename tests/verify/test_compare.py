@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from kvskill.implementer.verify import choose_prompt_lengths, compare_prompt
+from kvskill.verify.compare import compare_prompt
+from kvskill.verify.prompts import choose_prompt_lengths
 
 
 def _case(ref_tokens, run_tokens, ref_logits, run_logits, atol):
@@ -44,7 +45,8 @@ def test_prompt_lengths_span_blocks_and_the_window():
 
 
 def _report_with(max_logit_diff: float, logit_scale: float, rtol: float | None = None):
-    from kvskill.implementer.verify import LOGIT_RTOL, PromptResult, VerifyReport
+    from kvskill.verify.compare import LOGIT_RTOL, PromptResult
+    from kvskill.verify.report import VerifyReport
 
     prompt = PromptResult(
         index=0,

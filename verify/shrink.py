@@ -4,7 +4,7 @@ Kept: the attention kind (MHA / GQA / MQA by the ratio of query to key-value hea
 layer-type pattern (at least one layer of each kind, in source order), a sliding window
 (made smaller than the verification prompts), MoE routing (top-k, number of experts above
 top-k, shared experts, sparse-step pattern), MLA ranks within the operator's limits (see
-``mla/shrink.py``), RoPE parameters, tied embeddings and learnable sinks. Sizes (hidden,
+``shrink_mla.py``), RoPE parameters, tied embeddings and learnable sinks. Sizes (hidden,
 heads, head dim, vocabulary, intermediate) become tiny.
 
 A composite config (a vision-language model: ``text_config`` + ``vision_config``) shrinks its
@@ -21,7 +21,7 @@ from typing import Any
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.analyzer.config import text_config
 from kvskill.analyzer.config_keys import SSM_ALIASES, kv_heads, kv_heads_keys, lookup, write_keys
-from kvskill.implementer.mla.shrink import is_mla_config, shrink_mla
+from kvskill.verify.shrink_mla import is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
 #: head_dim stays 64, a size the fused attention accepts on every path (TND, learnable
@@ -454,7 +454,7 @@ def _shrink_decoder(
             new[key] = fitted if isinstance(value, list) else fitted[0]
     if is_mla_config(config):
         # Latent attention: rope 64 and the latent (query D) at 512/128, the fused MLA
-        # operator's limits (mla/shrink.py).
+        # operator's limits (shrink_mla.py).
         new.update(shrink_mla(config, new, names))
     changes = {k: (config.get(k), v) for k, v in new.items() if config.get(k) != v}
     return ShrinkResult(config=new, changes=changes)

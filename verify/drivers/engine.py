@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from kvskill.implementer.verify_driver import DriverRun
+from kvskill.verify.drivers.base import DriverRun
 from torch import nn
 
 #: small enough that long prompts are prefilled in several chunks

@@ -1,6 +1,6 @@
 """The verify driver for standalone outputs: the generated ``runner_<model>.py``.
 
-Same criterion as framework outputs (design §6; ``verify.py`` compares): the converted model
+Same criterion as framework outputs (design §6; ``flow.py`` compares): the converted model
 gets the reference's weights and runs the same variable-length prompts through the runner as
 one static batch. The chains that apply to a runner-owned cache:
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from kvskill.implementer.record import StandaloneRecord
-from kvskill.implementer.verify_driver import DriverRun
 from kvskill.runtime.chains import ChainResult, chain_result
+from kvskill.verify.drivers.base import DriverRun
 from torch import nn
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from kvskill.implementer.verdict import DRIFT_RATIO, TOP_K, Generation, judge, measure
+from kvskill.verify.verdict import DRIFT_RATIO, TOP_K, Generation, judge, measure
 
 VOCAB = 32
 STEPS = 8

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.record import ConvertedDir, StandaloneRecord
-from kvskill.implementer.standalone.verify import import_runner
+from kvskill.verify.drivers.runner import import_runner
 
 
 @dataclass(kw_only=True)

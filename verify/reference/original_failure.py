@@ -15,7 +15,7 @@ from typing import Any
 
 from kvskill.core.errors import BadInputError, KvskillError
 from kvskill.implementer.record import ConvertedDir
-from kvskill.implementer.reference import build_reference
+from kvskill.verify.reference.build import build_reference
 
 #: the largest unshrunk original run for real to tell whether the shrink broke generation
 FORWARD_PROBE_PARAMS = 50_000_000

@@ -15,11 +15,12 @@ import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.mla import MlaSpec
-from kvskill.implementer.mla.shrink import INDEX_N_HEADS, INDEX_TOPK, shrink_mla
 from kvskill.implementer.pipeline import convert_mla_source
-from kvskill.implementer.verify import VerifyOptions, verify_directory
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import SamplingParams
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.shrink_mla import INDEX_N_HEADS, INDEX_TOPK, shrink_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from mla_models import (  # noqa: E402

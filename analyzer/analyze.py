@@ -1,16 +1,36 @@
-"""``analyze_model``: MODEL -> Plan (inputs, config, code scan, rules, memory)."""
+"""``analyze_model``: MODEL -> Plan (inputs, config, code scan, rules, memory).
+
+``plan_for_source`` decides the Plan of a resolved source in these stages, in order; each
+records its evidence in one ``Notebook``, so the Plan's evidence follows this order:
+
+1. the decoder: a composite model's language model, or the text decoder its own file
+   defines (``_wrapped_language_model``, ``_own_text_decoder``); the modeling file's facts
+   and class roles, refusing what is no causal decoder (``_read_code``). A file with no
+   attention of its own is planned from where its attention comes (``_plan_elsewhere``).
+2. the config, normalised as the code reads it; the tensor-parallel split (``_read_config``)
+3. the deploy mode (``decide_deploy_mode``)
+4. every layer's kind and attn_type, and cross-layer KV sharing (``_decide_layers``)
+5. attention kind, KV mode, FA version, layout, sparse modes, softmax scale, KV heads per
+   rank (``_decide_attention``)
+6. the cache entries of each attn_type (``_decide_cache_entries``); KV bytes per token and
+   blocks for the memory budget (``_size_caches``)
+7. the code record and its notes (``_read_code_facts``); the common-error table and the
+   operators' limits (``_add_checks``); rope style (``_cite_rope``); the MLA cache write
+   (``_mla_cache_write``)
+8. the Plan (``_assemble_plan``)
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvskill.analyzer.code_facts import code_facts, rope_style
+from kvskill.analyzer.code_facts import RopeDecision, code_facts, rope_style
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
@@ -50,10 +70,16 @@ from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
+    DeployMode,
     Evidence,
+    FaVersion,
+    InputLayout,
     KvMode,
+    LayerPlan,
     Plan,
     PlanSource,
+    SparseModes,
+    WindowTokens,
 )
 from kvskill.analyzer.qkv_split import fused_qkv_note
 from kvskill.analyzer.roles import find_roles
@@ -72,7 +98,7 @@ from kvskill.analyzer.rules import (
     sinks_line,
     sliding_kv_heads,
 )
-from kvskill.analyzer.scale import decide_scale
+from kvskill.analyzer.scale import ScaleDecision, decide_scale
 from kvskill.analyzer.scan import scan_file
 from kvskill.analyzer.state_cache import state_cache
 from kvskill.core.attn_types import AttnType
@@ -265,7 +291,11 @@ def plan_for_source(
     hbm_gb: float | None,
     prompt_file: Path | None = None,
 ) -> Plan:
-    """All decisions for a resolved source."""
+    """All decisions for a resolved source, stage by stage (listed in the module docstring).
+
+    Every stage that decides something records its evidence in one ``Notebook``, in stage
+    order; the Plan's ``evidence`` and ``warnings`` keep that order.
+    """
     # A composite model's language model is planned with the same options.
     options = dict(
         deploy_mode=deploy_mode,
@@ -275,13 +305,79 @@ def plan_for_source(
         hbm_gb=hbm_gb,
         prompt_file=prompt_file,
     )
-    if _is_wrapper_without_causal_lm(source):
-        # A vision-language (or other composite) model that transformers does not map to a
-        # causal LM but whose language model is one: its KV cache is that model's.
-        inner = _language_model_source(source)
-        if inner is not None:
-            return plan_for_source(inner, **options)
-        source = _with_own_text_decoder(source)
+    language_model = _wrapped_language_model(source)
+    if language_model is not None:
+        return plan_for_source(language_model, **options)
+    source = _own_text_decoder(source)
+    code = _read_code(source)
+    if not code.roles.attention and not code.roles.linear_attention:
+        return _plan_elsewhere(source, code, options)
+    book = Notebook(source=source)
+    read = _read_config(source, code, attn_tp_size, book)
+    spec = read.spec
+    mode = decide_deploy_mode(
+        deploy_mode,
+        source.runner_files,
+        book,
+        prompt_file=prompt_file,
+        model_dir=None if source.kind == "transformers" else Path(source.path),
+    )
+    layers = _decide_layers(source, code, read, book)
+    design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
+    entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
+    caches = _size_caches(
+        source,
+        code,
+        spec,
+        layers,
+        entries,
+        design.kv_mode,
+        block_size=block_size,
+        kv_memory_bytes=kv_memory_bytes,
+        hbm_gb=hbm_gb,
+        book=book,
+    )
+    facts = _read_code_facts(source, code, read, layers.sharing, book)
+    _add_checks(spec, code, design, facts, mode, layers.attn_types, attn_tp_size, block_size, book)
+    rope = _cite_rope(source, code, spec, book)
+    cache_write = _mla_cache_write(source, book) if design.attention is AttentionKind.MLA else None
+    return _assemble_plan(
+        source=source,
+        code=code,
+        spec=spec,
+        mode=mode,
+        layers=layers,
+        design=design,
+        caches=caches,
+        facts=facts,
+        rope=rope,
+        cache_write=cache_write,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
+        book=book,
+    )
+
+
+# ---- stage 1: the decoder's source and code -------------------------------------------------
+
+
+def _wrapped_language_model(source: ModelSource) -> ModelSource | None:
+    """A vision-language (or other composite) model that transformers does not map to a
+    causal LM but whose language model is one: its KV cache is that model's, so that model's
+    source is planned instead. None otherwise."""
+    if not _is_wrapper_without_causal_lm(source):
+        return None
+    return _language_model_source(source)
+
+
+def _own_text_decoder(source: ModelSource) -> ModelSource:
+    """SOURCE, or a wrapper's source marked to convert the text decoder its own file defines."""
+    return _with_own_text_decoder(source) if _is_wrapper_without_causal_lm(source) else source
+
+
+def _read_code(source: ModelSource) -> CodeView:
+    """The modeling file's facts and the roles of its classes; refuses what is not a causal
+    decoder (encoder-decoder, encoder-only, no causal-LM class, bidirectional unless a flag)."""
     _refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
@@ -296,37 +392,69 @@ def plan_for_source(
             f"{facts.file_name} defines no *ForCausalLM class; not a causal decoder"
         )
     _refuse_encoder(source, facts)
-    reads_window = _code_reads_window(code)
-    if not roles.attention and not roles.linear_attention:
-        inner = _language_model_source(source)
-        if inner is not None:
-            return plan_for_source(inner, **options)
-        inherited = _inherited_source(source, facts)
-        if inherited is not None:
-            return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
-        converted = _converted_sibling_plan(source, facts, options)
-        if converted is not None:
-            return _inheriting_plan(converted, source, facts, roles)
-        raise UnsupportedModelError(
-            inherited_attention_reason(facts)
-            or legacy_rows_reason(facts, source.config)
-            or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
-        )
+    return code
+
+
+def _plan_elsewhere(source: ModelSource, code: CodeView, options: dict) -> Plan:
+    """A file with no attention class of its own: the Plan of the language model it builds
+    from text_config, of the transformers file or the converted module beside it that its
+    attention comes from; else the refusal that says why."""
+    facts, roles = code.facts, code.roles
+    inner = _language_model_source(source)
+    if inner is not None:
+        return plan_for_source(inner, **options)
+    inherited = _inherited_source(source, facts)
+    if inherited is not None:
+        return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
+    converted = _converted_sibling_plan(source, facts, options)
+    if converted is not None:
+        return _inheriting_plan(converted, source, facts, roles)
+    raise UnsupportedModelError(
+        inherited_attention_reason(facts)
+        or legacy_rows_reason(facts, source.config)
+        or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
+    )
+
+
+# ---- stage 2: the config, as the code reads it ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ConfigRead:
+    """The normalised config and what it took to read it."""
+
+    spec: ModelSpec
+    #: the model's config attribute aliases (``attribute_map``)
+    attribute_map: dict[str, str]
+    #: the Plan's ``code.kv_heads`` record: the KV heads the attention's code sizes, or None
+    code_sizing: dict[str, Any] | None
+
+
+def _read_config(
+    source: ModelSource, code: CodeView, attn_tp_size: int, book: Notebook
+) -> _ConfigRead:
+    """Normalise the config (KV heads as the attention's ``__init__`` sizes them), check the
+    tensor-parallel split, and cite where the values come from."""
     remote = source.kind == "remote_code"
     attribute_map = attribute_map_for(
         source.model_type, source.config, Path(source.path) if remote else None, remote=remote
     )
     spec = normalise(
         source.config,
-        uses_sliding_window=reads_window,
+        uses_sliding_window=_code_reads_window(code),
         derived=source.derived,
         attribute_map=attribute_map,
     )
-    book = Notebook(source=source)
     spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
-    _cite_config_branches(facts, source, book)
+    _cite_config_branches(code.facts, source, book)
+    _cite_decoder_origin(source, code, book)
+    return _ConfigRead(spec=spec, attribute_map=attribute_map, code_sizing=code_sizing)
+
+
+def _cite_decoder_origin(source: ModelSource, code: CodeView, book: Notebook) -> None:
+    """Why a composite model's KV cache is its language model's or its text decoder's."""
     if source.delegated_from:
         book.cite(
             "source",
@@ -339,8 +467,8 @@ def plan_for_source(
             "source",
             f"'{source.model_type}' defines its text decoder in its own modeling file (text "
             f"model type '{_text_model_type(source)}' has no causal-LM class): "
-            f"{roles.causal_lm} is converted, its text attention {roles.attention[0]} gets the "
-            "paged KV cache and the vision tower (no KV cache) is left as it is",
+            f"{code.roles.causal_lm} is converted, its text attention {code.roles.attention[0]} "
+            "gets the paged KV cache and the vision tower (no KV cache) is left as it is",
             book.cfg("text_config.model_type"),
         )
         book.warn(
@@ -348,20 +476,62 @@ def plan_for_source(
             "text-only requests are exact (every multimodal-rope section is the text position), "
             "image and video inputs with their 3-D rope positions are not passed through"
         )
-    mode = decide_deploy_mode(
-        deploy_mode,
-        source.runner_files,
-        book,
-        prompt_file=prompt_file,
-        model_dir=None if source.kind == "transformers" else Path(source.path),
-    )
+
+
+# ---- stage 3: layers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Every layer's kind and attn_type, and the cross-layer KV sharing they follow."""
+
+    layers: list[LayerPlan]
+    #: sorted in AttnType order
+    attn_types: list[str]
+    sharing: KvSharing | None
+
+
+def _decide_layers(
+    source: ModelSource, code: CodeView, read: _ConfigRead, book: Notebook
+) -> _Layers:
+    spec = read.spec
     layers = decide_layers(spec, book)
-    sharing = _kv_sharing(source, code, spec, attribute_map)
+    sharing = _kv_sharing(source, code, spec, read.attribute_map)
     layers = share_layers(layers, sharing, code.where, book)
     _window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
+    return _Layers(layers=layers, attn_types=attn_types, sharing=sharing)
+
+
+# ---- stage 4: attention and its operator ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AttentionDesign:
+    """The attention's kind, KV mode, fused-operator version and parameters, per rank."""
+
+    attention: AttentionKind
+    #: the ALiBi bias builder (name, where) when the model adds one
+    alibi: tuple[str, str] | None
+    kv_mode: KvMode
+    legacy_reason: str | None
+    fa_version: FaVersion
+    fa_reason: str
+    layout: InputLayout
+    absorb: bool
+    sparse_modes: dict[str, SparseModes]
+    window_tokens: dict[str, WindowTokens]
+    scale: ScaleDecision
+    kv_heads: int
+    #: KV heads per rank of the sliding-window layers when they differ, else None
+    sliding_heads: int | None
+
+
+def _decide_attention(
+    spec: ModelSpec, code: CodeView, attn_types: list[str], attn_tp_size: int, book: Notebook
+) -> _AttentionDesign:
     attention = decide_attention(spec, book)
     alibi = alibi_builder(spec, code, book)
     kv_mode, legacy_reason = decide_kv_mode(spec, code, book, alibi)
@@ -375,14 +545,68 @@ def plan_for_source(
         if AttnType.SLIDING_WINDOW.value in attn_types
         else None
     )
-    entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)
+    return _AttentionDesign(
+        attention=attention,
+        alibi=alibi,
+        kv_mode=kv_mode,
+        legacy_reason=legacy_reason,
+        fa_version=fa_version,
+        fa_reason=fa_reason,
+        layout=layout,
+        absorb=absorb,
+        sparse_modes=modes,
+        window_tokens=windows,
+        scale=scale,
+        kv_heads=kv_heads,
+        sliding_heads=sliding_heads,
+    )
+
+
+# ---- stage 5: cache entries and their memory ------------------------------------------------
+
+
+def _decide_cache_entries(
+    source: ModelSource,
+    spec: ModelSpec,
+    attn_types: list[str],
+    design: _AttentionDesign,
+    attn_tp_size: int,
+    book: Notebook,
+) -> dict[str, list[CacheEntryPlan]]:
+    """The cache entries each attn_type declares (per rank), and where state sizes come from."""
+    entries = cache_entries(spec, attn_types, design.kv_heads, attn_tp_size, design.sliding_heads)
     _cite_state_entries(entries, source, book)
+    return entries
+
+
+@dataclass(frozen=True)
+class _Caches:
+    entries: dict[str, list[CacheEntryPlan]]
+    #: the memory plan (``analyzer/memory.py``)
+    memory: dict[str, Any]
+    kv_bytes_per_token: int
+
+
+def _size_caches(
+    source: ModelSource,
+    code: CodeView,
+    spec: ModelSpec,
+    layers: _Layers,
+    entries: dict[str, list[CacheEntryPlan]],
+    kv_mode: KvMode,
+    *,
+    block_size: int,
+    kv_memory_bytes: int | None,
+    hbm_gb: float | None,
+    book: Notebook,
+) -> _Caches:
+    """KV bytes per token over all layers and sublayers, and blocks for the memory budget."""
     sublayers = attention_sublayers(code, book)
     # a layer reading another's cache (cross-layer KV sharing) holds no bytes of its own
     counts = {
-        t: sum(1 for layer in layers if layer.attn_type == t and layer.kv_source is None)
+        t: sum(1 for layer in layers.layers if layer.attn_type == t and layer.kv_source is None)
         * (1 if t == AttnType.MAMBA.value else sublayers)
-        for t in attn_types
+        for t in layers.attn_types
     }
     memory = plan_memory(
         spec=spec,
@@ -405,44 +629,79 @@ def plan_for_source(
         f"{kv_bytes} bytes per token per rank over all layers ({spec.dtype})",
         "sum of cache_entries dim x num_head x dtype size x layers",
     )
-    facts_dict = code_facts(code, source)
-    if code_sizing is not None:
-        facts_dict["kv_heads"] = code_sizing
+    return _Caches(entries=entries, memory=memory, kv_bytes_per_token=kv_bytes)
+
+
+# ---- stage 6: what the code does, and the checks that follow --------------------------------
+
+
+def _read_code_facts(
+    source: ModelSource,
+    code: CodeView,
+    read: _ConfigRead,
+    sharing: KvSharing | None,
+    book: Notebook,
+) -> dict[str, Any]:
+    """The Plan's ``code`` record (cache API, fused qkv, Legacy paths, ...) and its notes."""
+    facts = code_facts(code, source)
+    if read.code_sizing is not None:
+        facts["kv_heads"] = read.code_sizing
     if sharing_record(sharing) is not None:
-        facts_dict["kv_sharing"] = sharing_record(sharing)
+        facts["kv_sharing"] = sharing_record(sharing)
     _code_notes(
-        facts_dict,
-        spec,
+        facts,
+        read.spec,
         book,
         null_layer_types="layer_types" in source.config and source.config["layer_types"] is None,
     )
     _per_layer_heads(source, book)
+    return facts
+
+
+def _add_checks(
+    spec: ModelSpec,
+    code: CodeView,
+    design: _AttentionDesign,
+    facts: dict[str, Any],
+    mode: DeployMode,
+    attn_types: list[str],
+    attn_tp_size: int,
+    block_size: int,
+    book: Notebook,
+) -> None:
+    """The common-error table's items and the operators' limits that apply to this model."""
     # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
-    keeps_absorbed_prefill = bool(facts_dict.get("legacy_standalone")) and spec.mla is not None
+    keeps_absorbed_prefill = bool(facts.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
         spec=spec,
         book=book,
-        kv_mode=kv_mode,
+        kv_mode=design.kv_mode,
         deploy_mode=mode,
-        attention=attention,
-        fa_version=fa_version,
+        attention=design.attention,
+        fa_version=design.fa_version,
         attn_types=attn_types,
-        kv_heads_per_rank=kv_heads,
+        kv_heads_per_rank=design.kv_heads,
         attn_tp_size=attn_tp_size,
-        scale_has_mscale=scale.has_yarn_mscale,
+        scale_has_mscale=design.scale.has_yarn_mscale,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     add_operator_limits(
         spec=spec,
         book=book,
-        attention=attention,
-        fa_version=fa_version,
+        attention=design.attention,
+        fa_version=design.fa_version,
         has_sinks=sinks_line(code) is not None,
-        kv_heads_per_rank=kv_heads,
+        kv_heads_per_rank=design.kv_heads,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
+
+
+def _cite_rope(
+    source: ModelSource, code: CodeView, spec: ModelSpec, book: Notebook
+) -> RopeDecision:
+    """The rotary pairing style and partial rotation, as the code applies them."""
     rope = rope_style(code, spec, source.config)
     book.cite("rope_style", f"rope style: {rope.style}", rope.source)
     if rope.rotary_dim is not None:
@@ -452,28 +711,50 @@ def plan_for_source(
             "rotated, the rest pass through unrotated",
             rope.rotary_source or "",
         )
-    mla = dict(spec.mla) if spec.mla else None
-    cache_write = _mla_cache_write(source, book) if attention is AttentionKind.MLA else None
+    return rope
+
+
+# ---- stage 7: the Plan ----------------------------------------------------------------------
+
+
+def _assemble_plan(
+    *,
+    source: ModelSource,
+    code: CodeView,
+    spec: ModelSpec,
+    mode: DeployMode,
+    layers: _Layers,
+    design: _AttentionDesign,
+    caches: _Caches,
+    facts: dict[str, Any],
+    rope: RopeDecision,
+    cache_write: str | None,
+    attn_tp_size: int,
+    block_size: int,
+    book: Notebook,
+) -> Plan:
+    """The Plan of every stage's decisions, with the notebook's warnings and evidence."""
+    attn_types = layers.attn_types
     return Plan(
         model_type=source.model_type,
-        architecture=roles.causal_lm,
+        architecture=code.roles.causal_lm,
         source=source.as_plan_source(),
         deploy_mode=mode,
-        kv_mode=kv_mode,
-        legacy_reason=legacy_reason,
-        attention=attention,
-        layers=layers,
+        kv_mode=design.kv_mode,
+        legacy_reason=design.legacy_reason,
+        attention=design.attention,
+        layers=layers.layers,
         attn_types=attn_types,
         mixed_attn_types=len(attn_types) > 1,
-        fa_version=fa_version,
-        fa_version_reason=fa_reason,
-        mla_absorb=absorb,
-        input_layout=layout,
-        sparse_mode=modes,
-        softmax_scale=scale.value,
-        num_key_value_heads_per_rank=kv_heads,
-        cache_entries=entries,
-        kv_bytes_per_token=kv_bytes,
+        fa_version=design.fa_version,
+        fa_version_reason=design.fa_reason,
+        mla_absorb=design.absorb,
+        input_layout=design.layout,
+        sparse_mode=design.sparse_modes,
+        softmax_scale=design.scale.value,
+        num_key_value_heads_per_rank=design.kv_heads,
+        cache_entries=caches.entries,
+        kv_bytes_per_token=caches.kv_bytes_per_token,
         warnings=list(book.warnings),
         evidence=list(book.evidence),
         num_layers=spec.num_layers,
@@ -482,18 +763,18 @@ def plan_for_source(
         head_dim=spec.head_dim,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
-        window_tokens=windows,
+        window_tokens=design.window_tokens,
         has_sinks=sinks_line(code) is not None,
         rope_style=rope.style,
         rotary_dim=rope.rotary_dim,
-        position_bias="alibi" if alibi else None,
-        mla=mla,
-        code=facts_dict,
+        position_bias="alibi" if design.alibi else None,
+        mla=dict(spec.mla) if spec.mla else None,
+        code=facts,
         config=dict(source.config),
-        memory=memory,
-        state_cache=state_cache(spec, layers, entries),
+        memory=caches.memory,
+        state_cache=state_cache(spec, layers.layers, caches.entries),
         implementer_blockers=list(book.blockers),
-        is_mla_backend=attention is AttentionKind.MLA,
+        is_mla_backend=design.attention is AttentionKind.MLA,
         mla_cache_write=cache_write,
     )
 

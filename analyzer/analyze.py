@@ -4,9 +4,9 @@
 records its evidence in one ``Notebook``, so the Plan's evidence follows this order:
 
 1. the decoder: a composite model's language model, or the text decoder its own file
-   defines (``_wrapped_language_model``, ``_own_text_decoder``); the modeling file's facts
-   and class roles, refusing what is no causal decoder (``_read_code``). A file with no
-   attention of its own is planned from where its attention comes (``_plan_elsewhere``).
+   defines (``decoder_source.py``); the modeling file's facts and class roles, refusing what
+   is no causal decoder (``_read_code``). A file with no attention of its own is planned
+   from where its attention comes (``_plan_elsewhere``).
 2. the config, normalised as the code reads it; the tensor-parallel split (``_read_config``)
 3. the deploy mode (``decide_deploy_mode``)
 4. every layer's kind and attn_type, and cross-layer KV sharing (``_decide_layers``)
@@ -18,6 +18,8 @@ records its evidence in one ``Notebook``, so the Plan's evidence follows this or
    operators' limits (``_add_checks``); rope style (``_cite_rope``); the MLA cache write
    (``_mla_cache_write``)
 8. the Plan (``_assemble_plan``)
+
+The notes the stages add beside their decisions live in ``plan_notes.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from kvskill.analyzer.config_keys import (
     cite_vendor_keys,
     source_config_defaults,
 )
+from kvskill.analyzer.decoder_source import (
+    language_model_source,
+    own_text_decoder,
+    refuse_encoder,
+    refuse_non_causal,
+    wrapped_language_model,
+)
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.inherited import (
@@ -47,12 +56,8 @@ from kvskill.analyzer.inherited import (
 )
 from kvskill.analyzer.inputs import (
     ModelSource,
-    build_config,
     causal_lm_class_name,
-    causal_lm_model_types,
-    image_text_to_text_class_name,
     resolve_model,
-    transformers_modeling_file,
     transformers_root,
 )
 from kvskill.analyzer.kv_sharing import (
@@ -81,7 +86,13 @@ from kvskill.analyzer.plan import (
     SparseModes,
     WindowTokens,
 )
-from kvskill.analyzer.qkv_split import fused_qkv_note
+from kvskill.analyzer.plan_notes import (
+    cite_config_branches,
+    cite_decoder_origin,
+    cite_state_entries,
+    code_notes,
+    window_only_in_cache,
+)
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -94,7 +105,6 @@ from kvskill.analyzer.rules import (
     decide_layers,
     decide_layout,
     decide_sparse_modes,
-    holds_attention_and_state,
     sinks_line,
     sliding_kv_heads,
 )
@@ -202,16 +212,6 @@ def _inherited_source(source: ModelSource, facts) -> ModelSource | None:
     return replace(source, modeling_file=str(path))
 
 
-def _cite_config_branches(facts, source: ModelSource, book: Notebook) -> None:
-    """Which branch of each config-decided ``if`` of an attention forward runs, and why
-    (``analyzer/config_branch.py``; apply keeps that branch only)."""
-    config = text_config(source.config)[0]
-    for branch in facts.config_branches:
-        value = config.get(branch.key)
-        if isinstance(value, bool):
-            book.cite("attention_branch", branch.reason(value), facts.where(branch.line))
-
-
 def _converted_sibling_plan(source: ModelSource, facts, options: dict) -> Plan | None:
     """The Plan of the converted module beside a remote file that takes its attention from it
     (``from .modeling_llama import LlamaAttention``): an output apply wrote for an inherited
@@ -263,24 +263,6 @@ def _inheriting_plan(plan: Plan, source: ModelSource, facts, roles) -> Plan:
     )
 
 
-def _refuse_non_causal(source: ModelSource) -> None:
-    if source.config.get("is_encoder_decoder"):
-        raise UnsupportedModelError(
-            f"'{source.model_type}' is an encoder-decoder model (cross-attention); kvskill "
-            "serves causal decoders only"
-        )
-    if (
-        source.kind != "remote_code"
-        and source.model_type not in causal_lm_model_types()
-        and source.vision_language_head is None
-    ):
-        raise UnsupportedModelError(_no_causal_lm_reason(source))
-    if source.modeling_file is None:
-        raise UnsupportedModelError(
-            f"no modeling file for '{source.model_type}' in the installed transformers"
-        )
-
-
 def plan_for_source(
     source: ModelSource,
     *,
@@ -305,10 +287,10 @@ def plan_for_source(
         hbm_gb=hbm_gb,
         prompt_file=prompt_file,
     )
-    language_model = _wrapped_language_model(source)
+    language_model = wrapped_language_model(source)
     if language_model is not None:
         return plan_for_source(language_model, **options)
-    source = _own_text_decoder(source)
+    source = own_text_decoder(source)
     code = _read_code(source)
     if not code.roles.attention and not code.roles.linear_attention:
         return _plan_elsewhere(source, code, options)
@@ -361,24 +343,10 @@ def plan_for_source(
 # ---- stage 1: the decoder's source and code -------------------------------------------------
 
 
-def _wrapped_language_model(source: ModelSource) -> ModelSource | None:
-    """A vision-language (or other composite) model that transformers does not map to a
-    causal LM but whose language model is one: its KV cache is that model's, so that model's
-    source is planned instead. None otherwise."""
-    if not _is_wrapper_without_causal_lm(source):
-        return None
-    return _language_model_source(source)
-
-
-def _own_text_decoder(source: ModelSource) -> ModelSource:
-    """SOURCE, or a wrapper's source marked to convert the text decoder its own file defines."""
-    return _with_own_text_decoder(source) if _is_wrapper_without_causal_lm(source) else source
-
-
 def _read_code(source: ModelSource) -> CodeView:
     """The modeling file's facts and the roles of its classes; refuses what is not a causal
     decoder (encoder-decoder, encoder-only, no causal-LM class, bidirectional unless a flag)."""
-    _refuse_non_causal(source)
+    refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
     hint = source.vision_language_head or hint
@@ -391,7 +359,7 @@ def _read_code(source: ModelSource) -> CodeView:
         raise UnsupportedModelError(
             f"{facts.file_name} defines no *ForCausalLM class; not a causal decoder"
         )
-    _refuse_encoder(source, facts)
+    refuse_encoder(source, facts)
     return code
 
 
@@ -400,7 +368,7 @@ def _plan_elsewhere(source: ModelSource, code: CodeView, options: dict) -> Plan:
     from text_config, of the transformers file or the converted module beside it that its
     attention comes from; else the refusal that says why."""
     facts, roles = code.facts, code.roles
-    inner = _language_model_source(source)
+    inner = language_model_source(source)
     if inner is not None:
         return plan_for_source(inner, **options)
     inherited = _inherited_source(source, facts)
@@ -448,34 +416,9 @@ def _read_config(
     spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
-    _cite_config_branches(code.facts, source, book)
-    _cite_decoder_origin(source, code, book)
+    cite_config_branches(code.facts, source, book)
+    cite_decoder_origin(source, code, book)
     return _ConfigRead(spec=spec, attribute_map=attribute_map, code_sizing=code_sizing)
-
-
-def _cite_decoder_origin(source: ModelSource, code: CodeView, book: Notebook) -> None:
-    """Why a composite model's KV cache is its language model's or its text decoder's."""
-    if source.delegated_from:
-        book.cite(
-            "source",
-            f"'{source.delegated_from}' builds its language model from text_config "
-            f"(model_type '{source.model_type}'); the KV cache is that model's",
-            book.cfg("model_type"),
-        )
-    if source.vision_language_head:
-        book.cite(
-            "source",
-            f"'{source.model_type}' defines its text decoder in its own modeling file (text "
-            f"model type '{_text_model_type(source)}' has no causal-LM class): "
-            f"{code.roles.causal_lm} is converted, its text attention {code.roles.attention[0]} "
-            "gets the paged KV cache and the vision tower (no KV cache) is left as it is",
-            book.cfg("text_config.model_type"),
-        )
-        book.warn(
-            "vision-language model: the runtime passes token ids with one position per token; "
-            "text-only requests are exact (every multimodal-rope section is the text position), "
-            "image and video inputs with their 3-D rope positions are not passed through"
-        )
 
 
 # ---- stage 3: layers ------------------------------------------------------------------------
@@ -498,7 +441,7 @@ def _decide_layers(
     layers = decide_layers(spec, book)
     sharing = _kv_sharing(source, code, spec, read.attribute_map)
     layers = share_layers(layers, sharing, code.where, book)
-    _window_only_in_cache(spec, book)
+    window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
@@ -575,7 +518,7 @@ def _decide_cache_entries(
 ) -> dict[str, list[CacheEntryPlan]]:
     """The cache entries each attn_type declares (per rank), and where state sizes come from."""
     entries = cache_entries(spec, attn_types, design.kv_heads, attn_tp_size, design.sliding_heads)
-    _cite_state_entries(entries, source, book)
+    cite_state_entries(entries, source, book)
     return entries
 
 
@@ -648,7 +591,7 @@ def _read_code_facts(
         facts["kv_heads"] = read.code_sizing
     if sharing_record(sharing) is not None:
         facts["kv_sharing"] = sharing_record(sharing)
-    _code_notes(
+    code_notes(
         facts,
         read.spec,
         book,
@@ -797,152 +740,6 @@ def _mla_write_cached(modeling_file: str, config_json: str):
     return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
 
 
-_STATE_KEYS = (
-    "linear_num_value_heads",
-    "mamba_d_state",
-    "ssm_state_size",
-    "state_size",
-    "conv_L_cache",
-)
-
-
-def _cite_state_entries(
-    entries: dict[str, list[CacheEntryPlan]], source: ModelSource, book
-) -> None:
-    """Where the Mamba-type state sizes come from, or a blocker when they are unknown."""
-    if AttnType.MAMBA.value not in entries:
-        return
-    state = entries[AttnType.MAMBA.value]
-    if not state:
-        msg = "state layers without recognised conv/SSM sizes in the config: no state entries"
-        book.warn(msg)
-        book.block(msg)
-        return
-    key = next((k for k in _STATE_KEYS if source.config.get(k) is not None), None)
-    shapes = ", ".join(f"{e.cache_name} {e.num_head}x{e.dim}" for e in state)
-    book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
-
-
-def _is_wrapper_without_causal_lm(source: ModelSource) -> bool:
-    return (
-        source.kind != "remote_code"
-        and source.model_type not in causal_lm_model_types()
-        and not source.config.get("is_encoder_decoder")
-    )
-
-
-def _text_model_type(source: ModelSource) -> str | None:
-    text = source.config.get("text_config")
-    text_type = text.get("model_type") if isinstance(text, dict) else None
-    return text_type if isinstance(text_type, str) else None
-
-
-def _with_own_text_decoder(source: ModelSource) -> ModelSource:
-    """A vision-language model whose text decoder is defined in its own modeling file
-    (qwen2_5_vl, qwen3_vl, glm4v, ...): its text model type has no causal-LM class, so the
-    whole ``*ForConditionalGeneration`` is converted. Unchanged when the type has none."""
-    head = image_text_to_text_class_name(source.model_type)
-    if head is None or _text_model_type(source) in (None, source.model_type):
-        return source
-    return replace(source, vision_language_head=head)
-
-
-def _no_causal_lm_reason(source: ModelSource) -> str:
-    """Why a model type without a causal-LM class is refused, naming its text model if any."""
-    text_type = _text_model_type(source)
-    if isinstance(text_type, str) and text_type != source.model_type:
-        return (
-            f"'{source.model_type}' is a composite model whose language model "
-            f"('{text_type}') has no causal-LM class in the installed transformers; kvskill "
-            "converts language models that transformers builds as causal LMs"
-        )
-    return (
-        f"'{source.model_type}' has no causal-LM class in the installed transformers "
-        "(encoder-only or not a text decoder)"
-    )
-
-
-def _window_only_in_cache(spec: ModelSpec, book: Notebook) -> None:
-    """A ``sliding_window`` the attention never reads, which transformers' cache still applies.
-
-    With no ``layer_types``, transformers' ``DynamicCache(config=...)`` makes every layer a
-    sliding-window cache layer as soon as ``config.sliding_window`` is set (cache_utils
-    ``get_layer_types_and_kwargs``), and that layer keeps only the last W-1 keys. A model
-    whose mask stays plain causal (moshi) then attends to the whole prompt in prefill but to
-    the last W tokens in decode, so its output depends on how the sequence was split; no one
-    mask of the fused operator (causal or band) gives both. The window is harmless only when
-    it cannot bind: W >= max_position_embeddings (moshi's default, 3000 and 3000).
-    """
-    from_window_alone = spec.layer_pattern_source.rsplit(".", 1)[-1] == "sliding_window"
-    if spec.sliding_window is None or not from_window_alone or "sliding" in spec.layer_kinds:
-        return  # no window, a layer pattern, or code that reads the window (mistral)
-    window, key = spec.sliding_window, spec.sources.get("sliding_window")
-    max_positions = spec.max_positions  # max_position_embeddings, seq_length, n_positions
-    if isinstance(max_positions, int) and window >= max_positions:
-        book.cite(
-            "layers",
-            f"transformers' cache keeps a window of sliding_window={window} keys per layer "
-            f"(no layer_types), but it never binds: max_position_embeddings={max_positions}",
-            book.cfg(key),
-        )
-        return
-    msg = (
-        "mask and cache disagree: the mask is plain causal but transformers' DynamicCache "
-        f"makes every layer a sliding-window cache (sliding_window={window}, no layer_types, "
-        f"max_position_embeddings={max_positions}): prefill attends to the whole prompt, "
-        f"decode only to the last {window} tokens, and no single fused-attention mask gives "
-        "both; set sliding_window to null or >= max_position_embeddings"
-    )
-    book.warn(msg)
-    book.block(msg)
-
-
-def _language_model_source(source: ModelSource) -> ModelSource | None:
-    """A composite model whose language model is built from ``text_config`` via AutoModel."""
-    text = source.config.get("text_config")
-    if not isinstance(text, dict):
-        return None
-    text_type = text.get("model_type")
-    if not isinstance(text_type, str) or text_type == source.model_type:
-        return None
-    if text_type not in causal_lm_model_types():
-        return None
-    modeling = transformers_modeling_file(text_type)
-    if modeling is None:
-        return None
-    text = dict(text)
-    # --config-overrides name the model the user converts: the language model.
-    for key in source.overridden:
-        if key != "text_config" and key in source.config:
-            text[key] = source.config[key]
-    if isinstance(source.config.get("tie_word_embeddings"), bool):
-        # The composite model owns the lm_head and ties it (or not) to its language model's
-        # embeddings by its own flag; the text config's flag is not the one it follows.
-        text["tie_word_embeddings"] = source.config["tie_word_embeddings"]
-    config, derived = build_config(text_type, text, {})
-    return replace(
-        source,
-        model_type=text_type,
-        modeling_file=str(modeling),
-        config=config,
-        derived=derived,
-        overridden=source.overridden,
-        delegated_from=source.model_type,
-    )
-
-
-def _refuse_encoder(source: ModelSource, facts) -> None:
-    """Models whose attention is causal only when a config flag says so (BERT, XLM)."""
-    for key in ("is_decoder", "causal"):
-        line = facts.config_reads.get(key)
-        if line is not None and key in source.config and not source.config.get(key):
-            raise UnsupportedModelError(
-                f"'{source.model_type}' attends bidirectionally unless {key}=true "
-                f"({facts.where(line)} reads config.{key}, which is false): an encoder is not "
-                f"served; pass --config-overrides {key}=true for its decoder variant"
-            )
-
-
 def _code_reads_window(code: CodeView) -> bool:
     """Whether the attention code reads a sliding window at all."""
     for name in code.roles.attention:
@@ -1029,95 +826,3 @@ def _per_layer_heads(source: ModelSource, book: Notebook) -> None:
         book.warn(msg)
         book.block(msg)
         book.cite(model_wide, f"{key} differs from {model_wide}", book.cfg(key))
-
-
-def _code_notes(
-    facts: dict[str, Any], spec, book: Notebook, *, null_layer_types: bool = False
-) -> None:
-    if facts.get("already_converted"):
-        book.warn("the modeling code is already converted (cache_entries / get_cache_info)")
-        book.cite(
-            "code",
-            "already paged: the attention declares cache_entries or the model get_cache_info",
-            facts["already_converted_source"],
-        )
-    if facts.get("legacy_framework"):
-        book.cite(
-            "code",
-            "current code is the Legacy framework path (cache_unit + scatter_update_); "
-            "converting it to Paged",
-            facts["legacy_framework_source"],
-        )
-        if any(kind != "attention" and kind != "sliding" for kind in spec.layer_kinds):
-            # NOTE: the Mamba entries this Plan lists are the config's gated-delta estimate;
-            # the framework-Legacy rewrite (KVR022) keeps init_cache's own state layout
-            book.cite(
-                "cache_entries.Mamba",
-                "framework Legacy states: apply declares one MambaCacheEntry per state "
-                "init_cache allocates, with its name and row shape (Qwen3.5: conv_state "
-                "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
-                "rule: the framework-Legacy state rewrite (KVR022)",
-            )
-    if facts.get("legacy_standalone") and spec.mla is not None:
-        book.cite(
-            "code",
-            "current code is the standalone Legacy MLA path (init_cache latent and rope caches "
-            "written as rows with scatter_update_ at kv_len, read through the model's own arange "
-            "block table); converting it to paged mode 3 (absorbed MLA over mode 2)",
-            facts["legacy_standalone_source"],
-        )
-    elif facts.get("legacy_standalone"):
-        book.cite(
-            "code",
-            "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "
-            "kv_len + BSH fused attention, standalone mode 1); converting it to paged mode 2",
-            facts["legacy_standalone_source"],
-        )
-    fused = facts.get("fused_qkv")
-    if fused:
-        book.cite("fused_qkv", fused_qkv_note(fused), fused["split_source"] or fused["source"])
-    if facts.get("cache_api") == "tuple_cat":
-        book.cite(
-            "code",
-            "tuple cache grown with torch.cat and returned as present under use_cache "
-            "(transformers 4.3x vendor style)",
-            facts["cache_update_source"],
-        )
-    if facts.get("cache_api") == "transformers4":
-        book.cite(
-            "code",
-            "transformers 4 style cache write (past_key_value.update)",
-            facts["cache_update_source"],
-        )
-    kinds = {k for k in spec.layer_kinds if not holds_attention_and_state(spec, k)}
-    for kind, note in (
-        ("hybrid", "layers that hold both attention KV and a Mamba state"),
-        ("indexed_attention", "indexed sparse attention (a top-k indexer with its own cache)"),
-        ("compressed_attention", "compressed sparse attention layers"),
-    ):
-        if kind in kinds:
-            msg = f"{note}: planned as FullAttention; the extra cache is not converted"
-            book.warn(msg)
-            book.block(msg)
-    mixers = facts.get("linear_attention_classes") or []
-    if mixers and spec.layer_pattern_source.startswith("default"):
-        if null_layer_types:
-            # lfm2_moe's default config: the per-layer pattern is left to the checkpoint
-            msg = (
-                f"the config's layer_types is null, so which layers run the state mixer "
-                f"{mixers[0]} and which attend is not stated; set layer_types as the "
-                "checkpoint's config.json does (--config-overrides layer_types=[...])"
-            )
-        else:
-            # falcon-h1 style: every decoder layer runs an SSM mixer next to its attention
-            msg = (
-                f"state mixer {mixers[0]} runs beside attention in every layer (no layer "
-                "pattern in the config); its conv/SSM state is not planned"
-            )
-        book.warn(msg)
-        book.block(msg)
-    if spec.num_mtp_layers:
-        book.warn(
-            f"{spec.num_mtp_layers} MTP layer(s): their caches are outside the decoder layers "
-            "planned here"
-        )

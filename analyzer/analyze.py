@@ -1,21 +1,50 @@
-"""``analyze_model``: MODEL -> Plan (inputs, config, code scan, rules, memory)."""
+"""``analyze_model``: MODEL -> Plan (inputs, config, code scan, rules, memory).
+
+``plan_for_source`` decides the Plan of a resolved source in these stages, in order; each
+records its evidence in one ``Notebook``, so the Plan's evidence follows this order:
+
+1. the decoder: a composite model's language model, or the text decoder its own file
+   defines (``decoder_source.py``); the modeling file's facts and class roles, refusing what
+   is no causal decoder (``_read_code``). A file with no attention of its own is planned
+   from where its attention comes (``_plan_elsewhere``).
+2. the config, normalised as the code reads it; the tensor-parallel split (``_read_config``)
+3. the deploy mode (``decide_deploy_mode``)
+4. every layer's kind and attn_type, and cross-layer KV sharing (``_decide_layers``)
+5. attention kind, KV mode, FA version, layout, sparse modes, softmax scale, KV heads per
+   rank (``_decide_attention``)
+6. the cache entries of each attn_type (``_decide_cache_entries``); KV bytes per token and
+   blocks for the memory budget (``_size_caches``)
+7. the code record and its notes (``_read_code_facts``); the common-error table and the
+   operators' limits (``_add_checks``); rope style (``_cite_rope``); the MLA cache write
+   (``_mla_cache_write``)
+8. the Plan (``_assemble_plan``)
+
+The notes the stages add beside their decisions live in ``plan_notes.py``.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvskill.analyzer.code_facts import code_facts, rope_style
+from kvskill.analyzer.code_facts import RopeDecision, code_facts, rope_style
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
     cite_vendor_keys,
     source_config_defaults,
+)
+from kvskill.analyzer.decoder_source import (
+    language_model_source,
+    own_text_decoder,
+    refuse_encoder,
+    refuse_non_causal,
+    wrapped_language_model,
 )
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
@@ -28,12 +57,8 @@ from kvskill.analyzer.inherited import (
 )
 from kvskill.analyzer.inputs import (
     ModelSource,
-    build_config,
     causal_lm_class_name,
-    causal_lm_model_types,
-    image_text_to_text_class_name,
     resolve_model,
-    transformers_modeling_file,
     transformers_root,
 )
 from kvskill.analyzer.kv_sharing import (
@@ -51,12 +76,24 @@ from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
+    DeployMode,
     Evidence,
+    FaVersion,
+    InputLayout,
     KvMode,
+    LayerPlan,
     Plan,
     PlanSource,
+    SparseModes,
+    WindowTokens,
 )
-from kvskill.analyzer.qkv_split import fused_qkv_note
+from kvskill.analyzer.plan_notes import (
+    cite_config_branches,
+    cite_decoder_origin,
+    cite_state_entries,
+    code_notes,
+    window_only_in_cache,
+)
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
     CodeView,
@@ -69,11 +106,10 @@ from kvskill.analyzer.rules import (
     decide_layers,
     decide_layout,
     decide_sparse_modes,
-    holds_attention_and_state,
     sinks_line,
     sliding_kv_heads,
 )
-from kvskill.analyzer.scale import decide_scale
+from kvskill.analyzer.scale import ScaleDecision, decide_scale
 from kvskill.analyzer.scan import scan_file
 from kvskill.analyzer.state_cache import state_cache
 from kvskill.core.attn_types import AttnType
@@ -177,16 +213,6 @@ def _inherited_source(source: ModelSource, facts) -> ModelSource | None:
     return replace(source, modeling_file=str(path))
 
 
-def _cite_config_branches(facts, source: ModelSource, book: Notebook) -> None:
-    """Which branch of each config-decided ``if`` of an attention forward runs, and why
-    (``analyzer/config_branch.py``; apply keeps that branch only)."""
-    config = text_config(source.config)[0]
-    for branch in facts.config_branches:
-        value = config.get(branch.key)
-        if isinstance(value, bool):
-            book.cite("attention_branch", branch.reason(value), facts.where(branch.line))
-
-
 def _converted_sibling_plan(source: ModelSource, facts, options: dict) -> Plan | None:
     """The Plan of the converted module beside a remote file that takes its attention from it
     (``from .modeling_llama import LlamaAttention``): an output apply wrote for an inherited
@@ -238,34 +264,6 @@ def _inheriting_plan(plan: Plan, source: ModelSource, facts, roles) -> Plan:
     )
 
 
-def _refuse_non_causal(source: ModelSource) -> None:
-    if source.config.get("is_encoder_decoder"):
-        raise UnsupportedModelError(
-            f"'{source.model_type}' is an encoder-decoder model (cross-attention); kvskill "
-            "serves causal decoders only"
-        )
-    if (
-        source.kind != "remote_code"
-        and source.model_type not in causal_lm_model_types()
-        and source.vision_language_head is None
-    ):
-        raise UnsupportedModelError(_no_causal_lm_reason(source))
-    if source.modeling_file is None:
-        raise UnsupportedModelError(
-            f"no modeling file for '{source.model_type}' in the installed transformers"
-        )
-
-
-def _unplanned_indexer_note(spec: ModelSpec) -> str:
-    note = "indexed sparse attention (a top-k indexer with its own cache)"
-    if spec.indexer and spec.indexer["shared_layers"]:
-        return (
-            f"{note} whose {spec.indexer['shared_layers']} 'shared' layers (indexer_types) reuse "
-            "the previous layer's top-k"
-        )
-    return note
-
-
 def plan_for_source(
     source: ModelSource,
     *,
@@ -276,7 +274,11 @@ def plan_for_source(
     hbm_gb: float | None,
     prompt_file: Path | None = None,
 ) -> Plan:
-    """All decisions for a resolved source."""
+    """All decisions for a resolved source, stage by stage (listed in the module docstring).
+
+    Every stage that decides something records its evidence in one ``Notebook``, in stage
+    order; the Plan's ``evidence`` and ``warnings`` keep that order.
+    """
     # A composite model's language model is planned with the same options.
     options = dict(
         deploy_mode=deploy_mode,
@@ -286,14 +288,66 @@ def plan_for_source(
         hbm_gb=hbm_gb,
         prompt_file=prompt_file,
     )
-    if _is_wrapper_without_causal_lm(source):
-        # A vision-language (or other composite) model that transformers does not map to a
-        # causal LM but whose language model is one: its KV cache is that model's.
-        inner = _language_model_source(source)
-        if inner is not None:
-            return plan_for_source(inner, **options)
-        source = _with_own_text_decoder(source)
-    _refuse_non_causal(source)
+    language_model = wrapped_language_model(source)
+    if language_model is not None:
+        return plan_for_source(language_model, **options)
+    source = own_text_decoder(source)
+    code = _read_code(source)
+    if not code.roles.attention and not code.roles.linear_attention:
+        return _plan_elsewhere(source, code, options)
+    book = Notebook(source=source)
+    read = _read_config(source, code, attn_tp_size, book)
+    spec = read.spec
+    mode = decide_deploy_mode(
+        deploy_mode,
+        source.runner_files,
+        book,
+        prompt_file=prompt_file,
+        model_dir=None if source.kind == "transformers" else Path(source.path),
+    )
+    layers = _decide_layers(source, code, read, book)
+    design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
+    entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
+    caches = _size_caches(
+        source,
+        code,
+        spec,
+        layers,
+        entries,
+        design.kv_mode,
+        block_size=block_size,
+        kv_memory_bytes=kv_memory_bytes,
+        hbm_gb=hbm_gb,
+        book=book,
+    )
+    facts = _read_code_facts(source, code, read, layers.sharing, book)
+    _add_checks(spec, code, design, facts, mode, layers.attn_types, attn_tp_size, block_size, book)
+    rope = _cite_rope(source, code, spec, book)
+    cache_write = _mla_cache_write(source, book) if design.attention is AttentionKind.MLA else None
+    return _assemble_plan(
+        source=source,
+        code=code,
+        spec=spec,
+        mode=mode,
+        layers=layers,
+        design=design,
+        caches=caches,
+        facts=facts,
+        rope=rope,
+        cache_write=cache_write,
+        attn_tp_size=attn_tp_size,
+        block_size=block_size,
+        book=book,
+    )
+
+
+# ---- stage 1: the decoder's source and code -------------------------------------------------
+
+
+def _read_code(source: ModelSource) -> CodeView:
+    """The modeling file's facts and the roles of its classes; refuses what is not a causal
+    decoder (encoder-decoder, encoder-only, no causal-LM class, bidirectional unless a flag)."""
+    refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
     hint = source.vision_language_head or hint
@@ -306,73 +360,122 @@ def plan_for_source(
         raise UnsupportedModelError(
             f"{facts.file_name} defines no *ForCausalLM class; not a causal decoder"
         )
-    _refuse_encoder(source, facts)
-    reads_window = _code_reads_window(code)
-    if not roles.attention and not roles.linear_attention:
-        inner = _language_model_source(source)
-        if inner is not None:
-            return plan_for_source(inner, **options)
-        inherited = _inherited_source(source, facts)
-        if inherited is not None:
-            return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
-        converted = _converted_sibling_plan(source, facts, options)
-        if converted is not None:
-            return _inheriting_plan(converted, source, facts, roles)
-        raise UnsupportedModelError(
-            inherited_attention_reason(facts)
-            or legacy_rows_reason(facts, source.config)
-            or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
-        )
+    refuse_encoder(source, facts)
+    return code
+
+
+def _plan_elsewhere(source: ModelSource, code: CodeView, options: dict) -> Plan:
+    """A file with no attention class of its own: the Plan of the language model it builds
+    from text_config, of the transformers file or the converted module beside it that its
+    attention comes from; else the refusal that says why."""
+    facts, roles = code.facts, code.roles
+    inner = language_model_source(source)
+    if inner is not None:
+        return plan_for_source(inner, **options)
+    inherited = _inherited_source(source, facts)
+    if inherited is not None:
+        return _inheriting_plan(plan_for_source(inherited, **options), source, facts, roles)
+    converted = _converted_sibling_plan(source, facts, options)
+    if converted is not None:
+        return _inheriting_plan(converted, source, facts, roles)
+    raise UnsupportedModelError(
+        inherited_attention_reason(facts)
+        or legacy_rows_reason(facts, source.config)
+        or f"{facts.file_name}: no attention class that writes a KV cache or runs attention"
+    )
+
+
+# ---- stage 2: the config, as the code reads it ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ConfigRead:
+    """The normalised config and what it took to read it."""
+
+    spec: ModelSpec
+    #: the model's config attribute aliases (``attribute_map``)
+    attribute_map: dict[str, str]
+    #: the Plan's ``code.kv_heads`` record: the KV heads the attention's code sizes, or None
+    code_sizing: dict[str, Any] | None
+
+
+def _read_config(
+    source: ModelSource, code: CodeView, attn_tp_size: int, book: Notebook
+) -> _ConfigRead:
+    """Normalise the config (KV heads as the attention's ``__init__`` sizes them), check the
+    tensor-parallel split, and cite where the values come from."""
     remote = source.kind == "remote_code"
     attribute_map = attribute_map_for(
         source.model_type, source.config, Path(source.path) if remote else None, remote=remote
     )
     spec = normalise(
         source.config,
-        uses_sliding_window=reads_window,
+        uses_sliding_window=_code_reads_window(code),
         derived=source.derived,
         attribute_map=attribute_map,
     )
-    book = Notebook(source=source)
     spec, code_sizing = _sized_by_code(source, code, spec, attribute_map, book)
     check_tp_split(spec.num_heads, spec.num_kv_heads, attn_tp_size, mla=spec.mla is not None)
     cite_vendor_keys(spec, attribute_map, book)
-    _cite_config_branches(facts, source, book)
-    if source.delegated_from:
-        book.cite(
-            "source",
-            f"'{source.delegated_from}' builds its language model from text_config "
-            f"(model_type '{source.model_type}'); the KV cache is that model's",
-            book.cfg("model_type"),
-        )
-    if source.vision_language_head:
-        book.cite(
-            "source",
-            f"'{source.model_type}' defines its text decoder in its own modeling file (text "
-            f"model type '{_text_model_type(source)}' has no causal-LM class): "
-            f"{roles.causal_lm} is converted, its text attention {roles.attention[0]} gets the "
-            "paged KV cache and the vision tower (no KV cache) is left as it is",
-            book.cfg("text_config.model_type"),
-        )
-        book.warn(
-            "vision-language model: the runtime passes token ids with one position per token; "
-            "text-only requests are exact (every multimodal-rope section is the text position), "
-            "image and video inputs with their 3-D rope positions are not passed through"
-        )
-    mode = decide_deploy_mode(
-        deploy_mode,
-        source.runner_files,
-        book,
-        prompt_file=prompt_file,
-        model_dir=None if source.kind == "transformers" else Path(source.path),
-    )
+    cite_config_branches(code.facts, source, book)
+    cite_decoder_origin(source, code, book)
+    return _ConfigRead(spec=spec, attribute_map=attribute_map, code_sizing=code_sizing)
+
+
+# ---- stage 3: layers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Every layer's kind and attn_type, and the cross-layer KV sharing they follow."""
+
+    layers: list[LayerPlan]
+    #: sorted in AttnType order
+    attn_types: list[str]
+    sharing: KvSharing | None
+
+
+def _decide_layers(
+    source: ModelSource, code: CodeView, read: _ConfigRead, book: Notebook
+) -> _Layers:
+    spec = read.spec
     layers = decide_layers(spec, book)
-    sharing = _kv_sharing(source, code, spec, attribute_map)
+    sharing = _kv_sharing(source, code, spec, read.attribute_map)
     layers = share_layers(layers, sharing, code.where, book)
-    _window_only_in_cache(spec, book)
+    window_only_in_cache(spec, book)
     if not layers:
         raise UnsupportedModelError(f"'{source.model_type}': no layer holds a KV cache or state")
     attn_types = sorted({layer.attn_type for layer in layers}, key=_ATTN_TYPE_ORDER.get)
+    return _Layers(layers=layers, attn_types=attn_types, sharing=sharing)
+
+
+# ---- stage 4: attention and its operator ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AttentionDesign:
+    """The attention's kind, KV mode, fused-operator version and parameters, per rank."""
+
+    attention: AttentionKind
+    #: the ALiBi bias builder (name, where) when the model adds one
+    alibi: tuple[str, str] | None
+    kv_mode: KvMode
+    legacy_reason: str | None
+    fa_version: FaVersion
+    fa_reason: str
+    layout: InputLayout
+    absorb: bool
+    sparse_modes: dict[str, SparseModes]
+    window_tokens: dict[str, WindowTokens]
+    scale: ScaleDecision
+    kv_heads: int
+    #: KV heads per rank of the sliding-window layers when they differ, else None
+    sliding_heads: int | None
+
+
+def _decide_attention(
+    spec: ModelSpec, code: CodeView, attn_types: list[str], attn_tp_size: int, book: Notebook
+) -> _AttentionDesign:
     attention = decide_attention(spec, book)
     alibi = alibi_builder(spec, code, book)
     kv_mode, legacy_reason = decide_kv_mode(spec, code, book, alibi)
@@ -388,14 +491,68 @@ def plan_for_source(
         if AttnType.SLIDING_WINDOW.value in attn_types
         else None
     )
-    entries = cache_entries(spec, attn_types, kv_heads, attn_tp_size, sliding_heads)
-    _cite_state_entries(entries, source, book)
+    return _AttentionDesign(
+        attention=attention,
+        alibi=alibi,
+        kv_mode=kv_mode,
+        legacy_reason=legacy_reason,
+        fa_version=fa_version,
+        fa_reason=fa_reason,
+        layout=layout,
+        absorb=absorb,
+        sparse_modes=modes,
+        window_tokens=windows,
+        scale=scale,
+        kv_heads=kv_heads,
+        sliding_heads=sliding_heads,
+    )
+
+
+# ---- stage 5: cache entries and their memory ------------------------------------------------
+
+
+def _decide_cache_entries(
+    source: ModelSource,
+    spec: ModelSpec,
+    attn_types: list[str],
+    design: _AttentionDesign,
+    attn_tp_size: int,
+    book: Notebook,
+) -> dict[str, list[CacheEntryPlan]]:
+    """The cache entries each attn_type declares (per rank), and where state sizes come from."""
+    entries = cache_entries(spec, attn_types, design.kv_heads, attn_tp_size, design.sliding_heads)
+    cite_state_entries(entries, source, book)
+    return entries
+
+
+@dataclass(frozen=True)
+class _Caches:
+    entries: dict[str, list[CacheEntryPlan]]
+    #: the memory plan (``analyzer/memory.py``)
+    memory: dict[str, Any]
+    kv_bytes_per_token: int
+
+
+def _size_caches(
+    source: ModelSource,
+    code: CodeView,
+    spec: ModelSpec,
+    layers: _Layers,
+    entries: dict[str, list[CacheEntryPlan]],
+    kv_mode: KvMode,
+    *,
+    block_size: int,
+    kv_memory_bytes: int | None,
+    hbm_gb: float | None,
+    book: Notebook,
+) -> _Caches:
+    """KV bytes per token over all layers and sublayers, and blocks for the memory budget."""
     sublayers = attention_sublayers(code, book)
     # a layer reading another's cache (cross-layer KV sharing) holds no bytes of its own
     counts = {
-        t: sum(1 for layer in layers if layer.attn_type == t and layer.kv_source is None)
+        t: sum(1 for layer in layers.layers if layer.attn_type == t and layer.kv_source is None)
         * (1 if t == AttnType.MAMBA.value else sublayers)
-        for t in attn_types
+        for t in layers.attn_types
     }
     memory = plan_memory(
         spec=spec,
@@ -407,13 +564,6 @@ def plan_for_source(
         hbm_gb=hbm_gb,
         legacy_row_tokens=(spec.max_positions or None) if kv_mode is KvMode.LEGACY else None,
     )
-    if memory.get("budget_fits") is False and memory.get("kv_memory_bytes"):
-        book.warn(
-            f"the KV budget ({memory['kv_memory_bytes']} bytes) is smaller than the window and "
-            f"state pools kvskill run reserves first ({memory['reserved_bytes']} bytes for "
-            f"{memory['max_num_seqs']} requests): run refuses it; raise --kv-memory or lower "
-            "--max-num-seqs"
-        )
     if memory.get("kv_memory_bytes") == 0:
         book.warn(
             f"no memory left for the KV cache: the weights (~{memory['weight_bytes_estimate']} "
@@ -425,44 +575,79 @@ def plan_for_source(
         f"{kv_bytes} bytes per token per rank over all layers ({spec.dtype})",
         "sum of cache_entries dim x num_head x dtype size x layers",
     )
-    facts_dict = code_facts(code, source)
-    if code_sizing is not None:
-        facts_dict["kv_heads"] = code_sizing
+    return _Caches(entries=entries, memory=memory, kv_bytes_per_token=kv_bytes)
+
+
+# ---- stage 6: what the code does, and the checks that follow --------------------------------
+
+
+def _read_code_facts(
+    source: ModelSource,
+    code: CodeView,
+    read: _ConfigRead,
+    sharing: KvSharing | None,
+    book: Notebook,
+) -> dict[str, Any]:
+    """The Plan's ``code`` record (cache API, fused qkv, Legacy paths, ...) and its notes."""
+    facts = code_facts(code, source)
+    if read.code_sizing is not None:
+        facts["kv_heads"] = read.code_sizing
     if sharing_record(sharing) is not None:
-        facts_dict["kv_sharing"] = sharing_record(sharing)
-    _code_notes(
-        facts_dict,
-        spec,
+        facts["kv_sharing"] = sharing_record(sharing)
+    code_notes(
+        facts,
+        read.spec,
         book,
         null_layer_types="layer_types" in source.config and source.config["layer_types"] is None,
     )
     _per_layer_heads(source, book)
+    return facts
+
+
+def _add_checks(
+    spec: ModelSpec,
+    code: CodeView,
+    design: _AttentionDesign,
+    facts: dict[str, Any],
+    mode: DeployMode,
+    attn_types: list[str],
+    attn_tp_size: int,
+    block_size: int,
+    book: Notebook,
+) -> None:
+    """The common-error table's items and the operators' limits that apply to this model."""
     # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
-    keeps_absorbed_prefill = bool(facts_dict.get("legacy_standalone")) and spec.mla is not None
+    keeps_absorbed_prefill = bool(facts.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
         spec=spec,
         book=book,
-        kv_mode=kv_mode,
+        kv_mode=design.kv_mode,
         deploy_mode=mode,
-        attention=attention,
-        fa_version=fa_version,
+        attention=design.attention,
+        fa_version=design.fa_version,
         attn_types=attn_types,
-        kv_heads_per_rank=kv_heads,
+        kv_heads_per_rank=design.kv_heads,
         attn_tp_size=attn_tp_size,
-        scale_has_mscale=scale.has_yarn_mscale,
+        scale_has_mscale=design.scale.has_yarn_mscale,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
     add_operator_limits(
         spec=spec,
         book=book,
-        attention=attention,
-        fa_version=fa_version,
+        attention=design.attention,
+        fa_version=design.fa_version,
         has_sinks=sinks_line(code) is not None,
-        kv_heads_per_rank=kv_heads,
+        kv_heads_per_rank=design.kv_heads,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
+
+
+def _cite_rope(
+    source: ModelSource, code: CodeView, spec: ModelSpec, book: Notebook
+) -> RopeDecision:
+    """The rotary pairing style and partial rotation, as the code applies them."""
     rope = rope_style(code, spec, source.config)
     book.cite("rope_style", f"rope style: {rope.style}", rope.source)
     if rope.rotary_dim is not None:
@@ -472,28 +657,52 @@ def plan_for_source(
             "rotated, the rest pass through unrotated",
             rope.rotary_source or "",
         )
-    mla = dict(spec.mla) if spec.mla else None
-    cache_write = _mla_cache_write(source, book) if attention is AttentionKind.MLA else None
+    return rope
+
+
+# ---- stage 7: the Plan ----------------------------------------------------------------------
+
+
+def _assemble_plan(
+    *,
+    source: ModelSource,
+    code: CodeView,
+    spec: ModelSpec,
+    mode: DeployMode,
+    layers: _Layers,
+    design: _AttentionDesign,
+    caches: _Caches,
+    facts: dict[str, Any],
+    rope: RopeDecision,
+    cache_write: str | None,
+    attn_tp_size: int,
+    block_size: int,
+    book: Notebook,
+) -> Plan:
+    """The Plan of every stage's decisions, with the notebook's warnings and evidence."""
+    attn_types = layers.attn_types
+    # before the notebook is read into the Plan: the indexer cites its evidence
+    indexer = decide_indexer(spec, book) if design.kv_mode is KvMode.PAGED else None
     return Plan(
         model_type=source.model_type,
-        architecture=roles.causal_lm,
+        architecture=code.roles.causal_lm,
         source=source.as_plan_source(),
         deploy_mode=mode,
-        kv_mode=kv_mode,
-        legacy_reason=legacy_reason,
-        attention=attention,
-        layers=layers,
+        kv_mode=design.kv_mode,
+        legacy_reason=design.legacy_reason,
+        attention=design.attention,
+        layers=layers.layers,
         attn_types=attn_types,
         mixed_attn_types=len(attn_types) > 1,
-        fa_version=fa_version,
-        fa_version_reason=fa_reason,
-        mla_absorb=absorb,
-        input_layout=layout,
-        sparse_mode=modes,
-        softmax_scale=scale.value,
-        num_key_value_heads_per_rank=kv_heads,
-        cache_entries=entries,
-        kv_bytes_per_token=kv_bytes,
+        fa_version=design.fa_version,
+        fa_version_reason=design.fa_reason,
+        mla_absorb=design.absorb,
+        input_layout=design.layout,
+        sparse_mode=design.sparse_modes,
+        softmax_scale=design.scale.value,
+        num_key_value_heads_per_rank=design.kv_heads,
+        cache_entries=caches.entries,
+        kv_bytes_per_token=caches.kv_bytes_per_token,
         warnings=list(book.warnings),
         evidence=list(book.evidence),
         num_layers=spec.num_layers,
@@ -502,19 +711,19 @@ def plan_for_source(
         head_dim=spec.head_dim,
         attn_tp_size=attn_tp_size,
         block_size=block_size,
-        window_tokens=windows,
+        window_tokens=design.window_tokens,
         has_sinks=sinks_line(code) is not None,
         rope_style=rope.style,
         rotary_dim=rope.rotary_dim,
-        position_bias="alibi" if alibi else None,
-        mla=mla,
-        indexer=decide_indexer(spec, book) if kv_mode is KvMode.PAGED else None,
-        code=facts_dict,
+        position_bias="alibi" if design.alibi else None,
+        mla=dict(spec.mla) if spec.mla else None,
+        indexer=indexer,
+        code=facts,
         config=dict(source.config),
-        memory=memory,
-        state_cache=state_cache(spec, layers, entries),
+        memory=caches.memory,
+        state_cache=state_cache(spec, layers.layers, caches.entries),
         implementer_blockers=list(book.blockers),
-        is_mla_backend=attention is AttentionKind.MLA,
+        is_mla_backend=design.attention is AttentionKind.MLA,
         mla_cache_write=cache_write,
     )
 
@@ -535,152 +744,6 @@ def _mla_write_cached(modeling_file: str, config_json: str):
 
     text = read_source(Path(modeling_file)) if modeling_file else ""
     return decide_mla_cache_write(text, json.loads(config_json), Path(modeling_file).name)
-
-
-_STATE_KEYS = (
-    "linear_num_value_heads",
-    "mamba_d_state",
-    "ssm_state_size",
-    "state_size",
-    "conv_L_cache",
-)
-
-
-def _cite_state_entries(
-    entries: dict[str, list[CacheEntryPlan]], source: ModelSource, book
-) -> None:
-    """Where the Mamba-type state sizes come from, or a blocker when they are unknown."""
-    if AttnType.MAMBA.value not in entries:
-        return
-    state = entries[AttnType.MAMBA.value]
-    if not state:
-        msg = "state layers without recognised conv/SSM sizes in the config: no state entries"
-        book.warn(msg)
-        book.block(msg)
-        return
-    key = next((k for k in _STATE_KEYS if source.config.get(k) is not None), None)
-    shapes = ", ".join(f"{e.cache_name} {e.num_head}x{e.dim}" for e in state)
-    book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
-
-
-def _is_wrapper_without_causal_lm(source: ModelSource) -> bool:
-    return (
-        source.kind != "remote_code"
-        and source.model_type not in causal_lm_model_types()
-        and not source.config.get("is_encoder_decoder")
-    )
-
-
-def _text_model_type(source: ModelSource) -> str | None:
-    text = source.config.get("text_config")
-    text_type = text.get("model_type") if isinstance(text, dict) else None
-    return text_type if isinstance(text_type, str) else None
-
-
-def _with_own_text_decoder(source: ModelSource) -> ModelSource:
-    """A vision-language model whose text decoder is defined in its own modeling file
-    (qwen2_5_vl, qwen3_vl, glm4v, ...): its text model type has no causal-LM class, so the
-    whole ``*ForConditionalGeneration`` is converted. Unchanged when the type has none."""
-    head = image_text_to_text_class_name(source.model_type)
-    if head is None or _text_model_type(source) in (None, source.model_type):
-        return source
-    return replace(source, vision_language_head=head)
-
-
-def _no_causal_lm_reason(source: ModelSource) -> str:
-    """Why a model type without a causal-LM class is refused, naming its text model if any."""
-    text_type = _text_model_type(source)
-    if isinstance(text_type, str) and text_type != source.model_type:
-        return (
-            f"'{source.model_type}' is a composite model whose language model "
-            f"('{text_type}') has no causal-LM class in the installed transformers; kvskill "
-            "converts language models that transformers builds as causal LMs"
-        )
-    return (
-        f"'{source.model_type}' has no causal-LM class in the installed transformers "
-        "(encoder-only or not a text decoder)"
-    )
-
-
-def _window_only_in_cache(spec: ModelSpec, book: Notebook) -> None:
-    """A ``sliding_window`` the attention never reads, which transformers' cache still applies.
-
-    With no ``layer_types``, transformers' ``DynamicCache(config=...)`` makes every layer a
-    sliding-window cache layer as soon as ``config.sliding_window`` is set (cache_utils
-    ``get_layer_types_and_kwargs``), and that layer keeps only the last W-1 keys. A model
-    whose mask stays plain causal (moshi) then attends to the whole prompt in prefill but to
-    the last W tokens in decode, so its output depends on how the sequence was split; no one
-    mask of the fused operator (causal or band) gives both. The window is harmless only when
-    it cannot bind: W >= max_position_embeddings (moshi's default, 3000 and 3000).
-    """
-    from_window_alone = spec.layer_pattern_source.rsplit(".", 1)[-1] == "sliding_window"
-    if spec.sliding_window is None or not from_window_alone or "sliding" in spec.layer_kinds:
-        return  # no window, a layer pattern, or code that reads the window (mistral)
-    window, key = spec.sliding_window, spec.sources.get("sliding_window")
-    max_positions = spec.max_positions  # max_position_embeddings, seq_length, n_positions
-    if isinstance(max_positions, int) and window >= max_positions:
-        book.cite(
-            "layers",
-            f"transformers' cache keeps a window of sliding_window={window} keys per layer "
-            f"(no layer_types), but it never binds: max_position_embeddings={max_positions}",
-            book.cfg(key),
-        )
-        return
-    msg = (
-        "mask and cache disagree: the mask is plain causal but transformers' DynamicCache "
-        f"makes every layer a sliding-window cache (sliding_window={window}, no layer_types, "
-        f"max_position_embeddings={max_positions}): prefill attends to the whole prompt, "
-        f"decode only to the last {window} tokens, and no single fused-attention mask gives "
-        "both; set sliding_window to null or >= max_position_embeddings"
-    )
-    book.warn(msg)
-    book.block(msg)
-
-
-def _language_model_source(source: ModelSource) -> ModelSource | None:
-    """A composite model whose language model is built from ``text_config`` via AutoModel."""
-    text = source.config.get("text_config")
-    if not isinstance(text, dict):
-        return None
-    text_type = text.get("model_type")
-    if not isinstance(text_type, str) or text_type == source.model_type:
-        return None
-    if text_type not in causal_lm_model_types():
-        return None
-    modeling = transformers_modeling_file(text_type)
-    if modeling is None:
-        return None
-    text = dict(text)
-    # --config-overrides name the model the user converts: the language model.
-    for key in source.overridden:
-        if key != "text_config" and key in source.config:
-            text[key] = source.config[key]
-    if isinstance(source.config.get("tie_word_embeddings"), bool):
-        # The composite model owns the lm_head and ties it (or not) to its language model's
-        # embeddings by its own flag; the text config's flag is not the one it follows.
-        text["tie_word_embeddings"] = source.config["tie_word_embeddings"]
-    config, derived = build_config(text_type, text, {})
-    return replace(
-        source,
-        model_type=text_type,
-        modeling_file=str(modeling),
-        config=config,
-        derived=derived,
-        overridden=source.overridden,
-        delegated_from=source.model_type,
-    )
-
-
-def _refuse_encoder(source: ModelSource, facts) -> None:
-    """Models whose attention is causal only when a config flag says so (BERT, XLM)."""
-    for key in ("is_decoder", "causal"):
-        line = facts.config_reads.get(key)
-        if line is not None and key in source.config and not source.config.get(key):
-            raise UnsupportedModelError(
-                f"'{source.model_type}' attends bidirectionally unless {key}=true "
-                f"({facts.where(line)} reads config.{key}, which is false): an encoder is not "
-                f"served; pass --config-overrides {key}=true for its decoder variant"
-            )
 
 
 def _code_reads_window(code: CodeView) -> bool:
@@ -769,98 +832,3 @@ def _per_layer_heads(source: ModelSource, book: Notebook) -> None:
         book.warn(msg)
         book.block(msg)
         book.cite(model_wide, f"{key} differs from {model_wide}", book.cfg(key))
-
-
-def _code_notes(
-    facts: dict[str, Any], spec, book: Notebook, *, null_layer_types: bool = False
-) -> None:
-    if facts.get("already_converted"):
-        book.warn("the modeling code is already converted (cache_entries / get_cache_info)")
-        book.cite(
-            "code",
-            "already paged: the attention declares cache_entries or the model get_cache_info",
-            facts["already_converted_source"],
-        )
-    if facts.get("legacy_framework"):
-        book.cite(
-            "code",
-            "current code is the Legacy framework path (cache_unit + scatter_update_); "
-            "converting it to Paged",
-            facts["legacy_framework_source"],
-        )
-        if any(kind != "attention" and kind != "sliding" for kind in spec.layer_kinds):
-            # NOTE: the Mamba entries this Plan lists are the config's gated-delta estimate;
-            # the framework-Legacy rewrite (KVR022) keeps init_cache's own state layout
-            book.cite(
-                "cache_entries.Mamba",
-                "framework Legacy states: apply declares one MambaCacheEntry per state "
-                "init_cache allocates, with its name and row shape (Qwen3.5: conv_state "
-                "[conv_dim, kernel], recurrent_state [Nv, Dv, Dk]), not the estimate above",
-                "rule: the framework-Legacy state rewrite (KVR022)",
-            )
-    if facts.get("legacy_standalone") and spec.mla is not None:
-        book.cite(
-            "code",
-            "current code is the standalone Legacy MLA path (init_cache latent and rope caches "
-            "written as rows with scatter_update_ at kv_len, read through the model's own arange "
-            "block table); converting it to paged mode 3 (absorbed MLA over mode 2)",
-            facts["legacy_standalone_source"],
-        )
-    elif facts.get("legacy_standalone"):
-        book.cite(
-            "code",
-            "current code is the standalone Legacy path (init_cache rows + scatter_update_ at "
-            "kv_len + BSH fused attention, standalone mode 1); converting it to paged mode 2",
-            facts["legacy_standalone_source"],
-        )
-    fused = facts.get("fused_qkv")
-    if fused:
-        book.cite("fused_qkv", fused_qkv_note(fused), fused["split_source"] or fused["source"])
-    if facts.get("cache_api") == "tuple_cat":
-        book.cite(
-            "code",
-            "tuple cache grown with torch.cat and returned as present under use_cache "
-            "(transformers 4.3x vendor style)",
-            facts["cache_update_source"],
-        )
-    if facts.get("cache_api") == "transformers4":
-        book.cite(
-            "code",
-            "transformers 4 style cache write (past_key_value.update)",
-            facts["cache_update_source"],
-        )
-    kinds = {k for k in spec.layer_kinds if not holds_attention_and_state(spec, k)}
-    if plannable_indexer(spec):
-        # the indexer's keys are a cache entry of the layer (analyzer/indexer.py)
-        kinds.discard("indexed_attention")
-    for kind, note in (
-        ("hybrid", "layers that hold both attention KV and a Mamba state"),
-        ("indexed_attention", _unplanned_indexer_note(spec)),
-        ("compressed_attention", "compressed sparse attention layers"),
-    ):
-        if kind in kinds:
-            msg = f"{note}: planned as FullAttention; the extra cache is not converted"
-            book.warn(msg)
-            book.block(msg)
-    mixers = facts.get("linear_attention_classes") or []
-    if mixers and spec.layer_pattern_source.startswith("default"):
-        if null_layer_types:
-            # lfm2_moe's default config: the per-layer pattern is left to the checkpoint
-            msg = (
-                f"the config's layer_types is null, so which layers run the state mixer "
-                f"{mixers[0]} and which attend is not stated; set layer_types as the "
-                "checkpoint's config.json does (--config-overrides layer_types=[...])"
-            )
-        else:
-            # falcon-h1 style: every decoder layer runs an SSM mixer next to its attention
-            msg = (
-                f"state mixer {mixers[0]} runs beside attention in every layer (no layer "
-                "pattern in the config); its conv/SSM state is not planned"
-            )
-        book.warn(msg)
-        book.block(msg)
-    if spec.num_mtp_layers:
-        book.warn(
-            f"{spec.num_mtp_layers} MTP layer(s): their caches are outside the decoder layers "
-            "planned here"
-        )

@@ -128,7 +128,7 @@ class KvskillRuntime:
         fuse_layers: bool = False,
         screen_output_head: bool = False,
     ):
-        from kvskill.runtime import LLM
+        from kvskill.runtime import LLM, EngineConfig
         from kvskill.runtime.loader import load_model
 
         model_dir = converted_dir(spec)
@@ -137,8 +137,7 @@ class KvskillRuntime:
         # key must match, and every system reads its weights from the same memory.
         loaded.model.load_state_dict(reference.state_dict(), strict=True, assign=True)
         loaded.model.eval()
-        self.llm = LLM(
-            loaded.model,
+        config = EngineConfig(
             block_size=BLOCK_SIZE,
             # +1: block 0 is the reserved null block; usable capacity equals the other
             # paged system's.
@@ -150,6 +149,7 @@ class KvskillRuntime:
             fuse_layers=fuse_layers,
             screen_output_head=screen_output_head,
         )
+        self.llm = LLM(loaded.model, config)
         self.probe = _StepProbe(self.llm.engine)
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent / "tests" / "fixtures"))
 
 import kvskill.runtime.engine as engine_module  # noqa: E402
 from _common import environment, load_average, set_threads  # noqa: E402
-from kvskill.runtime import LLM, SamplingParams  # noqa: E402
+from kvskill.runtime import LLM, EngineConfig, SamplingParams  # noqa: E402
 from toy_factory import write_toy_dir  # noqa: E402
 
 BATCHES = (1, 32, 128)
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in MODELS.items():
             model_dir = write_toy_dir(Path(tmp) / name, seed=0, **overrides)
             for batch in BATCHES:
-                llm = LLM(
-                    model_dir,
+                config = EngineConfig(
                     trust_remote_code=True,
                     block_size=16,
                     num_blocks=batch * (PROMPT_LEN + args.steps + 8) // 16 + 2 * batch + 8,
@@ -150,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
                     free_block_order_seed=0,
                 )
+                llm = LLM(model_dir, config)
                 row = {"model": name, **measure(llm, batch, args.steps, seed=batch)}
                 results.append(row)
                 print(

@@ -53,21 +53,21 @@ def make_w5(vocab: int, *, requests: int, prefix_len: int, seed: int = 5):
 
 
 def build_llm(spec, reference, *, enable_prefix_caching: bool, capacity_tokens: int):
-    from kvskill.runtime import LLM
+    from kvskill.runtime import LLM, EngineConfig
     from kvskill.runtime.loader import load_model
 
     loaded = load_model(converted_dir(spec), dtype="float32", random_weights=True)
     # The reference's own tensors: both engines read the same weights from the same memory.
     loaded.model.load_state_dict(reference.state_dict(), strict=True, assign=True)
     loaded.model.eval()
-    return LLM(
-        loaded.model,
+    config = EngineConfig(
         block_size=BLOCK_SIZE,
         num_blocks=capacity_tokens // BLOCK_SIZE + 1,
         max_num_batched_tokens=TOKEN_BUDGET,
         max_num_seqs=256,
         enable_prefix_caching=enable_prefix_caching,
     )
+    return LLM(loaded.model, config)
 
 
 @torch.inference_mode()

@@ -42,19 +42,19 @@ def _prepare(spec, root: Path) -> Path:
 
 
 def _run(directory: Path, workload, tp: int, threads: int) -> dict:
-    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.runtime import LLM, EngineConfig, SamplingParams
     from kvskill.runtime.distributed.report import tensor_parallel_summary
 
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    llm = LLM(
-        directory,
+    config = EngineConfig(
         block_size=BLOCK_SIZE,
         num_blocks=workload.kv_capacity_tokens // BLOCK_SIZE + 1,
         max_num_batched_tokens=TOKEN_BUDGET,
         max_num_seqs=256,
         tensor_parallel_size=tp,
     )
+    llm = LLM(directory, config)
     start_s = time.perf_counter() - started
     with llm:
         warm = workload.warmup()

@@ -85,6 +85,7 @@ __all__ = [
 
 # Engine and Python API.
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepRecord  # noqa: E402
+from kvskill.runtime.engine_config import EngineConfig  # noqa: E402
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache  # noqa: E402
 from kvskill.runtime.llm import LLM  # noqa: E402
 from kvskill.runtime.loader import LoadedModel, load_model  # noqa: E402
@@ -97,6 +98,7 @@ from kvskill.runtime.request import (  # noqa: E402
 
 __all__ += [
     "LLM",
+    "EngineConfig",
     "EngineStats",
     "FinishReason",
     "LLMEngine",

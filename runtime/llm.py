@@ -7,19 +7,20 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.errors import BadInputError
-from kvskill.core.kv_blocks import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
+from kvskill.runtime.engine_config import EngineConfig
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache
 from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
 from kvskill.runtime.masks import get_init_attn_mask
 from kvskill.runtime.ops.reference.npu_profile import (
-    NpuProfile,
     check_run_block_size,
     run_profile,
     use_npu_profile,
@@ -38,9 +39,14 @@ class LLM:
 
     Examples::
 
-        llm = LLM("converted/", random_weights=True, num_blocks=64, block_size=128)
+        config = EngineConfig(random_weights=True, num_blocks=64, block_size=128)
+        llm = LLM("converted/", config)
         outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
         outs[0].token_ids, outs[0].finish_reason, outs[0].ttft_s
+
+    Every setting is a field of ``EngineConfig`` (``runtime/engine_config.py``, with its
+    default); ``LLM("converted/", random_weights=True, num_blocks=64)`` sets the same fields
+    by keyword. The settings named below are those fields.
 
     ``model`` may also be an already-built ``nn.Module`` with ``get_cache_info()`` (e.g. a
     converted model that shares its weights with a reference), in which case ``dtype``,
@@ -88,41 +94,28 @@ class LLM:
     def __init__(
         self,
         model: str | Path | nn.Module,
+        config: EngineConfig | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device | None = None,
-        seed: int = 0,
-        random_weights: bool = False,
-        trust_remote_code: bool = False,
-        block_size: int | None = None,
-        num_blocks: int | None = None,
-        kv_memory_bytes: int | None = None,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        enable_chunked_prefill: bool = True,
-        mix_decode_with_prefill: bool = True,
-        free_block_order_seed: int | None = None,
-        use_hybrid_blocks: bool = False,
-        log_layout: bool = False,
-        eos_token_id: int | Sequence[int] | None = None,
         step_hooks: Sequence[StepHook] = (),
-        freeze_startup_heap: bool = True,
-        enable_prefix_caching: bool = True,
-        tensor_parallel_size: int = 1,
-        tp_backend: str = "auto",
-        prepack_linear: bool = False,
-        fuse_layers: bool = False,
-        screen_output_head: bool = False,
-        cpu_only_shapes: bool | None = None,
-        npu_profile: NpuProfile | None = None,
+        **settings: Any,
     ) -> None:
-        if freeze_startup_heap:
+        """Load MODEL (a directory or a built module) and set up its KV pools and engine.
+
+        Args:
+            config: every setting (``EngineConfig``); default: its defaults.
+            step_hooks: called with a ``StepRecord`` after every step.
+            **settings: ``EngineConfig`` fields, replacing those of CONFIG.
+        """
+        config = replace(config or EngineConfig(), **settings)
+        #: the settings this LLM runs with
+        self.engine_config = config
+        if config.freeze_startup_heap:
             _freeze_startup_heap()
+        npu_profile = config.npu_profile
         if npu_profile is None:
-            dtype_name = str(dtype if not isinstance(model, nn.Module) else _dtype_of(model))
+            dtype_name = str(config.dtype if not isinstance(model, nn.Module) else _dtype_of(model))
             npu_profile = run_profile(
-                cpu_only_shapes=cpu_only_shapes,
+                cpu_only_shapes=config.cpu_only_shapes,
                 dtype=dtype_name.removeprefix("torch."),
                 real_dims=True,
             )
@@ -136,88 +129,26 @@ class LLM:
         self.num_fused_layers = 0
         #: the output head's bf16 screen for greedy steps (None unless screen_output_head)
         self.output_head_screen = None
-        for name, wanted in (
-            ("prepack_linear", prepack_linear),
-            ("fuse_layers", fuse_layers),
-            ("screen_output_head", screen_output_head),
-        ):
-            if wanted and tensor_parallel_size != 1:
-                # Only this process's model would change: the ranks would combine results
-                # computed two different ways.
-                raise BadInputError(
-                    f"{name} runs in one process; it cannot be combined with "
-                    f"tensor_parallel_size={tensor_parallel_size}"
-                )
-        if tensor_parallel_size != 1:
+        if config.tensor_parallel_size != 1:
             from kvskill.runtime.distributed.start import start_tensor_parallel
 
             self.tensor_parallel = start_tensor_parallel(
                 model,
-                tensor_parallel_size,
-                backend=tp_backend,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                random_weights=random_weights,
-                trust_remote_code=trust_remote_code,
+                config.tensor_parallel_size,
+                backend=config.tp_backend,
+                dtype=config.dtype,
+                device=config.device,
+                seed=config.seed,
+                random_weights=config.random_weights,
+                trust_remote_code=config.trust_remote_code,
             )
         try:
-            self._set_up(
-                model,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                random_weights=random_weights,
-                trust_remote_code=trust_remote_code,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_memory_bytes=kv_memory_bytes,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill,
-                mix_decode_with_prefill=mix_decode_with_prefill,
-                free_block_order_seed=free_block_order_seed,
-                use_hybrid_blocks=use_hybrid_blocks,
-                log_layout=log_layout,
-                eos_token_id=eos_token_id,
-                step_hooks=step_hooks,
-                enable_prefix_caching=enable_prefix_caching,
-                prepack_linear=prepack_linear,
-                fuse_layers=fuse_layers,
-                screen_output_head=screen_output_head,
-            )
+            self._set_up(model, config, step_hooks)
         except BaseException:
             self.close(graceful=False)
             raise
 
-    def _set_up(
-        self,
-        model,
-        *,
-        dtype,
-        device,
-        seed,
-        random_weights,
-        trust_remote_code,
-        block_size,
-        num_blocks,
-        kv_memory_bytes,
-        max_model_len,
-        max_num_batched_tokens,
-        max_num_seqs,
-        enable_chunked_prefill,
-        mix_decode_with_prefill,
-        free_block_order_seed,
-        use_hybrid_blocks,
-        log_layout,
-        eos_token_id,
-        step_hooks,
-        enable_prefix_caching,
-        prepack_linear,
-        fuse_layers,
-        screen_output_head,
-    ) -> None:
+    def _set_up(self, model, config: EngineConfig, step_hooks: Sequence[StepHook]) -> None:
         if self.tensor_parallel is not None:
             shard = self.tensor_parallel.shard
             self.model, self.config, self.model_dir = (
@@ -226,25 +157,18 @@ class LLM:
                 shard.model_dir,
             )
         else:
-            self.model, self.config, self.model_dir = _acquire_model(
-                model,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                random_weights=random_weights,
-                trust_remote_code=trust_remote_code,
-            )
-        if prepack_linear:
+            self.model, self.config, self.model_dir = _acquire_model(model, config)
+        if config.prepack_linear:
             # Opt-in and not bit-exact against the default MKL path (see prepacked_linear).
             from kvskill.runtime.prepacked_linear import prepack_linears
 
             self.num_prepacked_linears = prepack_linears(self.model)
-        if fuse_layers:
+        if config.fuse_layers:
             # After prepacking: a gated MLP then reads gate and up from their one GEMM.
             from kvskill.runtime.fused_layers import fuse_layers as fuse
 
             self.num_fused_layers = fuse(self.model)
-        if screen_output_head:
+        if config.screen_output_head:
             # Last: the screen falls back to whatever forward the head has by now.
             from kvskill.runtime.screened_head import screen_output_head as screen
 
@@ -255,23 +179,23 @@ class LLM:
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
-        self.device = param.device if param is not None else select_device(device)
+        self.device = param.device if param is not None else select_device(config.device)
         kv_kwargs = dict(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_memory_bytes=kv_memory_bytes,
-            use_hybrid_blocks=use_hybrid_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_memory_bytes=config.kv_memory_bytes,
+            use_hybrid_blocks=config.use_hybrid_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len
             or getattr(self.text_config, "max_position_embeddings", None),
-            log_layout=log_layout,
-            enable_prefix_caching=enable_prefix_caching,
+            log_layout=config.log_layout,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         setup = prepare_kv_cache(
             self.model,
             device=self.device,
-            free_block_order_seed=free_block_order_seed,
+            free_block_order_seed=config.free_block_order_seed,
             **kv_kwargs,
         )
         if self.tensor_parallel is not None:
@@ -290,12 +214,12 @@ class LLM:
         #: the rule that sized the KV pools, and why (reported by ``kvskill run``)
         self.kv_budget = setup.budget
         scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_chunked_prefill=enable_chunked_prefill,
-            mix_decode_with_prefill=mix_decode_with_prefill,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            mix_decode_with_prefill=config.mix_decode_with_prefill,
             max_model_len=self._resolve_max_model_len(
-                max_model_len, max_num_batched_tokens, enable_chunked_prefill
+                config.max_model_len, config.max_num_batched_tokens, config.enable_chunked_prefill
             ),
         )
         self.engine = LLMEngine(
@@ -303,10 +227,10 @@ class LLM:
             self.kv_manager,
             config=scheduler_config,
             vocab_size=self._vocab_size(),
-            eos_token_ids=self._eos_token_ids(eos_token_id),
+            eos_token_ids=self._eos_token_ids(config.eos_token_id),
             attention_mask=get_init_attn_mask(2048, device=self.device),
             device=self.device,
-            seed=seed,
+            seed=config.seed,
             step_hooks=step_hooks,
             screened_head=self.output_head_screen,
         )
@@ -504,17 +428,17 @@ def _text_config(config):
     return get() if callable(get) else config
 
 
-def _acquire_model(model, *, dtype, device, seed, random_weights, trust_remote_code):
+def _acquire_model(model, config: EngineConfig):
     """(model, config, directory or None): a built module as is, or loaded from a directory."""
     if isinstance(model, nn.Module):
         return model, getattr(model, "config", None), None
     loaded = load_model(
         model,
-        dtype=resolve_dtype(dtype),
-        device=device,
-        seed=seed,
-        random_weights=random_weights,
-        trust_remote_code=trust_remote_code,
+        dtype=resolve_dtype(config.dtype),
+        device=config.device,
+        seed=config.seed,
+        random_weights=config.random_weights,
+        trust_remote_code=config.trust_remote_code,
     )
     return loaded.model, loaded.config, loaded.model_dir
 

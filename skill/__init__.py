@@ -3,16 +3,16 @@
 The Python API is exported here lazily, so ``import kvskill`` stays cheap (torch is loaded
 on first use of ``kvskill.LLM``)::
 
-    from kvskill import LLM, SamplingParams
+    from kvskill import LLM, EngineConfig, SamplingParams
 
-    llm = LLM("converted/", random_weights=True)
+    llm = LLM("converted/", EngineConfig(random_weights=True))
     outputs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 """
 
 from __future__ import annotations
 
 #: names served from kvskill.runtime on first access
-_RUNTIME_EXPORTS = ("LLM", "SamplingParams", "RequestOutput", "FinishReason")
+_RUNTIME_EXPORTS = ("LLM", "EngineConfig", "SamplingParams", "RequestOutput", "FinishReason")
 
 __all__ = ["__version__", *_RUNTIME_EXPORTS]
 

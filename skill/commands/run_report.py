@@ -1,0 +1,258 @@
+"""What ``kvskill run`` prints: the report of one generation (a table, or one JSON object)
+and the token counter shown while it runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+class Progress:
+    """A one-line token counter on stderr, shown only on a terminal and after a moment."""
+
+    DELAY_S = 1.0
+
+    def __init__(self, total_tokens: int, enabled: bool) -> None:
+        self.total = total_tokens
+        self.enabled = enabled
+        self.done = 0
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.drawn = False
+
+    def update(self, step_outputs) -> None:
+        self.done += sum(len(o.new_token_ids) for o in step_outputs)
+        now = time.perf_counter()
+        if not self.enabled or now - self.started < self.DELAY_S or now - self.last_draw < 0.1:
+            return
+        self.last_draw, self.drawn = now, True
+        width = 30
+        filled = int(width * min(self.done / max(self.total, 1), 1.0))
+        rate = self.done / (now - self.started)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} tokens "
+            f"{rate:8.1f} tok/s"
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+
+
+def run_report(llm, outputs, *, wall_s: float, directory: Path, sizing_note: str | None) -> dict:
+    """The report of one ``llm.generate`` over OUTPUTS: what ran, where, how fast, the KV
+    pools and the operators' backends (the JSON form; ``render_table`` prints it)."""
+    from kvskill.runtime.ops import backend, fla, profile_report
+
+    report = _report(llm, outputs, wall_s, directory, backend().name)
+    report["kv_budget"]["workload"] = sizing_note
+    report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
+    report["npu_limits"] = profile_report(
+        llm.npu_profile, dtype=llm.engine_config.dtype_name, twin=False
+    )
+    # which backend ran each recurrent-state entry point (conv, delta rule, scan), and why
+    report["state_ops"] = fla.dispatch_report()
+    if llm.tensor_parallel is not None:
+        from kvskill.runtime.distributed.report import tensor_parallel_summary
+
+        report["tensor_parallel"] = tensor_parallel_summary(llm)
+    return report
+
+
+def print_report(report: dict, output_format: str) -> None:
+    """REPORT on stdout: one JSON object, or the table."""
+    click.echo(json.dumps(report) if output_format == "json" else render_table(report))
+
+
+def engine_config_line(engine_config: dict) -> str:
+    """The settings that differ from ``EngineConfig()``'s defaults, as ``name=value``."""
+    from kvskill.runtime.engine_config import EngineConfig
+
+    default = EngineConfig().to_dict()
+    changed = [
+        f"{name}={value}" for name, value in engine_config.items() if value != default.get(name)
+    ]
+    return ", ".join(changed) if changed else "the defaults (EngineConfig())"
+
+
+def _cpu_decode_kernel(ops_backend: str) -> dict | None:
+    """Whether the reference ops ran plain decode attention in the compiled CPU kernel (None
+    on the NPU, which runs the real operator)."""
+    if ops_backend != "reference":
+        return None
+    from kvskill.runtime.ops import cpu_kernels
+
+    state = cpu_kernels.status()
+    return {"in_use": state.available, "reason": state.reason}
+
+
+def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> dict:
+    stats = llm.stats
+    generated = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.ttft_s for o in outputs if o.ttft_s is not None]
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        key = o.finish_reason.value if o.finish_reason else "unfinished"
+        reasons[key] = reasons.get(key, 0) + 1
+    kv = {
+        key: {
+            "block_size": llm.kv_manager.block_size_of(key),
+            "blocks_total": llm.kv_manager.initial_free_blocks[key],
+            "blocks_peak": stats.peak_blocks_used.get(key, 0),
+            "blocks_used_now": llm.kv_manager.initial_free_blocks[key]
+            - llm.kv_manager.num_free_blocks[key],
+        }
+        for key in llm.kv_manager.group_keys
+    }
+    return {
+        "model_dir": str(directory),
+        "device": str(llm.device),
+        "ops_backend": ops_backend,
+        "max_model_len": llm.max_model_len,
+        #: every setting the engine ran with (``EngineConfig``)
+        "engine_config": llm.engine_config.to_dict(),
+        "summary": {
+            "requests": len(outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            "generated_tokens": generated,
+            "wall_s": wall_s,
+            "throughput_tok_s": generated / wall_s if wall_s > 0 else None,
+            "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "steps": stats.num_steps,
+            "prefill_steps": stats.num_prefill_steps,
+            "decode_steps": stats.num_decode_steps,
+            "preemptions": stats.num_preemptions,
+            "finish_reasons": reasons,
+        },
+        "kv_budget": {
+            "rule": llm.kv_budget.rule,
+            "num_blocks_per_group": llm.kv_budget.num_blocks,
+            "kv_memory_bytes": llm.kv_budget.kv_memory_bytes,
+            "reason": llm.kv_budget.reason,
+        },
+        "kv_cache": kv,
+        "prefix_cache": _prefix_cache_report(llm),
+        #: fp32 CPU linear layers run through oneDNN (--prepack-linear; 0 = the default path)
+        "prepacked_linear_layers": llm.num_prepacked_linears,
+        #: RMSNorm and gated-MLP modules, and attention modules whose rotary embedding runs on
+        #: the fused kernels (--fuse-layers; 0 = default)
+        "fused_layers": llm.num_fused_layers,
+        #: rows of greedy steps decided by the output head's bf16 screen (--screen-output-head;
+        #: None = off)
+        "output_head_screen": (
+            None if llm.output_head_screen is None else llm.output_head_screen.stats.to_dict()
+        ),
+        "requests": [o.to_dict() for o in outputs],
+    }
+
+
+def _prefix_cache_report(llm) -> dict:
+    """On or off and why; the hit rate is tokens found cached / tokens looked up at every
+    admission (a preempted request's readmission looks its tokens up again)."""
+    stats = llm.stats
+    return {
+        "enabled": llm.prefix_caching,
+        "disabled_reason": llm.prefix_caching_disabled_reason,
+        "query_tokens": stats.num_prefix_query_tokens,
+        "hit_tokens": stats.num_prefix_hit_tokens,
+        "hit_rate": stats.prefix_cache_hit_rate,
+        "cached_blocks": stats.num_cached_blocks,
+    }
+
+
+def _prefix_cache_line(prefix: dict) -> str:
+    if prefix["enabled"]:
+        return (
+            f"on: hit rate {prefix['hit_rate']:.1%} ({prefix['hit_tokens']}/"
+            f"{prefix['query_tokens']} tokens), {prefix['cached_blocks']} cached blocks"
+        )
+    if prefix["disabled_reason"]:
+        return f"off: {prefix['disabled_reason']}"
+    return "off (--no-prefix-caching)"
+
+
+def _kernel_note(report: dict) -> str:
+    kernel = report.get("cpu_decode_kernel")
+    if kernel is None:
+        return ""
+    return " (decode in the CPU kernel)" if kernel["in_use"] else " (decode in PyTorch)"
+
+
+def _tp_line(tp: dict) -> str:
+    per_step = tp["comm_s_per_step"]
+    comm = f"{per_step * 1e3:.1f} ms/step" if per_step is not None else "n/a"
+    return (
+        f"{tp['size']} ranks ({tp['backend']}), {tp['kv_heads_per_rank']} KV head(s) per rank, "
+        f"KV {tp['kv_bytes_per_token_per_rank']} B/token per rank (unsplit "
+        f"{tp['kv_bytes_per_token_unsplit']}), rank-0 communication {comm}"
+    )
+
+
+def render_table(report: dict) -> str:
+    from kvskill.runtime.ops import fla, profile_line
+
+    s = report["summary"]
+    rows = [
+        ("model", report["model_dir"]),
+        ("device / ops", f"{report['device']} / {report['ops_backend']}{_kernel_note(report)}"),
+        ("engine config", engine_config_line(report["engine_config"])),
+        ("requests", str(s["requests"])),
+        ("prompt tokens", str(s["prompt_tokens"])),
+        ("generated tokens", str(s["generated_tokens"])),
+        ("wall time", f"{s['wall_s']:.3f} s"),
+        ("throughput", f"{s['throughput_tok_s'] or 0:.1f} tok/s"),
+        ("mean TTFT", f"{(s['mean_ttft_s'] or 0) * 1000:.1f} ms"),
+        ("steps (prefill/decode)", f"{s['steps']} ({s['prefill_steps']}/{s['decode_steps']})"),
+        ("preemptions", str(s["preemptions"])),
+        ("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items()))),
+    ]
+    rows.append(("KV budget", report["kv_budget"]["reason"]))
+    if report["kv_budget"].get("workload"):
+        rows.append(("", report["kv_budget"]["workload"]))
+    rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
+    rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
+    if report.get("prepacked_linear_layers"):
+        rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
+    if report.get("fused_layers"):
+        rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up, rope)"))
+    screen = report.get("output_head_screen")
+    if screen is not None:
+        rows.append(
+            (
+                "output head screen",
+                f"{screen['num_screened_rows']} rows screened in bf16, "
+                f"{screen['candidates_per_row']:.1f} fp32 candidates a row, "
+                f"{screen['num_fallback_rows']} rows on the plain head",
+            )
+        )
+    if "tensor_parallel" in report:
+        rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
+    rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))
+    for key, kv in report["kv_cache"].items():
+        rows.append(
+            (
+                f"KV {key} blocks",
+                f"peak {kv['blocks_peak']}/{kv['blocks_total']} (block size {kv['block_size']}), "
+                f"in use now {kv['blocks_used_now']}",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
+    shown = report["requests"][:16]
+    if shown:
+        lines.append("")
+        for r in shown:
+            ids = r["token_ids"]
+            text = ",".join(map(str, ids[:24])) + (",…" if len(ids) > 24 else "")
+            lines.append(
+                f"request {r['request_id']}: prompt {r['prompt_len']} tokens -> "
+                f"{len(ids)} tokens ({r['finish_reason']}): {text}"
+            )
+        if len(report["requests"]) > len(shown):
+            lines.append(f"... {len(report['requests']) - len(shown)} more (use --format json)")
+    return "\n".join(lines)

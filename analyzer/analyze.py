@@ -564,6 +564,13 @@ def _size_caches(
         hbm_gb=hbm_gb,
         legacy_row_tokens=(spec.max_positions or None) if kv_mode is KvMode.LEGACY else None,
     )
+    if memory.get("budget_fits") is False and memory.get("kv_memory_bytes"):
+        book.warn(
+            f"the KV budget ({memory['kv_memory_bytes']} bytes) is smaller than the window and "
+            f"state pools kvskill run reserves first ({memory['reserved_bytes']} bytes for "
+            f"{memory['max_num_seqs']} requests): run refuses it; raise --kv-memory or lower "
+            "--max-num-seqs"
+        )
     if memory.get("kv_memory_bytes") == 0:
         book.warn(
             f"no memory left for the KV cache: the weights (~{memory['weight_bytes_estimate']} "

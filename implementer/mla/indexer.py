@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import method
 from kvskill.implementer._command import ClassRewriteCommand, replace_method, with_body
 from kvskill.implementer.facts import code
 from kvskill.implementer.snippets import statements
@@ -56,23 +57,16 @@ class IndexerFacts:
     problems: list[str] = field(default_factory=list)
 
 
-def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    for stmt in cls.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
-            return stmt
-    return None
-
-
 def is_indexer_class(cls: cst.ClassDef) -> bool:
     """A class whose forward appends indexer keys to a cache, or one already paged."""
-    forward = _method(cls, "forward")
+    forward = method(cls, "forward")
     if forward is None:
         return False
     return bool(m.findall(forward, _UPDATE_CALL)) or _is_paged(cls)
 
 
 def _is_paged(cls: cst.ClassDef) -> bool:
-    forward = _method(cls, "forward")
+    forward = method(cls, "forward")
     return forward is not None and bool(
         m.findall(forward, m.Call(func=m.Attribute(attr=m.Name("npu_lightning_indexer"))))
     )
@@ -108,7 +102,7 @@ def _assigned(stmt: cst.BaseStatement) -> str | None:
 def indexer_facts(cls: cst.ClassDef) -> IndexerFacts:
     """What the paged rewrite needs from CLS, or the reasons it cannot be rewritten."""
     facts = IndexerFacts(name=cls.name.value, converted=_is_paged(cls))
-    forward = _method(cls, "forward")
+    forward = method(cls, "forward")
     if facts.converted or forward is None:
         return facts
     body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)

@@ -22,6 +22,7 @@ top-level statements of the forward:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
@@ -89,18 +90,17 @@ def _self_assign(attr: str) -> m.Assign:
 
 
 @dataclass(kw_only=True)
-class GatedDeltaFacts:
-    """One gated delta net class and the statements its forward rewrite replaces."""
+class ConvMixerFacts:
+    """What the rewrite of every conv-based state mixer reads (gated delta nets, Mamba-1
+    mixers, short convs): its state shapes, where its forward reads the states, runs the conv
+    and writes the states, and the conv's operands."""
 
     name: str
     converted: bool
-    #: "gated_delta" (decay per head) or "kda" (decay per key channel)
-    rule: str = "gated_delta"
     #: template values of the state shapes, e.g. {"v_heads_expr": "self.num_v_heads"}
     shapes: dict[str, str] = field(default_factory=dict)
     read_index: int | None = None
     conv_index: int | None = None
-    rule_index: int | None = None
     write_index: int | None = None
     #: the conv's input and the name its result is bound to (``mixed_qkv``), [1, C, T]
     conv_source: str = ""
@@ -108,6 +108,18 @@ class GatedDeltaFacts:
     conv_weight: str = ""
     conv_bias: str = "None"
     activation: str = "self.activation"
+    #: the forward's first argument after self (the hidden states)
+    hidden: str = "hidden_states"
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class GatedDeltaFacts(ConvMixerFacts):
+    """One gated delta net class and the statements its forward rewrite replaces."""
+
+    #: "gated_delta" (decay per head) or "kda" (decay per key channel)
+    rule: str = "gated_delta"
+    rule_index: int | None = None
     query: str = ""
     key: str = ""
     value: str = ""
@@ -117,9 +129,6 @@ class GatedDeltaFacts:
     l2norm: str = "False"
     #: the rule's assignment targets: output and final state
     rule_targets: list[str] = field(default_factory=list)
-    #: the forward's first argument after self (the hidden states)
-    hidden: str = "hidden_states"
-    problems: list[str] = field(default_factory=list)
 
 
 def is_gated_delta_class(cls: cst.ClassDef) -> bool:
@@ -231,6 +240,54 @@ def statement_order(
     return indices, ordered
 
 
+@dataclass(frozen=True)
+class MixerStatements:
+    """A conv + kernel state mixer's forward: its parameters, its body, the statements that
+    read the states, run the conv and run the kernel, and the one that writes the states."""
+
+    params: list[str]
+    body: cst.IndentedBlock
+    #: (read, conv, kernel) statement indices, in that order
+    order: tuple[int, int, int]
+    write_index: int | None
+
+
+def ordered_mixer_statements(
+    cls: cst.ClassDef,
+    facts: Any,
+    shape_attrs: dict[str, tuple[str, ...]],
+    kernel_call: m.BaseMatcherNode,
+    kernel: str,
+    *,
+    early_write: str,
+    write_with_kernel: bool = False,
+) -> MixerStatements | None:
+    """The facts every conv + kernel mixer gathers first (state shapes, the hidden states'
+    name, the statement order), or None with the reason in FACTS' problems.
+
+    EARLY_WRITE names what a write before the kernel writes (the refusal's words);
+    WRITE_WITH_KERNEL allows the write in the kernel's own statement (a scan that returns
+    the state it writes)."""
+    shapes, problems = state_shape_attrs(cls, facts.name, shape_attrs)
+    facts.shapes.update(shapes)
+    facts.problems.extend(problems)
+    params, body = mixer_forward(cls)
+    if len(params) >= 2:
+        facts.hidden = params[1]
+    order, ordered = statement_order(body, STATE_READ_CALL, CONV_CALL, kernel_call)
+    write = _top_index(body, STATE_WRITE_CALL)
+    if not ordered:
+        facts.problems.append(conv_then_kernel_problem(facts.name, kernel))
+        return None
+    read, conv, kernel_index = (int(i) for i in order if i is not None)
+    if write is not None and (
+        write < kernel_index or (write == kernel_index and not write_with_kernel)
+    ):
+        facts.problems.append(f"{facts.name}.forward writes its {early_write}")
+        return None
+    return MixerStatements(params, body, (read, conv, kernel_index), write)
+
+
 def conv_then_kernel_problem(name: str, kernel: str) -> str:
     """The refusal of a forward whose read, conv and KERNEL are not three ordered statements."""
     return (
@@ -244,21 +301,19 @@ def gated_delta_facts(cls: cst.ClassDef) -> GatedDeltaFacts:
     facts = GatedDeltaFacts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
-    facts.shapes.update(shapes)
-    facts.problems.extend(problems)
-    params, body = mixer_forward(cls)
-    if len(params) >= 2:
-        facts.hidden = params[1]
-    order, ordered = statement_order(body, STATE_READ_CALL, CONV_CALL, RULE_CALL)
-    facts.read_index, facts.conv_index, facts.rule_index = order
-    facts.write_index = _top_index(body, STATE_WRITE_CALL)
-    if not ordered:
-        facts.problems.append(conv_then_kernel_problem(facts.name, "gated delta rule"))
+    found = ordered_mixer_statements(
+        cls,
+        facts,
+        SHAPE_ATTRS,
+        RULE_CALL,
+        "gated delta rule",
+        early_write="state before the delta rule",
+    )
+    if found is None:
         return facts
-    if facts.write_index is not None and facts.write_index <= facts.rule_index:
-        facts.problems.append(f"{facts.name}.forward writes its state before the delta rule")
-        return facts
+    params, body = found.params, found.body
+    facts.read_index, facts.conv_index, facts.rule_index = found.order
+    facts.write_index = found.write_index
     before = set(params) | _assigned_names(list(body.body[: facts.conv_index]))
     _conv_facts(facts, body.body[facts.conv_index], before)
     _rule_facts(facts, body.body[facts.rule_index])

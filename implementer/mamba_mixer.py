@@ -45,17 +45,12 @@ from kvskill.implementer.gated_delta import (
     CONV_CALL,
     EMITTED_LOCALS,
     RULE_CALL,
-    STATE_READ_CALL,
-    STATE_WRITE_CALL,
+    ConvMixerFacts,
     _arguments,
     _call_of,
     _conv_facts,
-    _top_index,
-    conv_then_kernel_problem,
-    mixer_forward,
+    ordered_mixer_statements,
     splice_forward,
-    state_shape_attrs,
-    statement_order,
 )
 from kvskill.implementer.snippets import statements
 from kvskill.implementer.state_entries import (
@@ -92,34 +87,18 @@ SCAN_KEYWORDS = {*SCAN_PARAMS, "u", "delta", "use_mambapy", "use_associative_sca
 
 
 @dataclass(kw_only=True)
-class Mamba1Facts:
+class Mamba1Facts(ConvMixerFacts):
     """One Mamba-1 mixer class and the statements its forward rewrite replaces."""
 
-    name: str
-    converted: bool
-    #: template values of the state shapes, e.g. {"dim_expr": "self.intermediate_size"}
-    shapes: dict[str, str] = field(default_factory=dict)
-    read_index: int | None = None
-    conv_index: int | None = None
     scan_index: int | None = None
-    write_index: int | None = None
-    #: the conv's input and the name its result is bound to, [1, dim, T]
-    conv_source: str = ""
-    conv_target: str = ""
-    conv_weight: str = ""
-    conv_bias: str = "None"
-    activation: str = "self.activation"
     #: the scan's operands as the source passes them (batch form, batch 1)
     operands: dict[str, str] = field(default_factory=dict)
     #: the name the scan statement's result is bound to and read by the rest of the forward
     output: str = ""
-    #: the forward's first argument after self (the hidden states)
-    hidden: str = "hidden_states"
     #: a scan run once per head (zamba's multi-head mixer): the loop's variable and its
     #: ``range(...)`` count; head h owns the h-th equal slice of the state's channels
     loop_var: str | None = None
     heads: str | None = None
-    problems: list[str] = field(default_factory=list)
 
 
 def is_mamba1_class(cls: cst.ClassDef) -> bool:
@@ -135,21 +114,20 @@ def mamba1_facts(cls: cst.ClassDef) -> Mamba1Facts:
     facts = Mamba1Facts(name=cls.name.value, converted=class_assigns(cls, CACHE_ENTRIES_ASSIGN))
     if facts.converted:
         return facts
-    shapes, problems = state_shape_attrs(cls, facts.name, SHAPE_ATTRS)
-    facts.shapes.update(shapes)
-    facts.problems.extend(problems)
-    params, body = mixer_forward(cls)
-    if len(params) >= 2:
-        facts.hidden = params[1]
-    order, ordered = statement_order(body, STATE_READ_CALL, CONV_CALL, SCAN_CALL)
-    facts.read_index, facts.conv_index, facts.scan_index = order
-    facts.write_index = _top_index(body, STATE_WRITE_CALL)
-    if not ordered:
-        facts.problems.append(conv_then_kernel_problem(facts.name, "selective scan"))
+    found = ordered_mixer_statements(
+        cls,
+        facts,
+        SHAPE_ATTRS,
+        SCAN_CALL,
+        "selective scan",
+        early_write="SSM state before the scan",
+        write_with_kernel=True,
+    )
+    if found is None:
         return facts
-    if facts.write_index is not None and facts.write_index < facts.scan_index:
-        facts.problems.append(f"{facts.name}.forward writes its SSM state before the scan")
-        return facts
+    params, body = found.params, found.body
+    facts.read_index, facts.conv_index, facts.scan_index = found.order
+    facts.write_index = found.write_index
     _loop_facts(facts, body.body[facts.scan_index])
     if facts.problems:
         return facts

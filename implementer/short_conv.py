@@ -20,7 +20,7 @@ statements of the forward are replaced:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
@@ -36,6 +36,7 @@ from kvskill.implementer.gated_delta import (
     CONV_CALL,
     EMITTED_LOCALS,
     RULE_CALL,
+    ConvMixerFacts,
     _call_of,
     _conv_facts,
     mixer_forward,
@@ -58,21 +59,12 @@ FUSED_CONV_CALL = _call_of("npu_fused_causal_conv1d")
 
 
 @dataclass(kw_only=True)
-class ShortConvFacts:
-    """One short-conv class and the statements its forward rewrite replaces."""
+class ShortConvFacts(ConvMixerFacts):
+    """One short-conv class and the statements its forward rewrite replaces (a conv state only:
+    no kernel after the conv, no state write of its own)."""
 
-    name: str
-    converted: bool
-    read_index: int | None = None
-    conv_index: int | None = None
-    #: the conv's input and the name its result is bound to, [1, dim, T]
-    conv_source: str = ""
-    conv_target: str = ""
-    conv_weight: str = ""
-    conv_bias: str = "None"
+    #: the short conv's activation is its own argument; None when it passes none
     activation: str = "None"
-    hidden: str = "hidden_states"
-    problems: list[str] = field(default_factory=list)
 
 
 def is_short_conv_class(cls: cst.ClassDef) -> bool:

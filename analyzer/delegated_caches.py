@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.analyzer.gather import method
+from kvskill.analyzer.gather import method, self_module_calls
 
 #: ``self.<sub>.<attr> = tensor``: the setter body that hands the cache to a submodule
 _HAND_OVER = m.Assign(
@@ -47,24 +47,12 @@ def _setters(cls: cst.ClassDef) -> dict[str, str]:
 def _submodule_classes(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> dict[str, str]:
     """{attribute: class name} of ``self.<attr> = <Class of this file>(...)`` in __init__."""
     init = method(cls, "__init__")
-    found: dict[str, str] = {}
-    if init is None:
-        return found
-    assigns = m.findall(
-        init, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])
-    )
-    for node in assigns:
-        assign = cst.ensure_type(node, cst.Assign)
-        value = assign.value
-        calls = [value] if isinstance(value, cst.Call) else []
-        if isinstance(value, cst.IfExp):
-            calls = [v for v in (value.body, value.orelse) if isinstance(v, cst.Call)]
-        for call in calls:
-            name = call.func.value if isinstance(call.func, cst.Name) else None
-            if name in classes:
-                attr = cst.ensure_type(assign.targets[0].target, cst.Attribute).attr.value
-                found[attr] = name
-    return found
+    calls = self_module_calls(init) if init is not None else {}
+    return {
+        attr: call.func.value
+        for attr, call in calls.items()
+        if isinstance(call.func, cst.Name) and call.func.value in classes
+    }
 
 
 def delegated_entries(

@@ -279,7 +279,24 @@ def class_assigns(cls: cst.ClassDef, matcher: m.BaseMatcherNode) -> bool:
     return init is not None and bool(m.findall(init, matcher))
 
 
-def _assigned_call(stmt: cst.BaseStatement) -> tuple[str, cst.BaseExpression] | None:
+def self_module_calls(init: cst.FunctionDef) -> dict[str, cst.Call]:
+    """``self.<attr> = <call>(...)`` in ``__init__``, by attribute (the last one wins; both arms
+    of ``a if c else b`` count, ``None`` arms do not)."""
+    found: dict[str, cst.Call] = {}
+    for node in m.findall(
+        init, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])
+    ):
+        assign = cst.ensure_type(node, cst.Assign)
+        target = cst.ensure_type(assign.targets[0].target, cst.Attribute)
+        value = assign.value
+        options = (value.body, value.orelse) if isinstance(value, cst.IfExp) else (value,)
+        for call in options:
+            if isinstance(call, cst.Call):
+                found[target.attr.value] = call
+    return found
+
+
+def assigned_value(stmt: cst.BaseStatement) -> tuple[str, cst.BaseExpression] | None:
     """(target name, value) of a one-statement line ``name = <expr>``, else None."""
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
@@ -316,14 +333,14 @@ def matmul_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
     else None."""
     stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
     for first, stmt in enumerate(stmts):
-        assigned = _assigned_call(stmt)
+        assigned = assigned_value(stmt)
         if assigned is None or scores_matmul(assigned[1]) is None:
             continue
         output = BMM_CALL if m.matches(assigned[1], BIAS_SCORES_CALL) else MATMUL_CALL
         softmax = False
         for index in range(first + 1, len(stmts)):
             softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
-            found = _assigned_call(stmts[index])
+            found = assigned_value(stmts[index])
             if softmax and found is not None and m.matches(found[1], output):
                 return first, index
     return None
@@ -363,13 +380,13 @@ def einsum_attention(body: cst.BaseSuite) -> tuple[int, int] | None:
     files, ``[s, b, h, d]`` operands)."""
     stmts = list(body.body) if isinstance(body, cst.IndentedBlock) else []
     for first, stmt in enumerate(stmts):
-        assigned = _assigned_call(stmt)
+        assigned = assigned_value(stmt)
         if assigned is None or einsum_scores(assigned[1]) is None:
             continue
         softmax = False
         for index in range(first + 1, len(stmts)):
             softmax = softmax or bool(m.findall(stmts[index], SOFTMAX_CALL))
-            found = _assigned_call(stmts[index])
+            found = assigned_value(stmts[index])
             if (
                 softmax
                 and found is not None

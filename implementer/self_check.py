@@ -42,6 +42,7 @@ from kvskill.analyzer.gather import (
     is_converted_attention,
     method_chain,
     resolve_method,
+    self_method_name,
     super_call,
 )
 from kvskill.core.errors import UnsupportedModelError
@@ -137,7 +138,7 @@ class _Paths:
                 done = self.super_forward
                 state = PathState(written=state.written | done.written, read=state.read | done.read)
                 continue
-            delegated = self.delegates.get(_self_submodule(call), frozenset())
+            delegated = self.delegates.get(self_method_name(call) or "", frozenset())
             if delegated:
                 # the submodule writes and then reads these entries (delegated_caches.py)
                 state = PathState(written=state.written | delegated, read=state.read | delegated)
@@ -234,14 +235,6 @@ _ADOPT_PRODUCER_CACHE = m.Assign(
     value=m.Tuple()
     | m.Attribute(value=m.Attribute(value=m.Name("self"), attr=m.Name("kv_source"))),
 )
-
-
-def _self_submodule(call: cst.Call) -> str:
-    """``sub`` of a call ``self.sub(...)``, else ""."""
-    func = call.func
-    if isinstance(func, cst.Attribute) and m.matches(func.value, m.Name("self")):
-        return func.attr.value
-    return ""
 
 
 def _caches_adopted_from_producer(small: cst.BaseSmallStatement) -> frozenset[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import self_module_calls
 from kvskill.implementer.facts import (
     SeamFacts,
     attention_facts,
@@ -95,20 +96,6 @@ def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return None
 
 
-def _module_assigns(init: cst.FunctionDef) -> dict[str, cst.Call]:
-    """``self.<attr> = <call>(...)`` in ``__init__`` (the last one wins; conditionals too)."""
-    found: dict[str, cst.Call] = {}
-    for node in m.findall(init, _SELF_ASSIGN):
-        assign = cst.ensure_type(node, cst.Assign)
-        target = cst.ensure_type(assign.targets[0].target, cst.Attribute)
-        calls = [assign.value] if isinstance(assign.value, cst.Call) else []
-        if isinstance(assign.value, cst.IfExp):
-            calls = [v for v in (assign.value.body, assign.value.orelse) if isinstance(v, cst.Call)]
-        for call in calls:
-            found[target.attr.value] = call
-    return found
-
-
 def _is_linear(call: cst.Call) -> bool:
     return code(call.func).split(".")[-1] == "Linear"
 
@@ -143,7 +130,7 @@ def mla_attention_facts(
     init = _method(owner, "__init__")
     assert init is not None, "init_owner returns a class with an __init__"
     forward, _ = seam_forward(cls, forward)
-    modules = _module_assigns(init)
+    modules = self_module_calls(init)
     up = [a for a, c in modules.items() if _is_linear(c) and LATENT_RANK in _positional(c, 0)]
     if len(up) != 1:
         facts.problems.append(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
-from kvskill.analyzer.gather import method
+from kvskill.analyzer.gather import assigned_value, method
 from kvskill.implementer._command import ClassRewriteCommand, replace_method, with_body
 from kvskill.implementer.facts import code
 from kvskill.implementer.snippets import statements
@@ -93,10 +93,8 @@ def _names(node: cst.CSTNode) -> set[str]:
 
 
 def _assigned(stmt: cst.BaseStatement) -> str | None:
-    if not isinstance(stmt, cst.SimpleStatementLine) or not isinstance(stmt.body[0], cst.Assign):
-        return None
-    target = stmt.body[0].targets[0].target
-    return target.value if isinstance(target, cst.Name) else None
+    found = assigned_value(stmt)
+    return found[0] if found else None
 
 
 def indexer_facts(cls: cst.ClassDef) -> IndexerFacts:
@@ -146,11 +144,10 @@ def indexer_facts(cls: cst.ClassDef) -> IndexerFacts:
 def _scores_facts(facts: IndexerFacts, rest: list[cst.BaseStatement], where: str) -> None:
     """``scores = torch.matmul(q..., k...) * self.<scale>`` then ``relu(scores)``."""
     for stmt in rest:
-        target = _assigned(stmt)
-        if target is None or facts.key not in _names(stmt):
+        found = assigned_value(stmt)
+        if found is None or facts.key not in _names(stmt):
             continue
-        value = cst.ensure_type(stmt, cst.SimpleStatementLine).body[0]
-        value = cst.ensure_type(value, cst.Assign).value
+        target, value = found
         product = m.BinaryOperation(
             left=_MATMUL, operator=m.Multiply(), right=m.Attribute(value=m.Name("self"))
         )
@@ -176,7 +173,6 @@ def _weights_facts(facts: IndexerFacts, rest: list[cst.BaseStatement], where: st
         s
         for s in rest
         if _assigned(s)
-        and m.findall(s, m.Attribute(value=m.Name("self"), attr=m.Name()))
         and any(
             "weights" in cst.ensure_type(a, cst.Attribute).attr.value
             for a in m.findall(s, m.Attribute(value=m.Name("self")))
@@ -206,7 +202,7 @@ class IndexerCommand(ClassRewriteCommand):
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
-        if getattr(spec, "indexer", None) is None:
+        if spec.indexer is None:
             return []
         found = [c for c in m.findall(module, m.ClassDef()) if is_indexer_class(c)]
         if not found:
@@ -278,11 +274,9 @@ def indexer_call(
     forward: cst.FunctionDef,
 ) -> IndexerCallFacts | str | None:
     """The seam's ``x = self.<indexer>(...)``, a reason it cannot be paged, or None."""
+    owners = {attr: code(call.func).split(".")[-1] for attr, call in modules.items()}
     indexers = {
-        attr
-        for attr, call in modules.items()
-        if code(call.func).split(".")[-1] in classes
-        and is_indexer_class(classes[code(call.func).split(".")[-1]])
+        a for a, name in owners.items() if name in classes and is_indexer_class(classes[name])
     }
     calls = [
         s
@@ -292,11 +286,12 @@ def indexer_call(
     ]
     if not calls:
         return None
-    if len(calls) > 1 or _assigned(calls[0]) is None:
+    found = assigned_value(calls[0]) if len(calls) == 1 else None
+    if found is None:
         return f"the indexer is called {len(calls)} times, or not as `x = self.<indexer>(...)`"
+    target, call = found
     stmt = cst.ensure_type(calls[0], cst.SimpleStatementLine)
     assign = cst.ensure_type(stmt.body[0], cst.Assign)
-    call = assign.value
     if not isinstance(call, cst.Call):
         return f"the indexer's result is not bound directly: {code(stmt)}"
     masks = {
@@ -314,4 +309,4 @@ def indexer_call(
         args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
     paged = stmt.with_changes(body=[assign.with_changes(value=call.with_changes(args=args))])
     attr = cst.ensure_type(call.func, cst.Attribute).attr.value
-    return IndexerCallFacts(statement=paged, target=_assigned(stmt) or "", attr=attr)
+    return IndexerCallFacts(statement=paged, target=target, attr=attr)

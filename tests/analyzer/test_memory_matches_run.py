@@ -18,6 +18,8 @@ from kvskill.implementer.writer import apply_model
 from kvskill.runtime import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from mla_models import tiny_config  # noqa: E402
+from small_configs import SMALL_JAMBA, SMALL_QWEN3_NEXT  # noqa: E402
 from toy_factory import write_toy_dir  # noqa: E402
 
 #: large enough for gemma2's window pool: 128 requests x 18 blocks + null, 16 KiB each
@@ -34,47 +36,9 @@ FAMILIES = {
         "vocab_size": 256,
     },
     # MLA: one latent + rope row per token
-    "deepseek_v3": {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 128,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 24,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
-        "max_position_embeddings": 256,
-        "n_group": 1,
-        "topk_group": 1,
-    },
+    "deepseek_v3": tiny_config("deepseek_v3"),
     # Mamba hybrid: state rows paid first
-    "jamba": {
-        "num_hidden_layers": 3,
-        "attn_layer_period": 2,
-        "attn_layer_offset": 1,
-        "expert_layer_period": 2,
-        "expert_layer_offset": 1,
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "mamba_d_state": 4,
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "mamba_dt_rank": 8,
-        "vocab_size": 256,
-        "use_mamba_kernels": False,
-    },
+    "jamba": SMALL_JAMBA,
     # sliding-window mix: the window pool paid first (soft-capping off, or it is Legacy)
     "gemma2": {
         "num_hidden_layers": 2,
@@ -88,24 +52,7 @@ FAMILIES = {
         "attn_logit_softcapping": None,
     },
     # gated-delta hybrid: recurrent + conv state rows paid first
-    "qwen3_next": {
-        "num_hidden_layers": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "vocab_size": 256,
-    },
+    "qwen3_next": SMALL_QWEN3_NEXT,
 }
 
 

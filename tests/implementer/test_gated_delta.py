@@ -4,6 +4,8 @@ states under chunked prefill, preemption and block reuse."""
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from kvskill.analyzer import analyze_model
@@ -12,25 +14,8 @@ from kvskill.implementer.gated_delta import gated_delta_facts, is_gated_delta_cl
 from kvskill.implementer.pipeline import convert_source, parse
 from kvskill.implementer.spec import ConversionSpec
 
-#: a small Qwen3-Next: three gated delta layers, then one full-attention layer
-SMALL_QWEN3_NEXT = {
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "vocab_size": 256,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from small_configs import SMALL_QWEN3_NEXT  # noqa: E402
 
 
 def _transformers_source(model_type: str) -> str:

@@ -5,6 +5,8 @@ transformers' own generate."""
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import libcst as cst
 import pytest
@@ -12,26 +14,8 @@ from hf_generate import runtime_tokens, transformers_tokens
 from kvskill.implementer.mamba_mixer import is_mamba1_class, mamba1_facts
 from kvskill.implementer.pipeline import parse
 
-#: a small Jamba: Mamba-1, attention (layer 1, also the MoE layer), Mamba-1
-SMALL_JAMBA = {
-    "num_hidden_layers": 3,
-    "attn_layer_period": 2,
-    "attn_layer_offset": 1,
-    "expert_layer_period": 2,
-    "expert_layer_offset": 1,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "mamba_d_state": 4,
-    "mamba_d_conv": 4,
-    "mamba_expand": 2,
-    "mamba_dt_rank": 8,
-    "vocab_size": 256,
-    "use_mamba_kernels": False,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from small_configs import SMALL_JAMBA  # noqa: E402
 
 
 def _source(model_type: str) -> str:

@@ -261,7 +261,7 @@ def test_the_converted_legacy_prefill_refuses_a_chunked_prefill_instead_of_dropp
     from kvskill.runtime.executor_host import executor_infer_config, framework_modules
     from kvskill.runtime.ops.npu_standin import npu_standin
     from kvskill.verify.drivers.engine import EngineDriver
-    from kvskill.verify.drivers.framework_legacy import import_model
+    from kvskill.verify.drivers.legacy_original import import_model
     from kvskill.verify.prompts import make_prompts
     from kvskill.verify.weights import condition_weights
 

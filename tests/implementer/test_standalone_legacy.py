@@ -282,7 +282,7 @@ def test_the_fixtures_own_runner_drives_both_files_as_verify_does(tmp_path):
     from kvskill.runtime.executor_host import framework_modules
     from kvskill.runtime.forward_context import reset_forward_metadata
     from kvskill.runtime.ops.npu_standin import npu_standin
-    from kvskill.verify.drivers.framework_legacy import import_model
+    from kvskill.verify.drivers.legacy_original import import_model
     from kvskill.verify.drivers.runner import import_runner
     from kvskill.verify.drivers.standalone_legacy import runner_settings
     from kvskill.verify.drivers.standalone_legacy_drive import drive_runner_protocol

@@ -1,4 +1,4 @@
-"""The runtime's import graph runs one way: no cycles, even through imports inside functions.
+"""Each package's import graph runs one way: no cycles, even through imports inside functions.
 
 A late import (one inside a function) hides a cycle from the interpreter but not from this
 graph, which counts every import statement of every runtime module as an edge.
@@ -9,20 +9,22 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = ROOT / "runtime"
 PACKAGE = "kvskill.runtime"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(RUNTIME).with_suffix("").parts)
+def _module_name(path: Path, root: Path = RUNTIME, package: str = PACKAGE) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join([PACKAGE, *parts])
+    return ".".join([package, *parts])
 
 
-def _imported_modules(path: Path, known: set[str]) -> set[str]:
-    """Runtime modules ``path`` imports anywhere in its body (absolute or relative)."""
-    name = _module_name(path)
+def _imported_modules(path: Path, known: set[str], name: str) -> set[str]:
+    """Modules of KNOWN that ``path`` (module NAME) imports anywhere in its body."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -42,10 +44,16 @@ def _imported_modules(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports."""
+    paths = sorted(root.rglob("*.py"))
+    names = {p: _module_name(p, root, package) for p in paths}
+    known = set(names.values())
+    return {names[p]: _imported_modules(p, known, names[p]) for p in paths}
+
+
 def runtime_import_graph() -> dict[str, set[str]]:
-    paths = sorted(RUNTIME.rglob("*.py"))
-    known = {_module_name(p) for p in paths}
-    return {_module_name(p): _imported_modules(p, known) for p in paths}
+    return import_graph(RUNTIME, PACKAGE)
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -68,11 +76,26 @@ def test_the_graph_sees_top_level_and_late_imports():
     assert "kvskill.runtime.engine" in _reachable(graph, PACKAGE)
 
 
-def test_no_runtime_module_imports_itself_through_others():
-    # The package __init__ only re-exports; submodules never import it, so leave it out.
-    graph = {k: v - {PACKAGE} for k, v in runtime_import_graph().items() if k != PACKAGE}
-    cycles = sorted(m for m in graph if m in _reachable(graph, m))
-    assert not cycles, f"modules on an import cycle: {cycles}"
+#: the one known cycle: a forward's kernel reader (facts) reads a callee's kernel
+#: (callee, einsum_attention) with the same readers, which call back for nested callees
+KNOWN_CYCLES = {
+    "implementer": {
+        "kvskill.implementer.callee",
+        "kvskill.implementer.einsum_attention",
+        "kvskill.implementer.facts",
+    }
+}
+
+
+@pytest.mark.parametrize(
+    "package", ["runtime", "verify", "analyzer", "core", "skill", "implementer"]
+)
+def test_no_module_imports_itself_through_others(package):
+    # A package __init__ only re-exports; submodules never import it, so leave it out.
+    name = f"kvskill.{package}"
+    graph = {k: v - {name} for k, v in import_graph(ROOT / package, name).items() if k != name}
+    cycles = {m for m in graph if m in _reachable(graph, m)}
+    assert cycles == KNOWN_CYCLES.get(package, set()), f"modules on an import cycle: {cycles}"
 
 
 def test_cache_declarations_sit_below_the_managers():

@@ -25,7 +25,12 @@ from pathlib import Path
 from kvskill.implementer.record import ConvertedDir
 from kvskill.verify.drivers.base import DriverRun, VerifyDriver
 from kvskill.verify.drivers.engine import EngineDriver
-from kvskill.verify.drivers.framework_legacy import is_framework_legacy, verify_framework_legacy
+from kvskill.verify.drivers.framework_legacy import (
+    imports_the_framework,
+    is_framework_legacy,
+    verify_framework_legacy,
+)
+from kvskill.verify.drivers.legacy_checkout import verify_against_checkout
 from kvskill.verify.drivers.runner import RunnerDriver
 from kvskill.verify.drivers.standalone_legacy import (
     is_standalone_legacy,
@@ -99,9 +104,17 @@ def _standalone_legacy(converted: ConvertedDir, options: VerifyOptions) -> Verif
     return verify_standalone_legacy(converted, options, framework_root=Path(root) if root else None)
 
 
+def _framework_legacy(converted: ConvertedDir, options: VerifyOptions) -> VerifyReport:
+    if imports_the_framework(converted):
+        # the rest of the framework (its config, parallel layers, fused MoE) comes from the
+        # user's checkout
+        return verify_against_checkout(converted, options)
+    return verify_framework_legacy(converted, options)
+
+
 #: outputs verified by their own flow: the original is the framework's model
 OWN_FLOWS: dict[OutputKind, Callable[[ConvertedDir, VerifyOptions], VerifyReport]] = {
-    OutputKind.FRAMEWORK_LEGACY: verify_framework_legacy,
+    OutputKind.FRAMEWORK_LEGACY: _framework_legacy,
     OutputKind.STANDALONE_LEGACY: _standalone_legacy,
 }
 

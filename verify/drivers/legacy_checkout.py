@@ -35,13 +35,14 @@ from kvskill.verify.drivers.checkout import (
     random_weights,
 )
 from kvskill.verify.drivers.engine import MAX_BATCHED_TOKENS, EngineDriver
-from kvskill.verify.drivers.framework_legacy import (
-    compare_legacy_prompts,
+from kvskill.verify.drivers.framework_legacy_drive import drive_legacy
+from kvskill.verify.drivers.legacy_original import (
+    finish_engine_report,
     import_model,
     legacy_original_dir,
     legacy_report,
+    run_paged,
 )
-from kvskill.verify.drivers.framework_legacy_drive import drive_legacy
 from kvskill.verify.options import VerifyOptions
 from kvskill.verify.report import VerifyReport
 from torch import nn
@@ -134,7 +135,8 @@ def verify_against_checkout(converted: ConvertedDir, options: VerifyOptions) -> 
                 f"the Legacy original {original_dir.name}/{plan.code['modeling_file']} does not "
                 f"run on the CPU stand-in in {options.dtype}: {exc}"
             ) from exc
-        try:  # the converted code is what is being checked, from its import on
+
+        def build_paged() -> nn.Module:
             with kvskill_answers_cache_and_metadata():
                 converted_cls, converted_config, _ = import_model(
                     converted.directory, plan.code, config
@@ -142,21 +144,20 @@ def verify_against_checkout(converted: ConvertedDir, options: VerifyOptions) -> 
             paged, _ = build(converted_cls, converted_config, {"block_size": block_size})
             paged.load_state_dict(weights)
             after_loading(paged)
-            driver = EngineDriver(
-                seed=options.seed,
-                use_hybrid_blocks=False,
-                chunked_prefill=False,
-                max_batched_tokens=max(MAX_BATCHED_TOKENS, sum(lengths)),
-            )
-            run = driver.run(paged, prompts, max_new_tokens=new_tokens, block_size=block_size)
-        except Exception as exc:  # the converted code is what is being checked
-            report.error = f"the converted model failed in the runtime: {type(exc).__name__}: {exc}"
-            return report
+            return paged
+
+        driver = EngineDriver(
+            seed=options.seed,
+            use_hybrid_blocks=False,
+            chunked_prefill=False,
+            max_batched_tokens=max(MAX_BATCHED_TOKENS, sum(lengths)),
+        )
+        run = run_paged(report, build_paged, driver, prompts, new_tokens)
+    if run is None:
+        return report
     answered = sorted(set().union(*(comm.answered_groups for comm in comms)))
-    report.notes.append(
+    note = (
         f"Legacy rows allocated by init_cache: {list(legacy.cache_shape)}; groups read but "
         f"registered only above one rank, answered as the one rank: {answered or 'none'}"
     )
-    compare_legacy_prompts(report, prompts, legacy, run)
-    report.chains = [chain.to_dict() for chain in run.chains]
-    return report
+    return finish_engine_report(report, prompts, legacy, run, note)

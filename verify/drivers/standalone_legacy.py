@@ -31,7 +31,7 @@ from kvskill.implementer.mla.spec import check_mla_block_size
 from kvskill.implementer.record import ConvertedDir
 from kvskill.runtime.chains import ChainResult, chain_result
 from kvskill.verify.drivers.checkout import after_loading, framework_packages, random_weights
-from kvskill.verify.drivers.framework_legacy import (
+from kvskill.verify.drivers.legacy_original import (
     compare_legacy_prompts,
     import_model,
     legacy_original_dir,

@@ -13,7 +13,12 @@ from __future__ import annotations
 import libcst as cst
 from kvskill.implementer._command import AttentionForwardRewrite, replace_method, with_body
 from kvskill.implementer.attn_init import _by_type
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
+from kvskill.implementer.fa_call import (
+    FA_OPS,
+    fa_keywords,
+    host_lengths,
+    sparse_mode_expr,
+)
 from kvskill.implementer.facts import (
     BNSD_STYLES,
     CacheLayout,
@@ -30,11 +35,7 @@ from kvskill.implementer.spec import ConversionSpec
 def _sparse_mode_expr(spec: ConversionSpec) -> str:
     per_type = {}
     for kind in spec.attn_types:
-        modes = spec.sparse_mode[kind]
-        prefill, decode = modes["prefill"], modes["decode"]
-        per_type[kind] = (
-            str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
-        )
+        per_type[kind] = sparse_mode_expr(spec.sparse_mode[kind])
     return _by_type(spec, per_type)
 
 

@@ -39,3 +39,39 @@ def host_lengths(field: str) -> str:
     tensor is read back to the host when the twin is missing (one sync per call, eager only).
     """
     return f"(md.{LENGTH_LIST_TWINS[field]} or md.{field}.tolist())"
+
+
+def sparse_mode_expr(modes: dict[str, int]) -> str:
+    """The ``sparse_mode`` a converted call passes for MODES (``{"prefill": p, "decode": d}``):
+    one number, or the step's choice between the two."""
+    prefill, decode = modes["prefill"], modes["decode"]
+    return str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
+
+
+def tnd_paged_kwargs(
+    version: FaVersion,
+    modes: dict[str, int],
+    *,
+    num_heads: str,
+    num_kv_heads: str,
+    scale: str,
+    block_table: str,
+    block_size: str,
+) -> list[tuple[str, str]]:
+    """Keywords of a TND fused-attention call over paged caches, under VERSION's names: the
+    step's mask, block table and host lengths (cumulative query, per-request key)."""
+    return fa_keywords(
+        version,
+        [
+            ("num_heads", num_heads),
+            ("num_key_value_heads", num_kv_heads),
+            ("input_layout", '"TND"'),
+            ("scale", scale),
+            ("atten_mask", "md.attention_mask"),
+            ("sparse_mode", sparse_mode_expr(modes)),
+            ("block_table", block_table),
+            ("block_size", block_size),
+            ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
+            ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
+        ],
+    )

@@ -28,7 +28,10 @@ from kvskill.implementer._command import (
     append_statements,
     with_body,
 )
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
+from kvskill.implementer.fa_call import (
+    FA_OPS,
+    tnd_paged_kwargs,
+)
 from kvskill.implementer.framework_legacy_facts import (
     LegacyAttentionFacts,
     LegacyForward,
@@ -124,24 +127,15 @@ class FrameworkLegacyAttentionCommand(_LegacyAttentionRewrite):
         return with_body(updated, body)
 
     def _fa_kwargs(self, seam: LegacyForward) -> list[tuple[str, str]]:
-        modes = self.spec.sparse_mode["FullAttention"]
-        prefill, decode = modes["prefill"], modes["decode"]
-        sparse = (
-            str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
+        return tnd_paged_kwargs(
+            self.spec.fa_version,
+            self.spec.sparse_mode["FullAttention"],
+            num_heads=seam.num_heads,
+            num_kv_heads=seam.num_kv_heads,
+            scale=seam.scale or "(query_tnd.shape[-1] ** -0.5)",
+            block_table="md.block_table[self.attn_type]",
+            block_size="block_size",
         )
-        kwargs = [
-            ("num_heads", seam.num_heads),
-            ("num_key_value_heads", seam.num_kv_heads),
-            ("input_layout", '"TND"'),
-            ("scale", seam.scale or "(query_tnd.shape[-1] ** -0.5)"),
-            ("atten_mask", "md.attention_mask"),
-            ("sparse_mode", sparse),
-            ("block_table", "md.block_table[self.attn_type]"),
-            ("block_size", "block_size"),
-            ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
-            ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
-        ]
-        return fa_keywords(self.spec.fa_version, kwargs)
 
     def _convert(self, forward: cst.FunctionDef, seam: LegacyForward) -> cst.FunctionDef:
         config = self.parser_config()

@@ -40,7 +40,10 @@ from kvskill.implementer._command import (
     append_statements,
     with_body,
 )
-from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
+from kvskill.implementer.fa_call import (
+    FA_OPS,
+    tnd_paged_kwargs,
+)
 from kvskill.implementer.framework_legacy_codemods import (
     METADATA_MODULE,
     drop_dead_assignments,
@@ -117,24 +120,15 @@ class StandaloneLegacyAttentionCommand(ClassRewriteCommand):
         return with_body(updated, body)
 
     def _fa_kwargs(self, seam: StandaloneSeam) -> list[tuple[str, str]]:
-        modes = self.spec.sparse_mode[ATTN_TYPE]
-        prefill, decode = modes["prefill"], modes["decode"]
-        sparse = (
-            str(prefill) if prefill == decode else f"({prefill} if md.is_prefill else {decode})"
+        return tnd_paged_kwargs(
+            self.spec.fa_version,
+            self.spec.sparse_mode[ATTN_TYPE],
+            num_heads=seam.num_heads,
+            num_kv_heads=seam.num_kv_heads,
+            scale=seam.scale or f"({seam.query}.shape[-1] // {seam.num_heads}) ** -0.5",
+            block_table=f'md.block_table["{ATTN_TYPE}"]',
+            block_size=f"{seam.caches[0]}.shape[1]",
         )
-        kwargs = [
-            ("num_heads", seam.num_heads),
-            ("num_key_value_heads", seam.num_kv_heads),
-            ("input_layout", '"TND"'),
-            ("scale", seam.scale or f"({seam.query}.shape[-1] // {seam.num_heads}) ** -0.5"),
-            ("atten_mask", "md.attention_mask"),
-            ("sparse_mode", sparse),
-            ("block_table", f'md.block_table["{ATTN_TYPE}"]'),
-            ("block_size", f"{seam.caches[0]}.shape[1]"),
-            ("actual_seq_lengths", host_lengths("actual_seq_lengths_cu_q")),
-            ("actual_seq_lengths_kv", host_lengths("actual_seq_lengths_kv")),
-        ]
-        return fa_keywords(self.spec.fa_version, kwargs)
 
     def _convert(self, func: cst.FunctionDef, seam: StandaloneSeam) -> cst.FunctionDef:
         config = self.parser_config()

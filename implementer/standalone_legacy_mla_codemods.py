@@ -19,7 +19,7 @@ import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import FA_CALL, is_standalone_legacy_mla_attention
 from kvskill.implementer._command import ClassRewriteCommand, with_body
-from kvskill.implementer.fa_call import host_lengths
+from kvskill.implementer.fa_call import host_lengths, sparse_mode_expr
 from kvskill.implementer.framework_legacy_codemods import METADATA_MODULE, led_by
 from kvskill.implementer.framework_legacy_facts import code
 from kvskill.implementer.snippets import statements
@@ -77,12 +77,9 @@ class StandaloneLegacyMlaAttentionCommand(ClassRewriteCommand):
 
     def _paged_keywords(self, seam: MlaSeam) -> list[str]:
         modes = self.spec.sparse_mode[ATTN_TYPE]
-        prefill, decode = modes["prefill"], modes["decode"]
-        if prefill == decode:
-            sparse, mask = str(prefill), "md.attention_mask"
-        else:
+        sparse, mask = sparse_mode_expr(modes), "md.attention_mask"
+        if modes["prefill"] != modes["decode"]:
             # absorbed MLA decodes without a mask (sparse_mode 0): the 2048 tile is for prefill
-            sparse = f"({prefill} if md.is_prefill else {decode})"
             mask = "md.attention_mask if md.is_prefill else None"
         return [
             f"atten_mask={mask}",

@@ -10,8 +10,10 @@ about a class; a class that meets only half of it is refused by the checks befor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import libcst as cst
@@ -22,6 +24,8 @@ from kvskill.analyzer.gather import (
     is_converted_attention,
 )
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.metadata import MetadataWrapper
 
 #: ``def get_cache_info`` already present: the model class is converted
 GET_CACHE_INFO = m.FunctionDef(name=m.Name("get_cache_info"))
@@ -53,12 +57,75 @@ class FrameworkCommand(VisitorBasedCodemodCommand):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         return not self.skip_function_bodies()
 
+    @contextmanager
+    def _handle_metadata_reference(self, module: cst.Module) -> Iterator[cst.Module]:
+        # NOTE: libcst wraps the module for metadata before every transform, and the wrapper
+        # deep-copies the whole tree; no command here reads metadata, so the tree is wrapped
+        # as it is (libcst's own hook, pinned in constraints.txt)
+        if self.METADATA_DEPENDENCIES:
+            with super()._handle_metadata_reference(module) as tree:
+                yield tree
+            return
+        old = self.context.wrapper
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        self.context = dataclasses.replace(self.context, wrapper=wrapper)
+        try:
+            yield wrapper.module
+        finally:
+            self.context = dataclasses.replace(self.context, wrapper=old)
+
+    def _instantiate_and_run(self, transform: type, tree: cst.Module) -> cst.Module:
+        if transform is AddImportsVisitor:
+            return add_imports_at_top(self.context, tree)
+        return super()._instantiate_and_run(transform, tree)
+
     def parser_config(self) -> cst.PartialParserConfig:
         """Parse snippets with the file's own newline and indentation conventions."""
         module = self.context.module
         if module is None:
             return cst.PartialParserConfig()
         return module.config_for_parsing
+
+
+def add_imports_at_top(context: CodemodContext, tree: cst.Module) -> cst.Module:
+    """TREE with the imports CONTEXT asks for (``AddImportsVisitor``), visiting only its
+    top-level statements.
+
+    ``AddImportsVisitor`` reads and edits only the import lines at the top of a module, and
+    inserts after them; it walks every class and function body to find that out, which costs
+    as much as a rewrite. Each compound statement is replaced by a one-line stand-in carrying
+    its leading lines (the visitor may add an empty line before the first statement after the
+    imports), the visitor runs on that skeleton, and the statements are put back.
+    """
+    held: dict[str, cst.BaseCompoundStatement] = {}
+    skeleton = []
+    for index, stmt in enumerate(tree.body):
+        if isinstance(stmt, cst.BaseCompoundStatement):
+            marker = f"__kvskill_statement_{index}"
+            held[marker] = stmt
+            stmt = cst.SimpleStatementLine(
+                body=[cst.Expr(cst.Name(marker))], leading_lines=stmt.leading_lines
+            )
+        skeleton.append(stmt)
+    added = AddImportsVisitor(context).transform_module(tree.with_changes(body=skeleton))
+    body = []
+    for stmt in added.body:
+        marker = _stand_in_marker(stmt)
+        if marker in held:
+            original = held[marker]
+            if stmt.leading_lines != original.leading_lines:
+                original = original.with_changes(leading_lines=stmt.leading_lines)
+            stmt = original
+        body.append(stmt)
+    return added.with_changes(body=body)
+
+
+def _stand_in_marker(stmt: cst.BaseStatement) -> str | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        expr = stmt.body[0]
+        if isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Name):
+            return expr.value.value
+    return None
 
 
 class ClassRewriteCommand(FrameworkCommand):

@@ -129,6 +129,28 @@ def last_ops_binding(module: cst.Module) -> int | None:
     return found[-1] if found else None
 
 
+class _RuntimeUses(cst.CSTVisitor):
+    """What the runtime imports depend on, read in one walk of the module: whether a class
+    declares ``self.cache_entries``, the names called (``name(...)``) and the names called
+    through (``name.attr(...)``)."""
+
+    def __init__(self) -> None:
+        self.declares_caches = False
+        self.called: set[str] = set()
+        self.called_through: set[str] = set()
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if not self.declares_caches and m.matches(node, CACHE_ENTRIES_ASSIGN):
+            self.declares_caches = True
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if isinstance(func, cst.Name):
+            self.called.add(func.value)
+        elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name):
+            self.called_through.add(func.value.value)
+
+
 class RuntimeImportsCommand(FrameworkCommand):
     """Import the runtime names once, when the file declares paged caches.
 
@@ -142,23 +164,22 @@ class RuntimeImportsCommand(FrameworkCommand):
     )
 
     def visit_Module(self, node: cst.Module) -> bool:
-        if m.findall(node, CACHE_ENTRIES_ASSIGN):
+        uses = _RuntimeUses()
+        node.visit(uses)
+        self.declares_caches = uses.declares_caches
+        if uses.declares_caches:
             own = last_ops_binding(node) is not None
             AddImportsVisitor.add_needed_import(self.context, "torch")
             wanted = [RUNTIME_IMPORTS]
-            if m.findall(node, m.Call(func=m.Name("MambaCacheEntry"))):
+            if "MambaCacheEntry" in uses.called:
                 wanted.append(STATE_IMPORTS)
-                used = {
-                    name
-                    for name in STATE_IMPORTS_IF_USED
-                    if m.findall(node, m.Call(func=m.Name(name) | m.Attribute(value=m.Name(name))))
-                }
+                used = (uses.called | uses.called_through) & set(STATE_IMPORTS_IF_USED)
                 for name in sorted(used):
                     wanted.append({STATE_IMPORTS_IF_USED[name]: (name,)})
             wanted.extend(
                 {LEGACY_IMPORTS_IF_USED[name]: (name,)}
                 for name in sorted(LEGACY_IMPORTS_IF_USED)
-                if m.findall(node, m.Call(func=m.Name(name)))
+                if name in uses.called
             )
             for imports in wanted:
                 for module, names in imports.items():
@@ -169,7 +190,7 @@ class RuntimeImportsCommand(FrameworkCommand):
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         index = last_ops_binding(updated_node)
-        if index is None or not m.findall(updated_node, CACHE_ENTRIES_ASSIGN):
+        if index is None or not self.declares_caches:
             return updated_node
         if any(m.matches(stmt, OPS_IMPORT_LINE) for stmt in updated_node.body[index + 1 :]):
             return updated_node  # already rebound after the file's own binding

@@ -18,8 +18,9 @@ A class is recognised by what its methods do, never by its name.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
+from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
@@ -452,6 +453,23 @@ def attention_submodules(cls: cst.ClassDef) -> dict[str, str]:
     return called
 
 
+@lru_cache(maxsize=8)
+def parsed_module(source: str) -> cst.Module:
+    """SOURCE parsed by libcst, once per text: the analysis and the conversion of one file
+    then read the same (immutable) nodes, so what :func:`once_per_node` learnt of a class
+    while analysing holds while converting. Raises ``cst.ParserSyntaxError``."""
+    return cst.parse_module(source)
+
+
+def once_per_node(func: Callable[[cst.ClassDef], bool]) -> Callable[[cst.ClassDef], bool]:
+    """FUNC, computed once per class node. libcst nodes are immutable and hash by identity,
+    and the rewrites of one conversion hand each other the classes they leave untouched, so
+    the many questions a conversion asks of one class (is it an attention, a state mixer,
+    already converted?) each walk it once."""
+    return lru_cache(maxsize=256)(func)
+
+
+@once_per_node
 def is_attention_class(cls: cst.ClassDef) -> bool:
     """A class whose forward writes a KV cache and calls an attention kernel (or computes
     attention by hand, :func:`matmul_attention`, or calls the fused attention), or one already
@@ -590,6 +608,17 @@ def is_converted_attention(cls: cst.ClassDef, classes: ClassTable | None = None)
     CLASSES (the file's classes by name) resolves what CLS inherits from a class of the
     same file; without it only CLS's own methods count.
     """
+    if classes is None:
+        return _is_converted_on_its_own(cls)
+    return _is_converted(cls, classes)
+
+
+@once_per_node
+def _is_converted_on_its_own(cls: cst.ClassDef) -> bool:
+    return _is_converted(cls, None)
+
+
+def _is_converted(cls: cst.ClassDef, classes: ClassTable | None) -> bool:
     forward = resolve_method(cls, "forward", classes)
     if forward is None or not declares_token_caches(cls, classes):
         return False

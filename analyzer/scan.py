@@ -19,7 +19,7 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.config_branch import ConfigBranch, config_branches
-from kvskill.analyzer.gather import cache_cat_growth, classify_call, dotted_name
+from kvskill.analyzer.gather import cache_cat_growth, classify_call, dotted_name, parsed_module
 from kvskill.core.errors import UnsupportedModelError
 
 _SINK_NAMES = ("sinks", "s_aux", "learnable_sink", "attention_sinks")
@@ -120,7 +120,7 @@ def scan_source(source: str, *, path: str = "<memory>") -> ModuleFacts:
     # libcst's native parser would overflow the C stack on deep nesting (a segfault)
     check_source_depth(source, path=os.path.basename(path))
     try:
-        module = cst.parse_module(source)
+        module = parsed_module(source)
     except cst.ParserSyntaxError as exc:
         raise UnsupportedModelError(
             f"cannot parse {os.path.basename(path)} at line {exc.raw_line}: "

@@ -36,6 +36,8 @@ def take_decided_branches(
         UnsupportedModelError: the config builds the tested parameter and REPLACES_KERNEL
             (the seam swaps the kernel for the fused operator, which cannot take it).
     """
+    if not switches:
+        return module  # no config key decides a branch: nothing to read
     branches = [b for b in config_branches(module) if b.key in switches]
     if not branches:
         return module

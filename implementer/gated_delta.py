@@ -26,6 +26,7 @@ from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import once_per_node
 from kvskill.implementer._command import (
     StateMixerCommand,
     append_statements,
@@ -131,6 +132,7 @@ class GatedDeltaFacts(ConvMixerFacts):
     rule_targets: list[str] = field(default_factory=list)
 
 
+@once_per_node
 def is_gated_delta_class(cls: cst.ClassDef) -> bool:
     """A class whose forward runs a causal conv and a gated delta rule, or one converted by
     this rewrite (it declares ``cache_entries`` and calls the paged rule)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import once_per_node
 from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import CACHE_ENTRIES_ASSIGN, _method, class_assigns
 from kvskill.implementer.snippets import statements
@@ -157,6 +158,7 @@ class Mamba2Facts:
     problems: list[str] = field(default_factory=list)
 
 
+@once_per_node
 def is_mamba2_class(cls: cst.ClassDef) -> bool:
     """A class whose methods run the SSD chunk scan and the one-token state update."""
     return bool(m.findall(cls, SCAN_CALL)) and bool(m.findall(cls, STATE_UPDATE_CALL))

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import once_per_node
 from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -101,6 +102,7 @@ class Mamba1Facts(ConvMixerFacts):
     heads: str | None = None
 
 
+@once_per_node
 def is_mamba1_class(cls: cst.ClassDef) -> bool:
     """A class whose forward runs a causal conv and a Mamba-1 selective scan."""
     forward = _method(cls, "forward")

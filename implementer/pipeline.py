@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import libcst as cst
+from kvskill.analyzer.gather import parsed_module
 from kvskill.core.errors import BadInputError
 from kvskill.implementer.checks import (
     check_attention_module,
@@ -47,7 +48,7 @@ _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object
 def parse(source: str, filename: str = "<modeling file>") -> cst.Module:
     """Parse model code; a syntax error is bad input (exit 2)."""
     try:
-        return cst.parse_module(source)
+        return parsed_module(source)
     except cst.ParserSyntaxError as exc:
         message = str(exc).splitlines()[0]
         raise BadInputError(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.gather import once_per_node
 from kvskill.implementer._command import StateMixerCommand
 from kvskill.implementer.facts import (
     CACHE_ENTRIES_ASSIGN,
@@ -67,6 +68,7 @@ class ShortConvFacts(ConvMixerFacts):
     activation: str = "None"
 
 
+@once_per_node
 def is_short_conv_class(cls: cst.ClassDef) -> bool:
     """A class whose forward runs a causal conv on a cached conv state and nothing else of a
     state mixer, or one this rewrite converted (cache entries and the fused conv)."""

@@ -1,0 +1,156 @@
+"""GLM-5's DSA (glm_moe_dsa) on the paged path: "full" layers run the indexer and keep its keys,
+"shared" layers reuse the previous full layer's top-k and keep none. What analyze plans, what
+apply writes and refuses, and - slow - that the converted model is token-exact against
+transformers and that a shared layer attending elsewhere fails verify."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from kvskill.analyzer import analyze_model
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.mla import MlaSpec
+from kvskill.implementer.pipeline import convert_mla_source
+from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.verify.flow import verify_directory
+from kvskill.verify.options import VerifyOptions
+from kvskill.verify.shrink import shrink_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from mla_models import build_pair, prompts, reference_greedy, runtime_greedy, tiny_config  # noqa: E402
+
+MODEL = "glm_moe_dsa"
+PACKAGE = f"transformers.models.{MODEL}"
+#: GLM-5's 78 layers with index_topk_freq 4 and index_skip_topk_offset 3: layers 0-2 full,
+#: then every fourth (6, 10, ..., 74)
+PATTERN = ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)]
+#: a small model: full, two shared, full again (the reused top-k changes hands)
+SMALL = ["full", "shared", "shared", "full"]
+TOPK = 8
+#: the source line of a shared layer, and a shared layer attending to position 0 only
+REUSE = "            topk_indices = prev_topk_indices\n"
+ZERO = "            topk_indices = torch.zeros_like(prev_topk_indices)\n"
+
+
+def _source() -> str:
+    modeling = importlib.import_module(f"{PACKAGE}.modeling_{MODEL}")
+    return Path(modeling.__file__).read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return analyze_model(MODEL, config_overrides={"indexer_types": PATTERN})
+
+
+def test_plan_names_the_indexer_layers_and_counts_their_keys_only(plan):
+    assert plan.indexer is not None and plan.implementer_blockers == []
+    owners = [i for i, k in enumerate(PATTERN) if k == "full"]
+    assert plan.indexer.layers == owners and len(owners) == 21
+    assert plan.indexer.shared_layers == [i for i, k in enumerate(PATTERN) if k == "shared"]
+    # latent 512 + rope 64 on all 78 layers, the 128-wide indexer keys on the 21 full ones
+    assert plan.kv_bytes_per_token == (512 + 64) * 2 * 78 + 128 * 2 * 21
+    assert any(e.decision == "indexer.layers" for e in plan.evidence)
+
+
+def test_a_first_layer_without_an_indexer_is_refused():
+    plan = analyze_model(MODEL, config_overrides={"indexer_types": ["shared"] + ["full"] * 77})
+    assert plan.indexer is None
+    assert any("indexer_types[0] is 'shared'" in b for b in plan.implementer_blockers)
+
+
+def test_an_indexer_run_on_every_layer_is_refused_when_the_plan_shares(plan):
+    # deepseek_v32's attention calls its indexer unconditionally: it cannot skip a layer
+    v32 = importlib.import_module("transformers.models.deepseek_v32.modeling_deepseek_v32")
+    spec = MlaSpec.from_plan(plan)
+    spec = dataclasses.replace(spec, indexer=dataclasses.replace(spec.indexer, shared_layers=True))
+    with pytest.raises(UnsupportedModelError, match="runs its indexer on every layer"):
+        convert_mla_source(
+            Path(v32.__file__).read_text(encoding="utf-8"),
+            spec,
+            package="transformers.models.deepseek_v32",
+        )
+
+
+def test_a_shared_layer_that_does_not_reuse_the_passed_selection_is_refused(plan):
+    source = _source()
+    assert source.count(REUSE) == 1
+    with pytest.raises(UnsupportedModelError, match="does not end with `topk_indices = <param"):
+        convert_mla_source(source.replace(REUSE, ZERO), MlaSpec.from_plan(plan), package=PACKAGE)
+
+
+def test_shrunk_twin_keeps_a_full_and_a_shared_layer(plan):
+    shrunk = shrink_config(plan.config).config
+    kinds = shrunk["indexer_types"]
+    assert len(kinds) == shrunk["num_hidden_layers"]
+    assert kinds[0] == "full" and "shared" in kinds
+    assert "sparse" in shrunk["mlp_layer_types"]
+    assert shrunk["index_topk"] < 2048
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_runtime_is_token_exact_with_shared_layers(tmp_path):
+    overrides = tiny_config(
+        MODEL,
+        num_hidden_layers=len(SMALL),
+        indexer_types=SMALL,
+        kv_lora_rank=512,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=TOPK,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+    )
+    _, reference, model, _ = build_pair(MODEL, overrides, tmp_path)
+    shared = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is None]
+    assert shared == [1, 2]
+    batch = prompts(3, lengths=(5, 19, 33))
+    assert max(len(p) for p in batch) > TOPK
+    expected = reference_greedy(reference, batch, 5)
+    got, llm = runtime_greedy(model, batch, 5, enable_prefix_caching=False)
+    assert got == expected
+    names = [[c.cache_name for c in info.caches] for info in model.get_cache_info().layer_infos]
+    assert ["indexer_key_cache" in n for n in names] == [True, False, False, True]
+
+
+@pytest.mark.slow
+def test_apply_verifies_and_fails_when_a_shared_layer_attends_elsewhere(tmp_path):
+    out = tmp_path / "out"
+    apply_model(
+        MODEL,
+        out,
+        ApplyOptions(deploy_mode="framework", config_overrides={"indexer_types": PATTERN}),
+    )
+    assert json.loads((out / "config.json").read_text())["indexer_types"] == PATTERN
+    code = (out / f"modeling_{MODEL}.py").read_text()
+    # the indexer keys are declared only where the layer has an indexer
+    entries = code.index("        if self.indexer is not None:\n            # Only a layer")
+    assert code.index('cache_name="indexer_key_cache"') > entries
+    assert code.count('cache_name="indexer_key_cache"') == 1
+    # the shared branch is kept as written, the indexer call paged without the dense mask
+    assert code.count(REUSE) == 1
+    assert "attention_mask[:, 0, :, :]" not in code and ".update_indexer(k" not in code
+    assert code.count("torch_npu.npu_lightning_indexer(") == 1
+    assert "return attn_output, attn_weights, topk_indices" in code
+    options = VerifyOptions(num_prompts=2, max_new_tokens=3)
+    report = verify_directory(out, options)
+    assert report.error is None, report.error
+    assert report.passed, report.failures
+    # the shared layers attend to position 0 instead of the full layer's selection
+    mutant = tmp_path / "zero-selection"
+    shutil.copytree(out, mutant)
+    path = mutant / f"modeling_{MODEL}.py"
+    text = path.read_text()
+    assert text.count(REUSE) == 1
+    path.write_text(text.replace(REUSE, ZERO))
+    bad = verify_directory(mutant, dataclasses.replace(options, trust_remote_code=True))
+    assert not bad.passed
+    assert bad.max_logit_diff > 100 * bad.atol

@@ -18,6 +18,7 @@ from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.mla import MlaSpec
 from kvskill.implementer.pipeline import convert_mla_source
 from kvskill.implementer.writer import ApplyOptions, apply_model
+from kvskill.runtime import SamplingParams
 from kvskill.verify.flow import verify_directory
 from kvskill.verify.options import VerifyOptions
 from kvskill.verify.shrink import shrink_config
@@ -97,7 +98,7 @@ def test_shrunk_twin_keeps_a_full_and_a_shared_layer(plan):
 
 
 @pytest.mark.slow
-def test_runtime_is_token_exact_with_shared_layers(tmp_path):
+def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_caching(tmp_path):
     overrides = tiny_config(
         MODEL,
         num_hidden_layers=len(SMALL),
@@ -115,10 +116,20 @@ def test_runtime_is_token_exact_with_shared_layers(tmp_path):
     batch = prompts(3, lengths=(5, 19, 33))
     assert max(len(p) for p in batch) > TOPK
     expected = reference_greedy(reference, batch, 5)
-    got, llm = runtime_greedy(model, batch, 5, enable_prefix_caching=False)
+    got, _ = runtime_greedy(model, batch, 5, enable_prefix_caching=False)
     assert got == expected
     names = [[c.cache_name for c in info.caches] for info in model.get_cache_info().layer_infos]
     assert ["indexer_key_cache" in n for n in names] == [True, False, False, True]
+    # requests that outgrow their first block in a pool of 6: preempted and recomputed, then
+    # rerun from the prefix cache (the full layers' indexer keys cached with the latents)
+    growing = prompts(4, lengths=(14, 15, 13, 30))
+    expected = reference_greedy(reference, growing, 5)
+    tight, llm = runtime_greedy(model, growing, 5, num_blocks=6)
+    assert tight == expected
+    assert llm.stats.num_preemptions > 0
+    again = llm.generate(growing, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.token_ids for o in again] == expected
+    assert sum(o.num_cached_tokens for o in again) > 0
 
 
 @pytest.mark.slow

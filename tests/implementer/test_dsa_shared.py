@@ -45,8 +45,14 @@ def _source() -> str:
 
 
 @pytest.fixture(scope="module")
-def plan():
-    return analyze_model(MODEL, config_overrides={"indexer_types": PATTERN})
+def plan(tmp_path_factory):
+    """A checkpoint's config as GLM-5 ships it: the pattern as a frequency and an offset,
+    which transformers' config class turns into ``indexer_types``."""
+    model_dir = tmp_path_factory.mktemp("glm5")
+    config = {"model_type": MODEL, "architectures": ["GlmMoeDsaForCausalLM"]}
+    config.update(num_hidden_layers=78, index_topk_freq=4, index_skip_topk_offset=3)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return analyze_model(str(model_dir))
 
 
 def test_plan_names_the_indexer_layers_and_counts_their_keys_only(plan):

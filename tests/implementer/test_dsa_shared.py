@@ -6,17 +6,17 @@ transformers and that a shared layer attending elsewhere fails verify."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
 
+import libcst as cst
 import pytest
 from kvskill.analyzer import analyze_model
-from kvskill.core.errors import UnsupportedModelError
-from kvskill.implementer.mla import MlaSpec
-from kvskill.implementer.pipeline import convert_mla_source
+from kvskill.implementer.facts import module_classes
+from kvskill.implementer.mla.facts import mla_attention_facts
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.runtime import SamplingParams
 from kvskill.verify.flow import verify_directory
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from mla_models import build_pair, prompts, reference_greedy, runtime_greedy, tiny_config  # noqa: E402
 
 MODEL = "glm_moe_dsa"
-PACKAGE = f"transformers.models.{MODEL}"
 #: GLM-5's 78 layers with index_topk_freq 4 and index_skip_topk_offset 3: layers 0-2 full,
 #: then every fourth (6, 10, ..., 74)
 PATTERN = ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)]
@@ -39,9 +38,11 @@ REUSE = "            topk_indices = prev_topk_indices\n"
 ZERO = "            topk_indices = torch.zeros_like(prev_topk_indices)\n"
 
 
-def _source() -> str:
-    modeling = importlib.import_module(f"{PACKAGE}.modeling_{MODEL}")
-    return Path(modeling.__file__).read_text(encoding="utf-8")
+def _source(model_type: str = MODEL) -> str:
+    """The installed transformers' modeling file of MODEL_TYPE (found, not imported)."""
+    found = importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}")
+    assert found is not None and found.origin is not None
+    return Path(found.origin).read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -71,24 +72,34 @@ def test_a_first_layer_without_an_indexer_is_refused():
     assert any("indexer_types[0] is 'shared'" in b for b in plan.implementer_blockers)
 
 
-def test_an_indexer_run_on_every_layer_is_refused_when_the_plan_shares(plan):
+def _problems(classes: dict, attention: str, *, shared_layers: bool) -> list[str]:
+    """What the MLA facts of the ATTENTION class say against a DSA rewrite."""
+    cls = classes[attention]
+    return mla_attention_facts(cls, classes, True, True, shared_layers=shared_layers).problems
+
+
+def _classes(source: str) -> dict:
+    return module_classes(cst.parse_module(source))
+
+
+def test_an_indexer_run_on_every_layer_is_refused_when_the_plan_shares():
     # deepseek_v32's attention calls its indexer unconditionally: it cannot skip a layer
-    v32 = importlib.import_module("transformers.models.deepseek_v32.modeling_deepseek_v32")
-    spec = MlaSpec.from_plan(plan)
-    spec = dataclasses.replace(spec, indexer=dataclasses.replace(spec.indexer, shared_layers=True))
-    with pytest.raises(UnsupportedModelError, match="runs its indexer on every layer"):
-        convert_mla_source(
-            Path(v32.__file__).read_text(encoding="utf-8"),
-            spec,
-            package="transformers.models.deepseek_v32",
-        )
+    classes = _classes(_source("deepseek_v32"))
+    assert _problems(classes, "DeepseekV32Attention", shared_layers=False) == []
+    problems = _problems(classes, "DeepseekV32Attention", shared_layers=True)
+    assert len(problems) == 1 and "runs its indexer on every layer" in problems[0]
+    assert "topk_indices = self.indexer(" in problems[0]
 
 
-def test_a_shared_layer_that_does_not_reuse_the_passed_selection_is_refused(plan):
+def test_a_shared_layer_that_does_not_reuse_the_passed_selection_is_refused():
     source = _source()
+    assert _problems(_classes(source), "GlmMoeDsaAttention", shared_layers=True) == []
     assert source.count(REUSE) == 1
-    with pytest.raises(UnsupportedModelError, match="does not end with `topk_indices = <param"):
-        convert_mla_source(source.replace(REUSE, ZERO), MlaSpec.from_plan(plan), package=PACKAGE)
+    classes = _classes(source.replace(REUSE, ZERO))
+    problems = _problems(classes, "GlmMoeDsaAttention", shared_layers=True)
+    reuse = [p for p in problems if "the else of `if self.indexer is not None:`" in p]
+    assert len(reuse) == 1 and "does not end with `topk_indices = <parameter>`" in reuse[0]
+    assert reuse[0].startswith("GlmMoeDsaAttention.forward:")
 
 
 def test_shrunk_twin_keeps_a_full_and_a_shared_layer(plan):
@@ -119,16 +130,13 @@ def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_c
     _, reference, model, _ = build_pair(MODEL, overrides, tmp_path)
     shared = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is None]
     assert shared == [1, 2]
-    batch = prompts(3, lengths=(5, 19, 33))
-    assert max(len(p) for p in batch) > TOPK
-    expected = reference_greedy(reference, batch, 5)
-    got, _ = runtime_greedy(model, batch, 5, enable_prefix_caching=False)
-    assert got == expected
     names = [[c.cache_name for c in info.caches] for info in model.get_cache_info().layer_infos]
     assert ["indexer_key_cache" in n for n in names] == [True, False, False, True]
-    # requests that outgrow their first block in a pool of 6: preempted and recomputed, then
-    # rerun from the prefix cache (the full layers' indexer keys cached with the latents)
+    # prompts longer than the top-k that outgrow their first block in a pool of 6: preempted
+    # and recomputed, then rerun from the prefix cache (the full layers' indexer keys cached
+    # with the latents)
     growing = prompts(4, lengths=(14, 15, 13, 30))
+    assert min(len(p) for p in growing) > TOPK
     expected = reference_greedy(reference, growing, 5)
     tight, llm = runtime_greedy(model, growing, 5, num_blocks=6)
     assert tight == expected

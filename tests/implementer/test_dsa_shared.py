@@ -114,8 +114,19 @@ def test_shrunk_twin_keeps_a_full_and_a_shared_layer(plan):
 # -- end to end ----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """``apply`` of glm_moe_dsa with GLM-5's pattern of indexer and shared layers."""
+    out = tmp_path_factory.mktemp("glm5") / "out"
+    options = ApplyOptions(deploy_mode="framework", config_overrides={"indexer_types": PATTERN})
+    apply_model(MODEL, out, options)
+    return out
+
+
 @pytest.mark.slow
-def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_caching(tmp_path):
+def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_caching(
+    tmp_path, converted
+):
     overrides = tiny_config(
         MODEL,
         num_hidden_layers=len(SMALL),
@@ -127,7 +138,8 @@ def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_c
         qk_nope_head_dim=16,
         v_head_dim=24,
     )
-    _, reference, model, _ = build_pair(MODEL, overrides, tmp_path)
+    code = (converted / f"modeling_{MODEL}.py").read_text(encoding="utf-8")
+    _, reference, model, _ = build_pair(MODEL, overrides, tmp_path, converted=code)
     shared = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is None]
     assert shared == [1, 2]
     names = [[c.cache_name for c in info.caches] for info in model.get_cache_info().layer_infos]
@@ -147,13 +159,8 @@ def test_runtime_is_token_exact_with_shared_layers_under_preemption_and_prefix_c
 
 
 @pytest.mark.slow
-def test_apply_verifies_and_fails_when_a_shared_layer_attends_elsewhere(tmp_path):
-    out = tmp_path / "out"
-    apply_model(
-        MODEL,
-        out,
-        ApplyOptions(deploy_mode="framework", config_overrides={"indexer_types": PATTERN}),
-    )
+def test_apply_verifies_and_fails_when_a_shared_layer_attends_elsewhere(tmp_path, converted):
+    out = converted
     assert json.loads((out / "config.json").read_text())["indexer_types"] == PATTERN
     code = (out / f"modeling_{MODEL}.py").read_text()
     # the indexer keys are declared only where the layer has an indexer

@@ -48,7 +48,12 @@ from kvskill.analyzer.decoder_source import (
 )
 from kvskill.analyzer.deploy import decide_deploy_mode
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.indexer import decide_indexer, plannable_indexer
+from kvskill.analyzer.indexer import (
+    INDEXER_KEY_CACHE,
+    decide_indexer,
+    indexer_layers,
+    plannable_indexer,
+)
 from kvskill.analyzer.inherited import (
     inherited_attention,
     inherited_attention_reason,
@@ -555,6 +560,7 @@ def _size_caches(
         for t in layers.attn_types
     }
     memory = plan_memory(
+        entry_layer_counts=_indexer_key_layers(spec, sublayers),
         spec=spec,
         config=source.config,
         cache_entries=entries,
@@ -583,6 +589,17 @@ def _size_caches(
         "sum of cache_entries dim x num_head x dtype size x layers",
     )
     return _Caches(entries=entries, memory=memory, kv_bytes_per_token=kv_bytes)
+
+
+def _indexer_key_layers(spec: ModelSpec, sublayers: int) -> dict[str, int] | None:
+    """{indexer key cache: the layers keeping it} when some indexed layers share another's
+    top-k and keep no indexer keys (GLM-5), else None (every MLA layer keeps them)."""
+    if not plannable_indexer(spec):
+        return None
+    layers = indexer_layers(spec)
+    if not layers.shared:
+        return None
+    return {INDEXER_KEY_CACHE: len(layers.owners) * sublayers}
 
 
 # ---- stage 6: what the code does, and the checks that follow --------------------------------

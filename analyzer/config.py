@@ -83,8 +83,9 @@ class ModelSpec:
     #: the config's ALiBi switch (Falcon's ``alibi``, MPT's ``attn_config.alibi``); None if unset
     alibi: bool | None = None
     #: the DSA indexer of indexed sparse attention ({"n_heads", "head_dim", "topk",
-    #: "shared_layers"}), None without one
-    indexer: dict[str, int] | None = None
+    #: "indexer_types"}: the last the per-layer list, or None when every layer runs its own),
+    #: None without one
+    indexer: dict[str, Any] | None = None
     #: field -> the config key it was read from (a vendor's name where the config uses one)
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -253,15 +254,20 @@ def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str,
 _INDEXER_KEYS = {"n_heads": "index_n_heads", "head_dim": "index_head_dim", "topk": "index_topk"}
 
 
-def _indexer(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int] | None:
+def _indexer(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, Any] | None:
     values = {name: cfg.get(key) for name, key in _INDEXER_KEYS.items()}
     if not all(_is_int(v) and v > 0 for v in values.values()):
         return None
     sources["indexer"] = prefix + "index_topk"
-    # GLM-5's indexer_types: "shared" layers reuse the previous full layer's top-k
+    # GLM-5's indexer_types: "full" layers run their indexer, "shared" ones reuse the
+    # previous full layer's top-k (analyzer/indexer.py reads the list)
     kinds = cfg.get("indexer_types")
-    shared = sum(1 for k in kinds if k == "shared") if isinstance(kinds, list) else 0
-    return {**{k: int(v) for k, v in values.items()}, "shared_layers": shared}
+    if isinstance(kinds, list):
+        sources["indexer_types"] = prefix + "indexer_types"
+    return {
+        **{k: int(v) for k, v in values.items()},
+        "indexer_types": [str(k) for k in kinds] if isinstance(kinds, list) else None,
+    }
 
 
 def _layer_kinds(

@@ -10,6 +10,8 @@ caching and preemption keep the three together), ``npu_lightning_indexer`` selec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.plan import IndexerPlan
@@ -20,13 +22,53 @@ LIGHTNING_INDEXER = "npu_lightning_indexer"
 SPARSE_ATTENTION = "npu_sparse_flash_attention"
 
 
-def plannable_indexer(spec: ModelSpec) -> bool:
-    """An indexer the paged path converts: every layer runs its own.
+#: GLM-5's ``indexer_types`` values: the layer runs its indexer, or reuses the previous top-k
+FULL, SHARED = "full", "shared"
 
-    GLM-5's ``indexer_types`` "shared" layers reuse the previous layer's top-k and keep no
-    indexer keys of their own; that hand-over between layers is not converted.
+
+@dataclass(frozen=True)
+class IndexerLayers:
+    """Which layers run their own indexer (and keep its keys) and which reuse a top-k."""
+
+    owners: list[int]
+    #: layers that take the previous owning layer's top-k and keep no indexer keys
+    shared: list[int]
+    #: why the pattern cannot be planned, or None
+    problem: str | None = None
+
+
+def indexer_layers(spec: ModelSpec) -> IndexerLayers:
+    """The owning and sharing layers of SPEC's indexer (every layer owns one without a list).
+
+    GLM-5's ``indexer_types`` (one entry per layer, "full" or "shared"): a shared layer has no
+    indexer module, hence no weights and no key cache, and attends to the positions the
+    nearest earlier full layer selected for the same tokens.
     """
-    return spec.indexer is not None and spec.mla is not None and not spec.indexer["shared_layers"]
+    assert spec.indexer is not None
+    kinds = spec.indexer.get("indexer_types")
+    if kinds is None:
+        return IndexerLayers(owners=list(range(spec.num_layers)), shared=[])
+    kinds = list(kinds[: spec.num_layers])
+    where = spec.sources.get("indexer_types", "indexer_types")
+    unknown = sorted({k for k in kinds if k not in (FULL, SHARED)})
+    problem = None
+    if unknown:
+        problem = f"{where} holds {unknown}; only '{FULL}' and '{SHARED}' are known"
+    elif len(kinds) < spec.num_layers:
+        problem = f"{where} names {len(kinds)} of {spec.num_layers} layers"
+    elif kinds and kinds[0] == SHARED:
+        problem = f"{where}[0] is '{SHARED}': no earlier layer selects a top-k to reuse"
+    return IndexerLayers(
+        owners=[i for i, k in enumerate(kinds) if k == FULL],
+        shared=[i for i, k in enumerate(kinds) if k == SHARED],
+        problem=problem,
+    )
+
+
+def plannable_indexer(spec: ModelSpec) -> bool:
+    """An indexer the paged path converts: an MLA model whose layers each run their own, or
+    reuse the top-k of an earlier layer that does (GLM-5's "shared" layers)."""
+    return spec.indexer is not None and spec.mla is not None and not indexer_layers(spec).problem
 
 
 def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
@@ -36,6 +78,7 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
     assert spec.indexer is not None
     heads, dim, topk = spec.indexer["n_heads"], spec.indexer["head_dim"], spec.indexer["topk"]
     key_bytes = dim * spec.dtype_bytes
+    layers = indexer_layers(spec)
     book.cite(
         "indexer",
         f"DSA indexer: {heads} query heads over one {dim}-wide key head per token, keeping the "
@@ -43,6 +86,15 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         f"{INDEXER_KEY_CACHE} ({key_bytes} bytes per token per layer), paged with the latent",
         book.cfg(spec.sources.get("indexer")),
     )
+    if layers.shared:
+        book.cite(
+            "indexer.layers",
+            f"{len(layers.owners)} layers run the indexer and keep {INDEXER_KEY_CACHE} "
+            f"({_spans(layers.owners)}); {len(layers.shared)} 'shared' layers "
+            f"({_spans(layers.shared)}) reuse the previous indexer layer's top-k and keep no "
+            "indexer keys",
+            book.cfg(spec.sources.get("indexer_types")),
+        )
     book.cite(
         "indexer.operators",
         f"{LIGHTNING_INDEXER} (PA_BSND keys, sparse_count={topk}, sparse_mode 3) picks the "
@@ -57,4 +109,17 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         key_cache=INDEXER_KEY_CACHE,
         key_cache_bytes_per_token=key_bytes,
         operators=[LIGHTNING_INDEXER, SPARSE_ATTENTION],
+        layers=layers.owners,
+        shared_layers=layers.shared,
     )
+
+
+def _spans(indices: list[int]) -> str:
+    """Layer indices as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)

@@ -30,15 +30,27 @@ HBM_UTILISATION = 0.9
 
 
 def bytes_per_token_by_type(
-    cache_entries: dict[str, list[CacheEntryPlan]], layer_counts: dict[str, int], dtype_bytes: int
+    cache_entries: dict[str, list[CacheEntryPlan]],
+    layer_counts: dict[str, int],
+    dtype_bytes: int,
+    entry_layer_counts: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """KV bytes one token adds, summed over all layers of each per-token attn_type."""
+    """KV bytes one token adds, summed over all layers of each per-token attn_type.
+
+    ``entry_layer_counts``: {cache_name: layers declaring it} for an entry that only some
+    layers of its attn_type declare (the indexer keys, kept by GLM-5's indexer layers only);
+    every other entry counts on every layer of its attn_type.
+    """
+    only_some = entry_layer_counts or {}
     result: dict[str, int] = {}
     for attn_type, entries in cache_entries.items():
         if attn_type == AttnType.MAMBA.value:
             continue
-        per_layer = sum(entry_bytes(int(e.dim), e.num_head, dtype_bytes) for e in entries)
-        result[attn_type] = per_layer * layer_counts.get(attn_type, 0)
+        layers = layer_counts.get(attn_type, 0)
+        result[attn_type] = sum(
+            entry_bytes(int(e.dim), e.num_head, dtype_bytes) * only_some.get(e.cache_name, layers)
+            for e in entries
+        )
     return result
 
 
@@ -100,14 +112,19 @@ def plan_memory(
     kv_memory_bytes: int | None,
     hbm_gb: float | None,
     legacy_row_tokens: int | None = None,
+    entry_layer_counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Per-token and per-request costs; with a budget, blocks and max tokens in flight.
+
+    ``entry_layer_counts``: see :func:`bytes_per_token_by_type`.
 
     ``legacy_row_tokens``: a Legacy model's static row (``max_model_len``); every layer, the
     sliding ones too, keeps a whole row per request, so the row is the cost of a request.
     """
     dtype_bytes = spec.dtype_bytes
-    per_token = bytes_per_token_by_type(cache_entries, layer_counts, dtype_bytes)
+    per_token = bytes_per_token_by_type(
+        cache_entries, layer_counts, dtype_bytes, entry_layer_counts
+    )
     state = state_bytes_per_request(cache_entries, layer_counts, dtype_bytes)
     window = spec.sliding_window or 0
     sliding_bytes = per_token.get(AttnType.SLIDING_WINDOW.value, 0)

@@ -175,6 +175,11 @@ class IndexerPlan:
     key_cache_bytes_per_token: int
     #: the selection operator and the attention over what it selects
     operators: list[str]
+    #: the layers that run the indexer and keep ``key_cache``
+    layers: list[int] = field(default_factory=list)
+    #: the layers that reuse the top-k of the previous indexer layer (GLM-5's "shared"
+    #: ``indexer_types``): no indexer module, no ``key_cache``
+    shared_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from typing import Any
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.decoder_source import text_model_type
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.indexer import plannable_indexer
+from kvskill.analyzer.indexer import indexer_layers, plannable_indexer
 from kvskill.analyzer.inputs import ModelSource
 from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.analyzer.qkv_split import fused_qkv_note
@@ -207,9 +207,5 @@ def code_notes(
 
 def _unplanned_indexer_note(spec: ModelSpec) -> str:
     note = "indexed sparse attention (a top-k indexer with its own cache)"
-    if spec.indexer and spec.indexer["shared_layers"]:
-        return (
-            f"{note} whose {spec.indexer['shared_layers']} 'shared' layers (indexer_types) reuse "
-            "the previous layer's top-k"
-        )
-    return note
+    problem = indexer_layers(spec).problem if spec.indexer else None
+    return f"{note} whose layer pattern cannot be planned ({problem})" if problem else note

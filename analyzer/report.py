@@ -145,8 +145,13 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
             (
                 "DSA indexer",
                 f"{index.n_heads} heads x {index.head_dim}, top-{index.topk}; "
-                f"{index.key_cache} {index.key_cache_bytes_per_token} B/token/layer; "
-                f"{' + '.join(index.operators)}",
+                f"{index.key_cache} {index.key_cache_bytes_per_token} B/token/layer"
+                + (
+                    f" on {len(index.layers)} layers, {len(index.shared_layers)} reuse their top-k"
+                    if index.shared_layers
+                    else ""
+                )
+                + f"; {' + '.join(index.operators)}",
             ),
         )
     if "kv_memory_bytes" in plan.memory:

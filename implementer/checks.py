@@ -254,7 +254,9 @@ def check_mla_module(
             continue
         fused = spec.cache_write is CacheWrite.FUSED
         indexed = spec.indexer is not None
-        problems.extend(mla_attention_facts(cls, classes, fused, indexed).problems)
+        shared = spec.indexer is not None and spec.indexer.shared_layers
+        facts = mla_attention_facts(cls, classes, fused, indexed, shared_layers=shared)
+        problems.extend(facts.problems)
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))
     return [c.name.value for c in attention]

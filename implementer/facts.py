@@ -171,6 +171,9 @@ class AttentionFacts:
     #: cast: a limit of the paged seam, which reads the query as it stands at the cache write
     #: (:meth:`seam_limits`); the MLA rewrite builds its query itself and checks its own
     query_changes: list[str] = field(default_factory=list)
+    #: names the seam defines and the code after the kernel reads (a limit in
+    #: ``fused_limits``, unless a rewrite keeps the statement that defines them)
+    seam_leaks: list[str] = field(default_factory=list)
 
     def seam_limits(self) -> list[str]:
         """What the paged seam replacing the kernel cannot keep: ``fused_limits``, and the
@@ -1040,10 +1043,16 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
         )
     facts.query_changes = _query_changes(seam, inside)
     if leaked:
-        facts.fused_limits.append(
-            f"{facts.name}.forward uses {sorted(leaked)} after attention, but they are defined "
-            "between the cache write and the attention call, which the rewrite replaces"
-        )
+        facts.seam_leaks = sorted(leaked)
+        facts.fused_limits.append(seam_leak_limit(facts.name, facts.seam_leaks))
+
+
+def seam_leak_limit(name: str, leaked: list[str]) -> str:
+    """The limit of a seam whose names LEAKED are read after the kernel."""
+    return (
+        f"{name}.forward uses {leaked} after attention, but they are defined "
+        "between the cache write and the attention call, which the rewrite replaces"
+    )
 
 
 __all__ = [
@@ -1073,4 +1082,5 @@ __all__ = [
     "partial_conversion",
     "query_change_limit",
     "seam_forward",
+    "seam_leak_limit",
 ]

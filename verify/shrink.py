@@ -85,7 +85,7 @@ def _per_layer_lists(
     return {
         key: value
         for key, value in config.items()
-        if ("layer" in key or key in PER_LAYER_MOE_KEYS)
+        if ("layer" in key or key in PER_LAYER_MOE_KEYS or key in PER_LAYER_KIND_KEYS)
         and isinstance(value, list)
         and value
         and len(value) == total
@@ -95,6 +95,10 @@ def _per_layer_lists(
 #: MoE sizes a config may give per layer instead of once (Hunyuan's ``moe_topk``,
 #: ``num_shared_expert`` and ``moe_intermediate_size`` lists)
 PER_LAYER_MOE_KEYS = ("moe_intermediate_size", "moe_topk", "num_shared_expert")
+#: per-layer kinds whose key does not say "layer": GLM-5's ``indexer_types`` ("full" layers
+#: run the DSA indexer, "shared" ones reuse the previous one's top-k), so a shrunk twin keeps
+#: a layer of each
+PER_LAYER_KIND_KEYS = ("indexer_types",)
 #: config keys holding the router's top-k (a scalar, or one value per layer)
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 

@@ -48,6 +48,7 @@ class MlaCommand(ClassRewriteCommand):
             self.classes,
             self.spec.cache_write is CacheWrite.FUSED,
             indexed=self.spec.indexer is not None,
+            shared_layers=self.spec.indexer is not None and self.spec.indexer.shared_layers,
         )
         assert not facts.problems, "the pipeline validates attention facts first"
         return facts
@@ -76,11 +77,18 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
             "scatter": self.spec.cache_write is CacheWrite.SCATTER,
             "indexer_attr": "",
             "indexer_key_cache": "",
+            "optional_entry": None,
         }
         entries = [("nope_cache", f"{cfg}.kv_lora_rank"), ("rope_cache", f"{cfg}.qk_rope_head_dim")]
         indexer = self.spec.indexer
         if indexer is not None:
-            entries.append((indexer.key_cache, f"{cfg}.index_head_dim"))
+            key_entry = (indexer.key_cache, f"{cfg}.index_head_dim")
+            if facts.indexer is not None and facts.indexer.shared_from is not None:
+                # a layer without an indexer module (it reuses another layer's top-k) has no
+                # indexer keys: the entry is declared only where the module exists
+                values["optional_entry"] = key_entry
+            else:
+                entries.append(key_entry)
             values["indexer_attr"] = facts.indexer.attr if facts.indexer else ""
             values["indexer_key_cache"] = indexer.key_cache
         init_stmts = statements("mla_init.py.j2", config, entries=entries, **values)

@@ -32,6 +32,7 @@ from kvskill.implementer.facts import (
     code,
     init_owner,
     seam_forward,
+    seam_leak_limit,
 )
 from kvskill.implementer.mla.indexer import IndexerCallFacts, indexer_call
 
@@ -106,7 +107,12 @@ def _positional(call: cst.Call, index: int) -> str:
 
 
 def mla_attention_facts(
-    cls: cst.ClassDef, classes: dict[str, cst.ClassDef], fused: bool, indexed: bool = False
+    cls: cst.ClassDef,
+    classes: dict[str, cst.ClassDef],
+    fused: bool,
+    indexed: bool = False,
+    *,
+    shared_layers: bool = False,
 ) -> MlaAttentionFacts:
     """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite.
 
@@ -148,7 +154,13 @@ def mla_attention_facts(
         facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
         facts.fused = _fused_facts(facts, forward, modules, classes)
-    _indexer_facts(facts, forward, modules, classes, indexed)
+    _indexer_facts(facts, forward, modules, classes, indexed, generic.seam_leaks)
+    if shared_layers and facts.indexer is not None and facts.indexer.shared_from is None:
+        facts.problems.append(
+            f"{facts.name}.forward: the Plan has layers that reuse another layer's top-k "
+            "('shared' indexer_types) but the forward runs its indexer on every layer "
+            f"(`{code(facts.indexer.statement).strip()}`)"
+        )
     return facts
 
 
@@ -158,6 +170,7 @@ def _indexer_facts(
     modules: dict[str, cst.Call],
     classes: dict[str, cst.ClassDef],
     indexed: bool,
+    generic_leaks: list[str],
 ) -> None:
     """The indexer call the DSA seam keeps; a dense rewrite must not drop one."""
     seam = facts.seam
@@ -179,6 +192,13 @@ def _indexer_facts(
         )
     else:
         facts.indexer = found
+    if found is not None and not isinstance(found, str) and found.target in generic_leaks:
+        # the paged seam keeps the indexer statement, so its top-k is bound after it (GLM-5's
+        # attention returns it for the next layer): only the other names leak
+        facts.problems.remove(seam_leak_limit(facts.name, generic_leaks))
+        rest = [n for n in generic_leaks if n != found.target]
+        if rest:
+            facts.problems.append(seam_leak_limit(facts.name, rest))
 
 
 def _decompressed_facts(

@@ -255,12 +255,17 @@ class IndexerCommand(ClassRewriteCommand):
 class IndexerCallFacts:
     """The attention's call of its indexer, in the seam."""
 
-    #: the call statement as the paged forward makes it (mask -> None, no cache argument)
+    #: the call statement as the paged forward makes it (mask -> None, no cache argument);
+    #: for a layer that may share, the whole ``if self.<indexer> is not None: ... else: ...``
+    #: with only the call paged
     statement: cst.BaseStatement
     #: the name bound to the top-k positions
     target: str
     #: the attention's attribute holding the indexer module
     attr: str
+    #: the parameter a layer without an indexer takes its top-k from (GLM-5's "shared" layers
+    #: reuse the previous indexed layer's), None when every layer runs its indexer
+    shared_from: str | None = None
 
 
 #: keyword arguments that carry the source's own cache object
@@ -273,7 +278,14 @@ def indexer_call(
     classes: dict[str, cst.ClassDef],
     forward: cst.FunctionDef,
 ) -> IndexerCallFacts | str | None:
-    """The seam's ``x = self.<indexer>(...)``, a reason it cannot be paged, or None."""
+    """The seam's ``x = self.<indexer>(...)``, a reason it cannot be paged, or None.
+
+    A layer that may have no indexer (``self.<indexer> = None if ... else Indexer(...)``)
+    calls it as ``if self.<indexer> is not None: x = self.<indexer>(...)``, and its ``else``
+    reuses a selection passed in: ``x = <parameter>``, after guards that only raise. That
+    ``if`` is kept whole, the call paged; the selection passed in is already in the paged
+    layout (the previous layer's converted indexer returned it).
+    """
     owners = {attr: code(call.func).split(".")[-1] for attr, call in modules.items()}
     indexers = {
         a for a, name in owners.items() if name in classes and is_indexer_class(classes[name])
@@ -286,14 +298,25 @@ def indexer_call(
     ]
     if not calls:
         return None
-    found = assigned_value(calls[0]) if len(calls) == 1 else None
+    if len(calls) == 1 and isinstance(calls[0], cst.If):
+        return _optional_indexer_call(calls[0], forward)
+    return _paged_call(calls[0], forward) if len(calls) == 1 else _not_one_call(len(calls))
+
+
+def _not_one_call(count: int) -> str:
+    return f"the indexer is called {count} times, or not as `x = self.<indexer>(...)`"
+
+
+def _paged_call(stmt: cst.BaseStatement, forward: cst.FunctionDef) -> IndexerCallFacts | str:
+    """``x = self.<indexer>(...)`` with the mask argument None and no cache argument."""
+    found = assigned_value(stmt)
     if found is None:
-        return f"the indexer is called {len(calls)} times, or not as `x = self.<indexer>(...)`"
+        return _not_one_call(1)
     target, call = found
-    stmt = cst.ensure_type(calls[0], cst.SimpleStatementLine)
-    assign = cst.ensure_type(stmt.body[0], cst.Assign)
+    line = cst.ensure_type(stmt, cst.SimpleStatementLine)
+    assign = cst.ensure_type(line.body[0], cst.Assign)
     if not isinstance(call, cst.Call):
-        return f"the indexer's result is not bound directly: {code(stmt)}"
+        return f"the indexer's result is not bound directly: {code(line)}"
     masks = {
         p.name.value for p in forward.params.params if "mask" in p.name.value
     }  # the causal mask: the paged indexer is causal through sparse_mode 3
@@ -307,6 +330,63 @@ def indexer_call(
     if args and args[-1] is not call.args[-1]:
         # the dropped last argument's comma (and the layout around it) closes the call
         args[-1] = args[-1].with_changes(comma=call.args[-1].comma)
-    paged = stmt.with_changes(body=[assign.with_changes(value=call.with_changes(args=args))])
+    paged = line.with_changes(body=[assign.with_changes(value=call.with_changes(args=args))])
     attr = cst.ensure_type(call.func, cst.Attribute).attr.value
     return IndexerCallFacts(statement=paged, target=target, attr=attr)
+
+
+def _optional_indexer_call(stmt: cst.If, forward: cst.FunctionDef) -> IndexerCallFacts | str:
+    """``if self.<indexer> is not None: x = self.<indexer>(...) else: <guards>; x = <param>``."""
+    shown = code(stmt.test)
+    test = m.Comparison(
+        left=m.Attribute(value=m.Name("self")),
+        comparisons=[m.ComparisonTarget(operator=m.IsNot(), comparator=m.Name("None"))],
+    )
+    if not m.matches(stmt.test, test):
+        return (
+            f"the indexer runs under `if {shown}:`; only `if self.<indexer> is not None:` is read"
+        )
+    body = list(cst.ensure_type(stmt.body, cst.IndentedBlock).body)
+    found = _paged_call(body[0], forward) if len(body) == 1 else _not_one_call(len(body))
+    if isinstance(found, str):
+        return found
+    where = f"`if {shown}:`"
+    if (
+        cst.ensure_type(cst.ensure_type(stmt.test, cst.Comparison).left, cst.Attribute).attr.value
+        != found.attr
+    ):
+        return f"{where} tests another attribute than the indexer `self.{found.attr}` it calls"
+    if not isinstance(stmt.orelse, cst.Else):
+        return f"{where} has no else: a layer without the indexer leaves `{found.target}` unbound"
+    other = list(cst.ensure_type(stmt.orelse.body, cst.IndentedBlock).body)
+    reused = assigned_value(other[-1]) if other else None
+    params = {p.name.value for p in forward.params.params}
+    if (
+        reused is None
+        or reused[0] != found.target
+        or not isinstance(reused[1], cst.Name)
+        or reused[1].value not in params
+    ):
+        return (
+            f"the else of {where} does not end with `{found.target} = <parameter>` (a selection "
+            "passed in from the previous layer)"
+        )
+    guards = other[:-1]
+    if any(not (isinstance(g, cst.If) and _only_raises(g)) for g in guards):
+        return f"the else of {where} does more than check and reuse the selection passed in"
+    paged = stmt.with_changes(body=stmt.body.with_changes(body=[found.statement]))
+    return IndexerCallFacts(
+        statement=paged,
+        target=found.target,
+        attr=found.attr,
+        shared_from=cst.ensure_type(reused[1], cst.Name).value,
+    )
+
+
+def _only_raises(guard: cst.If) -> bool:
+    body = list(cst.ensure_type(guard.body, cst.IndentedBlock).body)
+    return (
+        guard.orelse is None
+        and len(body) == 1
+        and m.matches(body[0], m.SimpleStatementLine(body=[m.Raise()]))
+    )

@@ -54,6 +54,8 @@ class IndexerSpec:
 
     key_cache: str
     topk: int
+    #: whether some layers reuse another layer's top-k and keep no key cache (GLM-5)
+    shared_layers: bool = False
 
 
 #: how the latent reaches the caches: the Plan's ``mla_cache_write`` (one enum for both)
@@ -101,7 +103,11 @@ class MlaSpec:
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
             pinned_state_dtypes=pinned_state_dtypes(plan),
             indexer=(
-                IndexerSpec(key_cache=plan.indexer.key_cache, topk=plan.indexer.topk)
+                IndexerSpec(
+                    key_cache=plan.indexer.key_cache,
+                    topk=plan.indexer.topk,
+                    shared_layers=bool(plan.indexer.shared_layers),
+                )
                 if plan.indexer is not None
                 else None
             ),

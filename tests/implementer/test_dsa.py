@@ -85,12 +85,6 @@ def test_dense_mla_plans_no_indexer():
     assert analyze_model("deepseek_v3").indexer is None
 
 
-def test_glm_shared_indexer_layers_are_refused_with_the_reason():
-    plan = analyze_model("glm_moe_dsa", config_overrides={"indexer_types": ["full", "shared"] * 39})
-    assert plan.indexer is None
-    assert any("'shared' layers" in b for b in plan.implementer_blockers)
-
-
 def test_apply_pages_the_indexer_and_attends_sparsely(converted):
     code = (converted / f"modeling_{MODEL}.py").read_text()
     assert ".update_indexer(k" not in code

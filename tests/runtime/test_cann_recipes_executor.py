@@ -33,7 +33,22 @@ from kvskill.verify.shrink import shrink_config
 ROOT = os.environ.get("KVSKILL_CANN_RECIPES")
 pytestmark = pytest.mark.skipif(not ROOT, reason="KVSKILL_CANN_RECIPES is not set")
 
-FAMILIES = ["qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "qwen3_next"]
+FAMILIES = [
+    "qwen3",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "qwen3_next",
+]
+#: config overrides per family: GLM-5's pattern of indexer ("full") and "shared" layers, which
+#: reuse the previous full layer's top-k (the shrunk twin keeps one of each)
+OVERRIDES = {
+    "glm_moe_dsa": {
+        "indexer_types": ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)]
+    }
+}
 PROMPTS = [[3, 17, 5, 9, 41, 2, 8], [11, 4, 30], [7, 7, 12, 25, 1, 9, 14, 33, 6, 2, 19]]
 NEW_TOKENS = 6
 BLOCK_SIZE = 16
@@ -184,7 +199,8 @@ def test_converted_model_runs_token_exact_in_the_real_executor(
     framework_root, model_type, tmp_path
 ):
     out = tmp_path / "out"
-    apply_model(model_type, out, ApplyOptions(target="cann-recipes"))
+    options = ApplyOptions(target="cann-recipes", config_overrides=OVERRIDES.get(model_type, {}))
+    apply_model(model_type, out, options)
     config = _tiny_config(out)
     reference, hf_config = _reference(model_type, config)
     expected = [_greedy_reference(reference, p) for p in PROMPTS]

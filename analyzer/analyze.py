@@ -75,7 +75,7 @@ from kvskill.analyzer.kv_sharing import (
 from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
-from kvskill.analyzer.mla_write import decide_mla_cache_write
+from kvskill.analyzer.mla_write import FUSED, decide_mla_cache_write
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
@@ -328,7 +328,11 @@ def plan_for_source(
     facts = _read_code_facts(source, code, read, layers.sharing, book)
     _add_checks(spec, code, design, facts, mode, layers.attn_types, attn_tp_size, block_size, book)
     rope = _cite_rope(source, code, spec, book)
-    cache_write = _mla_cache_write(source, book) if design.attention is AttentionKind.MLA else None
+    cache_write = (
+        _mla_cache_write(source, book, indexed=plannable_indexer(spec))
+        if design.attention is AttentionKind.MLA
+        else None
+    )
     return _assemble_plan(
         source=source,
         code=code,
@@ -752,11 +756,19 @@ def _assemble_plan(
     )
 
 
-def _mla_cache_write(source: ModelSource, book) -> str:
-    """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write)."""
+def _mla_cache_write(source: ModelSource, book, *, indexed: bool) -> str:
+    """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write).
+    INDEXED: a DSA model, whose sparse attention reads the latent as ND rows."""
     config_json = json.dumps(source.config, sort_keys=True, default=str)
     decision = _mla_write_cached(source.modeling_file or "", config_json)
-    book.cite("mla_cache_write", f"{decision.mode}: {decision.reason}", decision.source)
+    reason = decision.reason
+    if decision.mode == FUSED:
+        reason += (
+            ' with cache_mode="PA_BNSD" (ND rows: the sparse attention reads PA_BSND)'
+            if indexed
+            else ' with cache_mode="PA_NZ"'
+        )
+    book.cite("mla_cache_write", f"{decision.mode}: {reason}", decision.source)
     return decision.mode
 
 

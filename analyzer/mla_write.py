@@ -138,7 +138,7 @@ def decide_mla_cache_write(source: str, config: dict[str, Any], file_name: str) 
         reason=f"the latent is RMSNorm-ed by self.{norm} and the rope key is rotated by "
         f"`{_code(call.func)}`{branch} (interleaved pairs in, rotate-half order out, cos/sin "
         "tables), exactly what npu_kv_rmsnorm_rope_cache computes; the raw down-projection "
-        'is written through it with cache_mode="PA_NZ"',
+        "is written through it",
         source=where(call),
     )
 

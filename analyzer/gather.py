@@ -103,7 +103,8 @@ def classify_call(call: cst.Call) -> tuple[CallKind, str, str] | None:
     if callee == "update" and is_cache_receiver(receiver) and len(call.args) >= 3:
         # Cache.update(key_states, value_states, layer_idx, ...): dict.update takes one arg
         return CallKind.CACHE_UPDATE, callee, receiver
-    if callee in FA_OPS:
+    if callee in FA_OPS or callee == SPARSE_FA_OP:
+        # a converted DSA attention reads its paged caches with the sparse fused attention
         return CallKind.FA_CALL, callee, receiver
     if callee in CACHE_WRITE_OPS:
         return CallKind.CACHE_WRITE, callee, receiver
@@ -165,7 +166,9 @@ SOFTMAX_CALL = m.Call(func=m.Name("softmax") | m.Attribute(attr=m.Name("softmax"
 FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
 #: the DSA operators read paged caches too: the indexer its keys, the sparse attention the
 #: latent and rope caches at the indexer's top-k
-SPARSE_READ_OPS = ("npu_sparse_flash_attention", "npu_lightning_indexer")
+#: the fused attention over an indexer's selection (DeepSeek-V3.2's DSA)
+SPARSE_FA_OP = "npu_sparse_flash_attention"
+SPARSE_READ_OPS = (SPARSE_FA_OP, "npu_lightning_indexer")
 SPARSE_READ_CALL = m.Call(func=m.Attribute(attr=_names(*SPARSE_READ_OPS)))
 #: the Legacy read: a request's static rows handed to the model's own attention function
 LEGACY_READ_CALL = m.Call(func=m.Name("legacy_attention_inputs"))

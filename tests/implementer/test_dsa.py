@@ -100,6 +100,14 @@ def test_apply_pages_the_indexer_and_attends_sparsely(converted):
     assert "self.indexer.key_cache = tensor" in code
 
 
+def test_applying_to_a_conversion_writes_it_again_unchanged(converted, tmp_path):
+    # the converted attention reads its caches with the sparse fused attention: analyze
+    # must still find it, and apply must see it as converted
+    apply_model(str(converted), tmp_path / "again", ApplyOptions(deploy_mode="framework"))
+    name = f"modeling_{MODEL}.py"
+    assert (tmp_path / "again" / name).read_text() == (converted / name).read_text()
+
+
 def _spec(overrides: dict | None = None) -> MlaSpec:
     return MlaSpec.from_plan(analyze_model(MODEL, config_overrides=overrides or {}))
 

@@ -5,11 +5,11 @@ whose pages the kernel hands out zeroed when they are first touched. A pool ther
 time and resident memory only for the pages a run writes: ``torch.zeros`` of the 2.35 GiB
 pool a 4-layer Jamba got for 262,144-token requests took 8.0 s (5.5 s of it system time,
 faulting in and clearing every page) before the first token; the mapping takes microseconds.
-The pools do not rely on the zeros either: attention reads a key only below its request's
-length and a state row only after its first write (``has_initial_state``), so rows never
-written may hold anything (``tests/runtime/test_unwritten_pool_rows.py`` fills them with NaN
-and gets the same tokens), as the framework's executor allocates its caches with
-``torch.empty``.
+The zeros matter in one place: the null block (block 0 of every pool). A sliding-window
+request's table keeps the blocks that left its window pointing at it, and attention reads
+those positions and masks them afterwards, so a NaN there would reach the output (0 x NaN).
+Every other row is written before it is read (``tests/runtime/test_unwritten_pool_rows.py``
+and the state-model tests fill them with NaN and get the same tokens).
 
 Why: decode attention walks every request's blocks, scattered over a pool of tens to
 hundreds of MB, one head's rows at a time; with 4 KiB pages nearly every row is another page

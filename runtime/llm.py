@@ -65,7 +65,8 @@ class LLM:
     computed stays in the pool under a hash of its tokens and of all tokens before it, until
     the block is needed for something else (least recently freed first); a new request with
     the same leading tokens shares those blocks and prefills only the rest. Greedy outputs
-    are the same with it on or off. A model with a recurrent-state group (Mamba, gated delta
+    are the same with it on or off (bit for bit in an exact run; the fast paths' kernels may
+    sum in another order for another batch shape). A model with a recurrent-state group (Mamba, gated delta
     nets) keeps it off: ``prefix_caching_disabled_reason`` says why.
 
     Fast by default, exact on request (``runtime/fast_paths.py``): where this machine and

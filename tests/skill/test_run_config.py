@@ -114,6 +114,12 @@ def test_the_report_names_each_fast_path_and_exact_names_none(capsys, toy_dir):
     assert code == 0
     report = json.loads(out)
     assert report["exact"] is False
+    # the toy's config names no dtype: analyze sizes it at bfloat16, this run at float32
+    assert report["kv_budget"]["dtype"] == {
+        "pool": ["float32"],
+        "run": "float32",
+        "model": "bfloat16",
+    }
     assert set(report["fast_paths"]) == {"prepack_linear", "fuse_layers", "screen_output_head"}
     screen = report["fast_paths"]["screen_output_head"]
     assert (screen["on"], screen["reason"]) == (
@@ -124,7 +130,10 @@ def test_the_report_names_each_fast_path_and_exact_names_none(capsys, toy_dir):
     assert code == 0
     assert "screened head            off: screen_output_head=False" in out
     # the pool's dtype and the model's (what analyze sizes at) are named beside the budget
-    assert "sized at float32 (--dtype float32)" in out
+    assert (
+        "sized at float32 (--dtype float32); analyze sizes at the model's bfloat16: "
+        "`kvskill run --dtype bfloat16` allocates its block counts"
+    ) in out
 
     code, out = run_cli(capsys, *common, "--exact")
     assert code == 0

@@ -19,11 +19,15 @@ with the reason. True requires it: what would leave it off is a ``BadInputError`
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from kvskill.core.errors import BadInputError
 from kvskill.runtime.engine_config import EngineConfig
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvskill.runtime.screened_head import ScreenedHead
 
 #: the EngineConfig fields of the fast paths, in the order they are applied
 FAST_PATH_NAMES = ("prepack_linear", "fuse_layers", "screen_output_head")
@@ -51,7 +55,7 @@ class FastPaths:
 
     paths: tuple[FastPath, ...]
     #: the output head's screen (None unless screen_output_head is on)
-    screen: object | None = None
+    screen: ScreenedHead | None = None
 
     def get(self, name: str) -> FastPath:
         (path,) = [p for p in self.paths if p.name == name]
@@ -120,7 +124,7 @@ def _off_by_model(model: nn.Module) -> str | None:
     return None
 
 
-def _switch(name: str, model: nn.Module) -> tuple[int, object | None, str | None]:
+def _switch(name: str, model: nn.Module) -> tuple[int, ScreenedHead | None, str | None]:
     """Apply one path: (modules covered, the head's screen, why it covers nothing)."""
     if name == "prepack_linear":
         from kvskill.runtime.prepacked_linear import prepack_linears

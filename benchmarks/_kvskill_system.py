@@ -124,9 +124,10 @@ class KvskillRuntime:
         *,
         kv_capacity_tokens: int,
         enable_prefix_caching: bool = True,
-        prepack_linear: bool = False,
-        fuse_layers: bool = False,
-        screen_output_head: bool = False,
+        exact: bool = False,
+        prepack_linear: bool | None = None,
+        fuse_layers: bool | None = None,
+        screen_output_head: bool | None = None,
     ):
         from kvskill.runtime import LLM, EngineConfig
         from kvskill.runtime.loader import load_model
@@ -145,6 +146,7 @@ class KvskillRuntime:
             max_num_batched_tokens=TOKEN_BUDGET,
             max_num_seqs=256,
             enable_prefix_caching=enable_prefix_caching,
+            exact=exact,
             prepack_linear=prepack_linear,
             fuse_layers=fuse_layers,
             screen_output_head=screen_output_head,

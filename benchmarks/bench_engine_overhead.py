@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_num_seqs=batch,
                     max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
                     free_block_order_seed=0,
+                    exact=True,  # the host overhead around the model's own code, as recorded
                 )
                 llm = LLM(model_dir, config)
                 row = {"model": name, **measure(llm, batch, args.steps, seed=batch)}

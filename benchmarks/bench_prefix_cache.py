@@ -66,6 +66,7 @@ def build_llm(spec, reference, *, enable_prefix_caching: bool, capacity_tokens: 
         max_num_batched_tokens=TOKEN_BUDGET,
         max_num_seqs=256,
         enable_prefix_caching=enable_prefix_caching,
+        exact=True,  # the prefix cache's saving on the model's own code, as recorded
     )
     return LLM(loaded.model, config)
 

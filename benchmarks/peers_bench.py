@@ -4,9 +4,10 @@ Every system loads one checkpoint per model, saved once by this script from the 
 random-weight reference (`~/.cache/kvskill-bench/checkpoints/`), gets token ids (no
 tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
 
-- `kvskill`: the runtime (`LLM`, paged KV, prefix caching on); on W5 also `kvskill_nopc`
-  (prefix caching off);
-- `kvskill_prepack`: the same with `prepack_linear=True` (oneDNN linear layers with weights
+- `kvskill`: the runtime as a user gets it (`LLM`, paged KV, prefix caching on, the fast
+  paths this machine allows); on W5 also `kvskill_nopc` (prefix caching off);
+- `kvskill_exact`: `exact=True` (the model's own code bit for bit, no fast path);
+- `kvskill_prepack`: only `prepack_linear=True` (oneDNN linear layers with weights
   reordered at load time, not bit-exact against the default MKL path);
 - `kvskill_fused`: `prepack_linear=True` and `fuse_layers=True` (RMSNorm and SiLU x up in
   one-pass compiled kernels, within fp32 rounding of the default path);
@@ -73,14 +74,17 @@ ALL_MODELS = {**MODELS, **PEER_ONLY_MODELS}
 VLLM_BLOCK_SIZE = 32
 PEER_MODELS = ("qwen3-4l-h256", "qwen3-0.6b-8l")
 PEER_WORKLOADS = ("W1", "W2", "W5")
+#: every fast path off, for the systems that turn on some of them only
+_OFF = {"prepack_linear": False, "fuse_layers": False, "screen_output_head": False}
 _FAST = {"prepack_linear": True, "fuse_layers": True}
 _SCREEN = {**_FAST, "screen_output_head": True}
 #: kvskill's systems: the runtime's options each one runs with
 KVSKILL_OPTIONS = {
     "kvskill": {},
     "kvskill_nopc": {"enable_prefix_caching": False},
-    "kvskill_prepack": {"prepack_linear": True},
-    "kvskill_fused": _FAST,
+    "kvskill_exact": {"exact": True},
+    "kvskill_prepack": {**_OFF, "prepack_linear": True},
+    "kvskill_fused": {**_OFF, **_FAST},
     "kvskill_screen": _SCREEN,
     "kvskill_screen_nopc": {**_SCREEN, "enable_prefix_caching": False},
 }

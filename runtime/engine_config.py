@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     import torch
     from kvskill.runtime.ops.reference.npu_profile import NpuProfile
 
-#: settings that change what one process computes; tensor-parallel ranks would combine
-#: results computed two different ways
+#: the fast paths (``runtime/fast_paths.py``): each changes what one process computes, so
+#: tensor-parallel ranks would combine results computed two different ways, and each sums in
+#: another order than the model's own code, so none runs in an exact run
 _ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head")
 
 
@@ -86,12 +87,18 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     #: torch.distributed backend of the ranks ("auto", "gloo", "hccl", "nccl"); default "auto"
     tp_backend: str = "auto"
-    #: run fp32 CPU linear layers through oneDNN with prepacked weights; default False
-    prepack_linear: bool = False
-    #: run fp32 RMSNorm / gated MLP / rope through one-pass CPU kernels; default False
-    fuse_layers: bool = False
-    #: find greedy tokens from a bf16 pass over the output head first; default False
-    screen_output_head: bool = False
+    #: the model's own code bit for bit, every fast path below off (``--exact``; verify's
+    #: runs); default False
+    exact: bool = False
+    #: run fp32 CPU linear layers through oneDNN with prepacked weights; default None = on
+    #: where this machine and model allow it (off in an exact run), False off, True required
+    prepack_linear: bool | None = None
+    #: run fp32 RMSNorm / gated MLP / rope through one-pass CPU kernels; default None, as
+    #: prepack_linear
+    fuse_layers: bool | None = None
+    #: find greedy tokens from a bf16 pass over the output head first; default None, as
+    #: prepack_linear (needs a CPU with native bf16)
+    screen_output_head: bool | None = None
     #: move the pre-model heap out of the garbage collector's sight (once per process);
     #: default True
     freeze_startup_heap: bool = True
@@ -105,13 +112,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if self.tensor_parallel_size != 1:
-            for name in _ONE_PROCESS_ONLY:
-                if getattr(self, name):
-                    raise BadInputError(
-                        f"{name} runs in one process; it cannot be combined with "
-                        f"tensor_parallel_size={self.tensor_parallel_size}"
-                    )
+        for name in _ONE_PROCESS_ONLY:
+            if getattr(self, name) is not True:
+                continue
+            if self.exact:
+                raise BadInputError(
+                    f"{name}=True is a fast path, not bit-exact; it cannot be combined with "
+                    "exact=True (--exact)"
+                )
+            if self.tensor_parallel_size != 1:
+                raise BadInputError(
+                    f"{name} runs in one process; it cannot be combined with "
+                    f"tensor_parallel_size={self.tensor_parallel_size}"
+                )
 
     @property
     def dtype_name(self) -> str:

@@ -32,6 +32,7 @@ import sys
 import types
 
 import torch
+from kvskill.runtime.exact_steps import in_exact_steps
 from kvskill.runtime.ops.cpu_kernels import fused_elementwise
 from torch import Tensor, nn
 
@@ -124,7 +125,7 @@ def _fused_rope(own):
     fp32 [1, H, T, D] query and key with [1, T, D] angles and no other arguments."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not args and (not kwargs or kwargs == {"unsqueeze_dim": 1}):
+        if not args and (not kwargs or kwargs == {"unsqueeze_dim": 1}) and not in_exact_steps():
             q_out = fused_elementwise.rope(q, cos, sin)
             k_out = fused_elementwise.rope(k, cos, sin) if q_out is not None else None
             if k_out is not None:
@@ -184,11 +185,15 @@ def _agrees(module: nn.Module, fused, width: int, generator: torch.Generator) ->
 
 
 def _fused_rms_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
+    if in_exact_steps():
+        return self._kvskill_own_forward(hidden_states)
     out = fused_elementwise.rms_norm(hidden_states, self.weight, _eps(self))
     return self._kvskill_own_forward(hidden_states) if out is None else out
 
 
 def _fused_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+    if in_exact_steps():
+        return self._kvskill_own_forward(x)
     gate, up = _gate_and_up(self, x)
     hidden = fused_elementwise.silu_mul(gate, up)
     if hidden is None:

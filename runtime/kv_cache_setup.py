@@ -201,12 +201,15 @@ def default_kv_budget(
 
     model_len = max_model_len or DEFAULT_BUDGET_MODEL_LEN
     wanted = 0
+    #: block size -> blocks one request of model_len tokens takes (rounded up to whole blocks)
+    rounded: dict[int, int] = {}
     for group in build_groups(info).values():
         fixed = calculate_fixed_block_num(
             group, max_num_seqs, max_num_batched_tokens, FIXED_BLOCK_ATTN_TYPES
         )
         if fixed is None:
-            blocks = max_num_seqs * -(-model_len // group.block_size) + NULL_BLOCKS_PER_POOL
+            rounded[group.block_size] = -(-model_len // group.block_size)
+            blocks = max_num_seqs * rounded[group.block_size] + NULL_BLOCKS_PER_POOL
             wanted += blocks * group.bytes_per_block()
         else:
             wanted += fixed * group.bytes_per_block()
@@ -217,6 +220,9 @@ def default_kv_budget(
         caps.append((share, f"{DEFAULT_KV_MEMORY_FRACTION:.0%} of {format_bytes(total)} total"))
     cap, cap_reason = min(caps)
     need = f"{max_num_seqs} requests x {model_len} tokens"
+    if rounded:
+        per_request = ", ".join(f"{n} block(s) of {size}" for size, n in sorted(rounded.items()))
+        need += f" ({per_request} each)"
     if wanted <= cap:
         reason = f"default: {need} need {format_bytes(wanted)} (under {cap_reason})"
     else:

@@ -17,6 +17,8 @@ from kvskill.core.errors import BadInputError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.engine_config import EngineConfig
+from kvskill.runtime.exact_steps import exact_steps
+from kvskill.runtime.fast_paths import FastPaths, switch_on_fast_paths
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache
 from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
 from kvskill.runtime.masks import get_init_attn_mask
@@ -63,19 +65,21 @@ class LLM:
     computed stays in the pool under a hash of its tokens and of all tokens before it, until
     the block is needed for something else (least recently freed first); a new request with
     the same leading tokens shares those blocks and prefills only the rest. Greedy outputs
-    are the same with it on or off. A model with a recurrent-state group (Mamba, gated delta
+    are the same with it on or off (bit for bit in an exact run; the fast paths' kernels may
+    sum in another order for another batch shape). A model with a recurrent-state group (Mamba, gated delta
     nets) keeps it off: ``prefix_caching_disabled_reason`` says why.
 
-    ``prepack_linear=True`` runs the fp32 linear layers through oneDNN with weights reordered
-    once, q/k/v and gate/up packed as one weight each (``runtime/prepacked_linear.py``): 2-3x
-    faster than MKL on the CPU measured, but not bit-exact against the default path, so off by
-    default. ``fuse_layers=True`` runs the fp32 RMSNorm and gated-MLP (SiLU x up) modules
-    through one-pass compiled kernels (``runtime/fused_layers.py``), each module switched only
-    when it agrees with its own forward on a probe input; also within fp32 rounding, not
-    bit-exact, so also off by default. ``screen_output_head=True`` finds a greedy step's
-    tokens from a bf16 pass over the output head and fp32 logits of the few tokens that pass
-    could not rule out (``runtime/screened_head.py``): each token is the exact argmax of fp32
-    dot products, by a proven rounding bound; off by default for the same last-bits reason.
+    Fast by default, exact on request (``runtime/fast_paths.py``): where this machine and
+    model allow them, the fp32 linear layers run through oneDNN with weights reordered once
+    (``prepack_linear``: 2-3x faster than MKL on the CPU measured), the RMSNorm, gated-MLP and
+    rotary-embedding code through one-pass compiled kernels (``fuse_layers``, each module
+    only when it agrees with its own forward on a probe input), and greedy steps find their
+    tokens from a bf16 pass over the output head (``screen_output_head``, CPUs with native
+    bf16; each token the exact argmax of fp32 dot products, by a proven rounding bound).
+    Each sums in another order than the model's own code, so logits differ in the last bits
+    and a greedy token can flip where two logits tie that closely. ``exact=True`` turns them
+    all off: the model's own code, bit for bit (what ``verify`` runs); ``fast_paths`` says
+    which ran and why any did not.
 
     ``mix_decode_with_prefill=True`` (with chunked prefill): a step that computes prompt
     tokens also feeds every decoding request its next token, out of the same token budget, so
@@ -123,11 +127,13 @@ class LLM:
         self.npu_profile = npu_profile
         #: rank 0's handle on the tensor-parallel ranks (None in one process)
         self.tensor_parallel = None
-        #: fp32 CPU linear layers run through oneDNN (0 unless prepack_linear)
+        #: which fast paths run, and why any does not (``runtime/fast_paths.py``)
+        self.fast_paths: FastPaths | None = None
+        #: fp32 CPU linear layers run through oneDNN (0 when prepack_linear is off)
         self.num_prepacked_linears = 0
-        #: RMSNorm and gated-MLP modules on the fused kernels (0 unless fuse_layers)
+        #: RMSNorm, gated-MLP and rope-calling modules on the fused kernels (0 when off)
         self.num_fused_layers = 0
-        #: the output head's bf16 screen for greedy steps (None unless screen_output_head)
+        #: the output head's bf16 screen for greedy steps (None when screen_output_head is off)
         self.output_head_screen = None
         if config.tensor_parallel_size != 1:
             from kvskill.runtime.distributed.start import start_tensor_parallel
@@ -158,24 +164,10 @@ class LLM:
             )
         else:
             self.model, self.config, self.model_dir = _acquire_model(model, config)
-        if config.prepack_linear:
-            # Opt-in and not bit-exact against the default MKL path (see prepacked_linear).
-            from kvskill.runtime.prepacked_linear import prepack_linears
-
-            self.num_prepacked_linears = prepack_linears(self.model)
-        if config.fuse_layers:
-            # After prepacking: a gated MLP then reads gate and up from their one GEMM.
-            from kvskill.runtime.fused_layers import fuse_layers as fuse
-
-            self.num_fused_layers = fuse(self.model)
-        if config.screen_output_head:
-            # Last: the screen falls back to whatever forward the head has by now.
-            from kvskill.runtime.screened_head import screen_output_head as screen
-
-            try:
-                self.output_head_screen = screen(self.model)
-            except RuntimeError as error:
-                raise BadInputError(str(error)) from None
+        self.fast_paths = switch_on_fast_paths(self.model, config)
+        self.num_prepacked_linears = self.fast_paths.get("prepack_linear").count
+        self.num_fused_layers = self.fast_paths.get("fuse_layers").count
+        self.output_head_screen = self.fast_paths.screen
         #: the decoder's config: a vision-language model keeps vocab, positions and EOS there
         self.text_config = _text_config(self.config)
         param = next(self.model.parameters(), None)
@@ -354,7 +346,7 @@ class LLM:
         while engine.has_unfinished_requests():
             # NOTE: set around each step, never across a yield: the caller's context between
             # steps stays its own
-            with use_npu_profile(self.npu_profile):
+            with use_npu_profile(self.npu_profile), exact_steps(self.engine_config.exact):
                 outputs = engine.step()
             yield outputs
 

@@ -154,6 +154,8 @@ class VerifyReport:
             "rtol": self.rtol,
             "block_size": self.block_size,
             "kv_layout": self.kv_layout,
+            #: the runtime ran exact: the fast paths (kvskill run's default) are never judged
+            "runtime_exact": True,
             "tokens_identical": self.tokens_identical,
             "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
             "prompts": [

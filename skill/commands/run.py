@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from kvskill.commands.run_options import (
     device_option,
+    exact_option,
     fuse_layers_option,
     kv_memory_option,
     max_model_len_option,
@@ -69,6 +70,11 @@ Every step's operator calls are checked against the NPU's limits (block sizes, h
 dtypes in float16/bfloat16) unless --cpu-only-shapes; the report says what was checked.
 
 \b
+Fast by default: prepacked linears, fused layers and the screened output head run where this
+machine and model allow them (the report names each, and why any is off); --exact runs the
+model's own code bit for bit.
+
+\b
 Exit codes: 0 success, 1 an operator call the NPU refuses, 2 bad input (e.g. a block
 size the NPU does not take), 3 unsupported model.
 """
@@ -92,6 +98,7 @@ def parse_size(text: str) -> int:
 @max_num_batched_tokens_option
 @max_num_seqs_option
 @prefix_caching_option
+@exact_option
 @prepack_linear_option
 @fuse_layers_option
 @screen_output_head_option
@@ -175,6 +182,7 @@ def engine_config_from_options(
         max_num_seqs=options["max_num_seqs"],
         tensor_parallel_size=tensor_parallel_size,
         tp_backend=options["tp_backend"],
+        exact=options["exact"],
         prepack_linear=options["prepack_linear"],
         fuse_layers=options["fuse_layers"],
         screen_output_head=options["screen_output_head"],

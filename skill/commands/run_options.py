@@ -46,31 +46,41 @@ prefix_caching_option = click.option(
     "requests, evicted least recently used). Off by itself for models with state layers.",
 )
 
-prepack_linear_option = click.option(
-    "--prepack-linear",
+exact_option = click.option(
+    "--exact",
     is_flag=True,
+    help="Run the model's own code bit for bit: every fast path below off (what verify runs). "
+    "Without it, each fast path runs where this machine and model allow it and the report "
+    "says why any did not.",
+)
+
+#: NOTE: the fast paths' flags default to None ("auto": on where they can run, off with the
+#: reason where not, off with --exact or --tp); the flag requires one, --no-... turns it off
+prepack_linear_option = click.option(
+    "--prepack-linear/--no-prepack-linear",
+    default=None,
     help="Run fp32 linear layers on the CPU through oneDNN with weights reordered once (q/k/v "
-    "and gate/up as one weight each): about 2x faster than the default MKL path on the CPUs "
-    "measured, but not bit-exact against it. One process only (not with --tp).",
+    "and gate/up as one weight each): about 2x faster than MKL on the CPUs measured, not "
+    "bit-exact against it. Default: on where it can run, except with --exact or --tp.",
 )
 
 fuse_layers_option = click.option(
-    "--fuse-layers",
-    is_flag=True,
+    "--fuse-layers/--no-fuse-layers",
+    default=None,
     help="Run fp32 RMSNorm and gated-MLP (SiLU x up) modules and the rotary embedding on the "
     "CPU through one-pass compiled kernels, each only if it agrees with the model's own code "
-    "on a probe input. "
-    "Within fp32 rounding of the default path, not bit-exact. Best with --prepack-linear. One "
-    "process only (not with --tp).",
+    "on a probe input; within fp32 rounding, not bit-exact. Default: on where it can run, "
+    "except with --exact or --tp.",
 )
 
 screen_output_head_option = click.option(
-    "--screen-output-head",
-    is_flag=True,
+    "--screen-output-head/--no-screen-output-head",
+    default=None,
     help="On greedy steps, read the fp32 output head in bf16 first (oneDNN, CPUs with "
     "AVX512-BF16 or AMX) and compute fp32 logits only for the tokens a proven rounding bound "
     "cannot rule out: each token is the exact argmax of fp32 dot products, in another "
-    "summation order than the default head, so not bit-exact. One process only (not with --tp).",
+    "summation order than the plain head, so not bit-exact. Default: on where the CPU has "
+    "native bf16, except with --exact or --tp.",
 )
 
 device_option = click.option(

@@ -51,6 +51,7 @@ def run_report(llm, outputs, *, wall_s: float, directory: Path, sizing_note: str
 
     report = _report(llm, outputs, wall_s, directory, backend().name)
     report["kv_budget"]["workload"] = sizing_note
+    report["kv_budget"]["dtype"] = _pool_dtype(llm)
     report["cpu_decode_kernel"] = _cpu_decode_kernel(report["ops_backend"])
     report["npu_limits"] = profile_report(
         llm.npu_profile, dtype=llm.engine_config.dtype_name, twin=False
@@ -78,6 +79,33 @@ def engine_config_line(engine_config: dict) -> str:
         f"{name}={value}" for name, value in engine_config.items() if value != default.get(name)
     ]
     return ", ".join(changed) if changed else "the defaults (EngineConfig())"
+
+
+#: the dtype analyze sizes a model at when its config names none (``analyzer/config.py``)
+ANALYZE_DEFAULT_DTYPE = "bfloat16"
+
+
+def _pool_dtype(llm) -> dict:
+    """The dtypes the pool was sized at, the run's --dtype, and the model's (what analyze
+    sizes at: the config's dtype, else bfloat16), so the two verbs' block counts can be told
+    apart."""
+    pool = sorted(
+        {str(entry.dtype).removeprefix("torch.") for _, entry in llm.cache_info.entries()}
+    )
+    config = llm.text_config
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    model = str(named).removeprefix("torch.") if named else ANALYZE_DEFAULT_DTYPE
+    return {"pool": pool, "run": llm.engine_config.dtype_name, "model": model}
+
+
+def _pool_dtype_line(dtype: dict) -> str:
+    line = f"sized at {', '.join(dtype['pool'])} (--dtype {dtype['run']})"
+    if dtype["model"] != dtype["run"]:
+        line += (
+            f"; analyze sizes at the model's {dtype['model']}: `kvskill run --dtype "
+            f"{dtype['model']}` allocates its block counts"
+        )
+    return line
 
 
 def _cpu_decode_kernel(ops_backend: str) -> dict | None:
@@ -137,12 +165,15 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         },
         "kv_cache": kv,
         "prefix_cache": _prefix_cache_report(llm),
-        #: fp32 CPU linear layers run through oneDNN (--prepack-linear; 0 = the default path)
+        #: exact run (--exact) or fast paths; each path on or off, and why it is off
+        "exact": llm.engine_config.exact,
+        "fast_paths": llm.fast_paths.to_dict() if llm.fast_paths is not None else {},
+        #: fp32 CPU linear layers run through oneDNN (prepack_linear; 0 = off)
         "prepacked_linear_layers": llm.num_prepacked_linears,
         #: RMSNorm and gated-MLP modules, and attention modules whose rotary embedding runs on
-        #: the fused kernels (--fuse-layers; 0 = default)
+        #: the fused kernels (fuse_layers; 0 = off)
         "fused_layers": llm.num_fused_layers,
-        #: rows of greedy steps decided by the output head's bf16 screen (--screen-output-head;
+        #: rows of greedy steps decided by the output head's bf16 screen (screen_output_head;
         #: None = off)
         "output_head_screen": (
             None if llm.output_head_screen is None else llm.output_head_screen.stats.to_dict()
@@ -163,6 +194,37 @@ def _prefix_cache_report(llm) -> dict:
         "hit_rate": stats.prefix_cache_hit_rate,
         "cached_blocks": stats.num_cached_blocks,
     }
+
+
+#: the table's name of each fast path, and what its count counts
+_FAST_PATH_ROWS = {
+    "prepack_linear": ("prepacked linears", "{count} layers (oneDNN)"),
+    "fuse_layers": ("fused layers", "{count} modules (RMSNorm, SiLU x up, rope)"),
+    "screen_output_head": ("screened head", "bf16 screen of the output head"),
+}
+
+
+def _fast_path_rows(report: dict) -> list[tuple[str, str]]:
+    """One row for an exact run; else one row per fast path: on with what it covered, or off
+    with the reason."""
+    if report["exact"]:
+        return [("compute", "exact (--exact): the model's own code bit for bit, no fast path")]
+    rows = []
+    screen = report.get("output_head_screen")
+    for name, path in report["fast_paths"].items():
+        title, covered = _FAST_PATH_ROWS[name]
+        if not path["on"]:
+            rows.append((title, f"off: {path['reason']}"))
+            continue
+        line = "on: " + covered.format(count=path["count"])
+        if name == "screen_output_head" and screen is not None:
+            line += (
+                f"; {screen['num_screened_rows']} rows screened, "
+                f"{screen['candidates_per_row']:.1f} fp32 candidates a row, "
+                f"{screen['num_fallback_rows']} rows on the plain head"
+            )
+        rows.append((title, line))
+    return rows
 
 
 def _prefix_cache_line(prefix: dict) -> str:
@@ -214,22 +276,11 @@ def render_table(report: dict) -> str:
     rows.append(("KV budget", report["kv_budget"]["reason"]))
     if report["kv_budget"].get("workload"):
         rows.append(("", report["kv_budget"]["workload"]))
+    if report["kv_budget"].get("dtype"):
+        rows.append(("", _pool_dtype_line(report["kv_budget"]["dtype"])))
     rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
-    if report.get("prepacked_linear_layers"):
-        rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
-    if report.get("fused_layers"):
-        rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up, rope)"))
-    screen = report.get("output_head_screen")
-    if screen is not None:
-        rows.append(
-            (
-                "output head screen",
-                f"{screen['num_screened_rows']} rows screened in bf16, "
-                f"{screen['candidates_per_row']:.1f} fp32 candidates a row, "
-                f"{screen['num_fallback_rows']} rows on the plain head",
-            )
-        )
+    rows.extend(_fast_path_rows(report))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))

@@ -39,6 +39,7 @@ def hf_tokens(model) -> list[list[int]]:
 
 def kvskill_tokens(directory) -> list[list[int]]:
     """The converted directory in the bundled runtime, all prompts batched."""
-    llm = LLM(directory, num_blocks=16, block_size=8)
+    # exact: compared with transformers' tokens
+    llm = LLM(directory, exact=True, num_blocks=16, block_size=8)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outputs]

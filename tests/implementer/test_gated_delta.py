@@ -166,7 +166,8 @@ def small_qwen3_next(tmp_path_factory):
 def _llm(directory, **options):
     from kvskill.runtime import LLM
 
-    return LLM(directory, random_weights=True, seed=3, block_size=4, **options)
+    # exact: the tests compare tokens with transformers' or across batchings, bit for bit
+    return LLM(directory, exact=True, random_weights=True, seed=3, block_size=4, **options)
 
 
 def _tokens(llm, prompts) -> list[list[int]]:
@@ -276,3 +277,18 @@ def test_prefix_caching_is_off_for_state_layers_with_the_reason_in_the_run_repor
     assert "snapshot of the whole prefix" in out
     # the state entry points say which backend ran them (the reference here: no NPU)
     assert "state ops" in out and "causal_conv1d_fn -> reference (the operator backend" in out
+
+
+def test_no_state_or_attention_row_is_read_before_it_is_written(small_qwen3_next):
+    from kvskill.runtime import SamplingParams
+    from unwritten_rows import clean_and_poisoned_tokens
+
+    # NaN in every block but the null block of the one page pool the gated delta states and
+    # the attention share: a first step reading its state row before writing it would carry
+    # the NaN into every token
+    clean, poisoned = clean_and_poisoned_tokens(
+        lambda: _llm(small_qwen3_next, num_blocks=64, use_hybrid_blocks=True),
+        _prompts()[:3],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    )
+    assert poisoned == clean

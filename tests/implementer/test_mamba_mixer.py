@@ -113,7 +113,8 @@ def small_jamba(tmp_path_factory):
 def _llm(directory, **options):
     from kvskill.runtime import LLM
 
-    return LLM(directory, random_weights=True, seed=3, block_size=4, **options)
+    # exact: the tests compare tokens with transformers' or across batchings, bit for bit
+    return LLM(directory, exact=True, random_weights=True, seed=3, block_size=4, **options)
 
 
 def _prompts() -> list[list[int]]:
@@ -216,3 +217,42 @@ def test_a_mamba1_ssm_state_is_pinned_when_the_config_pins_it():
         (line,) = [ln.strip() for ln in code.splitlines() if "self.pinned_cache_dtypes =" in ln]
         want = pinned if pinned == "{}" else f'{{"ssm_state": {pinned}}}'
         assert line == f"self.pinned_cache_dtypes = {want}"
+
+
+@pytest.mark.slow
+def test_no_state_or_attention_row_is_read_before_it_is_written(small_jamba):
+    from kvskill.runtime import SamplingParams
+    from unwritten_rows import clean_and_poisoned_tokens
+
+    # NaN in every block but the null block of the conv, SSM and attention pools
+    clean, poisoned = clean_and_poisoned_tokens(
+        lambda: _llm(small_jamba, num_blocks=200),
+        _prompts(),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    )
+    assert poisoned == clean
+
+
+@pytest.mark.slow
+def test_run_sizes_a_jambas_pools_for_three_short_prompts(small_jamba, capsys):
+    import json
+
+    from kvskill.cli import main
+
+    # the config allows 262,144 positions; three prompts of at most 5 tokens + 8 new ones
+    # need one attention block and one state row each
+    with pytest.raises(SystemExit) as exc:
+        main(
+            ["run", str(small_jamba), "--random-weights", "--prompt-ids", "1,2,3,4,5;6,7,8;9,10"]
+            + ["--max-tokens", "8", "--exact", "--format", "json"]
+        )
+    out = capsys.readouterr().out
+    assert exc.value.code == 0, out
+    report = json.loads(out)
+    assert {k: v["blocks_total"] for k, v in report["kv_cache"].items()} == {
+        "Mamba": 3,
+        "FullAttention": 3,
+    }
+    budget = report["kv_budget"]
+    assert budget["reason"].startswith("default: 3 requests x 13 tokens (1 block(s) of 128 each)")
+    assert "the longest 5 tokens + --max-tokens 8 = max_model_len 13" in budget["workload"]

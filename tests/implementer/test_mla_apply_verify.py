@@ -225,3 +225,19 @@ def test_page_pool_run_of_mla_exits_3_before_building_the_model(applied_v3_yarn,
               "--kv-layout", "page_pool"])  # fmt: skip
     assert exc.value.code == 3
     assert "contiguous" in capsys.readouterr().err
+
+
+def test_no_latent_or_rope_row_is_read_before_it_is_written(tmp_path):
+    from kvskill.runtime import SamplingParams
+    from mla_models import prompts
+    from unwritten_rows import clean_and_poisoned_tokens
+
+    overrides = tiny_config("deepseek_v3", dtype="float32")  # as the test above: one conversion
+    _, _, model, _ = build_pair("deepseek_v3", overrides, tmp_path)
+    # NaN in every block but the null block of the latent and rope caches
+    clean, poisoned = clean_and_poisoned_tokens(
+        lambda: LLM(model, exact=True, block_size=16, num_blocks=16, free_block_order_seed=7),
+        prompts(),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    )
+    assert poisoned == clean

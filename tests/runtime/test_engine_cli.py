@@ -175,7 +175,7 @@ def test_default_budget_repeats_and_says_why(capsys, toy_dir, monkeypatch):
     assert budgets[0] == budgets[1]
     budget = budgets[0][0]
     assert budget["rule"] == "default" and budget["num_blocks_per_group"] is None
-    assert budget["reason"].startswith("default: 4 requests x 64 tokens need ")
+    assert budget["reason"].startswith("default: 4 requests x 64 tokens (16 block(s) of 4 each)")
 
 
 def test_without_a_budget_or_length_run_sizes_the_pool_for_its_own_prompts(capsys, toy_dir):
@@ -190,7 +190,8 @@ def test_without_a_budget_or_length_run_sizes_the_pool_for_its_own_prompts(capsy
     assert report["max_model_len"] == 3 + 5
     budget = report["kv_budget"]
     assert budget["rule"] == "default"
-    assert budget["reason"].startswith("default: 3 requests x 8 tokens need ")
+    # 8 tokens rounded up to whole blocks of the toy's 4 tokens
+    assert budget["reason"].startswith("default: 3 requests x 8 tokens (2 block(s) of 4 each)")
     assert "the longest 3 tokens + --max-tokens 5 = max_model_len 8" in budget["workload"]
     assert all(len(r["token_ids"]) == 5 for r in report["requests"])
     code, out, _ = run_cli(

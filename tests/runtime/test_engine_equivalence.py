@@ -23,14 +23,15 @@ def toy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def twin(toy_dir):
-    llm = LLM(toy_dir, trust_remote_code=True, num_blocks=8)
+    llm = LLM(toy_dir, trust_remote_code=True, num_blocks=8, exact=True)
     return twin_of(llm.model)
 
 
 def make_llm(toy_dir, **kwargs) -> LLM:
     kwargs.setdefault("num_blocks", 128)
     kwargs.setdefault("free_block_order_seed", 7)
-    return LLM(toy_dir, trust_remote_code=True, **kwargs)
+    # exact: the tokens are compared with the dense twin's
+    return LLM(toy_dir, trust_remote_code=True, exact=True, **kwargs)
 
 
 def assert_matches_twin(twin, prompts, outputs, max_tokens):

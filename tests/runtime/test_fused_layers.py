@@ -252,10 +252,12 @@ def test_converted_qwen3_greedy_tokens_are_the_same_with_fused_layers(qwen3_dir)
     prompts = [[1, 5, 9, 14, 3, 7, 2], [4, 4, 8], list(range(3, 40))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs, counts = {}, {}
+    # off: the exact run; on: prepacked linears and fused layers, the head unscreened
+    fast = {"prepack_linear": True, "fuse_layers": True, "screen_output_head": False}
     for on in (False, True):
         llm = LLM(
             qwen3_dir, random_weights=True, seed=0, block_size=4, cpu_only_shapes=True,
-            prepack_linear=on, fuse_layers=on,
+            **(fast if on else {"exact": True}),
         )  # fmt: skip
         outs[on] = [o.token_ids for o in llm.generate(prompts, params)]
         counts[on] = llm.num_fused_layers
@@ -289,12 +291,13 @@ def test_run_fuse_layers_reports_the_switched_modules_and_keeps_the_toy_tokens(t
     common = [str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3,4,5;6,7,8"]
     common += ["--max-tokens", "5", "--ignore-eos"]
     reports = {}
-    for flag in ([], ["--fuse-layers"]):
+    only = ["--fuse-layers", "--no-prepack-linear", "--no-screen-output-head"]
+    for on, flags in ((False, ["--exact"]), (True, only)):
         with pytest.raises(SystemExit) as exc:
-            main(["run", *common, *flag, "--format", "json"])
+            main(["run", *common, *flags, "--format", "json"])
         out, _ = capsys.readouterr()
         assert ExitCode(exc.value.code) == ExitCode.OK, out
-        reports[bool(flag)] = json.loads(out)
+        reports[on] = json.loads(out)
     assert reports[False]["fused_layers"] == 0
     # the toy's RMSNorms (its MLP is not gated)
     assert reports[True]["fused_layers"] > 0

@@ -65,3 +65,27 @@ def test_cache_pools_are_allocated_through_it(monkeypatch, use_hybrid_blocks):
     assert len(caches) == 4
     # every cache is (a view of) a buffer that came from huge_pages.zeros
     assert {t.untyped_storage().data_ptr() for t in caches} <= set(seen)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_large_pool_costs_only_the_pages_written():
+    import gc
+
+    # a 256 MiB pool: zero to read, yet no page of it is resident before it is written
+    before = _resident_bytes()
+    pool = huge_pages.zeros((256, 1 << 20), dtype=torch.int8, device="cpu")
+    assert _resident_bytes() - before < 16 << 20
+    assert not pool[::64].any()
+    # writing one block faults in that block's pages only
+    block = pool[7:8].view(torch.float32)
+    block.fill_(1.5)
+    assert _resident_bytes() - before < 32 << 20
+    # a view keeps the mapping alive after the pool itself is gone
+    del pool
+    gc.collect()
+    assert float(block.sum()) == 1.5 * block.numel()

@@ -28,7 +28,8 @@ def _shared_prefix_prompts(rng: random.Random, count: int, prefix_len: int) -> l
 
 
 def _generate(toy_dir, prompts, params, **options):
-    llm = LLM(toy_dir, trust_remote_code=True, block_size=4, **options)
+    # exact: runs with the cache on and off are compared bit for bit
+    llm = LLM(toy_dir, trust_remote_code=True, block_size=4, exact=True, **options)
     return [o.token_ids for o in llm.generate(prompts, params)], llm
 
 
@@ -91,7 +92,7 @@ def test_mixed_workload_tokens_are_the_same_and_a_second_round_hits(toy_dir):
     rng = random.Random(4)
     prompts = toy_prompts(rng, 16, min_len=1, max_len=60)
     params = [SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in prompts]
-    options = dict(num_blocks=48, max_num_batched_tokens=32)
+    options = dict(num_blocks=48, max_num_batched_tokens=32, exact=True)
     off = LLM(toy_dir, trust_remote_code=True, block_size=4, enable_prefix_caching=False, **options)
     on = LLM(toy_dir, trust_remote_code=True, block_size=4, **options)
     for round_ in range(2):

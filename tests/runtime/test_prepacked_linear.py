@@ -53,7 +53,10 @@ def test_toy_model_greedy_tokens_are_the_same_with_prepacked_linear(tmp_path):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = {}
     for on in (False, True):
-        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, prepack_linear=on)
+        # off: the exact run; on: this fast path alone
+        only = {"prepack_linear": True, "fuse_layers": False, "screen_output_head": False}
+        fast = only if on else {"exact": True}
+        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, **fast)
         outs[on] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
 
@@ -128,11 +131,13 @@ def test_run_prepack_linear_reports_the_packed_layers_and_keeps_the_toy_tokens(t
     common = [str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3,4,5;6,7,8"]
     common += ["--max-tokens", "5", "--ignore-eos", "--format", "json"]
     reports = {}
-    for flag in ([], ["--prepack-linear"]):
-        code, out, _ = _run(capsys, *common, *flag)
+    only = ["--prepack-linear", "--no-fuse-layers", "--no-screen-output-head"]
+    for on, flags in ((False, ["--exact"]), (True, only)):
+        code, out, _ = _run(capsys, *common, *flags)
         assert code == 0, out
-        reports[bool(flag)] = json.loads(out)
+        reports[on] = json.loads(out)
     assert reports[False]["prepacked_linear_layers"] == 0
+    assert reports[False]["fast_paths"]["prepack_linear"]["reason"].startswith("exact run")
     assert reports[True]["prepacked_linear_layers"] > 0
     tokens = {k: [r["token_ids"] for r in v["requests"]] for k, v in reports.items()}
     assert tokens[True] == tokens[False]

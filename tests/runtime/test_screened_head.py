@@ -130,7 +130,10 @@ def _tokens_without_and_with_the_screen(toy_dir, prompts, params):
     """Each run's tokens, off then on, and the screened LLM (for its stats)."""
     tokens = []
     for on in (False, True):
-        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, screen_output_head=on)
+        # off: the exact run; on: this fast path alone
+        only = {"screen_output_head": True, "prepack_linear": False, "fuse_layers": False}
+        fast = only if on else {"exact": True}
+        llm = LLM(toy_dir, trust_remote_code=True, block_size=4, **fast)
         tokens.append([o.token_ids for o in llm.generate(prompts, params)])
     return tokens, llm
 
@@ -180,12 +183,13 @@ def test_run_reports_the_screen_and_keeps_the_toy_tokens(tmp_path, capsys):
     common = [str(toy_dir), "--trust-remote-code", "--prompt-ids", "1,2,3,4,5;6,7,8"]
     common += ["--max-tokens", "5", "--ignore-eos", "--format", "json"]
     reports = {}
-    for flag in ([], ["--screen-output-head"]):
+    only = ["--screen-output-head", "--no-prepack-linear", "--no-fuse-layers"]
+    for on, flags in ((False, ["--exact"]), (True, only)):
         with pytest.raises(SystemExit) as exc:
-            main(["run", *common, *flag])
+            main(["run", *common, *flags])
         out, _ = capsys.readouterr()
         assert exc.value.code == 0, out
-        reports[bool(flag)] = json.loads(out)
+        reports[on] = json.loads(out)
     assert reports[False]["output_head_screen"] is None
     assert reports[True]["output_head_screen"]["num_screened_rows"] == 2 * 5
     tokens = {k: [r["token_ids"] for r in v["requests"]] for k, v in reports.items()}
@@ -194,7 +198,7 @@ def test_run_reports_the_screen_and_keeps_the_toy_tokens(tmp_path, capsys):
 
 def test_a_bf16_model_cannot_be_screened_and_says_why(tmp_path):
     toy_dir = write_toy_dir(tmp_path / "model", seed=7)
-    with pytest.raises(BadInputError, match="not float32"):
+    with pytest.raises(BadInputError, match="runs bfloat16 on cpu"):
         LLM(
             toy_dir,
             trust_remote_code=True,

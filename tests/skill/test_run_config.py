@@ -104,3 +104,46 @@ def test_the_workload_sizing_shows_in_the_printed_config(capsys, toy_dir):
     assert code == 0
     (line,) = [row for row in out.splitlines() if row.startswith("engine config")]
     assert "max_model_len=7" in line and "max_num_seqs=2" in line, line
+
+
+def test_the_report_names_each_fast_path_and_exact_names_none(capsys, toy_dir):
+    common = ("run", str(toy_dir), "--trust-remote-code", "--cpu-only-shapes")
+    common += ("--prompt-ids", "1,2,3;4,5", "--max-tokens", "3", "--block-size", "4")
+    # a path turned off by hand is reported off with its flag as the reason
+    code, out = run_cli(capsys, *common, "--no-screen-output-head", "--format", "json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["exact"] is False
+    # the toy's config names no dtype: analyze sizes it at bfloat16, this run at float32
+    assert report["kv_budget"]["dtype"] == {
+        "pool": ["float32"],
+        "run": "float32",
+        "model": "bfloat16",
+    }
+    assert set(report["fast_paths"]) == {"prepack_linear", "fuse_layers", "screen_output_head"}
+    screen = report["fast_paths"]["screen_output_head"]
+    assert (screen["on"], screen["reason"]) == (
+        False,
+        "screen_output_head=False (--no-screen-output-head)",
+    )
+    code, out = run_cli(capsys, *common, "--no-screen-output-head")
+    assert code == 0
+    assert "screened head            off: screen_output_head=False" in out
+    # the pool's dtype and the model's (what analyze sizes at) are named beside the budget
+    assert (
+        "sized at float32 (--dtype float32); analyze sizes at the model's bfloat16: "
+        "`kvskill run --dtype bfloat16` allocates its block counts"
+    ) in out
+
+    code, out = run_cli(capsys, *common, "--exact")
+    assert code == 0
+    (line,) = [row for row in out.splitlines() if row.startswith("compute")]
+    assert "exact (--exact)" in line
+    assert "prepacked linears" not in out and "fused layers" not in out
+
+
+def test_exact_with_a_fast_path_flag_is_bad_input(capsys, toy_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", str(toy_dir), "--prompt-ids", "1,2", "--exact", "--fuse-layers"])
+    assert exc.value.code == 2
+    assert "fuse_layers=True is a fast path" in capsys.readouterr().err

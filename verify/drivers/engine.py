@@ -69,6 +69,7 @@ class EngineDriver:
         total_blocks = sum(math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts)
         llm = LLM(
             model,
+            exact=True,  # verify judges the model's own code, never the fast paths
             block_size=block_size,
             num_blocks=total_blocks + 8,
             free_block_order_seed=self.seed + 7,

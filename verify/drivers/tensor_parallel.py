@@ -48,6 +48,7 @@ class TensorParallelDriver:
             total_blocks = sum(math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts)
             with LLM(
                 staged,
+                exact=True,  # verify judges the model's own code, never the fast paths
                 dtype=self.dtype,
                 device="cpu" if self.backend in ("auto", "gloo") else None,
                 block_size=block_size,

@@ -22,6 +22,7 @@ from kvskill.runtime.step_inputs import build_step_inputs
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from kvskill.runtime.captured_decode import CapturedDecode
     from kvskill.runtime.screened_head import ScreenedHead
 
 
@@ -113,8 +114,11 @@ class LLMEngine:
         seed: int = 0,
         step_hooks: Sequence[StepHook] = (),
         screened_head: ScreenedHead | None = None,
+        captured_decode: CapturedDecode | None = None,
     ) -> None:
         self.model = model
+        #: decode steps run as a graph captured per batch bucket (None: every step eager)
+        self.captured_decode = captured_decode
         #: the output head's bf16 screen, used on steps whose requests are all greedy
         self.screened_head = screened_head
         #: whether model.forward takes logits_to_keep (read on the first step)
@@ -245,9 +249,11 @@ class LLMEngine:
         )
         forward_started = time.perf_counter()
         with self._head_screening(output):
-            logits = self._forward(
-                inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
-            )
+            logits = self._captured(output, inputs)
+            if logits is None:
+                logits = self._forward(
+                    inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
+                )
         forward_s = time.perf_counter() - forward_started
 
         sampled = self._sample(output, logits)
@@ -273,6 +279,12 @@ class LLMEngine:
             for hook in self.step_hooks:
                 hook(record)
         return step_outputs
+
+    def _captured(self, output: SchedulerOutput, inputs) -> Tensor | None:
+        """The logits of a decode step from its captured graph; None to run it eagerly."""
+        if self.captured_decode is None or output.is_prefill:
+            return None
+        return self.captured_decode(inputs)
 
     def _head_screening(self, output: SchedulerOutput) -> AbstractContextManager:
         """Screen the output head this step when it can: every request greedy (a screened row

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 #: settings that change what one process computes; tensor-parallel ranks would combine
 #: results computed two different ways
-_ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head")
+_ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head", "graph")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +92,8 @@ class EngineConfig:
     fuse_layers: bool = False
     #: find greedy tokens from a bf16 pass over the output head first; default False
     screen_output_head: bool = False
+    #: run decode steps as a graph captured once per batch bucket (torch.compile); default False
+    graph: bool = False
     #: move the pre-model heap out of the garbage collector's sight (once per process);
     #: default True
     freeze_startup_heap: bool = True

@@ -57,6 +57,9 @@ def run_report(llm, outputs, *, wall_s: float, directory: Path, sizing_note: str
     )
     # which backend ran each recurrent-state entry point (conv, delta rule, scan), and why
     report["state_ops"] = fla.dispatch_report()
+    captured = llm.engine.captured_decode
+    if captured is not None:
+        report["captured_decode"] = captured.stats.to_dict()
     if llm.tensor_parallel is not None:
         from kvskill.runtime.distributed.report import tensor_parallel_summary
 
@@ -220,6 +223,9 @@ def render_table(report: dict) -> str:
         rows.append(("linear layers", f"{report['prepacked_linear_layers']} prepacked (oneDNN)"))
     if report.get("fused_layers"):
         rows.append(("fused layers", f"{report['fused_layers']} (RMSNorm, SiLU x up, rope)"))
+    captured = report.get("captured_decode")
+    if captured is not None:
+        rows.append(("captured decode", _captured_line(captured)))
     screen = report.get("output_head_screen")
     if screen is not None:
         rows.append(
@@ -256,3 +262,11 @@ def render_table(report: dict) -> str:
         if len(report["requests"]) > len(shown):
             lines.append(f"... {len(report['requests']) - len(shown)} more (use --format json)")
     return "\n".join(lines)
+
+
+def _captured_line(captured: dict) -> str:
+    buckets = ", ".join(map(str, captured["compiled_buckets"])) or "none"
+    return (
+        f"buckets {buckets} compiled in {captured['compile_s']:.1f} s, "
+        f"{captured['num_replays']} replays, {captured['num_eager_decode_steps']} decode steps eager"
+    )

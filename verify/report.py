@@ -65,6 +65,8 @@ class VerifyReport:
     block_size: int
     rtol: float = 0.0
     kv_layout: str = "contiguous"
+    #: the converted model decoded through captured graphs (``--graph``)
+    graph: bool = False
     prompts: list[PromptResult] = field(default_factory=list)
     chains: list[dict[str, Any]] = field(default_factory=list)
     #: a failure that stopped the comparison (e.g. the converted forward raised)
@@ -154,6 +156,7 @@ class VerifyReport:
             "rtol": self.rtol,
             "block_size": self.block_size,
             "kv_layout": self.kv_layout,
+            "graph": self.graph,
             "tokens_identical": self.tokens_identical,
             "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
             "prompts": [

@@ -68,7 +68,7 @@ def test_captured_decode_is_token_exact_against_eager(tiny_llama, monkeypatch):
     graph_tokens, graph_logits, llm = _run(tiny_llama, graph=True)
     assert graph_tokens == eager_tokens
     assert len(graph_logits) == len(eager_logits)
-    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits))
+    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
     assert worst <= 1e-5
     stats = llm.engine.captured_decode.stats
     # buckets 4 (three requests) and 1 (the longest alone), each captured once, then replayed

@@ -9,10 +9,11 @@ exercised on this machine).
 
 Padded rows feed token 0 at position 0 of one key, write it to slot 0 (the null block, which
 no request reads: every table pads with it and no length reaches into it) and their logits
-are dropped. The sequence-length list twins stay empty in the metadata the graph sees: the
-converted layers read them from the length tensors inside the graph (``tolist`` traced into
-unbacked ints), so changing lengths never recompile. Prefill steps, and decode batches larger
-than the largest bucket, run eagerly.
+are dropped. The sequence-length list twins the framework fills for its captured decode
+(``actual_seq_lengths_list_kv``, ``_cu_list_q``, ``_cu_list_kv``) are read from the length
+tensors at the top of the graph (``tolist`` traced into unbacked ints), so the converted layers
+pass them as the operators' ``SymInt[]`` lengths and changing lengths never recompile.
+Prefill steps, and decode batches larger than the largest bucket, run eagerly.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def _backend() -> Any:
     except ImportError:
         return "inductor"
     return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+
+
+def traced_scalar_reads():
+    """Trace ``tolist()`` / ``item()`` into the graph as unbacked ints instead of breaking it:
+    the converted attention reads the step's lengths as ints (the operators take
+    ``SymInt[]``), and the values change every step, so they must not become constants."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
 
 
 @dataclass(slots=True)
@@ -119,7 +127,7 @@ class CapturedDecode:
             return None
         first = bucket not in self.stats.compiled_buckets
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), traced_scalar_reads():
             logits = self._compiled(*padded)
         if first:
             self.stats.compiled_buckets.append(bucket)
@@ -131,6 +139,14 @@ class CapturedDecode:
     def _forward(
         self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md: ForwardMetaData
     ) -> Tensor:
+        # The list twins the framework fills for its captured decode, read once per step
+        # here (traced ints) rather than once per layer from the tensors.
+        md = replace(
+            md,
+            actual_seq_lengths_list_kv=md.actual_seq_lengths_kv.tolist(),
+            actual_seq_lengths_cu_list_q=md.actual_seq_lengths_cu_q.tolist(),
+            actual_seq_lengths_cu_list_kv=md.actual_seq_lengths_cu_kv.tolist(),
+        )
         # the traced step: the layers read md through the slot dynamo can follow
         with captured_forward_context(md):
             out = self.model(

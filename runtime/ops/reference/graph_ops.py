@@ -18,7 +18,8 @@ own ``op_plugin/meta/_meta_registrations.py`` is not installed here to read).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Call
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if compiling():
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 
@@ -59,9 +60,27 @@ def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Call
     return decorate
 
 
+#: set by ``dispatched_operators``: eager calls go through the registered operators too
+_route_eager_calls: list[bool] = [False]
+
+
 def compiling() -> bool:
-    """True while dynamo traces the caller (then the registered operator must be called)."""
-    return torch.compiler.is_compiling()
+    """True while dynamo traces the caller, or inside ``dispatched_operators``: then the
+    registered operator is called."""
+    return torch.compiler.is_compiling() or _route_eager_calls[0]
+
+
+@contextmanager
+def dispatched_operators() -> Iterator[None]:
+    """Route eager calls through the registered operators as well (one dispatcher call each),
+    so a dispatch-level count sees each reference operator as the one kernel it is on an NPU
+    instead of the many PyTorch calls that compute it on the CPU."""
+    previous = _route_eager_calls[0]
+    _route_eager_calls[0] = True
+    try:
+        yield
+    finally:
+        _route_eager_calls[0] = previous
 
 
 def operator(name: str) -> Any:

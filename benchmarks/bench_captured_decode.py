@@ -107,7 +107,7 @@ def _convert(family: str, root: Path) -> Path:
     from kvskill.implementer.writer import ApplyOptions, apply_model
 
     model_type, overrides = FAMILIES[family]
-    out = root / family.split(" ")[0]
+    out = root / family.replace(" ", "_").strip("()").replace("(", "").replace(")", "")
     apply_model(model_type, out, ApplyOptions(config_overrides=overrides))
     return out
 
@@ -272,7 +272,7 @@ def measure(family: str, root: Path) -> dict:
 
 def inductor_timing(family: str, root: Path) -> dict:
     """Compile time and median decode step time, eager vs inductor (CPU)."""
-    model_dir = root / family.split(" ")[0]
+    model_dir = root / family.replace(" ", "_").strip("()").replace("(", "").replace(")", "")
     if not model_dir.exists():
         _convert(family, root)
     times = {}

@@ -199,3 +199,27 @@ def test_compiled_attention_is_one_node_with_lengths_from_a_tensor():
     calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     # the operator, and the pick of its first output
     assert calls == ["kvskill.fused_infer_attention.default", "<built-in function getitem>"]
+
+
+def test_state_update_fakes_match_eager_and_write_the_states():
+    from kvskill.runtime.ops import fla_graph_ops
+
+    torch.manual_seed(4)
+    dim, width, lines = 6, 4, 5
+    x, weight = torch.randn(2, dim), torch.randn(dim, width)
+    conv_state = torch.randn(lines, dim, width - 1)
+    indices = torch.tensor([3, 1])
+    before = conv_state.clone()
+    real, fake = _fake_and_real(
+        ops.causal_conv1d_update, x, conv_state, weight, None, "silu", indices, -1
+    )
+    _same_meta(real, fake)
+    # the operator writes the state it declares (the helper ran it on a clone: run it here)
+    ops.causal_conv1d_update(x, conv_state, weight, None, "silu", indices, -1)
+    assert not torch.equal(conv_state[3], before[3]) and torch.equal(conv_state[0], before[0])
+
+    q, k = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    v, g = torch.randn(1, 2, 4, 3), -torch.rand(1, 2, 4)
+    state = torch.randn(lines, 4, 4, 3)
+    args = (q, k, v, g, None, None, state, torch.tensor([0, 1, 2]), indices, True)
+    _same_meta(*_fake_and_real(fla_graph_ops.RECURRENT_OP, *args))

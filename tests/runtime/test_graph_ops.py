@@ -223,3 +223,13 @@ def test_state_update_fakes_match_eager_and_write_the_states():
     state = torch.randn(lines, 4, 4, 3)
     args = (q, k, v, g, None, None, state, torch.tensor([0, 1, 2]), indices, True)
     _same_meta(*_fake_and_real(fla_graph_ops.RECURRENT_OP, *args))
+
+
+def test_selective_state_update_fake_matches_eager():
+    torch.manual_seed(5)
+    dim, dstate, lines = 6, 4, 3
+    state = torch.randn(lines, dim, dstate)
+    x, dt, z = torch.randn(2, dim), torch.rand(2, dim), torch.randn(2, dim)
+    a, b, c = -torch.rand(dim, dstate), torch.randn(2, dstate), torch.randn(2, dstate)
+    args = (state, x, dt, a, b, c, None, z, None, True, torch.tensor([2, 0]), None, -1)
+    _same_meta(*_fake_and_real(ops.selective_state_update_, *args))

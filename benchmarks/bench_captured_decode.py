@@ -69,6 +69,33 @@ FAMILIES: dict[str, tuple[str, dict]] = {
             "layer_types": ["full_attention", "sliding_attention"],
         },
     ),
+    "qwen2": ("qwen2", _DENSE),
+    # every layer sliding, window 12 (prompt + output reach 15 tokens)
+    "mistral (sliding)": ("mistral", {**_DENSE, "sliding_window": 12}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            **_DENSE,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),  # fmt: skip
+    "mixtral": ("mixtral", {**_DENSE, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # FA v2 with learnable sinks (value head dim 64 to 128); a sliding (window 8) and a full layer
+    "gpt_oss (sliding+sinks)": (
+        "gpt_oss",
+        {
+            **_DENSE,
+            "head_dim": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),  # fmt: skip
+    "deepseek_v2": ("deepseek_v2", tiny_config("deepseek_v2")),
     "qwen3_next (hybrid)": ("qwen3_next", {**SMALL_QWEN3_NEXT, "max_position_embeddings": 256}),
     "jamba (hybrid)": ("jamba", {**SMALL_JAMBA, "max_position_embeddings": 256}),
 }

@@ -102,6 +102,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 
 PROMPTS = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17, 3]]
 MAX_TOKENS = 6
+#: tokens per request of the timed runs (the median is over their decode steps)
+TIMED_TOKENS = 40
 
 _SYNC_METHODS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"}
 _COPY_OPS = {"copy_", "_to_copy", "clone"}
@@ -162,14 +164,14 @@ def _llm(model_dir: Path, *, graph: bool, backend=None):
     return llm
 
 
-def _generate(llm):
+def _generate(llm, max_tokens: int = MAX_TOKENS):
     from kvskill.runtime import SamplingParams
 
     logits = []
     llm.engine.step_hooks.append(
         lambda r: logits.append(r.logits) if not r.metadata.is_prefill else None
     )
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [o.token_ids for o in outs], logits
 
 
@@ -316,7 +318,7 @@ def inductor_timing(family: str, root: Path) -> dict:
             return out
 
         llm.engine.step = timed_step
-        _generate(llm)
+        _generate(llm, max_tokens=TIMED_TOKENS)
         decode = steps[2:]  # after the prefill and the first (compiling) decode step
         times["graph" if graph else "eager"] = {
             "median_decode_step_ms": statistics.median(decode) * 1000,
@@ -336,7 +338,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for family in args.families.split(","):
+        for family in filter(None, args.families.split(",")):
             try:
                 row = measure(family, root)
             except Exception as exc:  # a family that fails to convert or run is reported

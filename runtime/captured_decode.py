@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from kvskill.runtime.engine import logits_of
 from kvskill.runtime.forward_context import ForwardMetaData, captured_forward_context
 from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.step_inputs import StepInputs
@@ -78,6 +79,8 @@ class CaptureStats:
     compile_s: float = 0.0
     num_replays: int = 0
     num_eager_decode_steps: int = 0
+    #: why decode steps ran eagerly (None: none did, or only batches above the largest bucket)
+    eager_reason: str | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -85,6 +88,7 @@ class CaptureStats:
             "compile_s": self.compile_s,
             "num_replays": self.num_replays,
             "num_eager_decode_steps": self.num_eager_decode_steps,
+            "eager_reason": self.eager_reason,
         }
 
 
@@ -117,13 +121,22 @@ class CapturedDecode:
         """The smallest bucket that holds BATCH requests, None when none does."""
         return next((b for b in self.buckets if b >= batch), None)
 
+    def run_eagerly(self, reason: str) -> None:
+        """Count a decode step the engine runs eagerly, and why."""
+        self.stats.num_eager_decode_steps += 1
+        self.stats.eager_reason = reason
+
     def __call__(self, inputs: StepInputs) -> Tensor | None:
         """Logits [B, vocab] (fp32) of a decode step, or None when it must run eagerly."""
         batch = inputs.input_ids.size(1)
         bucket = self.bucket_for(batch)
         padded = None if bucket is None else self._pad(inputs, bucket)
         if padded is None:
-            self.stats.num_eager_decode_steps += 1
+            self.run_eagerly(
+                f"a batch of {batch} is above the largest bucket ({self.buckets[-1]})"
+                if bucket is None
+                else "a block table is wider than max_model_len needs"
+            )
             return None
         first = bucket not in self.stats.compiled_buckets
         started = time.perf_counter()
@@ -155,8 +168,7 @@ class CapturedDecode:
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )
-        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
-        return logits[0]
+        return logits_of(out)[0]
 
     def _pad(self, inputs: StepInputs, bucket: int) -> tuple | None:
         """The step's inputs padded to BUCKET rows and the static table widths; None when a

@@ -284,6 +284,10 @@ class LLMEngine:
         """The logits of a decode step from its captured graph; None to run it eagerly."""
         if self.captured_decode is None or output.is_prefill:
             return None
+        if is_executor_model(self.model) or not self._keeps_logit_rows():
+            # the capture keeps the requests' rows with logits_to_keep, as _forward does
+            self.captured_decode.run_eagerly("the model's forward takes no logits_to_keep")
+            return None
         return self.captured_decode(inputs)
 
     def _head_screening(self, output: SchedulerOutput) -> AbstractContextManager:
@@ -310,7 +314,7 @@ class LLMEngine:
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )
-        logits = _logits(out)
+        logits = logits_of(out)
         expected = (1, logits_indices.numel())
         if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
             raise RuntimeError(
@@ -360,7 +364,7 @@ class LLMEngine:
         rows of the requests' last tokens are picked here."""
         with torch.inference_mode(), forward_context(md):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        logits = _logits(out)
+        logits = logits_of(out)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
             raise RuntimeError(
                 f"the model returned logits of shape {tuple(logits.shape)}; expected "
@@ -424,6 +428,6 @@ class LLMEngine:
             stats.num_cached_blocks = self.kv_manager.num_cached_blocks
 
 
-def _logits(out) -> Tensor:
+def logits_of(out) -> Tensor:
     """The logits of a model output (a ModelOutput, a tuple, or the tensor itself)."""
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out

@@ -269,4 +269,5 @@ def _captured_line(captured: dict) -> str:
     return (
         f"buckets {buckets} compiled in {captured['compile_s']:.1f} s, "
         f"{captured['num_replays']} replays, {captured['num_eager_decode_steps']} decode steps eager"
+        + (f" ({captured['eager_reason']})" if captured.get("eager_reason") else "")
     )

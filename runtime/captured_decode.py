@@ -19,12 +19,14 @@ Prefill steps, and decode batches larger than the largest bucket, run eagerly.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.runtime.engine import logits_of
 from kvskill.runtime.forward_context import ForwardMetaData, captured_forward_context
 from kvskill.runtime.kv_cache_manager import KVCacheManager
@@ -69,6 +71,18 @@ def traced_scalar_reads():
     the converted attention reads the step's lengths as ints (the operators take
     ``SymInt[]``), and the values change every step, so they must not become constants."""
     return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
+def uncapturable_reason(exc: Exception) -> str:
+    """One line: what dynamo could not capture, and the model code it was reading."""
+    text = str(exc)
+    what = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    where = re.findall(r'File "([^"]+)", line (\d+)', text)
+    at = f" at {where[-1][0]}:{where[-1][1]}" if where else ""
+    return (
+        f"the decode step cannot be captured as one graph ({what}){at}; "
+        "run without graph capture (--graph / graph=True)"
+    )
 
 
 @dataclass(slots=True)
@@ -140,8 +154,11 @@ class CapturedDecode:
             return None
         first = bucket not in self.stats.compiled_buckets
         started = time.perf_counter()
-        with torch.inference_mode(), traced_scalar_reads():
-            logits = self._compiled(*padded)
+        try:
+            with torch.inference_mode(), traced_scalar_reads():
+                logits = self._compiled(*padded)
+        except torch._dynamo.exc.Unsupported as exc:
+            raise UnsupportedModelError(uncapturable_reason(exc)) from None
         if first:
             self.stats.compiled_buckets.append(bucket)
             self.stats.compile_s += time.perf_counter() - started

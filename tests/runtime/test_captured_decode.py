@@ -75,3 +75,19 @@ def test_captured_decode_is_token_exact_against_eager(tiny_llama, monkeypatch):
     assert sorted(stats.compiled_buckets) == [1, 4]
     assert stats.num_replays >= 3
     assert stats.num_eager_decode_steps == 0
+
+
+def test_an_uncapturable_step_is_refused_in_one_line_naming_the_code():
+    from kvskill.runtime.captured_decode import uncapturable_reason
+
+    def reads_a_pointer(x):
+        return x + (x.data_ptr() % 2)
+
+    compiled = torch.compile(reads_a_pointer, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+        compiled(torch.ones(2))
+    reason = uncapturable_reason(caught.value)
+    assert "\n" not in reason
+    line = reads_a_pointer.__code__.co_firstlineno + 1
+    assert f"test_captured_decode.py:{line}" in reason
+    assert reason.endswith("run without graph capture (--graph / graph=True)")

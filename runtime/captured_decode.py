@@ -157,7 +157,7 @@ class CapturedDecode:
         try:
             with torch.inference_mode(), traced_scalar_reads():
                 logits = self._compiled(*padded)
-        except torch._dynamo.exc.Unsupported as exc:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
             raise UnsupportedModelError(uncapturable_reason(exc)) from None
         if first:
             self.stats.compiled_buckets.append(bucket)

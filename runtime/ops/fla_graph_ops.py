@@ -170,10 +170,33 @@ def recurrent_in_place(
     return out, initial_state
 
 
+def recurrent_kda_in_place(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    inplace_final_state: bool = True,
+    cu_seqlens: Tensor | None = None,
+    ssm_state_indices: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor] | None:
+    """``fused_recurrent_kda`` (one log decay per key channel) as the same registered
+    operator: its reference is the gated delta rule after a check of the gate's shape."""
+    fla_reference.check_channel_gate("fused_recurrent_kda", k, v, g)
+    return recurrent_in_place(
+        q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens,
+        ssm_state_indices, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )  # fmt: skip
+
+
 #: entry point -> its registered form (same signature; None = run the entry point as usual)
 CAPTURED: dict[str, Any] = {
     "causal_conv1d_update": conv_update,
     "fused_recurrent_gated_delta_rule": recurrent_in_place,
+    "fused_recurrent_kda": recurrent_kda_in_place,
 }
 
 

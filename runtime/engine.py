@@ -22,6 +22,7 @@ from kvskill.runtime.step_inputs import build_step_inputs
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from kvskill.runtime.captured_decode import CapturedDecode
     from kvskill.runtime.screened_head import ScreenedHead
 
 
@@ -113,8 +114,11 @@ class LLMEngine:
         seed: int = 0,
         step_hooks: Sequence[StepHook] = (),
         screened_head: ScreenedHead | None = None,
+        captured_decode: CapturedDecode | None = None,
     ) -> None:
         self.model = model
+        #: decode steps run as a graph captured per batch bucket (None: every step eager)
+        self.captured_decode = captured_decode
         #: the output head's bf16 screen, used on steps whose requests are all greedy
         self.screened_head = screened_head
         #: whether model.forward takes logits_to_keep (read on the first step)
@@ -245,9 +249,11 @@ class LLMEngine:
         )
         forward_started = time.perf_counter()
         with self._head_screening(output):
-            logits = self._forward(
-                inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
-            )
+            logits = self._captured(output, inputs)
+            if logits is None:
+                logits = self._forward(
+                    inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata
+                )
         forward_s = time.perf_counter() - forward_started
 
         sampled = self._sample(output, logits)
@@ -274,6 +280,16 @@ class LLMEngine:
                 hook(record)
         return step_outputs
 
+    def _captured(self, output: SchedulerOutput, inputs) -> Tensor | None:
+        """The logits of a decode step from its captured graph; None to run it eagerly."""
+        if self.captured_decode is None or output.is_prefill:
+            return None
+        if is_executor_model(self.model) or not self._keeps_logit_rows():
+            # the capture keeps the requests' rows with logits_to_keep, as _forward does
+            self.captured_decode.run_eagerly("the model's forward takes no logits_to_keep")
+            return None
+        return self.captured_decode(inputs)
+
     def _head_screening(self, output: SchedulerOutput) -> AbstractContextManager:
         """Screen the output head this step when it can: every request greedy (a screened row
         holds -inf outside its candidates, no distribution to sample from) and no step hook
@@ -298,7 +314,7 @@ class LLMEngine:
                 use_cache=False,
                 logits_to_keep=logits_indices,
             )
-        logits = _logits(out)
+        logits = logits_of(out)
         expected = (1, logits_indices.numel())
         if logits.dim() != 3 or tuple(logits.shape[:2]) != expected:
             raise RuntimeError(
@@ -348,7 +364,7 @@ class LLMEngine:
         rows of the requests' last tokens are picked here."""
         with torch.inference_mode(), forward_context(md):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        logits = _logits(out)
+        logits = logits_of(out)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
             raise RuntimeError(
                 f"the model returned logits of shape {tuple(logits.shape)}; expected "
@@ -412,6 +428,6 @@ class LLMEngine:
             stats.num_cached_blocks = self.kv_manager.num_cached_blocks
 
 
-def _logits(out) -> Tensor:
+def logits_of(out) -> Tensor:
     """The logits of a model output (a ModelOutput, a tuple, or the tensor itself)."""
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out

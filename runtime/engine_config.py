@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     import torch
     from kvskill.runtime.ops.reference.npu_profile import NpuProfile
 
-#: the fast paths (``runtime/fast_paths.py``): each changes what one process computes, so
+#: the fast paths (``runtime/fast_paths.py``) and captured decode: each changes what one process computes, so
 #: tensor-parallel ranks would combine results computed two different ways, and each sums in
 #: another order than the model's own code, so none runs in an exact run
-_ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head")
+_ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head", "graph")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +99,8 @@ class EngineConfig:
     #: find greedy tokens from a bf16 pass over the output head first; default None, as
     #: prepack_linear (needs a CPU with native bf16)
     screen_output_head: bool | None = None
+    #: run decode steps as a graph captured once per batch bucket (torch.compile); default False
+    graph: bool = False
     #: move the pre-model heap out of the garbage collector's sight (once per process);
     #: default True
     freeze_startup_heap: bool = True

@@ -85,10 +85,18 @@ class ForwardMetaData:
 _current: ContextVar[ForwardMetaData | None] = ContextVar("kvskill_forward_md", default=None)
 
 
+#: the metadata of the step torch.compile is tracing (dynamo cannot read a context variable);
+#: set only by ``captured_forward_context`` inside the compiled step
+_captured: list[ForwardMetaData | None] = [None]
+
+
 def get_forward_metadata() -> ForwardMetaData:
     """The metadata of the step being run; outside any step, empty defaults (as the
     framework's, whose warm-up reads them)."""
-    md = _current.get()
+    if torch.compiler.is_compiling():
+        md = _captured[0]
+    else:
+        md = _current.get()
     return ForwardMetaData() if md is None else md
 
 
@@ -111,6 +119,18 @@ def forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
         yield metadata
     finally:
         _current.reset(token)
+
+
+@contextmanager
+def captured_forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
+    """``forward_context`` for a step being compiled: the layers read METADATA through a
+    module-level slot that dynamo can trace (a graph input, like the step's tensors)."""
+    previous = _captured[0]
+    _captured[0] = metadata
+    try:
+        yield metadata
+    finally:
+        _captured[0] = previous
 
 
 def in_paged_step() -> bool:

@@ -18,6 +18,7 @@ from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.engine_config import EngineConfig
 from kvskill.runtime.exact_steps import exact_steps
+from kvskill.runtime.executor_host import is_executor_model
 from kvskill.runtime.fast_paths import FastPaths, switch_on_fast_paths
 from kvskill.runtime.kv_cache_setup import prepare_kv_cache
 from kvskill.runtime.loader import generation_eos_token_id, load_model, resolve_dtype
@@ -225,10 +226,30 @@ class LLM:
             seed=config.seed,
             step_hooks=step_hooks,
             screened_head=self.output_head_screen,
+            captured_decode=self._captured_decode(config, scheduler_config.max_model_len),
         )
         self._batch_ids = itertools.count()
 
     # ---- set-up helpers -----------------------------------------------------------------
+    def _captured_decode(self, config: EngineConfig, max_model_len: int):
+        """The per-bucket decode graph when ``graph`` is on (transformers-style forwards only:
+        a framework executor model keeps its own graph mode)."""
+        if not config.graph:
+            return None
+        if is_executor_model(self.model):
+            raise BadInputError(
+                "graph=True captures transformers-style forwards; this model "
+                "follows the framework executor's contract"
+            )
+        from kvskill.runtime.captured_decode import CapturedDecode
+
+        return CapturedDecode(
+            self.model,
+            self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+        )
+
     def _resolve_max_model_len(self, requested: int | None, budget: int, chunked: bool) -> int:
         capacity = self.kv_manager.max_tokens_per_request(
             max_num_batched_tokens=budget, enable_chunked_prefill=chunked

@@ -54,7 +54,7 @@ from kvskill.runtime.ops.reference.npu_profile import (
 )
 from kvskill.verify.cache_widths import check_cache_widths
 from kvskill.verify.compare import DEFAULT_ATOL, LOGIT_RTOL, compare_prompt
-from kvskill.verify.drivers import OWN_FLOWS, DriverRun, driver_for, output_kind
+from kvskill.verify.drivers import OWN_FLOWS, DriverRun, OutputKind, driver_for, output_kind
 from kvskill.verify.options import VerifyOptions
 from kvskill.verify.prompts import is_windowed, make_prompts, prompt_lengths_for, read_prompts
 from kvskill.verify.reference.build import build_reference
@@ -184,6 +184,7 @@ def start_report(
         rtol=options.rtol if options.rtol is not None else LOGIT_RTOL,
         block_size=block_size,
         kv_layout=options.kv_layout,
+        graph=options.graph,
     )
 
 
@@ -276,6 +277,11 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     check_trust(converted, options.trust_remote_code)
     check_inputs(converted)
     kind = output_kind(converted, options.tensor_parallel_size or plan.attn_tp_size)
+    if options.graph and kind is not OutputKind.FRAMEWORK:
+        raise BadInputError(
+            f"--graph captures the bundled runtime's decode step; this output is run as "
+            f"{kind.value}"
+        )
     if kind in OWN_FLOWS:
         # the original is the framework's own model, not a transformers reference
         return OWN_FLOWS[kind](converted, options)

@@ -37,3 +37,5 @@ class VerifyOptions:
     #: skip the NPU profile (tiny blocks; the report says the NPU limits were not checked);
     #: None: KVSKILL_CPU_ONLY_SHAPES decides (off unless it is set)
     cpu_only_shapes: bool | None = None
+    #: run the converted model's decode steps as captured graphs (``LLM(graph=True)``)
+    graph: bool = False

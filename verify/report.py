@@ -65,6 +65,8 @@ class VerifyReport:
     block_size: int
     rtol: float = 0.0
     kv_layout: str = "contiguous"
+    #: the converted model decoded through captured graphs (``--graph``)
+    graph: bool = False
     prompts: list[PromptResult] = field(default_factory=list)
     chains: list[dict[str, Any]] = field(default_factory=list)
     #: a failure that stopped the comparison (e.g. the converted forward raised)
@@ -156,6 +158,7 @@ class VerifyReport:
             "kv_layout": self.kv_layout,
             #: the runtime ran exact: the fast paths (kvskill run's default) are never judged
             "runtime_exact": True,
+            "graph": self.graph,
             "tokens_identical": self.tokens_identical,
             "max_logit_diff": None if math.isinf(self.max_logit_diff) else self.max_logit_diff,
             "prompts": [

@@ -35,6 +35,7 @@ def format_table(report: VerifyReport) -> str:
         f"config: {'shrunk' if report.shrunk else 'as converted'}"
         + (f" ({', '.join(sorted(report.config_changes))})" if report.config_changes else "")
         + f"; dtype {report.dtype}; block size {report.block_size}; kv layout {report.kv_layout}"
+        + ("; decode captured as graphs" if report.graph else "")
         + f"; {tolerance}; runtime exact (no fast paths)",
     ]
     if report.npu_limits is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import kvskill.runtime.ops.fla_reference as fla_reference
 
+from .fla_graph_ops import captured_call
 from .fla_npu import NO_OPERATOR, ROUTES
 from .fla_reference import PAD_SLOT_ID, gated_delta_scan, l2norm, selective_scan_fn
 
@@ -50,6 +51,9 @@ def _dispatched(name: str, reference: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(reference)
     def entry(*args: Any, **kwargs: Any) -> Any:
         npu = _npu_module()
+        captured = captured_call(name, args, kwargs) if npu is None else None
+        if captured is not None:  # a step being compiled: one registered operator
+            return captured
         if npu is None:
             _CALLS[name, "reference", REFERENCE_BACKEND] += 1
             return reference(*args, **kwargs)

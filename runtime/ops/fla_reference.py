@@ -396,7 +396,7 @@ def chunk_gated_delta_rule(
 recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
 
 
-def _check_channel_gate(op: str, k: Tensor, v: Tensor, g: Tensor) -> None:
+def check_channel_gate(op: str, k: Tensor, v: Tensor, g: Tensor) -> None:
     expected = (*v.shape[:3], k.size(-1))
     if tuple(g.shape) != expected:
         raise OpInputError(
@@ -424,7 +424,7 @@ def chunk_kda(
     keyword-for-keyword identity with vLLM's / FLA's ``chunk_kda``; these follow the gated
     delta operators' names.
     """
-    _check_channel_gate("chunk_kda", k, v, g)
+    check_channel_gate("chunk_kda", k, v, g)
     return chunk_gated_delta_rule(
         q,
         k,
@@ -455,7 +455,7 @@ def fused_recurrent_kda(
     """Kimi delta attention, token by token (decode): ``fused_recurrent_gated_delta_rule``
     with g [B, T, HV, K], one log decay per key channel. Same unconfirmed naming as
     ``chunk_kda``."""
-    _check_channel_gate("fused_recurrent_kda", k, v, g)
+    check_channel_gate("fused_recurrent_kda", k, v, g)
     return fused_recurrent_gated_delta_rule(
         q,
         k,

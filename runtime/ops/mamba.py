@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .reference._checks import OpInputError, describe, reject_if_used
+from .reference.graph_ops import compiling, register
 
 PAD_SLOT_ID = -1
 #: dt_limit meaning "no clamp"
@@ -93,6 +94,35 @@ def selective_state_update(
         num_accepted_tokens=num_accepted_tokens,
         cu_seqlens=cu_seqlens,
     )
+    if out is None and compiling():
+        # a step being compiled: one registered operator that writes the state rows
+        return _STATE_UPDATE_OP(
+            state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+            dst_state_batch_indices, pad_slot_id,
+        )  # fmt: skip
+    return _state_update(
+        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+        dst_state_batch_indices, pad_slot_id, out,
+    )  # fmt: skip
+
+
+def _state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+    state_batch_indices: Tensor | None,
+    dst_state_batch_indices: Tensor | None,
+    pad_slot_id: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    """selective_state_update's checks and math (the registered operator's body)."""
     mamba1 = state.dim() == 3
     if state.dim() not in (3, 4):
         raise OpInputError(
@@ -153,6 +183,32 @@ def selective_state_update(
         out = torch.zeros_like(result)
     out[live] = result[live]
     return out
+
+
+def _state_update_fake(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+    state_batch_indices: Tensor | None,
+    dst_state_batch_indices: Tensor | None,
+    pad_slot_id: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    return torch.empty_like(x)  # shaped like x, in x's dtype
+
+
+#: kvskill::selective_state_update_, which writes the state rows (no ``out``: a registered
+#: operator returns fresh tensors)
+_STATE_UPDATE_OP = register(
+    "selective_state_update_", _state_update, _state_update_fake, mutates_args=("state",)
+)
 
 
 def _sequences(

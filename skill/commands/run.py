@@ -13,6 +13,7 @@ from kvskill.commands.run_options import (
     device_option,
     exact_option,
     fuse_layers_option,
+    graph_option,
     kv_memory_option,
     max_model_len_option,
     max_num_batched_tokens_option,
@@ -102,6 +103,7 @@ def parse_size(text: str) -> int:
 @prepack_linear_option
 @fuse_layers_option
 @screen_output_head_option
+@graph_option
 @device_option
 @random_weights_option
 @tp_option
@@ -186,6 +188,7 @@ def engine_config_from_options(
         prepack_linear=options["prepack_linear"],
         fuse_layers=options["fuse_layers"],
         screen_output_head=options["screen_output_head"],
+        graph=options["graph"],
         cpu_only_shapes=options["cpu_only_shapes"],
     )
 

@@ -83,6 +83,15 @@ screen_output_head_option = click.option(
     "native bf16, except with --exact or --tp.",
 )
 
+graph_option = click.option(
+    "--graph",
+    is_flag=True,
+    help="Run decode steps as a graph captured once per batch bucket (torch.compile, "
+    "fullgraph; inductor on the CPU, torchair's backend with torch_npu), the batch padded to "
+    "the bucket. The first step of each bucket compiles (tens of seconds on a CPU). One "
+    "process only (not with --tp).",
+)
+
 device_option = click.option(
     "--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N]."
 )

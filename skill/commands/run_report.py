@@ -58,6 +58,9 @@ def run_report(llm, outputs, *, wall_s: float, directory: Path, sizing_note: str
     )
     # which backend ran each recurrent-state entry point (conv, delta rule, scan), and why
     report["state_ops"] = fla.dispatch_report()
+    captured = llm.engine.captured_decode
+    if captured is not None:
+        report["captured_decode"] = captured.stats.to_dict()
     if llm.tensor_parallel is not None:
         from kvskill.runtime.distributed.report import tensor_parallel_summary
 
@@ -281,6 +284,9 @@ def render_table(report: dict) -> str:
     rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
     rows.extend(_fast_path_rows(report))
+    captured = report.get("captured_decode")
+    if captured is not None:
+        rows.append(("captured decode", _captured_line(captured)))
     if "tensor_parallel" in report:
         rows.append(("tensor parallel", _tp_line(report["tensor_parallel"])))
     rows.extend(("state ops", line) for line in fla.dispatch_lines(report.get("state_ops", [])))
@@ -307,3 +313,12 @@ def render_table(report: dict) -> str:
         if len(report["requests"]) > len(shown):
             lines.append(f"... {len(report['requests']) - len(shown)} more (use --format json)")
     return "\n".join(lines)
+
+
+def _captured_line(captured: dict) -> str:
+    buckets = ", ".join(map(str, captured["compiled_buckets"])) or "none"
+    return (
+        f"buckets {buckets} compiled in {captured['compile_s']:.1f} s, "
+        f"{captured['num_replays']} replays, {captured['num_eager_decode_steps']} decode steps eager"
+        + (f" ({captured['eager_reason']})" if captured.get("eager_reason") else "")
+    )

@@ -35,7 +35,7 @@ def run_standalone(
         raise BadInputError(
             "the standalone runner decodes greedily; drop --temperature/--top-k/--top-p"
         )
-    for flag in ("prepack_linear", "fuse_layers", "screen_output_head"):
+    for flag in ("prepack_linear", "fuse_layers", "screen_output_head", "graph"):
         if getattr(config, flag):
             raise BadInputError(
                 f"--{flag.replace('_', '-')} is a runtime option; a standalone output runs its "

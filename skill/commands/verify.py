@@ -78,6 +78,13 @@ code without --trust-remote-code, a block size the NPU does not take).
     help="float16/bfloat16: the converted model's drift from the float32 original may be this "
     "many times the original's own drift in that dtype (plus the floor).",
 )
+@click.option(
+    "--graph",
+    is_flag=True,
+    help="Run the converted model's decode steps as graphs captured per batch bucket "
+    "(torch.compile, as `run --graph`), compared against the original like the eager run. "
+    "Framework outputs only.",
+)
 @kv_layout_option
 @tp_option
 @tp_backend_option
@@ -114,6 +121,7 @@ def verify(directory: Path, output_format: str, **options) -> int:
         tensor_parallel_size=options["tp"],
         tp_backend=options["tp_backend"],
         cpu_only_shapes=options["cpu_only_shapes"],
+        graph=options["graph"],
     )
     # one verify: a standalone output's record names its runner, which drives the model
     report = verify_directory(directory, verify_options)

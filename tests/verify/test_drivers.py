@@ -52,7 +52,8 @@ def test_output_kind_follows_the_record(code, standalone, tp, kind) -> None:
 def test_driver_for_builds_the_driver_of_the_kind(tmp_path: Path) -> None:
     engine = driver_for(_converted(), tmp_path, VerifyOptions(seed=3, kv_layout="page_pool"))
     assert isinstance(engine, EngineDriver)
-    assert engine.seed == 3 and engine.use_hybrid_blocks
+    assert engine.seed == 3 and engine.use_hybrid_blocks and not engine.graph
+    assert driver_for(_converted(), tmp_path, VerifyOptions(graph=True)).graph
     tp = driver_for(_converted(), tmp_path, VerifyOptions(tensor_parallel_size=2))
     assert isinstance(tp, TensorParallelDriver)
     assert tp.tensor_parallel_size == 2 and tp.code_dir == tmp_path
@@ -65,3 +66,17 @@ def test_driver_for_builds_the_driver_of_the_kind(tmp_path: Path) -> None:
 def test_a_legacy_output_has_no_driver(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="framework-Legacy outputs are verified by their own"):
         driver_for(_converted({"legacy_framework": True}), tmp_path, VerifyOptions())
+
+
+def test_verify_graph_is_refused_for_an_output_the_engine_does_not_drive(tmp_path: Path) -> None:
+    from kvskill.core.errors import BadInputError
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+    from kvskill.verify.flow import verify_directory
+
+    out = tmp_path / "llama"
+    options = ApplyOptions(
+        deploy_mode="standalone", kv_mode="paged", config_overrides={"num_hidden_layers": 1}
+    )
+    apply_model("llama", out, options)
+    with pytest.raises(BadInputError, match="--graph captures the bundled runtime's decode"):
+        verify_directory(out, VerifyOptions(graph=True))

@@ -70,7 +70,11 @@ DriverFactory = Callable[[ConvertedDir, Path, VerifyOptions], VerifyDriver]
 
 
 def _engine(converted: ConvertedDir, code_dir: Path, options: VerifyOptions) -> VerifyDriver:
-    return EngineDriver(seed=options.seed, use_hybrid_blocks=options.kv_layout == "page_pool")
+    return EngineDriver(
+        seed=options.seed,
+        use_hybrid_blocks=options.kv_layout == "page_pool",
+        graph=options.graph,
+    )
 
 
 def _tensor_parallel(

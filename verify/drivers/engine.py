@@ -58,6 +58,8 @@ class EngineDriver:
     #: tokens per step; a model built for a static decode batch needs every prompt prefilled
     #: in one step, so that each decode step holds all of them
     max_batched_tokens: int = MAX_BATCHED_TOKENS
+    #: decode steps through the graph captured per batch bucket
+    graph: bool = False
 
     def run(
         self, model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, block_size: int
@@ -79,6 +81,7 @@ class EngineDriver:
             use_hybrid_blocks=self.use_hybrid_blocks,
             enable_chunked_prefill=self.chunked_prefill,
             npu_profile=current_profile(),  # verify's (the shrunk twin's leaves out dims)
+            graph=self.graph,
         )
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         recorder = LogitRecorder()

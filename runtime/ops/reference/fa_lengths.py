@@ -144,3 +144,11 @@ def per_batch(op: str, name: str, lens: list[int], batch: int, limit: int | None
 
 def _short(values: list[int]) -> str:
     return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"
+
+
+def graph_lengths(value: object) -> tuple[list[int] | None, Tensor | None]:
+    """A length argument split for the registered operator's two slots: a list (its ints
+    symbolic while traced) or a 1-D tensor the operator reads when the graph runs."""
+    if isinstance(value, Tensor):
+        return None, value
+    return (None if value is None else list(value)), None

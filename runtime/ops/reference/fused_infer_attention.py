@@ -12,8 +12,11 @@ from kvskill.core.fa_keywords import FA_V1, FA_V2, V1_ONLY, V1_TO_V2, V2_TO_V1
 from torch import Tensor
 
 from ._checks import INT_MAX, reject_if_used, strict_keywords
-from .fa_call import FaCall, Names
+from .fa_call import FaCall
+from .fa_graph_op import ATTENTION_OP, VERSION_NAMES
+from .fa_lengths import graph_lengths
 from .fused_attention import run
+from .graph_ops import compiling
 
 V1_NAME, V2_NAME = FA_V1, FA_V2
 
@@ -28,21 +31,6 @@ _V2_HINTS = {v1: f"v2 takes `{v2}` (`{v1}` is the v1 name)" for v1, v2 in V1_TO_
 _V2_HINTS["scale_value"] = "v2 takes `softmax_scale`"
 for _v1_only in sorted(V1_ONLY):
     _V2_HINTS[_v1_only] = f"`{_v1_only}` exists only in {V1_NAME}"
-
-_V1_NAMES = Names(
-    op=V1_NAME,
-    num_heads="num_heads",
-    q_lens="actual_seq_lengths",
-    kv_lens="actual_seq_lengths_kv",
-    scale="scale",
-)
-_V2_NAMES = Names(
-    op=V2_NAME,
-    num_heads="num_query_heads",
-    q_lens="actual_seq_qlen",
-    kv_lens="actual_seq_kvlen",
-    scale="softmax_scale",
-)
 
 
 @strict_keywords(V1_NAME, _V1_HINTS)
@@ -113,30 +101,29 @@ def npu_fused_infer_attention_score(
         key_antiquant_mode=key_antiquant_mode,
         value_antiquant_mode=value_antiquant_mode,
     )
-    return run(
-        FaCall(
-            names=_V1_NAMES,
-            query=query,
-            key=key,
-            value=value,
-            query_rope=query_rope,
-            key_rope=key_rope,
-            pse_shift=pse_shift,
-            atten_mask=atten_mask,
-            q_lens_arg=actual_seq_lengths,
-            kv_lens_arg=actual_seq_lengths_kv,
-            block_table=block_table,
-            num_heads=num_heads,
-            num_key_value_heads=num_key_value_heads,
-            scale=scale,
-            pre_tokens=pre_tokens,
-            next_tokens=next_tokens,
-            input_layout=input_layout,
-            sparse_mode=sparse_mode,
-            block_size=block_size,
-            inner_precise=inner_precise,
-            return_lse=softmax_lse_flag,
-        )
+    return _attend(
+        "v1",
+        query,
+        key,
+        value,
+        query_rope=query_rope,
+        key_rope=key_rope,
+        pse_shift=pse_shift,
+        atten_mask=atten_mask,
+        q_lens=actual_seq_lengths,
+        kv_lens=actual_seq_lengths_kv,
+        block_table=block_table,
+        learnable_sink=None,
+        num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads,
+        scale=scale,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        input_layout=input_layout,
+        sparse_mode=sparse_mode,
+        block_size=block_size,
+        inner_precise=inner_precise,
+        return_lse=softmax_lse_flag,
     )
 
 
@@ -222,29 +209,46 @@ def npu_fused_infer_attention_score_v2(
         dequant_scale_key_rope_dtype=dequant_scale_key_rope_dtype,
         out_dtype=out_dtype,
     )
-    return run(
-        FaCall(
-            names=_V2_NAMES,
-            query=query,
-            key=key,
-            value=value,
-            query_rope=query_rope,
-            key_rope=key_rope,
-            pse_shift=pse_shift,
-            atten_mask=atten_mask,
-            q_lens_arg=actual_seq_qlen,
-            kv_lens_arg=actual_seq_kvlen,
-            block_table=block_table,
-            num_heads=num_query_heads,
-            num_key_value_heads=num_key_value_heads,
-            scale=softmax_scale,
-            pre_tokens=pre_tokens,
-            next_tokens=next_tokens,
-            input_layout=input_layout,
-            sparse_mode=sparse_mode,
-            block_size=block_size,
-            inner_precise=inner_precise,
-            return_lse=return_softmax_lse,
-            learnable_sink=learnable_sink,
-        )
+    return _attend(
+        "v2",
+        query,
+        key,
+        value,
+        query_rope=query_rope,
+        key_rope=key_rope,
+        pse_shift=pse_shift,
+        atten_mask=atten_mask,
+        q_lens=actual_seq_qlen,
+        kv_lens=actual_seq_kvlen,
+        block_table=block_table,
+        learnable_sink=learnable_sink,
+        num_heads=num_query_heads,
+        num_key_value_heads=num_key_value_heads,
+        scale=softmax_scale,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        input_layout=input_layout,
+        sparse_mode=sparse_mode,
+        block_size=block_size,
+        inner_precise=inner_precise,
+        return_lse=return_softmax_lse,
     )
+
+
+def _attend(
+    version: str, query: Tensor, key: Tensor, value: Tensor, **fields
+) -> tuple[Tensor, Tensor]:
+    """The shared body in eager mode; the registered operator while torch.compile traces."""
+    if compiling():
+        q_lens, q_tensor = graph_lengths(fields.pop("q_lens"))
+        kv_lens, kv_tensor = graph_lengths(fields.pop("kv_lens"))
+        return ATTENTION_OP(
+            query, key, value, q_lens=q_lens, kv_lens=kv_lens, q_lens_tensor=q_tensor,
+            kv_lens_tensor=kv_tensor, version=version, **fields,
+        )  # fmt: skip
+    names = VERSION_NAMES[version]
+    q_lens, kv_lens = fields.pop("q_lens"), fields.pop("kv_lens")
+    return run(
+        FaCall(names=names, query=query, key=key, value=value, q_lens_arg=q_lens,
+               kv_lens_arg=kv_lens, **fields)
+    )  # fmt: skip

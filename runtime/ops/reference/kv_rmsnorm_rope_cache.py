@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe, reject_if_used, strict_keywords
+from .graph_ops import compiling, register
 from .rope import interleaved_rope
 
 OP = "npu_kv_rmsnorm_rope_cache"
@@ -61,6 +62,30 @@ def npu_kv_rmsnorm_rope_cache(
         NaN so an accidental read shows up (unconfirmed: their device content).
     """
     reject_if_used(OP, v=v, k_rope_offset=k_rope_offset, c_kv_offset=c_kv_offset)
+    write = _KV_RMSNORM_ROPE_CACHE_OP if compiling() else _write_caches
+    k_rope, c = write(
+        kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale, c_kv_scale, epsilon,
+        cache_mode, is_output_kv,
+    )  # fmt: skip
+    return k_cache, ckv_cache, k_rope, c
+
+
+def _write_caches(
+    kv: Tensor,
+    gamma: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    index: Tensor,
+    k_cache: Tensor,
+    ckv_cache: Tensor,
+    k_rope_scale: Tensor | None,
+    c_kv_scale: Tensor | None,
+    epsilon: float,
+    cache_mode: str,
+    is_output_kv: bool,
+) -> tuple[Tensor, Tensor]:
+    """The operator's checks and cache writes (the registered operator's body); returns the
+    (k_rope, c_kv) outputs, fresh tensors."""
     if cache_mode not in CACHE_MODES:
         raise OpInputError(
             f"{OP}: cache_mode must be one of {list(CACHE_MODES)}, got {cache_mode!r}"
@@ -80,13 +105,36 @@ def npu_kv_rmsnorm_rope_cache(
         _write_paged(k_cache, k_val, slots, nz, "k_cache")
         _write_paged(ckv_cache, c_val, slots, nz, "ckv_cache")
     if is_output_kv and cache_mode != "Norm":
-        return k_cache, ckv_cache, k_rope, c
-    return (
-        k_cache,
-        ckv_cache,
-        torch.full_like(k_rope, float("nan")),
-        torch.full_like(c, float("nan")),
-    )
+        return k_rope, c
+    return torch.full_like(k_rope, float("nan")), torch.full_like(c, float("nan"))
+
+
+def _write_caches_fake(
+    kv: Tensor,
+    gamma: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    index: Tensor,
+    k_cache: Tensor,
+    ckv_cache: Tensor,
+    k_rope_scale: Tensor | None,
+    c_kv_scale: Tensor | None,
+    epsilon: float,
+    cache_mode: str,
+    is_output_kv: bool,
+) -> tuple[Tensor, Tensor]:
+    # k_rope [B, 1, S, 64] and c_kv [B, 1, S, Dc] in kv's dtype (npu_ops.md §3)
+    b, _, s, _ = kv.shape
+    return kv.new_empty(b, 1, s, ROPE_DIM), kv.new_empty(b, 1, s, gamma.numel())
+
+
+#: kvskill::kv_rmsnorm_rope_cache, which writes k_cache and ckv_cache
+_KV_RMSNORM_ROPE_CACHE_OP = register(
+    "kv_rmsnorm_rope_cache",
+    _write_caches,
+    _write_caches_fake,
+    mutates_args=("k_cache", "ckv_cache"),
+)
 
 
 def _norm_and_rope(

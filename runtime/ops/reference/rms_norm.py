@@ -17,6 +17,22 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, OpInputError, describe, require_dtype, require_rank
+from .graph_ops import capturable
+
+
+def _rstd_shape(x: Tensor, gamma: Tensor) -> list[int]:
+    return [*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim())]
+
+
+def _rms_norm_fake(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:  # noqa: A002
+    return torch.empty_like(input), input.new_empty(_rstd_shape(input, gamma), dtype=torch.float32)
+
+
+def _add_rms_norm_fake(
+    x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
+) -> tuple[Tensor, Tensor, Tensor]:
+    rstd = x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
+    return torch.empty_like(x1), rstd, torch.empty_like(x1)
 
 
 def _check(op: str, x: Tensor, gamma: Tensor) -> None:
@@ -38,6 +54,7 @@ def _normalise(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor
     return x * rstd * gamma.float(), rstd
 
 
+@capturable("rms_norm", _rms_norm_fake)
 def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:  # noqa: A002
     """RMS norm of ``input`` scaled by ``gamma``.
 
@@ -50,6 +67,7 @@ def npu_rms_norm(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[
     return y.to(input.dtype), rstd
 
 
+@capturable("add_rms_norm", _add_rms_norm_fake)
 def npu_add_rms_norm(
     x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe
+from .graph_ops import capturable
 
 
 def interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -31,6 +32,11 @@ def _cat(left: Tensor, right: Tensor) -> Tensor:
     return torch.cat((left, right), dim=-1)
 
 
+def _interleave_rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+@capturable("interleave_rope", _interleave_rope_fake)
 def npu_interleave_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rope of ``x`` [B, N, S, D] with ``cos``/``sin`` broadcastable to it; returns x's dtype."""
     if x.dim() != 4 or x.size(-1) % 2:

@@ -23,6 +23,7 @@ from ._checks import (
     require_dtype,
     require_rank,
 )
+from .graph_ops import capturable, compiling, register
 from .npu_limits import NPU_ONLY
 from .npu_profile import current_profile
 
@@ -41,6 +42,17 @@ def rotate_pairs(x: Tensor, mode: str) -> Tensor:
     return torch.stack((-b, a), dim=-1).flatten(-2)
 
 
+def _rotary_mul_fake(
+    input: Tensor,  # noqa: A002
+    r1: Tensor,
+    r2: Tensor,
+    rotary_mode: str = "half",
+    rotate: Tensor | None = None,
+) -> Tensor:
+    return torch.empty_like(input)
+
+
+@capturable("rotary_mul", _rotary_mul_fake)
 def npu_rotary_mul(
     input: Tensor,  # noqa: A002
     r1: Tensor,
@@ -94,6 +106,17 @@ def npu_apply_rotary_pos_emb(
     framework's ``layout="BSH"`` with 4-D tensors works. BNSD and SBND (Atlas 350 only) and
     the 350-only modes "interleave"/"quarter" are not modelled.
     """
+    if compiling():
+        _APPLY_ROTARY_OP(query, key, cos, sin, layout, rotary_mode)
+        return query, key
+    _apply_rotary_in_place(query, key, cos, sin, layout, rotary_mode)
+    return query, key
+
+
+def _apply_rotary_in_place(
+    query: Tensor, key: Tensor, cos: Tensor, sin: Tensor, layout: str, rotary_mode: str
+) -> None:
+    """npu_apply_rotary_pos_emb's checks and writes (the registered operator's body)."""
     op = "npu_apply_rotary_pos_emb"
     if rotary_mode not in ("half", "quarter", "interleave"):
         raise OpInputError(
@@ -138,7 +161,21 @@ def npu_apply_rotary_pos_emb(
     for t in (query, key):
         x = t.float()
         t.copy_(c * x + s * rotate_pairs(x, "half"))
-    return query, key
+
+
+def _apply_rotary_fake(
+    query: Tensor, key: Tensor, cos: Tensor, sin: Tensor, layout: str, rotary_mode: str
+) -> None:
+    return None
+
+
+#: kvskill::apply_rotary_pos_emb, which writes query and key and returns nothing
+_APPLY_ROTARY_OP = register(
+    "apply_rotary_pos_emb",
+    _apply_rotary_in_place,
+    _apply_rotary_fake,
+    mutates_args=("query", "key"),
+)
 
 
 def _broadcast(small: Tensor, big: Tensor) -> torch.Size | None:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe
+from .graph_ops import compiling, register
 
 
 def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:  # noqa: A002
@@ -18,6 +19,16 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
     NOTE: the device does not bound-check; negative ids (vLLM's -1 padding) are out of range
     there. The reference rejects them so the mistake surfaces here instead of as corruption.
     """
+    if compiling():
+        _check_nd(input, indices, updates)  # shapes and dtypes only: nothing read from device
+        _SCATTER_ND_UPDATE_OP(input, indices, updates)
+        return input
+    _scatter_nd_update_in_place(input, indices, updates)
+    return input
+
+
+def _scatter_nd_update_in_place(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa: A002
+    """npu_scatter_nd_update_'s checks and write (the registered operator's body)."""
     _check_nd(input, indices, updates)
     a = indices.size(-1)
     flat = indices.reshape(-1, a)
@@ -42,7 +53,19 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
         input.index_copy_(0, flat[:, 0].long(), src)
     else:
         input.index_put_(tuple(flat.long().unbind(-1)), src)
-    return input
+
+
+def _scatter_nd_update_fake(input: Tensor, indices: Tensor, updates: Tensor) -> None:  # noqa: A002
+    return None
+
+
+#: kvskill::scatter_nd_update_, which writes ``input`` and returns nothing
+_SCATTER_ND_UPDATE_OP = register(
+    "scatter_nd_update_",
+    _scatter_nd_update_in_place,
+    _scatter_nd_update_fake,
+    mutates_args=("input",),
+)
 
 
 def npu_scatter_nd_update(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:  # noqa: A002

@@ -11,8 +11,16 @@ import torch
 from torch import Tensor
 
 from ._checks import FLOAT_DTYPES, OpInputError, describe, require_dtype, require_rank
+from .graph_ops import capturable
 
 
+def _swiglu_fake(input: Tensor, dim: int = -1) -> Tensor:  # noqa: A002
+    shape = list(input.shape)
+    shape[dim] //= 2
+    return input.new_empty(shape)
+
+
+@capturable("swiglu", _swiglu_fake)
 def npu_swiglu(input: Tensor, dim: int = -1) -> Tensor:  # noqa: A002
     """SwiGLU of ``input`` (1-D to 8-D, float16/bfloat16/float32) split along ``dim``."""
     op = "npu_swiglu"

@@ -1,0 +1,93 @@
+"""Captured decode (``LLM(graph=True)``): one graph per bucket, replayed, token-exact.
+
+The capture runs dynamo with ``fullgraph=True`` (so any graph break fails) on the "eager"
+backend: inductor's code generation takes about 40 s on this CPU and is measured by
+``benchmarks/bench_captured_decode.py`` instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvskill.runtime.captured_decode import BACKEND_ENV, decode_buckets
+
+TINY_LLAMA = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+}
+
+
+def test_buckets_double_up_to_the_batch_limit():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from kvskill.implementer.writer import ApplyOptions, apply_model
+
+    out = tmp_path_factory.mktemp("graph") / "llama"
+    apply_model("llama", out, ApplyOptions(config_overrides=TINY_LLAMA))
+    return out
+
+
+def _run(model_dir, graph: bool):
+    from kvskill.runtime import LLM, SamplingParams
+
+    llm = LLM(
+        model_dir,
+        random_weights=True,
+        seed=1,
+        block_size=16,
+        num_blocks=32,
+        max_num_seqs=4,
+        max_model_len=128,
+        cpu_only_shapes=True,
+        graph=graph,
+    )
+    logits = []
+    llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
+    # three requests (bucket 4, one padded row), then the last one alone (bucket 1)
+    prompts = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 4, 7)]
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    return tokens, logits, llm
+
+
+@pytest.mark.slow
+def test_captured_decode_is_token_exact_against_eager(tiny_llama, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    torch._dynamo.reset()
+    eager_tokens, eager_logits, _ = _run(tiny_llama, graph=False)
+    graph_tokens, graph_logits, llm = _run(tiny_llama, graph=True)
+    assert graph_tokens == eager_tokens
+    assert len(graph_logits) == len(eager_logits)
+    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
+    assert worst <= 1e-5
+    stats = llm.engine.captured_decode.stats
+    # buckets 4 (three requests) and 1 (the longest alone), each captured once, then replayed
+    assert sorted(stats.compiled_buckets) == [1, 4]
+    assert stats.num_replays >= 3
+    assert stats.num_eager_decode_steps == 0
+
+
+def test_an_uncapturable_step_is_refused_in_one_line_naming_the_code():
+    from kvskill.runtime.captured_decode import uncapturable_reason
+
+    def reads_a_pointer(x):
+        return x + (x.data_ptr() % 2)
+
+    compiled = torch.compile(reads_a_pointer, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+        compiled(torch.ones(2))
+    reason = uncapturable_reason(caught.value)
+    assert "\n" not in reason
+    line = reads_a_pointer.__code__.co_firstlineno + 1
+    assert f"test_captured_decode.py:{line}" in reason
+    assert reason.endswith("run without graph capture (--graph / graph=True)")

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 from kvskill.core.errors import UnsupportedModelError
-from kvskill.runtime.engine import logits_of
 from kvskill.runtime.forward_context import ForwardMetaData, captured_forward_context
 from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.model_output import logits_of
 from kvskill.runtime.step_inputs import StepInputs
 from torch import Tensor, nn
 

@@ -15,6 +15,7 @@ from kvskill.core.errors import BadInputError
 from kvskill.runtime.executor_host import is_executor_model
 from kvskill.runtime.forward_context import ForwardMetaData, forward_context
 from kvskill.runtime.kv_cache_manager import KVCacheManager
+from kvskill.runtime.model_output import logits_of
 from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.sampler import Sampler, make_generator
 from kvskill.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -426,8 +427,3 @@ class LLMEngine:
             stats.num_prefix_query_tokens = scheduler.num_prefix_query_tokens
             stats.num_prefix_hit_tokens = scheduler.num_prefix_hit_tokens
             stats.num_cached_blocks = self.kv_manager.num_cached_blocks
-
-
-def logits_of(out) -> Tensor:
-    """The logits of a model output (a ModelOutput, a tuple, or the tensor itself)."""
-    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out

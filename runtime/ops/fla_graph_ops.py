@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import kvskill.runtime.ops.fla_reference as fla_reference
 import torch
 from torch import Tensor
 
-from . import fla_reference
 from .reference.graph_ops import compiling, register
 
 

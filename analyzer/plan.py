@@ -130,6 +130,25 @@ class CacheEntryPlan:
     num_head: int
     dtype: str
     sliding_window: int | None = None
+    #: tokens folded into one row (1: a row per token); a block of block_size tokens holds
+    #: block_size // compress_ratio rows
+    compress_ratio: int = 1
+    #: groups the entry under this key instead of its attn_type (its own pool and table)
+    manager_key: str | None = None
+    #: layers declaring it, when not every layer of its attn_type does (None: all of them)
+    num_layers: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record; the compressed-cache keys only where they say something."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, default in _ENTRY_DEFAULTS.items():
+            if record[name] == default:
+                del record[name]
+        return record
+
+
+#: CacheEntryPlan keys a plan file leaves out at these values (plans written before them)
+_ENTRY_DEFAULTS = {"compress_ratio": 1, "manager_key": None, "num_layers": None}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 from kvskill.core.attn_types import AttnType
-from kvskill.core.cache_bytes import entry_bytes
+from kvskill.core.cache_bytes import block_bytes, entry_bytes
 from kvskill.core.errors import BadInputError
 from torch import Tensor
 
@@ -118,7 +118,9 @@ class CacheEntry:
 
     def bytes_per_block(self, block_size: int) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.rows_per_block(block_size) * entry_bytes(self.dims, self.num_head, element_size)
+        self.rows_per_block(block_size)  # a named error for a ratio that does not divide
+        row = entry_bytes(self.dims, self.num_head, element_size)
+        return block_bytes(row, block_size, self.compress_ratio)
 
 
 @dataclass(eq=False)

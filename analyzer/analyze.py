@@ -33,6 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import RopeDecision, code_facts, rope_style
+from kvskill.analyzer.compressed_attention import (
+    compressed_cache_entries,
+    decide_compressed_attention,
+)
+from kvskill.analyzer.compressed_attention import refusal as compressed_refusal
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
@@ -76,6 +81,7 @@ from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
+    CompressedAttentionPlan,
     DeployMode,
     Evidence,
     FaVersion,
@@ -308,6 +314,9 @@ def plan_for_source(
     layers = _decide_layers(source, code, read, book)
     design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
     entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
+    compressed = _decide_compressed_attention(source, code, spec, book)
+    if compressed is not None:
+        entries = compressed_cache_entries(compressed)
     caches = _size_caches(
         source,
         code,
@@ -338,6 +347,7 @@ def plan_for_source(
         attn_tp_size=attn_tp_size,
         block_size=block_size,
         book=book,
+        compressed=compressed,
     )
 
 
@@ -525,6 +535,27 @@ def _decide_cache_entries(
     return entries
 
 
+def _decide_compressed_attention(
+    source: ModelSource, code: CodeView, spec: ModelSpec, book: Notebook
+) -> CompressedAttentionPlan | None:
+    """Compressed layers (DeepSeek-V4): their kinds, caches and operators, and the one-line
+    reason apply refuses them, naming the attention class and its compressor."""
+    compressed = decide_compressed_attention(spec, source.config, book)
+    if compressed is None:
+        return None
+    name = code.roles.attention[0] if code.roles.attention else "the attention"
+    cls = code.facts.classes.get(name)
+    # the forward's self.compressor(...) call (module_calls records self.<attr>(...) lines)
+    calls = [line for attr, line in (cls.module_calls if cls else []) if attr == "compressor"]
+    where = code.where(calls[0]) if calls else code.facts.file_name
+    sinks = sinks_line(code)
+    compressed = replace(compressed, sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None)
+    reason = compressed_refusal(compressed, name, where)
+    book.warn(reason)
+    book.block(reason)
+    return compressed
+
+
 @dataclass(frozen=True)
 class _Caches:
     entries: dict[str, list[CacheEntryPlan]]
@@ -685,6 +716,7 @@ def _assemble_plan(
     attn_tp_size: int,
     block_size: int,
     book: Notebook,
+    compressed: CompressedAttentionPlan | None = None,
 ) -> Plan:
     """The Plan of every stage's decisions, with the notebook's warnings and evidence."""
     attn_types = layers.attn_types
@@ -725,6 +757,7 @@ def _assemble_plan(
         position_bias="alibi" if design.alibi else None,
         mla=dict(spec.mla) if spec.mla else None,
         indexer=indexer,
+        compressed_attention=compressed,
         code=facts,
         config=dict(source.config),
         memory=caches.memory,

@@ -45,8 +45,10 @@ WHEEL_HAS = {
     "torch.ops.custom.compressor": False,
     "torch.ops.custom.npu_quant_lightning_indexer (cmp_ratio)": False,
 }
-#: what each branch runs on the framework's path (modeling_deepseek.py:820, :1435, :2184;
-#: modules/compressor.py:387; modules/indexer.py:320)
+#: what each branch runs on the framework's path (modeling_deepseek.py:820, :2184;
+#: modules/compressor.py:387; modules/indexer.py:320); its window write
+#: (torch.ops.custom.scatter_nd_update_asc, modeling_deepseek.py:1435) is the wheel's
+#: npu_scatter_nd_update_, which kvskill emits for every window
 _FRAMEWORK_OPS = {
     SLIDING: ["npu_scatter_nd_update_", "torch.ops.custom.npu_sparse_attn_sharedkv"],
     CSA: [
@@ -124,6 +126,11 @@ def decide_compressed_attention(
             )
         )
     unknown = sorted({t for t in types if t not in _SHORT})
+    if unknown:
+        book.warn(
+            f"layer types {unknown} are neither sliding, CSA (ratio 4) nor HCA (ratio 128): their "
+            "caches are not counted here"
+        )
     for kind in kinds:
         book.cite(
             "compressed_attention",

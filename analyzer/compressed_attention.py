@@ -138,7 +138,7 @@ def decide_compressed_attention(
             + (f", compress ratio {kind.compress_ratio}" if kind.compress_ratio > 1 else "")
             + (f", indexer {index['n_heads']} heads x {index['head_dim']} top-{index['topk']}"
                if kind.indexer else "")
-            + f"; caches {', '.join(_entry_text(e) for e in kind.caches)}: "
+            + f"; caches {', '.join(entry_text(e) for e in kind.caches)}: "
             f"{kind.bytes_per_token} B/token/layer",
             book.cfg(prefix + ("layer_types" if cfg.get("layer_types") else "compress_ratios")),
         )  # fmt: skip
@@ -182,7 +182,8 @@ def _layer_caches(
     return caches
 
 
-def _entry_text(entry: CacheEntryPlan) -> str:
+def entry_text(entry: CacheEntryPlan) -> str:
+    """``sfa_cmp_kv 1x512/4``: heads x width per row, and the tokens folded into a row."""
     ratio = f"/{entry.compress_ratio}" if entry.compress_ratio > 1 else ""
     return f"{entry.cache_name} {entry.num_head}x{entry.dim}{ratio}"
 

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from kvskill.analyzer.compressed_attention import entry_text
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError
 from kvskill.core.inputs import read_text
@@ -186,11 +187,7 @@ def _compressed_kind_line(kind) -> str:
     if kind.indexer:
         idx = kind.indexer
         parts.append(f"indexer {idx['n_heads']}x{idx['head_dim']} top-{idx['topk']}")
-    caches = ", ".join(
-        f"{e.cache_name} {e.num_head}x{e.dim}"
-        + (f"/{e.compress_ratio}" if e.compress_ratio > 1 else "")
-        for e in kind.caches
-    )
+    caches = ", ".join(map(entry_text, kind.caches))
     missing = (
         f" (not in torch_npu 2.13.0: {', '.join(kind.operators_missing)})"
         if kind.operators_missing

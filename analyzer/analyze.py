@@ -33,6 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from kvskill.analyzer.code_facts import RopeDecision, code_facts, rope_style
+from kvskill.analyzer.compressed_attention import (
+    compressed_cache_entries,
+    decide_compressed_attention,
+)
+from kvskill.analyzer.compressed_attention import refusal as compressed_refusal
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
@@ -81,6 +86,7 @@ from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
+    CompressedAttentionPlan,
     DeployMode,
     Evidence,
     FaVersion,
@@ -313,6 +319,9 @@ def plan_for_source(
     layers = _decide_layers(source, code, read, book)
     design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
     entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
+    compressed = _decide_compressed_attention(source, code, spec, book)
+    if compressed is not None:
+        entries = compressed_cache_entries(compressed)
     caches = _size_caches(
         source,
         code,
@@ -347,6 +356,7 @@ def plan_for_source(
         attn_tp_size=attn_tp_size,
         block_size=block_size,
         book=book,
+        compressed=compressed,
     )
 
 
@@ -534,6 +544,27 @@ def _decide_cache_entries(
     return entries
 
 
+def _decide_compressed_attention(
+    source: ModelSource, code: CodeView, spec: ModelSpec, book: Notebook
+) -> CompressedAttentionPlan | None:
+    """Compressed layers (DeepSeek-V4): their kinds, caches and operators, and the one-line
+    reason apply refuses them, naming the attention class and its compressor."""
+    compressed = decide_compressed_attention(spec, source.config, book)
+    if compressed is None:
+        return None
+    name = code.roles.attention[0] if code.roles.attention else "the attention"
+    cls = code.facts.classes.get(name)
+    # the forward's self.compressor(...) call (module_calls records self.<attr>(...) lines)
+    calls = [line for attr, line in (cls.module_calls if cls else []) if attr == "compressor"]
+    where = code.where(calls[0]) if calls else code.facts.file_name
+    sinks = sinks_line(code)
+    compressed = replace(compressed, sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None)
+    reason = compressed_refusal(compressed, name, where)
+    book.warn(reason)
+    book.block(reason)
+    return compressed
+
+
 @dataclass(frozen=True)
 class _Caches:
     entries: dict[str, list[CacheEntryPlan]]
@@ -563,8 +594,8 @@ def _size_caches(
         * (1 if t == AttnType.MAMBA.value else sublayers)
         for t in layers.attn_types
     }
+    entries = _with_indexer_layers(entries, _indexer_key_layers(spec, sublayers))
     memory = plan_memory(
-        entry_layer_counts=_indexer_key_layers(spec, sublayers),
         spec=spec,
         config=source.config,
         cache_entries=entries,
@@ -604,6 +635,22 @@ def _indexer_key_layers(spec: ModelSpec, sublayers: int) -> dict[str, int] | Non
     if not layers.shared:
         return None
     return {INDEXER_KEY_CACHE: len(layers.owners) * sublayers}
+
+
+def _with_indexer_layers(
+    entries: dict[str, list[CacheEntryPlan]], counts: dict[str, int] | None
+) -> dict[str, list[CacheEntryPlan]]:
+    """ENTRIES with each entry of COUNTS ({cache name: layers declaring it}) carrying its own
+    ``num_layers``, which the bytes per token and the pools count instead of its attn_type's."""
+    if not counts:
+        return entries
+    return {
+        attn_type: [
+            replace(e, num_layers=counts[e.cache_name]) if e.cache_name in counts else e
+            for e in group
+        ]
+        for attn_type, group in entries.items()
+    }
 
 
 # ---- stage 6: what the code does, and the checks that follow --------------------------------
@@ -706,6 +753,7 @@ def _assemble_plan(
     attn_tp_size: int,
     block_size: int,
     book: Notebook,
+    compressed: CompressedAttentionPlan | None = None,
 ) -> Plan:
     """The Plan of every stage's decisions, with the notebook's warnings and evidence."""
     attn_types = layers.attn_types
@@ -746,6 +794,7 @@ def _assemble_plan(
         position_bias="alibi" if design.alibi else None,
         mla=dict(spec.mla) if spec.mla else None,
         indexer=indexer,
+        compressed_attention=compressed,
         code=facts,
         config=dict(source.config),
         memory=caches.memory,

@@ -13,8 +13,8 @@ from typing import Any
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.plan import CacheEntryPlan
 from kvskill.core.attn_types import AttnType
+from kvskill.core.cache_bytes import block_bytes, entry_bytes, token_bytes
 from kvskill.core.cache_bytes import dtype_bytes as element_bytes
-from kvskill.core.cache_bytes import entry_bytes
 from kvskill.core.kv_blocks import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -30,28 +30,28 @@ HBM_UTILISATION = 0.9
 
 
 def bytes_per_token_by_type(
-    cache_entries: dict[str, list[CacheEntryPlan]],
-    layer_counts: dict[str, int],
-    dtype_bytes: int,
-    entry_layer_counts: dict[str, int] | None = None,
+    cache_entries: dict[str, list[CacheEntryPlan]], layer_counts: dict[str, int], dtype_bytes: int
 ) -> dict[str, int]:
-    """KV bytes one token adds, summed over all layers of each per-token attn_type.
-
-    ``entry_layer_counts``: {cache_name: layers declaring it} for an entry that only some
-    layers of its attn_type declare (the indexer keys, kept by GLM-5's indexer layers only);
-    every other entry counts on every layer of its attn_type.
-    """
-    only_some = entry_layer_counts or {}
+    """KV bytes one token adds, summed over all layers of each per-token attn_type (a
+    compressed entry adds 1 / compress_ratio of its row per token)."""
     result: dict[str, int] = {}
     for attn_type, entries in cache_entries.items():
         if attn_type == AttnType.MAMBA.value:
             continue
-        layers = layer_counts.get(attn_type, 0)
         result[attn_type] = sum(
-            entry_bytes(int(e.dim), e.num_head, dtype_bytes) * only_some.get(e.cache_name, layers)
+            token_bytes(_row_bytes(e, dtype_bytes), e.compress_ratio)
+            * _num_layers(e, attn_type, layer_counts)
             for e in entries
         )
     return result
+
+
+def _row_bytes(entry: CacheEntryPlan, dtype_bytes: int) -> int:
+    return entry_bytes(int(entry.dim), entry.num_head, dtype_bytes)
+
+
+def _num_layers(entry: CacheEntryPlan, attn_type: str, layer_counts: dict[str, int]) -> int:
+    return entry.num_layers if entry.num_layers is not None else layer_counts.get(attn_type, 0)
 
 
 def state_bytes_per_request(
@@ -112,19 +112,14 @@ def plan_memory(
     kv_memory_bytes: int | None,
     hbm_gb: float | None,
     legacy_row_tokens: int | None = None,
-    entry_layer_counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Per-token and per-request costs; with a budget, blocks and max tokens in flight.
-
-    ``entry_layer_counts``: see :func:`bytes_per_token_by_type`.
 
     ``legacy_row_tokens``: a Legacy model's static row (``max_model_len``); every layer, the
     sliding ones too, keeps a whole row per request, so the row is the cost of a request.
     """
     dtype_bytes = spec.dtype_bytes
-    per_token = bytes_per_token_by_type(
-        cache_entries, layer_counts, dtype_bytes, entry_layer_counts
-    )
+    per_token = bytes_per_token_by_type(cache_entries, layer_counts, dtype_bytes)
     state = state_bytes_per_request(cache_entries, layer_counts, dtype_bytes)
     window = spec.sliding_window or 0
     sliding_bytes = per_token.get(AttnType.SLIDING_WINDOW.value, 0)
@@ -155,7 +150,7 @@ def plan_memory(
             )
         ]
     else:
-        costs = _group_costs(per_token, state, window or None, block_size)
+        costs = _group_costs(cache_entries, layer_counts, dtype_bytes, state, window, block_size)
     plan.update(_blocks_for_budget(costs, budget, legacy_row_tokens or block_size))
     if legacy_row_tokens:
         plan["max_requests"] = max(plan["num_blocks"] - NULL_BLOCKS_PER_POOL, 0)
@@ -170,31 +165,43 @@ def plan_memory(
 
 
 def _group_costs(
-    per_token: dict[str, int], state: int, window: int | None, block_size: int
+    cache_entries: dict[str, list[CacheEntryPlan]],
+    layer_counts: dict[str, int],
+    dtype_bytes: int,
+    state: int,
+    window: int | None,
+    block_size: int,
 ) -> list[GroupBlockCost]:
     """The cache groups ``kvskill run`` builds for this model (contiguous layout), priced.
 
-    A window group holds what one step of ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` new tokens can
-    add to its window, as the runtime's sliding-window manager reserves; a state group one
-    row per request.
+    Entries group by ``manager_key`` or attn_type, as the runtime groups them; a block of a
+    compressed entry holds ``block_size // compress_ratio`` rows. A window group holds what
+    one step of ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` new tokens can add to its window, as the
+    runtime's sliding-window manager reserves; a state group one row per request.
     """
+    block_cost: dict[tuple[str, str], int] = {}
+    for attn_type, entries in cache_entries.items():
+        if attn_type == AttnType.MAMBA.value:
+            continue
+        for e in entries:
+            key = (e.manager_key or attn_type, attn_type)
+            cost = block_bytes(_row_bytes(e, dtype_bytes), block_size, e.compress_ratio)
+            block_cost[key] = block_cost.get(key, 0) + cost * _num_layers(
+                e, attn_type, layer_counts
+            )
     costs = []
-    for attn_type, bytes_per_token in per_token.items():
-        if not bytes_per_token:
+    for (key, attn_type), bytes_per_block in block_cost.items():
+        if not bytes_per_block:
             continue  # every layer of the type reads another's cache: no group of its own
         bound = None
         if attn_type == AttnType.SLIDING_WINDOW.value:
             bound = window_blocks_per_request(
-                sliding_window=window,
+                sliding_window=window or None,
                 block_size=block_size,
                 max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
             )
         costs.append(
-            GroupBlockCost(
-                key=attn_type,
-                bytes_per_block=bytes_per_token * block_size,
-                max_blocks_per_request=bound,
-            )
+            GroupBlockCost(key=key, bytes_per_block=bytes_per_block, max_blocks_per_request=bound)
         )
     if state:
         costs.append(

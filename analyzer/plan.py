@@ -130,6 +130,25 @@ class CacheEntryPlan:
     num_head: int
     dtype: str
     sliding_window: int | None = None
+    #: tokens folded into one row (1: a row per token); a block of block_size tokens holds
+    #: block_size // compress_ratio rows
+    compress_ratio: int = 1
+    #: groups the entry under this key instead of its attn_type (its own pool and table)
+    manager_key: str | None = None
+    #: layers declaring it, when not every layer of its attn_type does (None: all of them)
+    num_layers: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record; the compressed-cache keys only where they say something."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, default in _ENTRY_DEFAULTS.items():
+            if record[name] == default:
+                del record[name]
+        return record
+
+
+#: CacheEntryPlan keys a plan file leaves out at these values (plans written before them)
+_ENTRY_DEFAULTS = {"compress_ratio": 1, "manager_key": None, "num_layers": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +199,53 @@ class IndexerPlan:
     #: the layers that reuse the top-k of the previous indexer layer (GLM-5's "shared"
     #: ``indexer_types``): no indexer module, no ``key_cache``
     shared_layers: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedLayerKind:
+    """One kind of layer of compressed attention (DeepSeek-V4): sliding only, CSA or HCA."""
+
+    #: the config's name (``layer_types``) and its short form ("sliding" | "CSA" | "HCA")
+    layer_type: str
+    name: str
+    layer_indices: list[int]
+    #: tokens per compressed entry (1: the layer keeps only its window)
+    compress_ratio: int
+    #: tokens of the window every layer attends uncompressed
+    sliding_window: int
+    #: one layer's token caches, as the framework declares them
+    caches: list[CacheEntryPlan]
+    #: cache bytes one token adds to one layer of this kind (compressed rows / ratio)
+    bytes_per_token: int
+    #: the top-k indexer over compressed keys (CSA): n_heads, head_dim, topk
+    indexer: dict[str, Any] | None
+    #: what the framework's paged path calls for this kind, and those torch_npu 2.13.0 lacks
+    operators: list[str]
+    operators_missing: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedAttentionPlan:
+    """The compressed layers of a model and what converting them would need."""
+
+    kinds: list[CompressedLayerKind]
+    #: layer types the config names that none of the kinds above describes
+    unknown_layer_types: list[str]
+    #: operator -> whether the torch_npu 2.13.0 wheel has it
+    wheel_operators: dict[str, bool]
+    #: where the attention's learnable per-head sink logits live (every layer's softmax
+    #: takes them), None when it has none
+    sinks: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            k if isinstance(k, CompressedLayerKind) else CompressedLayerKind(**k)
+            for k in self.kinds
+        ]
+        for kind in kinds:
+            caches = [_record(CacheEntryPlan, e) for e in kind.caches]
+            object.__setattr__(kind, "caches", caches)
+        object.__setattr__(self, "kinds", kinds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +341,8 @@ class Plan:
     mla: MlaDims | None = None
     #: the DSA indexer when the attention is indexed sparse attention, else None
     indexer: IndexerPlan | None = None
+    #: the compressed layers (DeepSeek-V4) when the model has them, else None
+    compressed_attention: CompressedAttentionPlan | None = None
     #: facts from the code scan: attention class names, decoder/model/CausalLM classes, ...
     #: (an open set of scan results, kept as plain data)
     code: dict[str, Any] = field(default_factory=dict)
@@ -324,6 +392,8 @@ class Plan:
             put("mla", _record(MlaDims, self.mla))
         if self.indexer is not None:
             put("indexer", _record(IndexerPlan, self.indexer))
+        if self.compressed_attention is not None:
+            put("compressed_attention", _record(CompressedAttentionPlan, self.compressed_attention))
         if self.mla_cache_write is not None:
             put("mla_cache_write", MlaCacheWrite(self.mla_cache_write))
         if self.position_bias is not None:

@@ -175,7 +175,6 @@ def code_notes(
     for kind, note in (
         ("hybrid", "layers that hold both attention KV and a Mamba state"),
         ("indexed_attention", _unplanned_indexer_note(spec)),
-        ("compressed_attention", "compressed sparse attention layers"),
     ):
         if kind in kinds:
             msg = f"{note}: planned as FullAttention; the extra cache is not converted"

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from kvskill.analyzer.compressed_attention import entry_text
 from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import BadInputError
 from kvskill.core.inputs import read_text
@@ -154,9 +155,53 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                 + f"; {' + '.join(index.operators)}",
             ),
         )
+    if plan.compressed_attention is not None:
+        at = (
+            rows.index(("KV bytes/token", rows[-1][1]))
+            if rows[-1][0] == "KV bytes/token"
+            else len(rows)
+        )
+        rows[at:at] = [
+            (f"{kind.name} layers", _compressed_kind_line(kind))
+            for kind in plan.compressed_attention.kinds
+        ]
+        if plan.compressed_attention.sinks:
+            rows.insert(
+                at + len(plan.compressed_attention.kinds),
+                (
+                    "sinks",
+                    f"{plan.num_attention_heads} learnable per-head logits, "
+                    f"{plan.compressed_attention.sinks}, in every layer's softmax: FA v2 "
+                    "learnable_sink (value d <= 128) or npu_sparse_flash_attention sinks "
+                    "(Ascend 950 only)",
+                ),
+            )
     if "kv_memory_bytes" in plan.memory:
         rows.append(("memory", memory_line(plan.memory)))
     return rows
+
+
+def _compressed_kind_line(kind) -> str:
+    """``20 (3, 5, ...), window 128, ratio 4, indexer 64x128 top-512; win_kv 1x512 ... ; ops``"""
+    shown = ", ".join(map(str, kind.layer_indices[:4])) + (
+        ", ..." if len(kind.layer_indices) > 4 else ""
+    )
+    parts = [f"{len(kind.layer_indices)} ({shown}), window {kind.sliding_window}"]
+    if kind.compress_ratio > 1:
+        parts.append(f"ratio {kind.compress_ratio}")
+    if kind.indexer:
+        idx = kind.indexer
+        parts.append(f"indexer {idx['n_heads']}x{idx['head_dim']} top-{idx['topk']}")
+    caches = ", ".join(map(entry_text, kind.caches))
+    missing = (
+        f" (not in torch_npu 2.13.0: {', '.join(kind.operators_missing)})"
+        if kind.operators_missing
+        else ""
+    )
+    return (
+        f"{', '.join(parts)}; {caches} = {kind.bytes_per_token} B/token/layer; "
+        f"{' + '.join(kind.operators)}{missing}"
+    )
 
 
 def to_table(plan: Plan) -> str:

@@ -74,11 +74,13 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
             # attention and a Mamba mixer in one layer: one entry per cache group, same index
             for attn_type in (AttnType.FULL_ATTENTION, AttnType.MAMBA):
                 layers.append(LayerPlan(index=index, kind=kind, attn_type=attn_type.value))
-        elif kind == "sliding":
+        elif kind == "sliding" or (kind == "compressed_attention" and spec.sliding_window):
+            # a compressed layer's own keys are a window; its compressed entries are extra
+            # cache groups (analyzer/compressed_attention.py)
             layers.append(
                 LayerPlan(
                     index=index,
-                    kind="attention",
+                    kind="attention" if kind == "sliding" else kind,
                     attn_type=AttnType.SLIDING_WINDOW.value,
                     sliding_window=spec.sliding_window,
                 )

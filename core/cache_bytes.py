@@ -44,6 +44,24 @@ def entry_bytes(dims: int | Iterable[int], num_head: int, element_bytes: int) ->
     return math.prod(int(d) for d in shape) * int(num_head) * int(element_bytes)
 
 
+def block_bytes(row_bytes: int, block_size: int, compress_ratio: int = 1) -> int:
+    """Bytes one block of BLOCK_SIZE tokens holds of a cache with rows of ROW_BYTES.
+
+    A row per token, or for a compressed cache one row per ``compress_ratio`` tokens:
+    ``block_size // compress_ratio`` rows (the framework's ``storage_block_size``). Example: a
+    512-wide bf16 row, 128-token blocks, ratio 4: 32 rows x 1,024 B = 32,768 B.
+    """
+    assert block_size % compress_ratio == 0, "a block holds whole compressed rows"
+    return block_size // compress_ratio * row_bytes
+
+
+def token_bytes(row_bytes: int, compress_ratio: int = 1) -> int:
+    """Bytes one token adds to a cache: its row, or 1 / compress_ratio of a compressed row
+    (rounded up when the ratio does not divide the row; blocks are priced exactly by
+    :func:`block_bytes`)."""
+    return -(-row_bytes // compress_ratio)
+
+
 def hybrid_block_size(
     attention_bytes_per_token: int, state_page_bytes: int, kernel_block_size: int = 16
 ) -> int:

@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 from kvskill.core.attn_types import AttnType
-from kvskill.core.cache_bytes import entry_bytes
+from kvskill.core.cache_bytes import block_bytes, entry_bytes
 from kvskill.core.errors import BadInputError
 from torch import Tensor
 
@@ -96,24 +96,31 @@ class CacheEntry:
     @property
     def storage_block_size(self) -> int:
         """Rows one block stores: ``block_size // compress_ratio``."""
-        if self.block_size % self.compress_ratio:
-            raise CacheInfoError(
-                f"cache {self.cache_name!r} has block_size {self.block_size}, which "
-                f"compress_ratio {self.compress_ratio} does not divide"
-            )
-        return self.block_size // self.compress_ratio
+        return self.rows_per_block(self.block_size)
 
     @property
     def dims(self) -> tuple[int, ...]:
         return tuple(self.dim) if isinstance(self.dim, (list, tuple)) else (self.dim,)
 
+    def rows_per_block(self, block_size: int) -> int:
+        """Rows one block of BLOCK_SIZE tokens stores: one per token, or one per
+        ``compress_ratio`` tokens for a compressed cache (``storage_block_size``)."""
+        if block_size % self.compress_ratio:
+            raise CacheInfoError(
+                f"cache {self.cache_name!r} has block_size {block_size}, which "
+                f"compress_ratio {self.compress_ratio} does not divide"
+            )
+        return block_size // self.compress_ratio
+
     def block_shape(self, block_size: int) -> tuple[int, ...]:
-        """Shape of one block of this entry: ``(block_size, num_head, *dim)``."""
-        return (block_size, self.num_head, *self.dims)
+        """Shape of one block of this entry: ``(rows_per_block, num_head, *dim)``."""
+        return (self.rows_per_block(block_size), self.num_head, *self.dims)
 
     def bytes_per_block(self, block_size: int) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return block_size * entry_bytes(self.dims, self.num_head, element_size)
+        self.rows_per_block(block_size)  # a named error for a ratio that does not divide
+        row = entry_bytes(self.dims, self.num_head, element_size)
+        return block_bytes(row, block_size, self.compress_ratio)
 
 
 @dataclass(eq=False)
@@ -292,6 +299,17 @@ def _validate_entry(
         ) from None
     if not _positive_int(entry.compress_ratio):
         raise CacheInfoError(f"{where} has compress_ratio {entry.compress_ratio!r}; expected > 0")
+    if entry.compress_ratio > 1:
+        if entry.attn_type in (AttnType.MAMBA.value, AttnType.LEGACY.value):
+            raise CacheInfoError(
+                f"{where} is {entry.attn_type} with compress_ratio {entry.compress_ratio}; only "
+                "token caches (a block of block_size tokens) can fold tokens into rows"
+            )
+        if entry.block_size % entry.compress_ratio:
+            raise CacheInfoError(
+                f"{where} has block_size {entry.block_size}, which compress_ratio "
+                f"{entry.compress_ratio} does not divide; a block must hold whole rows"
+            )
     if entry.attn_type == AttnType.SLIDING_WINDOW.value and not _positive_int(entry.sliding_window):
         raise CacheInfoError(
             f"{where} is SlidingWindow but sliding_window={entry.sliding_window!r}; "
@@ -326,7 +344,7 @@ def validate_cache_info(
         )
     known = None if known_attn_types is None else set(known_attn_types)
     seen_layers: set[int] = set()
-    group_shape: dict[str, tuple[int | None, int | None, str]] = {}
+    group_shape: dict[str, tuple[int | None, int | None, str, int]] = {}
     for layer in info.layer_infos:
         if layer.layer_idx in seen_layers:
             raise CacheInfoError(f"layer_idx {layer.layer_idx} appears twice in layer_infos")
@@ -341,11 +359,13 @@ def validate_cache_info(
             if not entry.needs_block:
                 continue
             key = entry.group_key
-            shape = (entry.sliding_window, entry.block_size, entry.attn_type)
+            # One manager per group: its entries share the window, the block boundary and,
+            # as the framework requires of a FullAttention group, the compress ratio.
+            shape = (entry.sliding_window, entry.block_size, entry.attn_type, entry.compress_ratio)
             first = group_shape.setdefault(key, shape)
             if first != shape:
                 raise CacheInfoError(
                     f"cache {entry.cache_name!r} in layer {layer.layer_idx} has "
-                    f"(sliding_window, block_size, attn_type)={shape} but group {key!r} "
-                    f"already uses {first}; give it its own manager_key"
+                    f"(sliding_window, block_size, attn_type, compress_ratio)={shape} but group "
+                    f"{key!r} already uses {first}; give it its own manager_key"
                 )

@@ -146,13 +146,20 @@ class RuntimeChainRecorder:
             )
         )
 
-    def check(self, group_keys: Sequence[str], state_group_keys: Sequence[str] = ()) -> ChainResult:
+    def check(
+        self,
+        group_keys: Sequence[str],
+        state_group_keys: Sequence[str] = (),
+        slotless_group_keys: Sequence[str] = (),
+    ) -> ChainResult:
         """Tables of every step, and the kv lengths of decode steps.
 
         Args:
             group_keys: every KV group.
             state_group_keys: those of them holding one state block per request (Mamba):
                 their table is ``[B, 1]`` and they have no slot mapping.
+            slotless_group_keys: token groups the model addresses from the block table
+                (compressed caches): a block table and no slot mapping.
         """
         failures: list[str] = []
         #: state group -> request id -> the state block it holds until it finishes or is
@@ -163,7 +170,9 @@ class RuntimeChainRecorder:
         preempted: set[str] = set()
         for i, step in enumerate(self.steps):
             preempted.update(step.preempted_ids)
-            failures += _check_tables(i, step, group_keys, frozenset(state_group_keys))
+            failures += _check_tables(
+                i, step, group_keys, frozenset(state_group_keys), frozenset(slotless_group_keys)
+            )
             failures += _check_state_blocks(i, step, state_group_keys, owners)
             for rid, prompt, outputs, kv, q in zip(
                 step.request_ids,
@@ -202,7 +211,11 @@ class RuntimeChainRecorder:
 
 
 def _check_tables(
-    index: int, step: _StepFacts, group_keys: Sequence[str], state_groups: frozenset[str]
+    index: int,
+    step: _StepFacts,
+    group_keys: Sequence[str],
+    state_groups: frozenset[str],
+    slotless_groups: frozenset[str] = frozenset(),
 ) -> list[str]:
     failures = []
     for key in group_keys:
@@ -224,6 +237,13 @@ def _check_tables(
                 f"step {index}: block_table[{key!r}] is {shape} {dtype}, expected "
                 f"[{step.batch}, max_blocks] torch.int32"
             )
+        if key in slotless_groups:
+            if num_slots != -1:
+                failures.append(
+                    f"step {index}: compressed group {key!r} has {num_slots} slots; its rows "
+                    "are addressed from the block table, with no slot mapping"
+                )
+            continue
         if num_slots != step.num_tokens:
             failures.append(
                 f"step {index}: slot_mapping[{key!r}] has {num_slots} slots for "
@@ -334,6 +354,8 @@ def run_three_chains(
     with llm.step_hook(recorder):
         outputs = llm.generate(prompts, params)
     manager = llm.kv_manager
-    runtime = recorder.check(manager.group_keys, manager.state_group_keys)
+    runtime = recorder.check(
+        manager.group_keys, manager.state_group_keys, manager.slotless_group_keys
+    )
     release = check_release_chain(llm, prompts, params, outputs)
     return ChainReport((init, runtime, release), tuple(outputs))

@@ -1,7 +1,8 @@
 """Cache groups: the entries one manager serves, gathered from a model's declarations.
 
 Entries with the same group key (``manager_key`` or ``attn_type``) share a block size, a
-window, one block table and one slot mapping; ``build_groups`` collects them layer by layer.
+window, a compress ratio, one block table and one slot mapping (none for a compressed group,
+see ``managers``); ``build_groups`` collects them layer by layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ class KVCacheGroup:
     attn_type: str
     block_size: int
     sliding_window: int | None
+    #: tokens folded into one stored row (1: a row per token); its block of ``block_size``
+    #: tokens stores ``block_size // compress_ratio`` rows
+    compress_ratio: int = 1
     #: (layer info, that layer's entries of this group), in layer order
     layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
 
@@ -52,6 +56,7 @@ def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
                     attn_type=entry.attn_type,
                     block_size=entry.block_size,
                     sliding_window=entry.sliding_window,
+                    compress_ratio=entry.compress_ratio,
                 )
             if not group.layers or group.layers[-1][0] is not layer:
                 group.layers.append((layer, []))

@@ -112,6 +112,7 @@ class KVCacheManager:
                 group_key=key,
                 block_size=g.block_size,
                 sliding_window=g.sliding_window,
+                compress_ratio=g.compress_ratio,
             )
             for key, g in self.groups.items()
         }
@@ -193,8 +194,16 @@ class KVCacheManager:
 
     @property
     def token_group_keys(self) -> list[str]:
-        """Groups whose blocks hold tokens: these get a slot mapping each step."""
+        """Groups whose blocks hold tokens."""
         return [k for k, m in self.managers.items() if m.is_token_addressed]
+
+    @property
+    def slotless_group_keys(self) -> list[str]:
+        """Token groups without a slot mapping: compressed ones, whose rows the model
+        addresses from the block table (see ``managers.SingleTypeKVCacheManager``)."""
+        return [
+            k for k, m in self.managers.items() if m.is_token_addressed and not m.has_slot_mapping
+        ]
 
     @property
     def state_group_keys(self) -> list[str]:

@@ -3,7 +3,8 @@
 Two paths behind one switch (``use_hybrid_blocks``):
 
 * contiguous-compatible: one dense tensor per entry, ``[num_blocks, block_size, heads, *dim]``
-  (Mamba: ``[num_blocks, *shape]``), each group with its own block ids.
+  (Mamba: ``[num_blocks, *shape]``; a compressed entry: ``block_size // compress_ratio`` rows
+  in place of ``block_size``), each group with its own block ids.
 * page pool: one int8 allocation split into pages of ``page_size_bytes`` (the largest
   per-layer block payload of any group, rounded up to the alignment). The j-th layer of
   every group gets raw page view j, ``[num_blocks, page_size_bytes]``; all groups draw

@@ -49,6 +49,27 @@ class SingleTypeKVCacheManager:
     so ``slot = blocks[pos // block_size] * block_size + pos % block_size`` holds for every
     live token. Blocks nobody can read any more are released and replaced by the null block,
     which keeps those indices valid. Subclasses override narrow hooks only.
+
+    A compressed group (``compress_ratio`` r > 1) keeps the same logical blocks: block i still
+    covers tokens ``[i * block_size, (i+1) * block_size)`` (so prefix hashes, hits and
+    preemption work on the tokens as for any group), and stores their
+    ``storage_block_size = block_size // r`` rows; row c (tokens ``[c * r, (c+1) * r)``) sits
+    at ``blocks[c // storage_block_size] * storage_block_size + c % storage_block_size``.
+    As in the Ascend framework (cann-recipes-infer ``fbc225d``), such a group gets a block
+    table and no slot mapping; the model forms its row slots itself:
+
+    - ``executor/core/kv_cache/cache_utils.py:547-549``: ``prepare_slot_mapping`` skips a
+      manager whose ``compress_ratio > 1`` (no ``slot_mapping[key]`` for it);
+    - ``cache_utils.py:157`` and ``:288``: tensors are ``[blocks, storage_block_size, heads,
+      dim]`` and a block costs ``block_size * row_bytes // compress_ratio``;
+    - ``single_type_kv_cache_manager.py:175-181``: one FullAttention group, one ratio;
+    - ``models/deepseek_v4/models/modules/attention_data.py:381-424``: the model's compressed
+      slot mapping, ``block_table[b, c // bs] * bs + c % bs`` over compressed positions c,
+      with ``bs`` the rows per block (its compressed entries declare ``block_size =
+      rows * ratio``, ``modeling_deepseek.py:913-934``).
+
+    ``tables.prepare_slot_mapping(block_table, request_index, rows, storage_block_size)`` gives
+    the same slots.
     """
 
     attn_type: ClassVar[str] = ""
@@ -70,11 +91,14 @@ class SingleTypeKVCacheManager:
         group_key: str,
         block_size: int,
         sliding_window: int | None = None,
+        compress_ratio: int = 1,
     ) -> None:
         self.block_pool = block_pool
         self.group_key = group_key
         self.block_size = block_size
         self.sliding_window = sliding_window
+        #: tokens per stored row; > 1: the model addresses rows itself (no slot mapping)
+        self.compress_ratio = compress_ratio
         #: block ids as C ints (``array("i")``): a step's block table is then a few memcpys
         #: per request instead of a conversion of every id
         self.req_to_blocks: dict[str, array] = {}
@@ -323,8 +347,22 @@ class SingleTypeKVCacheManager:
             # One block per request holds its whole recurrent state; no token slots.
             assert all(len(r) >= 1 for r in rows), self._not_covered()
             return GroupStepTables(block_table=table, slot_mapping=None)
+        if not self.has_slot_mapping:
+            # Compressed rows are addressed by the model from the table (class docstring).
+            kv_lens = [s + q for s, q in zip(starts, num_new_tokens, strict=True)]
+            need = self.num_blocks_for
+            assert all(len(r) >= need(n) for r, n in zip(rows, kv_lens, strict=True)), (
+                self._not_covered()
+            )
+            return GroupStepTables(block_table=table, slot_mapping=None)
         slots = self._slot_mapping(rows, table, starts, num_new_tokens)
         return GroupStepTables(block_table=table, slot_mapping=slots)
+
+    @property
+    def has_slot_mapping(self) -> bool:
+        """Whether each step gives this group a per-token slot mapping (token groups that
+        store a row per token)."""
+        return self.is_token_addressed and self.compress_ratio == 1
 
     def _slot_mapping(
         self,

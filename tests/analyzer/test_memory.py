@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 from kvskill.analyzer import analyze_model
@@ -122,3 +123,64 @@ def test_weights_larger_than_the_device_leave_no_kv_memory():
     plan = analyze_model("deepseek_v3", hbm_gb=64)  # ~671B parameters cannot fit
     assert plan.memory["kv_memory_bytes"] == 0 and plan.memory["max_tokens"] == 0
     assert any("no memory left for the KV cache" in w for w in plan.warnings)
+
+
+def test_compressed_entries_cost_their_rows_and_match_the_runtime_pools():
+    """A compressed entry adds row / ratio bytes per token, and analyze's blocks per group are
+    the pools the runtime builds for the same declarations (one group per manager_key)."""
+    import torch
+    from kvskill.analyzer.memory import plan_memory
+    from kvskill.analyzer.plan import CacheEntryPlan
+    from kvskill.runtime import CacheEntry, KVCacheManager, LayerCacheInfo, ModelCacheInfo
+
+    block_size, budget, window = 16, 256 << 20, 8
+    # (cache_name, attn_type, dim, compress_ratio, manager_key, layers declaring it)
+    declared = [
+        ("win_kv", "SlidingWindow", 64, 1, None, (0, 1, 2)),
+        ("cmp_kv", "FullAttention", 64, 4, "c4", (0, 1)),
+        ("idx_kv", "FullAttention", 32, 4, "c4", (0, 1)),
+        ("cmp_kv", "FullAttention", 64, 16, "c16", (2,)),
+    ]
+    entries: dict[str, list[CacheEntryPlan]] = {}
+    for name, attn_type, dim, ratio, key, layers in declared:
+        entries.setdefault(attn_type, []).append(
+            CacheEntryPlan(
+                cache_name=name,
+                dim=dim,
+                num_head=1,
+                dtype="bfloat16",
+                sliding_window=window if attn_type == "SlidingWindow" else None,
+                compress_ratio=ratio,
+                manager_key=key,
+                num_layers=len(layers),
+            )
+        )
+    spec = SimpleNamespace(dtype="bfloat16", dtype_bytes=2, sliding_window=window)
+    memory = plan_memory(
+        spec=spec,
+        config={},
+        cache_entries=entries,
+        layer_counts={"SlidingWindow": 3},
+        block_size=block_size,
+        kv_memory_bytes=budget,
+        hbm_gb=None,
+    )
+    # 3 x 128 B window rows; 2 x (128 + 64) / 4 B; 128 / 16 B
+    assert memory["bytes_per_token"] == {"SlidingWindow": 384, "FullAttention": 96 + 8}
+
+    layers = []
+    for index in range(3):
+        caches = [
+            CacheEntry(name, attn_type, dim, 1, torch.bfloat16, True, block_size=block_size,
+                       manager_key=key, compress_ratio=ratio, tensor_setter=lambda t: None,
+                       sliding_window=window if attn_type == "SlidingWindow" else None)
+            for name, attn_type, dim, ratio, key, layer_ids in declared
+            if index in layer_ids
+        ]  # fmt: skip
+        layers.append(LayerCacheInfo(index, caches))
+    info = ModelCacheInfo(num_layers=3, layer_infos=layers)
+    runtime = KVCacheManager(
+        info, memory_budget_bytes=budget, max_num_seqs=128, max_num_batched_tokens=2048
+    )
+    assert runtime.num_blocks == memory["num_blocks_by_group"]
+    assert set(runtime.num_blocks) == {"SlidingWindow", "c4", "c16"}

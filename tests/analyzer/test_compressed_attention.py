@@ -1,0 +1,93 @@
+"""DeepSeek-V4's compressed attention: analyze names its layer kinds, caches, sinks and
+operators, counts every cache, and apply refuses it naming the operator the wheel lacks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvskill.analyzer import analyze_model
+from kvskill.analyzer.compressed_attention import WHEEL_HAS, layer_types_of
+from kvskill.core.errors import UnsupportedModelError
+from kvskill.implementer.convert import ApplyOptions
+from kvskill.implementer.writer import apply_model
+from transformers import DeepseekV4Config
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "npu_schemas.json"
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return analyze_model("deepseek_v4", kv_memory_bytes=8 << 30)
+
+
+def test_layer_kinds_ratios_and_caches_come_from_the_config(plan):
+    config = DeepseekV4Config()
+    csa = [i for i, t in enumerate(config.layer_types) if t == "compressed_sparse_attention"]
+    hca = [i for i, t in enumerate(config.layer_types) if t == "heavily_compressed_attention"]
+    kinds = {k.name: k for k in plan.compressed_attention.kinds}
+    assert sorted(kinds) == ["CSA", "HCA"]
+    assert kinds["CSA"].layer_indices == csa and kinds["HCA"].layer_indices == hca
+    assert kinds["CSA"].compress_ratio == config.compress_rates["compressed_sparse_attention"]
+    assert kinds["HCA"].compress_ratio == config.compress_rates["heavily_compressed_attention"]
+    assert kinds["CSA"].indexer == {
+        "n_heads": config.index_n_heads,
+        "head_dim": config.index_head_dim,
+        "topk": config.index_topk,
+    }
+    # every layer attends its own window of K = V rows: one SlidingWindow entry per layer
+    assert {(layer.attn_type, layer.sliding_window) for layer in plan.layers} == {
+        ("SlidingWindow", config.sliding_window)
+    }
+    row = config.head_dim * 2  # bf16, one head, K = V
+    index_row = config.index_head_dim * 2
+    assert kinds["CSA"].bytes_per_token == row + row // 4 + index_row // 4
+    assert kinds["HCA"].bytes_per_token == row + row // 128
+    expected = (
+        len(config.layer_types) * row + len(csa) * (row + index_row) // 4 + len(hca) * row // 128
+    )
+    assert plan.kv_bytes_per_token == expected == 50616
+    # one pool per group the framework declares: the window, and each ratio's compressed rows
+    groups = plan.memory["num_blocks_by_group"]
+    assert sorted(groups) == ["c128a_cmp_kv", "c4a_cmp_kv", "win_kv"]
+    assert plan.memory["reserved_groups"] == ["win_kv"]
+    assert groups["c4a_cmp_kv"] == groups["c128a_cmp_kv"]
+
+
+def test_sinks_and_the_operators_each_path_needs_are_named(plan):
+    compressed = plan.compressed_attention
+    assert compressed.sinks == "DeepseekV4Attention.sinks (modeling_deepseek_v4.py:806)"
+    kinds = {k.name: k for k in compressed.kinds}
+    assert "torch.ops.custom.npu_sparse_attn_sharedkv" in kinds["HCA"].operators_missing
+    assert "torch.ops.custom.compressor" in kinds["CSA"].operators_missing
+    # the wheel's record: what exists is in the extracted schemas, what does not is absent
+    fixture = json.loads(FIXTURE.read_text())
+    for name, present in WHEEL_HAS.items():
+        bare = name.removeprefix("torch.ops.custom.").split(" ")[0]
+        if present:
+            assert name in fixture["operators"], name
+        elif "(" not in name:
+            assert bare in fixture["absent"] and bare not in fixture["operators"], name
+
+
+def test_apply_refuses_with_the_class_line_and_missing_operator(plan, tmp_path):
+    line = plan.implementer_blockers[0]
+    assert line.startswith(
+        "DeepseekV4Attention (modeling_deepseek_v4.py:840) calls self.compressor"
+    )
+    assert "npu_sparse_attn_sharedkv" in line and "\n" not in line
+    with pytest.raises(UnsupportedModelError, match=r"modeling_deepseek_v4\.py:840"):
+        apply_model("deepseek_v4", tmp_path / "out", ApplyOptions())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_ratio_list_names_the_same_kinds():
+    config = {"compress_ratios": [0, 4, 128, 4]}
+    assert layer_types_of(config) == [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ]
+    assert layer_types_of({"layer_types": ["full_attention"]}) is None

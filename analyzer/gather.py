@@ -68,6 +68,9 @@ class CallKind(str, Enum):
 
     CACHE_UPDATE = "cache_update"
     FA_CALL = "fa_call"
+    #: the fused attention over an indexer's top-k (npu_sparse_flash_attention): the read of
+    #: a converted DSA attention, or of a Legacy row writer when no cache entries are declared
+    SPARSE_FA_CALL = "sparse_fa_call"
     CACHE_WRITE = "scatter_update"
     ATTENTION_CALL = "attention_call"
     STATE_CALL = "linear_attention_call"
@@ -103,9 +106,10 @@ def classify_call(call: cst.Call) -> tuple[CallKind, str, str] | None:
     if callee == "update" and is_cache_receiver(receiver) and len(call.args) >= 3:
         # Cache.update(key_states, value_states, layer_idx, ...): dict.update takes one arg
         return CallKind.CACHE_UPDATE, callee, receiver
-    if callee in FA_OPS or callee == SPARSE_FA_OP:
-        # a converted DSA attention reads its paged caches with the sparse fused attention
+    if callee in FA_OPS:
         return CallKind.FA_CALL, callee, receiver
+    if callee == SPARSE_FA_OP:
+        return CallKind.SPARSE_FA_CALL, callee, receiver
     if callee in CACHE_WRITE_OPS:
         return CallKind.CACHE_WRITE, callee, receiver
     if callee in ATTENTION_KERNELS:

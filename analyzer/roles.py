@@ -78,6 +78,12 @@ def find_roles(facts: ModuleFacts, causal_lm_hint: str | None = None) -> CodeRol
     return roles
 
 
+def _converted_dsa(cls: ClassFacts) -> bool:
+    """A DSA attention kvskill converted: it declares its cache entries and reads them with
+    the sparse fused attention (a Legacy row writer reading the same way declares none)."""
+    return _has_call(cls, "sparse_fa_call") and "cache_entries" in cls.self_attrs
+
+
 def _find_mixers(facts: ModuleFacts, roles: CodeRoles) -> None:
     candidates: list[str] = []
     layer = facts.classes.get(roles.decoder_layer or "")
@@ -96,7 +102,7 @@ def _find_mixers(facts: ModuleFacts, roles: CodeRoles) -> None:
             continue
         if _has_call(cls, "linear_attention_call"):
             roles.linear_attention.append(name)
-        elif _has_call(cls, "cache_update", "attention_call", "fa_call"):
+        elif _has_call(cls, "cache_update", "attention_call", "fa_call") or _converted_dsa(cls):
             roles.attention.append(name)
     if not roles.attention:
         # Dispatch through a dict or a factory: every class that writes the KV cache.

@@ -31,6 +31,7 @@ class CallFact:
     """One call found in a class method."""
 
     #: "cache_update" | "attention_call" | "linear_attention_call" | "scatter_update" | "fa_call"
+    #: | "sparse_fa_call"
     kind: str
     callee: str
     #: the receiver of a method call ("cache", "past_key_value", "self"), or ""

@@ -193,17 +193,18 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "cos": fused.cos if fused else "",
             "sin": fused.sin if fused else "",
             "kv_b_proj": facts.kv_b_proj,
-            "op": FA_OPS[self.spec.fa_version],
-            "prefill_kwargs": prefill_fa_kwargs(self.spec, seam),
-            "decode_kwargs": decode_fa_kwargs(self.spec, seam),
         }
         if facts.indexer is not None:
+            # the sparse attention's keywords are the DSA template's own
             values["topk"] = facts.indexer.target
             values["scale"] = _scale(seam)
             new = statements("mla_dsa_seam.py.j2", self.parser_config(), **values)
             # the indexer runs after the latent write, as in the source, on the same step
             new.insert(_after_write(new), facts.indexer.statement)
         else:
+            values["op"] = FA_OPS[self.spec.fa_version]
+            values["prefill_kwargs"] = prefill_fa_kwargs(self.spec, seam)
+            values["decode_kwargs"] = decode_fa_kwargs(self.spec, seam)
             new = statements("mla_seam.py.j2", self.parser_config(), **values)
         if facts.query_in_seam:
             # the query is built inside the seam: keep the statements that define it

@@ -50,10 +50,11 @@ DSA_SPARSE_MODE = {"prefill": 3, "decode": 3}
 
 @dataclass(frozen=True, kw_only=True)
 class IndexerSpec:
-    """The DSA indexer the codemods page: its key cache entry and its top-k."""
+    """The DSA indexer the codemods page: its key cache entry. The top-k is the config's
+    (``self.index_topk`` in the converted code), checked against the operator's range by
+    ``MlaSpec.from_plan`` (``_check_supported``)."""
 
     key_cache: str
-    topk: int
     #: whether some layers reuse another layer's top-k and keep no key cache (GLM-5)
     shared_layers: bool = False
 
@@ -105,7 +106,6 @@ class MlaSpec:
             indexer=(
                 IndexerSpec(
                     key_cache=plan.indexer.key_cache,
-                    topk=plan.indexer.topk,
                     shared_layers=bool(plan.indexer.shared_layers),
                 )
                 if plan.indexer is not None

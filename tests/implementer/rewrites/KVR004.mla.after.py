@@ -160,7 +160,11 @@ class LatentAttention(nn.Module):
         the key and v rows that turn it into the value. The split is made on the first
         forward and again only when the weight is replaced or written in place (its storage,
         version counter, dtype or device changes), i.e. once after the weights are loaded.
+        A captured (compiled) decode step reuses the split of the eager prefill before it:
+        a data pointer cannot be traced.
         """
+        if self.mla_absorbed is not None and torch.compiler.is_compiling():
+            return self.mla_absorbed[1], self.mla_absorbed[2]
         weight = self.wkv_b.weight
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         if self.mla_absorbed is None or self.mla_absorbed[0] != key:

@@ -51,6 +51,8 @@ FAMILIES = [
     Family("qwen3_5"),
     Family("kimi_linear"),
     Family("deepseek_v3"),
+    Family("deepseek_v32"),
+    Family("glm_moe_dsa"),
     Family(
         "deepseek_v2",
         {"num_experts_per_tok": 2},
@@ -79,6 +81,8 @@ def _analyze_cell(plan) -> str:
         modes += f", Mamba states in {states} of {len(kinds)} layers"
     extra = ", learnable sinks" if plan.has_sinks else ""
     extra += ", MLA absorbed" if plan.mla_absorb else ""
+    if plan.indexer is not None:
+        extra += f", DSA indexer top-{plan.indexer.topk} in {len(plan.indexer.layers)} layers"
     return (
         f"{plan.kv_mode}, {plan.attention.upper()}, {plan.input_layout}, {modes}, "
         f"FA {plan.fa_version}{extra}"

@@ -14,10 +14,21 @@ os.environ.setdefault("KVSKILL_CPU_ONLY_SHAPES", "1")
 
 # kvskill's per-user state (the key that signs the code apply writes, kvskill.core.trust)
 # lives in a scratch folder of this test session, never in the user's home.
+# The folder is removed when the session ends (pytest_sessionfinish below), so runs do not
+# pile up key folders in the temp directory.
+_OWN_STATE_DIR: str | None = None
 if "KVSKILL_STATE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["KVSKILL_STATE_DIR"] = tempfile.mkdtemp(prefix="kvskill-test-state-")
+    _OWN_STATE_DIR = tempfile.mkdtemp(prefix="kvskill-test-state-")
+    os.environ["KVSKILL_STATE_DIR"] = _OWN_STATE_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_STATE_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_STATE_DIR, ignore_errors=True)
 
 
 def _checked_to_dict():

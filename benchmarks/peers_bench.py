@@ -20,13 +20,15 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
   `vllm_venv.py`), prefix caching on; on W5 also `vllm_nopc` (a cache salt per request, so
   no request reuses another's blocks). Skipped with the reason when its venv is absent.
 
-One process per (model, threads) cell; vLLM's runner process lives as long as the cell. Per
-workload every system gets a warm-up run, then rounds: each round runs every system once, the
-order rotated by one each round, and records the load average before it. Reported per
-system: useful tokens/s, mean TTFT, useful tokens per CPU-second (the process tree's user +
-system time), peak RSS (this process's high-water mark for the in-process systems, which
-includes the reference weights they share; the sum over vLLM's processes for vLLM) and
-requests whose tokens equal kvskill's.
+Every system runs in a process of its own: kvskill's and transformers' in `_system_worker.py`
+(kvskill's python, one process per system and workload, sized for that workload), vLLM in
+its runner (its venv, one process per model and thread count). A process that is not being
+timed is stopped (SIGSTOP), so it takes no CPU from the one that is. Per workload every system
+gets a warm-up run, then rounds: each round runs every system once, the order rotated by one
+each round, and records the load average before it. Reported per system: useful tokens/s,
+mean TTFT, useful tokens per CPU-second (the runner's user + system time, over vLLM's process
+tree), peak RSS during the run (the runner's high-water mark, reset before each run; summed
+over vLLM's processes) and requests whose tokens equal kvskill's and vLLM's.
 
 Not a `bench_*` script: `make bench` (run_all.py) does not run it; `make bench-peers` does.
 
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import gc
 import hashlib
 import json
 import os
@@ -155,11 +156,74 @@ def load_reference(path: Path):
     return model.eval()
 
 
-# --- vLLM in its own process ------------------------------------------------------------
+# --- every system in a process of its own -----------------------------------------------
 
 
-class VllmPeer:
-    """vLLM's runner process for one checkpoint at one thread count."""
+class PeerProcess:
+    """A system's runner process: it answers one JSON line per job on the file descriptor it
+    was given, and is stopped (SIGSTOP to its process group) while the other systems run, so
+    an idle runner takes no CPU from the one being timed (vLLM's idle worker took about 0.1
+    CPU-second per second, measured here)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_name: str):
+        read_fd, write_fd = os.pipe()
+        self.log_path = cache_root() / log_name
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [*cmd, str(write_fd)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log_path, "a"),  # noqa: SIM115
+            pass_fds=(write_fd,),
+            env=env,
+            text=True,
+            # its own process group: the runner and any process it starts are stopped together
+            start_new_session=True,
+        )
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        self.ready = self._reply()
+        self.pause()
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        # (a runner that has exited is reported by _reply)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def _reply(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(f"the runner exited ({code}); see {self.log_path}")
+        return json.loads(line)
+
+    def ask(self, job: dict) -> dict:
+        self.resume()
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            return self._reply()
+        finally:
+            self.pause()
+
+    def close(self) -> None:
+        try:
+            self.resume()
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+class VllmPeer(PeerProcess):
+    """vLLM's runner process for one checkpoint at one thread count (its own venv)."""
 
     def __init__(self, python: Path, model_dir: Path, *, threads: int, workloads, bpt: int):
         capacity = max(w.kv_capacity_tokens for w in workloads)
@@ -186,139 +250,57 @@ class VllmPeer:
             VLLM_LOGGING_LEVEL="WARNING",
         )
         env.pop("PYTHONPATH", None)
-        read_fd, write_fd = os.pipe()
-        self.proc = subprocess.Popen(
-            [str(python), str(HERE / "_vllm_runner.py"), json.dumps(job), str(write_fd)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=open(cache_root() / "vllm-runner.log", "a"),  # noqa: SIM115
-            pass_fds=(write_fd,),
-            env=env,
-            text=True,
-            # its own process group: the runner, its engine core and its worker are stopped
-            # together between vLLM's runs (see pause)
-            start_new_session=True,
-        )
-        os.close(write_fd)
-        self.replies = os.fdopen(read_fd)
-        ready = self._reply()
-        self.version = ready.get("vllm")
-        self.pause()
-
-    def pause(self) -> None:
-        """Stop vLLM's processes while the other systems run: idle, its worker still took
-        about 0.1 CPU-seconds per second (measured here), taken from the system being timed."""
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def _signal(self, sig: int) -> None:
-        # (a runner that has exited is reported by _reply)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-    def _reply(self) -> dict:
-        line = self.replies.readline()
-        if not line:
-            code = self.proc.wait()
-            raise RuntimeError(
-                f"vLLM's runner exited ({code}); see {cache_root() / 'vllm-runner.log'}"
-            )
-        return json.loads(line)
+        cmd = [str(python), str(HERE / "_vllm_runner.py"), json.dumps(job)]
+        super().__init__(cmd, env, "vllm-runner.log")
+        self.version = self.ready.get("vllm")
 
     def run(self, workload: Workload, *, share_prefix: bool = True) -> dict:
+        return self.ask(
+            {
+                "prompts": workload.prompts,
+                "max_tokens": workload.max_tokens,
+                "share_prefix": share_prefix,
+            }
+        )
+
+
+class SystemPeer(PeerProcess):
+    """One of kvskill's configurations or a transformers path serving one workload, in a
+    process of its own (``_system_worker.py``, this venv's python)."""
+
+    def __init__(self, system: str, model: str, ckpt: Path, workload: Workload, threads: int):
         job = {
-            "prompts": workload.prompts,
-            "max_tokens": workload.max_tokens,
-            "share_prefix": share_prefix,
+            "system": system,
+            "model": model,
+            "checkpoint": str(ckpt),
+            "kv_capacity_tokens": workload.kv_capacity_tokens,
+            "num_requests": workload.num_requests,
+            "threads": threads,
         }
-        self.resume()
-        try:
-            self.proc.stdin.write(json.dumps(job) + "\n")
-            self.proc.stdin.flush()
-            return self._reply()
-        finally:
-            self.pause()
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        cmd = [sys.executable, str(HERE / "_system_worker.py"), json.dumps(job)]
+        super().__init__(cmd, env, "system-runner.log")
 
-    def close(self) -> None:
-        try:
-            self.resume()
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait()
+    def run(self, workload: Workload) -> dict:
+        return self.ask({"prompts": workload.prompts, "max_tokens": workload.max_tokens})
 
 
-# --- one cell: a model at a thread count, in its own process ----------------------------
+# --- one cell: a model at a thread count ---------------------------------------------------
 
 
-def _process_cpu_s() -> float:
-    import resource
-
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-
-
-def _in_process(fn, workload: Workload) -> dict:
-    from _cell import _peak_rss_since_reset_mb, _reset_peak_rss
-
-    gc.collect()
-    _reset_peak_rss()
-    cpu0 = _process_cpu_s()
-    result = fn(workload)
-    return {
-        "tokens": result.tokens,
-        "wall_s": result.wall_s,
-        "ttft_s": result.ttft_s,
-        "cpu_s": _process_cpu_s() - cpu0,
-        "peak_rss_mb": _peak_rss_since_reset_mb(),
-    }
-
-
-def make_runners(systems, reference, spec, workload, vllm: VllmPeer | None):
+def make_runners(systems, model: str, ckpt: Path, workload, threads: int, vllm):
     """name -> (callable Workload -> measurement dict, close or None); errors by name."""
     runners, errors = {}, {}
-    bpt = kv_bytes_per_token(spec)
     for name in systems:
         try:
-            if name in KVSKILL_OPTIONS:
-                from _kvskill_system import KvskillRuntime
-
-                rt = KvskillRuntime(
-                    spec,
-                    reference,
-                    kv_capacity_tokens=workload.kv_capacity_tokens,
-                    **KVSKILL_OPTIONS[name],
-                )
-                runners[name] = ((lambda wl, rt=rt: _in_process(rt.run, wl)), rt.close)
-            elif name == "hf_padded":
-                from _hf_systems import run_hf_padded
-
-                runners[name] = (
-                    lambda wl: _in_process(
-                        lambda w: run_hf_padded(reference, w, bytes_per_token=bpt), wl
-                    ),
-                    None,
-                )
-            elif name == "hf_cb":
-                if not hasattr(reference, "init_continuous_batching"):
-                    raise RuntimeError("this transformers has no continuous batching")
-                from _hf_systems import HFContinuousBatching
-
-                cb = HFContinuousBatching(
-                    reference,
-                    bytes_per_token=bpt,
-                    kv_capacity_tokens=workload.kv_capacity_tokens,
-                    max_requests=workload.num_requests,
-                )
-                runners[name] = ((lambda wl, cb=cb: _in_process(cb.run, wl)), cb.close)
-            elif name in ("vllm", "vllm_nopc"):
+            if name in ("vllm", "vllm_nopc"):
                 if vllm is None:
                     raise RuntimeError("vLLM's venv is not built")
                 share = name == "vllm"
                 runners[name] = ((lambda wl, s=share: vllm.run(wl, share_prefix=s)), None)
+            elif name in SYSTEMS:
+                peer = SystemPeer(name, model, ckpt, workload, threads)
+                runners[name] = (peer.run, peer.close)
             else:
                 raise ValueError(f"unknown system {name!r}")
         except Exception as exc:  # one system that cannot run must not hide the others
@@ -331,13 +313,10 @@ def run_cell(
 ) -> dict:
     """Run the cell; ``save(result)`` is called after every timed run with what is measured
     so far, so a cell stopped early still leaves its finished runs."""
-    import torch
-
     warnings.filterwarnings("ignore")
     set_threads(threads)
     spec = ALL_MODELS[model]
     ckpt = ensure_checkpoint(spec)
-    reference = load_reference(ckpt)
     wls = [get_workload(name, spec.vocab_size) for name in workloads]
     vllm, vllm_error = None, None
     if vllm_python is not None and any(s.startswith("vllm") for s in systems):
@@ -355,14 +334,15 @@ def run_cell(
     try:
         for wl in wls:
             chosen = [s for s in systems if wl.name == "W5" or s not in _W5_ONLY]
-            runners, errors = make_runners(chosen, reference, spec, wl, vllm)
+            runners, errors = make_runners(chosen, model, ckpt, wl, threads, vllm)
             if vllm_error:
                 errors.update({s: vllm_error for s in chosen if s.startswith("vllm")})
                 for s in list(runners):
                     if s.startswith("vllm"):
                         del runners[s]
-            runs: dict[str, list[dict]] = {s: [] for s in runners}
-            with torch.inference_mode():
+            closers = {n: c for n, (_f, c) in runners.items() if c is not None}
+            try:
+                runs: dict[str, list[dict]] = {s: [] for s in runners}
                 for name, (fn, _close) in list(runners.items()):
                     try:
                         fn(wl.warmup())
@@ -393,8 +373,9 @@ def run_cell(
                             file=sys.stderr,
                             flush=True,
                         )
-            for name, (_fn, close) in runners.items():
-                if close is not None:
+            finally:
+                # every runner process ends with its workload, a failed one too
+                for name, close in closers.items():
                     try:
                         close()
                     except Exception as exc:
@@ -478,8 +459,8 @@ def markdown(result: dict) -> str:
         f"{result['versions']['transformers']}, vLLM {result.get('vllm') or '-'}, kvskill "
         f"{result['versions']['kvskill_commit']}. {_load_note(result)} Load average "
         f"before/after {result['load_average_before']} / {result['load_average_after']}, per "
-        "round in the JSON. Ratios are within one cell (same process, same minutes); absolute "
-        "numbers are noisy.",
+        "round in the JSON. Every system ran in a process of its own; ratios compare runs of the "
+        "same minutes; absolute numbers are noisy.",
         "",
         "| model | thr | workload | system | tok/s | vs kvskill | mean TTFT s | tok/CPU-s "
         "| peak RSS MB | match kvskill | match vLLM | loads (1-min) per round |",

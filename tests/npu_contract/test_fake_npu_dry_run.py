@@ -121,6 +121,10 @@ FAMILIES = {
     },
     "deepseek_v3": MLA_MOE,
     "deepseek_v2": MLA_MOE,
+    # DSA: the indexer's 64 heads of 128 over its own paged key cache, top-2048 (the sparse
+    # attention's sparse_count); glm_moe_dsa's every layer runs its indexer by default
+    "deepseek_v32": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    "glm_moe_dsa": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
     # the remote-code row: its own config is NPU-sized already (4 / 2 heads of 64)
     REMOTE: {},
 }
@@ -141,6 +145,8 @@ REFUSED = {
     ("kimi_linear", "standalone-contiguous"): _STATE_LAYERS,
     ("deepseek_v3", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("deepseek_v2", "standalone-contiguous"): _MLA_PAGED_ONLY,
+    ("deepseek_v32", "standalone-contiguous"): _MLA_PAGED_ONLY,
+    ("glm_moe_dsa", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("mistral", "standalone-contiguous"): _BSH_WINDOW,
     ("gpt_oss", "standalone-contiguous"): _BSH_WINDOW,
 }
@@ -192,11 +198,15 @@ def _generate(directory: Path, *, dtype: str = "bfloat16", block_size: int = BLO
 
 
 def _attention_calls(log: fake_torch_npu.CallLog) -> list[dict]:
-    return log.of("npu_fused_infer_attention_score") + log.of("npu_fused_infer_attention_score_v2")
+    return (
+        log.of("npu_fused_infer_attention_score")
+        + log.of("npu_fused_infer_attention_score_v2")
+        + log.of("npu_sparse_flash_attention")
+    )
 
 
 def _query_tokens(bound: dict) -> int:
-    layout = bound["input_layout"]
+    layout = bound.get("input_layout") or bound["layout_query"]
     if layout.startswith(("TND", "NTD")):
         return bound["query"].size(0 if layout.startswith("TND") else 1)
     return bound["query"].size(0) * bound["query"].size(1)  # BSH: B x S
@@ -245,7 +255,12 @@ def test_conversion_makes_only_calls_the_npu_accepts(tmp_path, fake_npu, family,
     calls = _attention_calls(fake_npu)
     assert calls, "the attention goes through the fake"
     assert all(b["query"].dtype == torch.bfloat16 for b in calls)
-    assert all(b["block_size"] == BLOCK for b in calls if b.get("block_table") is not None)
+    # (the sparse attention takes its page size from the cache's shape: no block_size)
+    assert all(
+        b["block_size"] == BLOCK
+        for b in calls
+        if "block_size" in b and b.get("block_table") is not None
+    )
     assert _cache_writes(fake_npu), "the cache writes go through the fake too"
     assert _strided_query(calls) == (family in STRIDED_QUERY)
     if mode == "framework":

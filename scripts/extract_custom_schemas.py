@@ -25,12 +25,16 @@ REGISTRATION = "ops/ascendc/torch_ops_extension/custom_ops/csrc/ops_def_registra
 DOCS = "ops/ascendc/docs"
 
 #: the custom operators the reference implements (runtime/ops/reference/custom)
-IMPLEMENTED = ("npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata", "compressor")
+IMPLEMENTED = (
+    "npu_sparse_attn_sharedkv",
+    "npu_sparse_attn_sharedkv_metadata",
+    "compressor",
+    "npu_quant_lightning_indexer",
+    "npu_quant_lightning_indexer_metadata",
+)
 #: what DeepSeek-V4 also calls, recorded for the record (quantization-only, see
 #: runtime/ops/reference/custom/__init__.py)
 RECORDED = (
-    "npu_quant_lightning_indexer",
-    "npu_quant_lightning_indexer_metadata",
     "kv_compress_epilog",
     "indexer_compress_epilog",
     "quant_compressor",

@@ -10,27 +10,31 @@ Needed, with reference implementations here:
 * ``npu_sparse_attn_sharedkv`` (custom-npu_sparse_attn_sharedkv.md:22, scenarios :84): one
   softmax over the sliding window of the paged ``win_kv`` cache and the paged compressed cache,
   K = V, sinks; every layer kind (sliding, CSA ratio 4 with top-k indices, HCA ratio 128).
-* ``npu_sparse_attn_sharedkv_metadata`` (custom-npu_sparse_attn_sharedkv_metadata.md:337): the
+* ``npu_sparse_attn_sharedkv_metadata`` (custom-npu_sparse_attn_sharedkv_metadata.md:14): the
   per-core plan the attention requires (custom-npu_sparse_attn_sharedkv.md:55).
 * ``compressor`` (custom-npu_compressor.md:48, cases :141-144): pools every ``cmp_ratio``
   tokens into one entry (softmax-gated, position bias ``ape``, RMSNorm, RoPE on the trailing
   ``rope_head_dim``), overlapping windows for CSA (``coff`` 2), keeping the unfinished window in
   a paged fp32 state cache; both the attention's (D 512) and the CSA indexer's (D 128) keys.
 
-Needed but quantization-only in this checkout (no reference here):
+Needed, but quantization-only (reference here for the framework's own model; no unquantized
+conversion can call it):
 
 * ``npu_quant_lightning_indexer`` (custom-npu_quant_lightning_indexer.md:22) and its
   ``_metadata`` (custom-npu_quant_lightning_indexer_metadata.md:20): the only indexer with
   ``cmp_ratio`` (:66), but its query and key are int8 with fp16 dequant scales (:30-38); the
   framework quantizes the indexer's query (``modules/indexer.py:203``) and its compressed keys
   (``modules/compressor.py:246``). transformers' indexer scores in fp32 without quantization,
-  so an unquantized conversion has no device operator for CSA's top-k: the wheel's
-  ``npu_lightning_indexer`` (reference in ``../lightning_indexer.py``) takes no ``cmp_ratio``.
+  so an unquantized conversion has no custom operator for CSA's top-k. The wheel's
+  ``npu_lightning_indexer`` (``../lightning_indexer.py``) takes no ``cmp_ratio``; its
+  rightDownCausal mode over the L // 4 finished entries gives the same causal limit as
+  ``cmp_ratio`` 4 only for a row at the last position (a decode token); an earlier row of a
+  prefill sees (p + 1) // 4 entries, which that mode cannot express in one call.
 
 Quantization-only, not needed:
 
 * ``kv_compress_epilog`` (custom-npu_kv_compress_epilog.md:11-16, float8 cache, Ascend 950) and
-  ``indexer_compress_epilog`` (custom-npu_indexer_compress_epilog.md:75, float8 / int8 cache):
+  ``indexer_compress_epilog`` (custom-npu_indexer_compress_epilog.md:11, float8 / int8 cache):
   quantize-and-scatter of the compressed rows; unquantized, the framework writes them with
   ``scatter_nd_update_asc`` (``modules/compressor.py:251, :270``), the wheel's
   ``npu_scatter_nd_update_``. Likewise ``quant_compressor`` and
@@ -43,6 +47,8 @@ Quantization-only, not needed:
 from __future__ import annotations
 
 from .compressor import compressor
+from .qli_metadata import npu_quant_lightning_indexer_metadata
+from .quant_lightning_indexer import npu_quant_lightning_indexer
 from .registry import SCHEMAS, register_custom_operators
 from .sas_metadata import npu_sparse_attn_sharedkv_metadata
 from .sparse_attn_sharedkv import npu_sparse_attn_sharedkv
@@ -50,6 +56,8 @@ from .sparse_attn_sharedkv import npu_sparse_attn_sharedkv
 __all__ = [
     "SCHEMAS",
     "compressor",
+    "npu_quant_lightning_indexer",
+    "npu_quant_lightning_indexer_metadata",
     "npu_sparse_attn_sharedkv",
     "npu_sparse_attn_sharedkv_metadata",
     "register_custom_operators",

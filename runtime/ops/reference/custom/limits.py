@@ -1,9 +1,10 @@
 """Documented limits of the framework's custom operators (cann-recipes-infer ``fbc225d``).
 
 Sources: ``ops/ascendc/docs/custom-npu_sparse_attn_sharedkv.md`` ("SAS doc"),
-``custom-npu_sparse_attn_sharedkv_metadata.md`` ("SAS metadata doc") and
-``custom-npu_compressor.md`` ("compressor doc"), each quoted by line. As for the torch_npu
-operators (``../sparse_limits.py``), a limit that a correct conversion of a shrunk model breaks
+``custom-npu_sparse_attn_sharedkv_metadata.md`` ("SAS metadata doc"),
+``custom-npu_compressor.md`` ("compressor doc"), ``custom-npu_quant_lightning_indexer.md``
+("QLI doc") and its ``_metadata`` page ("QLI metadata doc"), each quoted by line. As for the
+torch_npu operators (``../sparse_limits.py``), a limit that a correct conversion of a shrunk model breaks
 on purpose runs only when the NPU profile enforces its kind: ``dims`` (head counts, head dims,
 top-k widths), ``dtypes`` (fp16/bf16), ``shapes`` (paged block sizes); every other documented
 constraint is always checked.
@@ -18,13 +19,13 @@ from .._checks import OpInputError, describe
 from ..npu_limits import NPU_ONLY, require_npu_dtype
 from ..npu_profile import current_profile
 
-#: SAS doc:27 "N1仅支持64"; SAS metadata doc:344 "num_heads_q ... 目前仅支持64"
+#: SAS doc:27 "N1仅支持64"; SAS metadata doc:21 "num_heads_q ... 目前仅支持64"
 SAS_QUERY_HEADS = 64
-#: SAS doc:31 "KV_N仅支持1"; SAS metadata doc:346
+#: SAS doc:31 "KV_N仅支持1"; SAS metadata doc:23
 SAS_KV_HEADS = 1
 #: SAS doc:85 "参数q中的D和ori_kv、cmp_kv的D值相等为512"
 SAS_HEAD_DIM = 512
-#: SAS doc:37 "K2仅支持512"; SAS metadata doc:370 "cmp_topk ... 目前仅支持512"
+#: SAS doc:37 "K2仅支持512"; SAS metadata doc:47 "cmp_topk ... 目前仅支持512"
 SAS_CMP_TOPK = 512
 #: SAS doc:59 / compressor doc:141 "cmp_ratio ... 支持4/128"
 CMP_RATIOS = (4, 128)
@@ -41,6 +42,13 @@ METADATA_WORDS = 1024
 #: SAS doc:69, 71
 SAS_LAYOUTS_Q = ("BSND", "TND")
 SAS_LAYOUT_KV = "PA_ND"
+
+#: QLI doc (custom-npu_quant_lightning_indexer.md):29-30 "D值相等为128", "N1仅支持64"
+QLI_HEAD_DIM, QLI_QUERY_HEADS = 128, 64
+#: QLI doc:58 "sparse_count ... 支持[1, 2048]"
+MAX_SPARSE_COUNT = 2048
+#: QLI doc:66 "cmp_ratio ... 支持1/2/4/8/16/32/64/128"
+QLI_CMP_RATIOS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 HALF = (torch.float16, torch.bfloat16)
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from .compressor import compressor, compressor_fake
+from .qli_metadata import npu_quant_lightning_indexer_metadata
+from .quant_lightning_indexer import npu_quant_lightning_indexer
 from .sas_metadata import npu_sparse_attn_sharedkv_metadata
 from .sparse_attn_sharedkv import npu_sparse_attn_sharedkv
 
@@ -51,6 +53,24 @@ SCHEMAS: dict[str, str] = {
         "Tensor? start_pos=None, int coff=1, float norm_eps=1e-6, int rotary_mode=1, "
         "int cache_mode=1) -> Tensor"
     ),
+    "npu_quant_lightning_indexer": (
+        "npu_quant_lightning_indexer(Tensor query, Tensor key, Tensor weights, "
+        "Tensor query_dequant_scale, Tensor key_dequant_scale, int query_quant_mode, "
+        "int key_quant_mode, *, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, Tensor? metadata=None, "
+        "str layout_query='BSND', str layout_key='PA_BSND', int sparse_count=2048, "
+        "int sparse_mode=3, int pre_tokens=9223372036854775807, "
+        "int next_tokens=9223372036854775807, int cmp_ratio=1, bool return_value=False, "
+        "int? query_dtype=None, int? key_dtype=None) -> (Tensor, Tensor)"
+    ),
+    "npu_quant_lightning_indexer_metadata": (
+        "npu_quant_lightning_indexer_metadata(int num_heads_q, int num_heads_k, int head_dim, "
+        "int query_quant_mode, int key_quant_mode, *, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_key=None, int batch_size=0, int max_seqlen_q=0, "
+        "int max_seqlen_k=0, str layout_query='BSND', str layout_key='BSND', "
+        "int sparse_count=2048, int sparse_mode=3, int pre_tokens=9223372036854775807, "
+        "int next_tokens=9223372036854775807, int cmp_ratio=1, str device='npu:0') -> Tensor"
+    ),
 }
 
 
@@ -58,17 +78,24 @@ def _sas_fake(q: torch.Tensor, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
 
 
-def _metadata_fake(num_heads_q: int, num_heads_kv: int, head_dim: int, **kw: Any) -> torch.Tensor:
-    where = kw.get("cu_seqlens_q")
-    where = where if where is not None else kw.get("seqused_kv")
-    device = where.device if where is not None else None
+def _metadata_fake(*_: Any, **kw: Any) -> torch.Tensor:
+    given = [kw.get(name) for name in ("cu_seqlens_q", "seqused_kv", "actual_seq_lengths_key",
+                                       "actual_seq_lengths_query")]  # fmt: skip
+    device = next((t.device for t in given if t is not None), None)
     return torch.empty(1024, dtype=torch.int32, device=device)
+
+
+def _indexer_fake(query: torch.Tensor, *_: Any, sparse_count: int = 2048, **__: Any):
+    shape = (*query.shape[:-2], 1, sparse_count)
+    return query.new_empty(shape, dtype=torch.int32), query.new_empty((0,), dtype=torch.float32)
 
 
 OPERATORS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "npu_sparse_attn_sharedkv": (npu_sparse_attn_sharedkv, _sas_fake),
     "npu_sparse_attn_sharedkv_metadata": (npu_sparse_attn_sharedkv_metadata, _metadata_fake),
     "compressor": (compressor, compressor_fake),
+    "npu_quant_lightning_indexer": (npu_quant_lightning_indexer, _indexer_fake),
+    "npu_quant_lightning_indexer_metadata": (npu_quant_lightning_indexer_metadata, _metadata_fake),
 }
 
 _library: list[torch.library.Library] = []

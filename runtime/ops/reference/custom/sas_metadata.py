@@ -1,24 +1,18 @@
 """custom.npu_sparse_attn_sharedkv_metadata: the tiling plan npu_sparse_attn_sharedkv reads.
 
 On the device this AICPU operator splits the attention of one layer kind into per-core tasks
-(SAS metadata doc:332, "生成一个任务列表"), a ``[1024]`` int32 tensor the attention requires
-(SAS doc:55, "目前为必传参数"). The split itself is hardware scheduling the reference does not
-model: the reference writes the arguments the plan was made for into its first words, and the
-attention refuses a plan made for another call (other heads, dim, ratio, top-k, or with / without
-the compressed cache), the mistake a converted model can make when it shares one plan between
-layer kinds. NOTE: whether the device detects such a mismatch or computes garbage is
-unconfirmed; the reference refuses.
+(SAS metadata doc:9, "生成一个任务列表"), a ``[1024]`` int32 tensor the attention requires
+(SAS doc:55, "目前为必传参数"). The reference's plan records the call's arguments instead
+(``plans.py``).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .._checks import strict_keywords
 from .limits import (
     CMP_MASK_MODE,
-    METADATA_WORDS,
     ORI_MASK_MODE,
     ORI_WIN_LEFT,
     ORI_WIN_RIGHT,
@@ -33,6 +27,8 @@ from .limits import (
     check_unset,
     fail,
 )
+from .plans import check_plan as _check_plan
+from .plans import write_plan
 
 OP = "npu_sparse_attn_sharedkv_metadata"
 #: what the reference records, in this order, at the front of the plan
@@ -82,11 +78,11 @@ def npu_sparse_attn_sharedkv_metadata(
         ori_win_left=(ori_win_left, ORI_WIN_LEFT),
         ori_win_right=(ori_win_right, ORI_WIN_RIGHT),
         layout_kv=(layout_kv, SAS_LAYOUT_KV),
-        ori_topk=(ori_topk, 0),  # SAS metadata doc:368 "目前暂不支持指定该参数"
+        ori_topk=(ori_topk, 0),  # SAS metadata doc:45 "目前暂不支持指定该参数"
     )
     if layout_q not in SAS_LAYOUTS_Q:
         fail(OP, f"layout_q must be one of {list(SAS_LAYOUTS_Q)}, got {layout_q!r}")
-    # SAS metadata doc:358 "seqused_q ... 目前暂不支持指定该参数"; :354/356 the cu_seqlens of
+    # SAS metadata doc:35 "seqused_q ... 目前暂不支持指定该参数"; :31/33 the cu_seqlens of
     # the caches have no effect with PA_ND
     check_unset(OP, "not supported by the operator yet", seqused_q=seqused_q)
     check_unset(
@@ -97,7 +93,7 @@ def npu_sparse_attn_sharedkv_metadata(
     )
     check_int32(OP, "cu_seqlens_q", cu_seqlens_q, 1)
     check_int32(OP, "seqused_kv", seqused_kv, 1)
-    # SAS metadata doc:400 "Tensor不能全传None"
+    # SAS metadata doc:77 "Tensor不能全传None"
     if cu_seqlens_q is None and seqused_kv is None:
         fail(OP, "pass cu_seqlens_q or seqused_kv: the tensors must not all be None")
     if layout_q == "TND" and cu_seqlens_q is None:
@@ -122,26 +118,9 @@ def npu_sparse_attn_sharedkv_metadata(
         "has_cmp_kv": int(has_cmp_kv),
     }
     where = cu_seqlens_q if cu_seqlens_q is not None else seqused_kv
-    plan = torch.zeros(METADATA_WORDS, dtype=torch.int32, device=where.device)
-    plan[: len(FIELDS)] = torch.tensor([values[f] for f in FIELDS], dtype=torch.int32)
-    return plan
+    return write_plan(FIELDS, values, where.device)
 
 
 def check_plan(op: str, metadata: Tensor | None, **call: int) -> None:
     """Refuse a plan made for another call; CALL names a subset of FIELDS."""
-    if metadata is None:
-        fail(op, "`metadata` is required (from npu_sparse_attn_sharedkv_metadata)")
-    if (
-        not isinstance(metadata, Tensor)
-        or metadata.dtype != torch.int32
-        or tuple(metadata.shape) != (METADATA_WORDS,)
-    ):
-        fail(op, f"`metadata` must be an int32 tensor of shape [{METADATA_WORDS}]")
-    recorded = dict(zip(FIELDS, metadata[: len(FIELDS)].tolist(), strict=True))
-    for name, value in call.items():
-        if recorded[name] != value:
-            fail(
-                op,
-                f"`metadata` was made for {name}={recorded[name]} but this call has {value}; "
-                "call npu_sparse_attn_sharedkv_metadata with this layer's arguments",
-            )
+    _check_plan(op, OP, metadata, FIELDS, **call)

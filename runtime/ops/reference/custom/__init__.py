@@ -28,8 +28,10 @@ conversion can call it):
   so an unquantized conversion has no custom operator for CSA's top-k. The wheel's
   ``npu_lightning_indexer`` (``../lightning_indexer.py``) takes no ``cmp_ratio``; its
   rightDownCausal mode over the L // 4 finished entries gives the same causal limit as
-  ``cmp_ratio`` 4 only for a row at the last position (a decode token); an earlier row of a
-  prefill sees (p + 1) // 4 entries, which that mode cannot express in one call.
+  ``cmp_ratio`` 4 only for a row at the last position (a decode token). A prefill row at
+  position p sees (p + 1) // 4 entries: with that operator only when each such row is its own
+  request (TND, key length (p + 1) // 4, the request's block table row repeated), a reading of
+  its docs not tried on a device.
 
 Quantization-only, not needed:
 

@@ -241,3 +241,27 @@ def test_matches_the_pooling_of_transformers_deepseek_v4_compressors(kind, ratio
     )  # fmt: skip
     assert entries == tokens // ratio
     assert (got[:entries] - want).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_a_captured_decode_step_writes_the_state_as_eager_does():
+    layer = Layer(4, 2, seed=9)
+    x = torch.randn(6, 1, 1, HIDDEN)
+    sin, cos = torch.rand(1, 1, ROPE), torch.rand(1, 1, ROPE)
+    with npu_standin():
+        import custom_ops  # noqa: F401
+
+        def step(token, state, table, start):
+            return torch.ops.custom.compressor(
+                token, layer.wkv, layer.wgate, state, layer.ape, layer.norm, sin, cos, ROPE, 4,
+                state_block_table=table, start_pos=start, coff=2, rotary_mode=2,
+            )  # fmt: skip
+
+        eager_state, table = state_for(layer, 1, 16, seed=10)
+        captured_state = eager_state.clone()
+        captured = torch.compile(step, backend="aot_eager", fullgraph=True)  # one graph
+        for p in range(6):
+            start = torch.tensor([p], dtype=I32)
+            want = step(x[p], eager_state, table, start)
+            assert torch.equal(captured(x[p], captured_state, table, start), want), p
+    assert torch.equal(captured_state, eager_state)

@@ -113,6 +113,14 @@ def test_csa_decode_attends_only_the_selected_finished_entries():
     for b in range(2):
         want = naive(q[b], ori[b], cmp[b], ratio, selected[b, :, 0], None, scale)
         assert (out[b].double() - want).abs().max() < 1e-5
+    # request 0's first window position is 22: its block 0 (tokens 0-15) may be freed
+    ori_table[0, 0] = -1
+    again, _ = npu_sparse_attn_sharedkv(
+        q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=selected, ori_block_table=ori_table,
+        cmp_block_table=cmp_table, seqused_kv=seqused, cmp_ratio=ratio,
+        metadata=plan(q, ratio, topk=6, layout_q="BSND", seqused=seqused), layout_q="BSND",
+    )  # fmt: skip
+    assert torch.equal(again, out)
 
 
 def test_csa_prefill_masks_listed_entries_a_row_has_not_finished():

@@ -106,8 +106,9 @@ def npu_sparse_attn_sharedkv(
     q_lens = _query_lengths(q, layout_q, cu_seqlens_q)
     kv_lens = _kv_lengths(q_lens, seqused_kv, ori_kv, ori_block_table)
     scale = softmax_scale if softmax_scale else 1.0 / math.sqrt(dim)
+    window_table = _window_blocks(ori_block_table, q_lens, kv_lens, ori_kv.size(1))
     ori = gather_paged(
-        ori_kv.reshape(ori_kv.size(0), ori_kv.size(1), -1), ori_block_table, kv_lens, 1,
+        ori_kv.reshape(ori_kv.size(0), ori_kv.size(1), -1), window_table, kv_lens, 1,
         "ori_kv", workspace="sas_ori_kv",
     )[:, 0].float()  # fmt: skip
     cmp = None
@@ -253,6 +254,18 @@ def _check_table(table: Tensor, name: str, lengths: list[int], block_size: int, 
     need = max((-(-n // block_size) for n in lengths), default=0)
     if table.size(1) < need:
         fail(OP, f"{name} has {table.size(1)} columns, the longest request needs {need}")
+
+
+def _window_blocks(table: Tensor, q_lens: list[int], kv_lens: list[int], block_size: int) -> Tensor:
+    """The table with the blocks no query row's window reaches pointed at block 0: a sliding
+    window cache frees them (their entries may name no block), and the device reads only the
+    window."""
+    first = [max(0, n - s - ORI_WIN_LEFT) // block_size for s, n in zip(q_lens, kv_lens, strict=True)]  # fmt: skip
+    if not any(first):
+        return table
+    cols = torch.arange(table.size(1), device=table.device).view(1, -1)
+    gone = cols < torch.tensor(first, device=table.device).view(-1, 1)
+    return table.masked_fill(gone, 0)
 
 
 def _rows(x: Tensor, layout_q: str, q_lens: list[int]) -> list[Tensor]:

@@ -40,7 +40,11 @@ WHEEL_HAS = {
     # yaml:943 (paged: the overload npu_nsa_compress_infer.cache, yaml:947): learned block
     # weights, not V4's softmax-gated, overlapping pooling
     "npu_nsa_compress": True,
-    # absent from the yaml and the docs (tests/fixtures/npu_schemas.json "absent")
+    # absent from the yaml and the docs (tests/fixtures/npu_schemas.json "absent"). Each of the
+    # three has a CPU reference under the framework's own schema (runtime/ops/reference/custom,
+    # torch.ops.custom in the stand-in, tests/fixtures/custom_schemas.json), which is not a
+    # device operator: the wheel still lacks them. The cmp_ratio indexer takes int8 query and
+    # keys only, so an unquantized conversion has no device operator for CSA's top-k.
     "torch.ops.custom.npu_sparse_attn_sharedkv": False,
     "torch.ops.custom.compressor": False,
     "torch.ops.custom.npu_quant_lightning_indexer (cmp_ratio)": False,
@@ -48,7 +52,8 @@ WHEEL_HAS = {
 #: what each branch runs on the framework's path (modeling_deepseek.py:820, :2184;
 #: modules/compressor.py:387; modules/indexer.py:320); its window write
 #: (torch.ops.custom.scatter_nd_update_asc, modeling_deepseek.py:1435) is the wheel's
-#: npu_scatter_nd_update_, which kvskill emits for every window
+#: npu_scatter_nd_update_, which kvskill emits for every window. Every torch.ops.custom entry
+#: below (and each one's _metadata planner) has a reference in runtime/ops/reference/custom.
 _FRAMEWORK_OPS = {
     SLIDING: ["npu_scatter_nd_update_", "torch.ops.custom.npu_sparse_attn_sharedkv"],
     CSA: [

@@ -181,11 +181,19 @@ def _top_k(
     scores: Tensor, lengths: SparseLengths, sparse_mode: int, sparse_count: int
 ) -> tuple[Tensor, Tensor]:
     """Rows of candidates by descending score, -1 / -inf after them: [B, N2, S1, sparse_count]."""
-    b, n2, s1, s2 = scores.shape
+    s1 = scores.size(2)
     device = scores.device
     limit = causal_limits(lengths, sparse_mode, s1, device)  # [B, S1]
     q_lens = torch.tensor(lengths.q_lens, device=device).view(-1, 1)
     limit = torch.where(torch.arange(s1, device=device).view(1, -1) < q_lens, limit, 0)
+    return top_k_below(scores, limit, sparse_count)
+
+
+def top_k_below(scores: Tensor, limit: Tensor, sparse_count: int) -> tuple[Tensor, Tensor]:
+    """Per row, the key positions j < limit by descending score (ties: lower j first), -1 and
+    -inf after them. scores [B, N2, S1, S2], limit [B, S1] -> two [B, N2, S1, sparse_count]."""
+    b, n2, s1, s2 = scores.shape
+    device = scores.device
     limit = limit.clamp(min=0)
     pos = torch.arange(s2, device=device)
     allowed = pos.view(1, 1, -1) < limit.unsqueeze(-1)  # [B, S1, S2]

@@ -8,17 +8,25 @@ chunked prefill, preemption and prefix-cache hits; the drafter's logits equal tr
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from fixtures.mtp_checkpoints import (
+from kvskill.core.errors import BadInputError
+from kvskill.runtime import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from mtp_checkpoints import (  # noqa: E402
     agreeing_state,
     convert_checkpoint,
     deepseek_mtp_state,
     with_weights,
 )
-from kvskill.core.errors import BadInputError
-from kvskill.runtime import LLM, SamplingParams
+
+# apply's MLA codemods over deepseek_v3's modeling file take most of the module's time
+# (10-20 s on a shared CPU); every test below shares the one conversion
+pytestmark = pytest.mark.slow
 
 SETTINGS = dict(exact=True, block_size=16, num_blocks=32, free_block_order_seed=7)
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

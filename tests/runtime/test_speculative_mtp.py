@@ -1,4 +1,5 @@
-"""Speculative decoding with DeepSeek-V3's MTP layer, converted by apply (framework mode).
+"""Speculative decoding with the MTP layer of DeepSeek-V3 (MLA) and GLM-4-MoE (GQA), each
+converted by apply (framework mode).
 
 Greedy speculative output equals greedy one-token-per-step output for every request, through
 chunked prefill, preemption and prefix-cache hits; the drafter's logits equal transformers'
@@ -18,9 +19,11 @@ from kvskill.runtime import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from mtp_checkpoints import (  # noqa: E402
+    GLM4_MOE,
     agreeing_state,
     convert_checkpoint,
     deepseek_mtp_state,
+    mtp_state,
     with_weights,
 )
 
@@ -77,10 +80,24 @@ def test_preempted_and_prefix_cached_requests_keep_their_tokens(deepseek):
 
 
 def test_drafter_logits_equal_transformers_mtp_model(deepseek):
+    _assert_draft_logits_match(*deepseek)
+
+
+def test_glm4_moe_speculative_tokens_and_draft_logits(tmp_path_factory):
+    config, state = mtp_state("glm4_moe", GLM4_MOE)
+    directory = convert_checkpoint(tmp_path_factory.mktemp("glm4_moe_mtp"), config, state)
+    expected, _ = _tokens(directory, PROMPTS)
+    got, llm = _tokens(directory, PROMPTS, speculative_tokens=1)
+    assert got == expected and llm.stats.speculation.num_draft_tokens > 0
+    _assert_draft_logits_match(directory, config, state)
+
+
+def _assert_draft_logits_match(directory, config, state) -> None:
+    """The drafter's logits over a prompt's pairs, after its prefill in the paged runtime,
+    equal transformers' MtpModel on the same weights (fp32)."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
-    directory, config, state = deepseek
     n = config.num_hidden_layers
     prefix = f"model.layers.{n}."
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()

@@ -1,7 +1,8 @@
 """Speculative decoding with an MTP layer: tokens/s with and without it, in the same process.
 
-What it measures: a DeepSeek-V3-shaped model (MLA, MoE, one MTP layer; shrunk) converted by
-``kvskill apply`` and built to agree: its main model's logits depend only on the current
+What it measures: a DeepSeek-V3-shaped model (MLA, MoE, one MTP layer; shrunk; or
+GLM-4-MoE-shaped, GQA, with ``--family glm4_moe``) converted by ``kvskill apply`` and built to
+agree: its main model's logits depend only on the current
 token and its MTP layer predicts exactly the main model's next token
 (``tests/fixtures/mtp_checkpoints.agreeing_state``), so every draft is accepted. This shows
 the mechanism's ceiling with one MTP layer (two tokens per decode step), not what a trained
@@ -11,7 +12,8 @@ runs alternate between them (a warm-up each, then the timed repeats). Reported: 
 tokens/s of each (median), their ratio, acceptance rate, tokens per request per decode step,
 decode steps, and whether both produced the same tokens (greedy; they must).
 
-Run: ``.venv/bin/python benchmarks/bench_speculative.py [--requests 8] [--prompt-len 32]
+Run: ``.venv/bin/python benchmarks/bench_speculative.py [--family deepseek_v3|glm4_moe]
+[--requests 8] [--prompt-len 32]
 [--max-tokens 64] [--hidden-size 256] [--repeats 3] [--out PATH]``
 """
 
@@ -35,6 +37,7 @@ from _common import environment, load_average, set_threads  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("deepseek_v3", "glm4_moe"), default="deepseek_v3")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -42,25 +45,35 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "bench_speculative.json")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.out is None:
+        suffix = "" if args.family == "deepseek_v3" else f"-{args.family}"
+        args.out = HERE / "results" / f"bench_speculative{suffix}.json"
     set_threads(args.threads)
 
     from kvskill.runtime import LLM, SamplingParams
     from mla_models import tiny_config
-    from mtp_checkpoints import agreeing_state, convert_checkpoint, mtp_state
+    from mtp_checkpoints import GLM4_MOE, agreeing_state, convert_checkpoint, mtp_state
 
     load_before = load_average()
-    overrides = tiny_config(
-        "deepseek_v3",
-        num_nextn_predict_layers=1,
+    sizes = dict(
         hidden_size=args.hidden_size,
         intermediate_size=2 * args.hidden_size,
         moe_intermediate_size=args.hidden_size // 2,
         num_hidden_layers=args.layers,
         max_position_embeddings=1024,
     )
-    config, state = mtp_state("deepseek_v3", overrides)
+    if args.family == "deepseek_v3":
+        overrides = tiny_config("deepseek_v3", num_nextn_predict_layers=1, **sizes)
+    else:
+        overrides = {
+            **GLM4_MOE,
+            **sizes,
+            "head_dim": 64,
+            "num_attention_heads": args.hidden_size // 64,
+        }
+    config, state = mtp_state(args.family, overrides)
     gen = torch.Generator().manual_seed(11)
     prompts = [
         torch.randint(3, config.vocab_size, (args.prompt_len,), generator=gen).tolist()

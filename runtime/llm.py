@@ -102,6 +102,7 @@ class LLM:
         config: EngineConfig | None = None,
         *,
         step_hooks: Sequence[StepHook] = (),
+        mtp_state: dict[str, Tensor] | None = None,
         **settings: Any,
     ) -> None:
         """Load MODEL (a directory or a built module) and set up its KV pools and engine.
@@ -109,6 +110,9 @@ class LLM:
         Args:
             config: every setting (``EngineConfig``); default: its defaults.
             step_hooks: called with a ``StepRecord`` after every step.
+            mtp_state: a built module's MTP-layer tensors under their checkpoint names
+                (``model.layers.<N+i>.*``), for speculative_tokens; a directory's come from
+                its checkpoint.
             **settings: ``EngineConfig`` fields, replacing those of CONFIG.
         """
         config = replace(config or EngineConfig(), **settings)
@@ -149,6 +153,7 @@ class LLM:
                 random_weights=config.random_weights,
                 trust_remote_code=config.trust_remote_code,
             )
+        self._given_mtp_state = mtp_state
         try:
             self._set_up(model, config, step_hooks)
         except BaseException:
@@ -165,6 +170,8 @@ class LLM:
             )
         else:
             self.model, self.config, self.model_dir, mtp_state = _acquire_model(model, config)
+            if mtp_state is None:
+                mtp_state = self._given_mtp_state
         #: the MTP layers drafting for speculative decoding (None when speculative_tokens is 0)
         self.drafter = self._build_drafter(config, mtp_state) if config.speculative_tokens else None
         self.fast_paths = switch_on_fast_paths(self.model, config)
@@ -251,7 +258,7 @@ class LLM:
         elif mtp_state is None:
             raise BadInputError(
                 "speculative_tokens reads the MTP layers' tensors from a converted directory's "
-                "checkpoint; give the directory, not a built module"
+                "checkpoint; give the directory, or a built module with mtp_state="
             )
         elif not config.random_weights:
             raise BadInputError(

@@ -162,3 +162,45 @@ def test_speculation_without_mtp_layers_is_refused(deepseek, tmp_path):
     (plain / "config.json").write_text(json.dumps(config))
     with pytest.raises(BadInputError, match="has no MTP layers"):
         LLM(plain, **SETTINGS, speculative_tokens=1)
+
+
+def test_the_mtp_chain_of_verify_passes_and_catches_a_drafter_paired_one_off(deepseek, monkeypatch):
+    from kvskill.runtime.loader import load_model
+    from kvskill.runtime.mtp import MtpDrafter
+    from kvskill.verify.mtp_chain import mtp_chain
+    from transformers import AutoModelForCausalLM
+
+    directory, config, state = deepseek
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)})
+    converted = load_model(directory).model
+    prompts = PROMPTS[:2]
+    tokens, _ = _tokens(directory, prompts)
+
+    def chain():
+        result, note = mtp_chain(
+            reference,
+            converted,
+            prompts,
+            tokens,
+            max_new_tokens=12,
+            block_size=16,
+            seed=0,
+            atol=1e-4,
+        )
+        assert note is None
+        return result
+
+    good = chain()
+    assert good["name"] == "mtp" and good["passed"], good["failures"]
+    # token p+1 paired with the hidden state of p-1 (a one-off pairing of the packed rows)
+    forward = MtpDrafter.forward
+    monkeypatch.setattr(
+        MtpDrafter,
+        "forward",
+        lambda self, ids, hidden, pos: forward(self, ids, torch.roll(hidden, 1, dims=1), pos),
+    )
+    bad = chain()
+    assert not bad["passed"]
+    assert any("draft logits differ from transformers' MtpModel" in f for f in bad["failures"])

@@ -13,6 +13,11 @@ Then the drafter runs over the pairs whose main K/V were kept (hidden state of p
 token p+1, at rotary position p+1, cache row p) and drafts the token after each request's
 last one.
 
+Prefix caching shares the MTP rows with the blocks: a cached block's last row pairs its last
+token with the token after it in the request that filled it, which another request may
+continue differently. Such a row can only lower acceptance (drafts are checked against the
+main model); it never changes a token.
+
 Rollback is the computed length: only accepted positions count as computed, so the K/V a
 rejected draft wrote (main and MTP layers) sits past the computed length, where no
 attention reads it (``actual_seq_lengths_kv`` stops before), and the next step writes those

@@ -204,3 +204,12 @@ def test_the_mtp_chain_of_verify_passes_and_catches_a_drafter_paired_one_off(dee
     bad = chain()
     assert not bad["passed"]
     assert any("draft logits differ from transformers' MtpModel" in f for f in bad["failures"])
+
+
+def test_only_the_mtp_layers_tensors_are_set_aside(deepseek, tmp_path):
+    directory, config, state = deepseek
+    n = config.num_hidden_layers
+    stray = dict(state)
+    stray[f"model.layers.{n + 1}.enorm.weight"] = state[f"model.layers.{n}.enorm.weight"].clone()
+    with pytest.raises(BadInputError, match=rf"unexpected \['model.layers.{n + 1}.enorm.weight'\]"):
+        LLM(with_weights(directory, tmp_path / "stray", stray), **SETTINGS, speculative_tokens=1)

@@ -129,6 +129,8 @@ def load_model(
         except WeightsMismatchError as mismatch:
             del model  # the retry builds its own; do not hold two copies
             model = _load_with_transformers_conversions(model_cls, config, model_dir, mismatch)
+            # as stored: the drafter names them if they needed those conversions too
+            mtp_state = _matching_tensors(weight_files, mtp_tensor_pattern(config))
     model = model.to(device=device, dtype=torch_dtype).eval()
     return LoadedModel(
         model,
@@ -393,7 +395,10 @@ def _load_with_transformers_conversions(
             hf_logging.enable_progress_bar()
     tied = _tied_parameter_names(model)
     missing = [k for k in info.get("missing_keys", ()) if k not in tied]
-    if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
+    # the MTP layers' tensors are no part of the main model (runtime/mtp.py reads them)
+    mtp = mtp_tensor_pattern(config)
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not (mtp and mtp.match(k))]
+    if missing or unexpected or info.get("mismatched_keys"):
         raise mismatch
     logger.info("weights: loaded through transformers' %s checkpoint conversions", model_type)
     return model
@@ -463,6 +468,21 @@ def _load_safetensors(
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return aside
+
+
+def _matching_tensors(files: list[Path], pattern: re.Pattern | None) -> dict[str, torch.Tensor]:
+    """The tensors of FILES whose names match PATTERN, read one by one."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    if pattern is None:
+        return found
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if pattern.match(key):
+                    found[key] = handle.get_tensor(key)
+    return found
 
 
 def _tied_parameter_names(model: nn.Module) -> set[str]:

@@ -163,13 +163,15 @@ class MtpDrafter(nn.Module):
             else:
                 own[f"layers.{i}.block.{rest}"] = tensor
         expected = set(self.state_dict())
+        own = _fuse_experts(own, expected)
         missing = sorted(expected - own.keys())
         unknown += sorted(own.keys() - expected)
         if missing or unknown:
             raise BadInputError(
                 f"MTP weights do not match the MTP layers built from the model's decoder layer "
-                f"class: missing {missing[:4]}, unexpected {unknown[:4]} (checkpoints whose "
-                "tensors need transformers' load-time conversions are not read for MTP layers)"
+                f"class: missing {missing[:4]}, unexpected {unknown[:4]} (MTP tensors are read "
+                "under the layer's own names, per-expert MoE tensors fused; no other "
+                "load-time conversion)"
             )
         try:
             self.load_state_dict({k: own[k] for k in expected}, strict=True)
@@ -177,6 +179,35 @@ class MtpDrafter(nn.Module):
             raise BadInputError(
                 f"MTP weights do not match: {str(exc).splitlines()[-1].strip()}"
             ) from None
+
+
+def _fuse_experts(state: dict[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
+    """Per-expert MoE tensors (``experts.<j>.gate_proj.weight`` ..., as checkpoints store
+    them) stacked into the fused parameters the decoder layer holds (transformers 5:
+    ``experts.gate_up_proj`` ``[E, 2I, H]``, gate rows first, and ``experts.down_proj``
+    ``[E, H, I]``), where the layer expects those and the checkpoint has every expert."""
+    fused = dict(state)
+    for name in expected:
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")) or name in state:
+            continue
+        base = name.rsplit(".", 1)[0]  # ...mlp.experts
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        pattern = re.compile(rf"^{re.escape(base)}\.(\d+)\.({'|'.join(parts)})\.weight$")
+        found: dict[int, dict[str, Tensor]] = {}
+        for key, tensor in state.items():
+            match = pattern.match(key)
+            if match:
+                found.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        experts = sorted(found)
+        if not experts or experts != list(range(len(experts))):
+            continue
+        if any(set(found[j]) != set(parts) for j in experts):
+            continue
+        fused[name] = torch.stack([torch.cat([found[j][p] for p in parts], dim=0) for j in experts])
+        for j in experts:
+            for part in parts:
+                del fused[f"{base}.{j}.{part}.weight"]
+    return fused
 
 
 @contextmanager

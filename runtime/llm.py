@@ -88,6 +88,13 @@ class LLM:
     A model with a state group (Mamba) decodes in steps of its own whatever the flag
     (``engine.scheduler.ride_along_disabled_reason`` says why).
 
+    ``speculative_tokens=1``: decode with the model's MTP layer as drafter
+    (``runtime/mtp.py``, ``runtime/speculative.py``): its caches are merged into the model's
+    pools, each decode step verifies the last token and one draft per request in one forward,
+    and greedy tokens equal one-token-per-step decoding. ``stats.speculation`` gives the
+    acceptance rate and tokens per step. Step hooks see one logit row per request per step,
+    which a verify step does not have: they are refused with speculation.
+
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a
     multiple of 128 in [128, 512]), its head counts and dims, and, in float16/bfloat16, its
@@ -116,6 +123,11 @@ class LLM:
             **settings: ``EngineConfig`` fields, replacing those of CONFIG.
         """
         config = replace(config or EngineConfig(), **settings)
+        if config.speculative_tokens and step_hooks:
+            raise BadInputError(
+                "step hooks record one logit row per request per step; a speculative verify "
+                "step scores several: give speculative_tokens=0 to record steps"
+            )
         #: the settings this LLM runs with
         self.engine_config = config
         if config.freeze_startup_heap:
@@ -460,6 +472,11 @@ class LLM:
     @contextmanager
     def step_hook(self, hook: StepHook) -> Iterator[StepHook]:
         """Call ``hook(StepRecord)`` after every step inside the block."""
+        if self.engine.speculator is not None:
+            raise BadInputError(
+                "step hooks record one logit row per request per step; a speculative verify "
+                "step scores several"
+            )
         self.engine.step_hooks.append(hook)
         try:
             yield hook

@@ -119,8 +119,10 @@ class Speculator:
         if output.is_prefill:
             rows = inputs.logits_indices
         else:
-            # every fed token is scored; causal within each request's 1 + d tokens
-            md = replace(md, is_prefill=True, prompt_tokens=ends[-1])
+            # every fed token is scored; causal within each request's 1 + d tokens (a step
+            # without drafts keeps the one-token decode call)
+            if ends[-1] > len(scheduled):
+                md = replace(md, is_prefill=True, prompt_tokens=ends[-1])
             rows = torch.arange(ends[-1], device=engine.device)
         started = time.perf_counter()
         with last_hidden_states(engine.model) as captured:

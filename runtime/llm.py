@@ -88,9 +88,9 @@ class LLM:
     A model with a state group (Mamba) decodes in steps of its own whatever the flag
     (``engine.scheduler.ride_along_disabled_reason`` says why).
 
-    ``speculative_tokens=1``: decode with the model's MTP layer as drafter
+    ``speculative_tokens=k``: decode with the model's MTP layer as drafter
     (``runtime/mtp.py``, ``runtime/speculative.py``): its caches are merged into the model's
-    pools, each decode step verifies the last token and one draft per request in one forward,
+    pools, each decode step verifies the last token and k drafts per request in one forward,
     and greedy tokens equal one-token-per-step decoding. ``stats.speculation`` gives the
     acceptance rate and tokens per step. Step hooks see one logit row per request per step,
     which a verify step does not have: they are refused with speculation.

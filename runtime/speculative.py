@@ -93,10 +93,11 @@ class Speculator:
     """The draft/verify half of an engine step (see the module doc)."""
 
     def __init__(self, drafter: MtpDrafter, num_speculative_tokens: int) -> None:
-        if num_speculative_tokens != len(drafter.layers) or num_speculative_tokens != 1:
+        if len(drafter.layers) != 1 or num_speculative_tokens < 1:
             raise BadInputError(
-                f"speculative_tokens={num_speculative_tokens}: this runtime drafts one token "
-                f"per step with one MTP layer (the model has {len(drafter.layers)}); use 1"
+                f"speculative_tokens={num_speculative_tokens}: the runtime drafts with one MTP "
+                f"layer, reused for every draft after the first (the model has "
+                f"{len(drafter.layers)})"
             )
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
@@ -212,18 +213,69 @@ class Speculator:
             out = self.drafter(ids, previous, pos)
             logits = self.drafter.logits(out[0]).float()
         self.last_draft_logits = logits
-        last_rows = list(accumulate(counts))
-        guesses = greedy_tokens(logits[[i - 1 for i in last_rows]]).tolist()
-        for r, guess in zip(requests, guesses, strict=True):
-            if r.is_prefilling or not self._room_for_a_draft(engine, r):
-                continue
-            r.draft_token_ids[:] = [guess]
+        last_rows = [i - 1 for i in accumulate(counts)]
+        guesses = greedy_tokens(logits[last_rows]).tolist()
+        wanted: dict[int, int] = {}
+        for i, (r, guess) in enumerate(zip(requests, guesses, strict=True)):
+            n = 0 if r.is_prefilling else self._num_drafts(engine, r)
+            if n:
+                r.draft_token_ids[:] = [guess]
+                wanted[i] = n
+        self._chain(engine, requests, wanted, out[0, last_rows])
 
-    def _room_for_a_draft(self, engine, request: Request) -> bool:
-        """A draft is worth feeding when the request may still gain two tokens."""
+    def _chain(self, engine, requests: list[Request], wanted: dict[int, int], hidden) -> None:
+        """Drafts after the first: the same MTP layer over its own output and its last draft
+        (pair j+1 reads the layer's output for pair j), one row per request per round, until
+        each request has what it wants. Row P+j of the MTP cache takes the round's pair (P =
+        the request's last kept pair); the next step's drafter pass writes the kept rows
+        again with the main model's hidden states before any later round reads them."""
+        previous = {i: hidden[k] for k, i in enumerate(wanted)}
+        active = [i for i, n in wanted.items() if n > 1]
+        device = engine.device
+        while active:
+            rows, keep = [], []
+            for i in active:
+                r = requests[i]
+                row = r.num_computed_tokens - 1 + len(r.draft_token_ids)
+                # the slot of row ``row`` (drafts only: a full pool ends the chain early)
+                grown = engine.kv_manager.allocate_slots(
+                    r.request_id, row + 1, num_computed_tokens=r.num_computed_tokens
+                )
+                if grown is not None:
+                    rows.append(row)
+                    keep.append(i)
+            if not keep:
+                return
+            ids = [requests[i].request_id for i in keep]
+            tables = engine.kv_manager.step_tables(ids, starts=rows, num_new_tokens=[1] * len(keep))
+            md = step_metadata(
+                is_prefill=False,
+                q_lens=[1] * len(keep),
+                kv_lens=[row + 1 for row in rows],
+                block_table={k: t.to(device) for k, t in tables.block_table.items()},
+                slot_mapping={k: t.to(device) for k, t in tables.slot_mapping.items()},
+                attention_mask=engine.attention_mask,
+                device=device,
+            )
+            tokens = [requests[i].draft_token_ids[-1] for i in keep]
+            with torch.inference_mode(), forward_context(md):
+                out = self.drafter(
+                    int64_tensor(tokens).to(device).unsqueeze(0),
+                    torch.stack([previous[i] for i in keep]).unsqueeze(0),
+                    int64_tensor([row + 1 for row in rows]).to(device).unsqueeze(0),
+                )
+                guesses = greedy_tokens(self.drafter.logits(out[0]).float()).tolist()
+            for k, (i, guess) in enumerate(zip(keep, guesses, strict=True)):
+                requests[i].draft_token_ids.append(guess)
+                previous[i] = out[0, k]
+            active = [i for i in keep if len(requests[i].draft_token_ids) < wanted[i]]
+
+    def _num_drafts(self, engine, request: Request) -> int:
+        """Drafts worth feeding: up to speculative_tokens, and never past the request's last
+        token (a verify step emits at most one token more than it drafts)."""
         params = request.sampling_params
         left = min(
             params.max_tokens - len(request.output_token_ids),
             engine.config.max_model_len - request.num_tokens,
         )
-        return left >= 2
+        return max(0, min(self.num_speculative_tokens, left - 1))

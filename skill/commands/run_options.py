@@ -98,7 +98,8 @@ speculative_tokens_option = click.option(
     default=0,
     show_default=True,
     help="Speculative decoding: tokens the model's MTP layers draft per decode step, "
-    "verified in one forward (0 off; 1 with one MTP layer). Exit 2 when the model has none.",
+    "verified in one forward (0 off; drafts after the first reuse the one MTP layer). Exit 2 "
+    "when the model has none.",
 )
 
 device_option = click.option(

@@ -48,11 +48,12 @@ def _tokens(directory, prompts, **settings):
     return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm
 
 
-def test_greedy_speculative_tokens_equal_one_token_per_step(deepseek):
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculative_tokens_equal_one_token_per_step(deepseek, k):
     directory, _, _ = deepseek
     # chunked prefill: the longest prompt takes three steps of 8 tokens
     expected, _ = _tokens(directory, PROMPTS, max_num_batched_tokens=8)
-    got, llm = _tokens(directory, PROMPTS, max_num_batched_tokens=8, speculative_tokens=1)
+    got, llm = _tokens(directory, PROMPTS, max_num_batched_tokens=8, speculative_tokens=k)
     assert got == expected
     spec = llm.stats.speculation
     assert spec.num_verify_steps > 0 and spec.num_draft_tokens > 0
@@ -62,7 +63,8 @@ def test_greedy_speculative_tokens_equal_one_token_per_step(deepseek):
     assert free == llm.kv_manager.initial_free_blocks
 
 
-def test_preempted_and_prefix_cached_requests_keep_their_tokens(deepseek):
+@pytest.mark.parametrize("k", [1, 2])
+def test_preempted_and_prefix_cached_requests_keep_their_tokens(deepseek, k):
     directory, _, _ = deepseek
     # three prompts of 14 tokens take a block each; grown by 12 tokens they need 6 blocks of
     # 16 and the pool has 5: preemption
@@ -72,7 +74,7 @@ def test_preempted_and_prefix_cached_requests_keep_their_tokens(deepseek):
     # then two prompts that continue the first two requests: their first block is cached
     second = [first[0] + expected_first[0][:4], first[1] + expected_first[1][:3]]
     expected_second, _ = _tokens(directory, second)
-    llm = LLM(directory, **{**SETTINGS, **tight, "speculative_tokens": 1})
+    llm = LLM(directory, **{**SETTINGS, **tight, "speculative_tokens": k})
     assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected_first
     assert llm.stats.num_preemptions > 0
     assert [o.token_ids for o in llm.generate(second, GREEDY)] == expected_second
@@ -148,6 +150,11 @@ def test_an_agreeing_mtp_layer_has_every_draft_accepted(deepseek, tmp_path):
     spec = llm.stats.speculation
     assert spec.acceptance_rate == 1.0
     assert spec.tokens_per_step > 1.5
+    # three drafts a step, the last two from the MTP layer reused over its own output
+    got, llm = _tokens(agreeing, PROMPTS, speculative_tokens=3)
+    assert got == expected
+    assert llm.stats.speculation.acceptance_rate == 1.0
+    assert llm.stats.speculation.tokens_per_step > 3.0
     # fewer decode steps than tokens generated after the prefill
     assert llm.stats.num_decode_steps < sum(len(t) - 1 for t in got)
 

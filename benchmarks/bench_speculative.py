@@ -13,6 +13,7 @@ tokens/s of each (median), their ratio, acceptance rate, tokens per request per 
 decode steps, and whether both produced the same tokens (greedy; they must).
 
 Run: ``.venv/bin/python benchmarks/bench_speculative.py [--family deepseek_v3|glm4_moe]
+[--speculative-tokens 1]
 [--requests 8] [--prompt-len 32]
 [--max-tokens 64] [--hidden-size 256] [--repeats 3] [--out PATH]``
 """
@@ -38,6 +39,7 @@ from _common import environment, load_average, set_threads  # noqa: E402
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("deepseek_v3", "glm4_moe"), default="deepseek_v3")
+    parser.add_argument("--speculative-tokens", type=int, default=1)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.out is None:
         suffix = "" if args.family == "deepseek_v3" else f"-{args.family}"
+        if args.speculative_tokens != 1:
+            suffix += f"-k{args.speculative_tokens}"
         args.out = HERE / "results" / f"bench_speculative{suffix}.json"
     set_threads(args.threads)
 
@@ -85,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
         settings = dict(block_size=128, num_blocks=64, cpu_only_shapes=True)
         systems = {
             "one_token_per_step": LLM(directory, **settings),
-            "speculative_mtp": LLM(directory, speculative_tokens=1, **settings),
+            "speculative_mtp": LLM(
+                directory, speculative_tokens=args.speculative_tokens, **settings
+            ),
         }
         rates: dict[str, list[float]] = {name: [] for name in systems}
         tokens: dict[str, list[list[int]]] = {}

@@ -11,7 +11,12 @@ get the same tokens; a sampled request draws each position from the target distr
 
 Then the drafter runs over the pairs whose main K/V were kept (hidden state of position p,
 token p+1, at rotary position p+1, cache row p) and drafts the token after each request's
-last one.
+last one; with ``speculative_tokens`` k > 1 the same layer then runs over its own output and
+its last draft for the others (``Speculator._chain``).
+
+Only full-attention pools are served (``speculation_refusal``): a recurrent state or a window
+would have to advance over the accepted tokens only (the framework keeps ``1 + next_n``
+state blocks and ``2 * next_n`` window blocks for that), which this runtime does not do.
 
 Prefix caching shares the MTP rows with the blocks: a cached block's last row pairs its last
 token with the token after it in the request that filled it, which another request may

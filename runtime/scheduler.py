@@ -314,10 +314,15 @@ class Scheduler:
         for item, token in zip(output.scheduled, sampled, strict=True):
             request = item.request
             if isinstance(token, list):
+                kept, reason = self._append_accepted(request, token, now)
                 request.num_computed_tokens += len(token)
-                step_outputs.append(self._accept(request, token, now, finished))
-                if caching and request.status is RequestStatus.RUNNING:
-                    cache_blocks(request, request.num_computed_tokens)
+                if caching:
+                    # before a finish frees them; K/V and tokens are both known up to here
+                    cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+                if reason is not None:
+                    self._finish(request, reason, now)
+                    finished.append(request)
+                step_outputs.append(StepOutput(request.request_id, kept, reason))
                 continue
             request.num_computed_tokens += item.num_new_tokens
             if caching and (
@@ -339,23 +344,19 @@ class Scheduler:
             step_outputs.append(StepOutput(request.request_id, [token], reason))
         return step_outputs, finished
 
-    def _accept(
-        self, request: Request, tokens: list[int], now: float, finished: list[Request]
-    ) -> StepOutput:
-        """Append a verify step's accepted tokens up to the first that ends the request."""
-        kept: list[int] = []
-        reason = None
-        for token in tokens:
+    def _append_accepted(
+        self, request: Request, tokens: list[int], now: float
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append a verify step's accepted tokens up to the first that ends the request:
+        (the tokens appended, why it ends or None)."""
+        for count, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
-            kept.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = self._finish_reason(request, token)
             if reason is not None:
-                self._finish(request, reason, now)
-                finished.append(request)
-                break
-        return StepOutput(request.request_id, kept, reason)
+                return tokens[:count], reason
+        return list(tokens), None
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params

@@ -81,6 +81,7 @@ from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import FUSED, decide_mla_cache_write
+from kvskill.analyzer.mtp import mtp_plan
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
 from kvskill.analyzer.plan import (
@@ -802,6 +803,7 @@ def _assemble_plan(
         implementer_blockers=list(book.blockers),
         is_mla_backend=design.attention is AttentionKind.MLA,
         mla_cache_write=cache_write,
+        mtp=mtp_plan(spec, caches.entries, caches.kv_bytes_per_token),
     )
 
 

@@ -193,7 +193,16 @@ def normalise(
     dtype_value = get("dtype", "dtype", "torch_dtype")
     dtype = str(dtype_value).replace("torch.", "") if dtype_value else "bfloat16"
     experts = get("num_experts", "num_experts", "n_routed_experts", "num_local_experts") or 0
-    mtp = get("num_mtp_layers", "num_nextn_predict_layers", "mtp_num_layers") or 0
+    mtp = (
+        get(
+            "num_mtp_layers",
+            "num_mtp_layers",
+            "num_nextn_predict_layers",
+            "mtp_num_layers",
+            "mtp_num_hidden_layers",
+        )
+        or 0
+    )
     softcap = get("attn_logit_softcapping", "attn_logit_softcapping")
     chunk = get("attention_chunk_size", "attention_chunk_size")
     return ModelSpec(

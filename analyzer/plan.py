@@ -9,7 +9,7 @@ compares, hashes and formats like the strings it was read from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,37 @@ class IndexerPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MtpPlan:
+    """The MTP layers and what speculative decoding with them costs (None: the model has none)."""
+
+    #: MTP layers the config declares (k)
+    num_layers: int
+    #: the config key that gave k
+    config_key: str
+    #: their decoder-layer indices N..N+k-1 (N = num_hidden_layers)
+    layer_indices: list[int]
+    #: checkpoint key prefixes of their tensors
+    weight_prefixes: list[str]
+    #: the attn_type each MTP layer's attention declares
+    attn_type: str
+    #: the cache entries ONE MTP layer declares (those of a main layer of its attn_type)
+    cache_entries: list[CacheEntryPlan]
+    #: KV bytes per token of all MTP layers together
+    bytes_per_token: int
+    #: kv_bytes_per_token with speculative decoding on: the main layers' plus the MTP layers'
+    #: (kv_bytes_per_token itself counts the main layers only: without speculation the MTP
+    #: layers are not built and hold no cache)
+    kv_bytes_per_token_speculative: int
+    #: draft tokens per verify step by default (one per MTP layer); a verify step feeds
+    #: next_n + 1 tokens per request, so the pools keep next_n extra slots per request
+    next_n: int
+    #: how the MTP caches join the model's (the framework's merge)
+    merge: str
+    #: why speculative decoding with these layers is not supported, None when it is
+    speculative_refusal: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompressedLayerKind:
     """One kind of layer of compressed attention (DeepSeek-V4): sliding only, CSA or HCA."""
 
@@ -362,6 +393,8 @@ class Plan:
     #: dtype, bytes), bytes per request and the page size chosen (analyzer/state_cache.py);
     #: {} for a model without state layers
     state_cache: dict[str, Any] = field(default_factory=dict)
+    #: the multi-token-prediction layers (analyzer/mtp.py), None when the config has none
+    mtp: MtpPlan | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -394,6 +427,10 @@ class Plan:
             put("indexer", _record(IndexerPlan, self.indexer))
         if self.compressed_attention is not None:
             put("compressed_attention", _record(CompressedAttentionPlan, self.compressed_attention))
+        if self.mtp is not None:
+            mtp = _record(MtpPlan, self.mtp)
+            entries = [_record(CacheEntryPlan, e) for e in mtp.cache_entries]
+            put("mtp", replace(mtp, cache_entries=entries))
         if self.mla_cache_write is not None:
             put("mla_cache_write", MlaCacheWrite(self.mla_cache_write))
         if self.position_bias is not None:
@@ -458,6 +495,7 @@ DERIVED_FIELDS = (
     "kv_bytes_per_token",
     "memory",
     "state_cache",
+    "mtp",
 )
 #: Prose and findings: explanations of the decisions, not decisions; not compared.
 NOTE_FIELDS = ("fa_version_reason", "legacy_reason", "warnings", "evidence", "implementer_blockers")

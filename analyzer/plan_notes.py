@@ -199,8 +199,9 @@ def code_notes(
         book.block(msg)
     if spec.num_mtp_layers:
         book.warn(
-            f"{spec.num_mtp_layers} MTP layer(s): their caches are outside the decoder layers "
-            "planned here"
+            f"{spec.num_mtp_layers} MTP layer(s) after the {spec.num_layers} decoder layers: "
+            "without speculative decoding they are not built; with it (run "
+            "--speculative-tokens) their caches join the model's (see the plan's mtp)"
         )
 
 

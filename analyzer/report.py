@@ -176,6 +176,21 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                     "(Ascend 950 only)",
                 ),
             )
+    if plan.mtp is not None:
+        mtp = plan.mtp
+        rows.append(
+            (
+                "MTP layers",
+                f"{mtp.num_layers} ({mtp.config_key}) at layers {mtp.layer_indices}, "
+                f"{mtp.bytes_per_token} B/token; speculative KV bytes/token "
+                f"{mtp.kv_bytes_per_token_speculative}, next_n {mtp.next_n}"
+                + (
+                    f"; not speculative: {mtp.speculative_refusal}"
+                    if mtp.speculative_refusal
+                    else ""
+                ),
+            )
+        )
     if "kv_memory_bytes" in plan.memory:
         rows.append(("memory", memory_line(plan.memory)))
     return rows

@@ -19,6 +19,7 @@ from kvskill.runtime.model_output import logits_of
 from kvskill.runtime.request import Request, RequestOutput, SamplingParams, StepOutput
 from kvskill.runtime.sampler import Sampler, make_generator
 from kvskill.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvskill.runtime.speculative import SpeculationStats, Speculator
 from kvskill.runtime.step_inputs import build_step_inputs
 from torch import Tensor, nn
 
@@ -68,6 +69,8 @@ class EngineStats:
     num_prefix_hit_tokens: int = 0
     #: blocks carrying a prefix-cache hash after the last step (held or free)
     num_cached_blocks: int = 0
+    #: speculative decoding's counts (acceptance rate, tokens per step); None when off
+    speculation: SpeculationStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -92,6 +95,7 @@ class EngineStats:
             "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "num_cached_blocks": self.num_cached_blocks,
+            "speculation": None if self.speculation is None else self.speculation.to_dict(),
         }
 
 
@@ -116,8 +120,11 @@ class LLMEngine:
         step_hooks: Sequence[StepHook] = (),
         screened_head: ScreenedHead | None = None,
         captured_decode: CapturedDecode | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
+        #: speculative decoding with the model's MTP layers (None: one token per decode step)
+        self.speculator = speculator
         #: decode steps run as a graph captured per batch bucket (None: every step eager)
         self.captured_decode = captured_decode
         #: the output head's bf16 screen, used on steps whose requests are all greedy
@@ -136,6 +143,7 @@ class LLMEngine:
         self.stats = EngineStats(
             peak_blocks_used=dict.fromkeys(kv_manager.group_keys, 0),
             prefix_caching=kv_manager.enable_prefix_caching,
+            speculation=None if speculator is None else speculator.stats,
         )
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -245,6 +253,12 @@ class LLMEngine:
         if not output.scheduled:
             return []
         self._account_blocks()
+        if self.speculator is not None:
+            # (step hooks record one logit row per request; a verify step scores several)
+            step_outputs, generated, forward_s = self.speculator.run(self, output)
+            self._count(output, generated, forward_s)
+            self.stats.step_s += time.perf_counter() - started
+            return step_outputs
         inputs = build_step_inputs(
             output, self.kv_manager, attention_mask=self.attention_mask, device=self.device
         )
@@ -263,7 +277,7 @@ class LLMEngine:
             [len(s.request.output_token_ids) for s in output.scheduled] if self.step_hooks else []
         )
         step_outputs, _ = self.scheduler.update_from_output(output, sampled, time.perf_counter())
-        self._count(output, sampled, forward_s)
+        self._count(output, len(sampled) - sampled.count(None), forward_s)
         # Hooks (recorders of verify and the chains) are not engine time.
         self.stats.step_s += time.perf_counter() - started
         if self.step_hooks:
@@ -408,7 +422,7 @@ class LLMEngine:
         for key, initial in self.kv_manager.initial_free_blocks.items():
             peak[key] = max(peak.get(key, 0), initial - free[key])
 
-    def _count(self, output: SchedulerOutput, sampled: list[int | None], forward_s: float) -> None:
+    def _count(self, output: SchedulerOutput, num_generated: int, forward_s: float) -> None:
         stats = self.stats
         stats.num_steps += 1
         if output.is_prefill:
@@ -419,7 +433,7 @@ class LLMEngine:
             )
         else:
             stats.num_decode_steps += 1
-        stats.num_generated_tokens += len(sampled) - sampled.count(None)
+        stats.num_generated_tokens += num_generated
         stats.num_preemptions += len(output.preempted)
         stats.forward_s += forward_s
         if stats.prefix_caching:

@@ -81,6 +81,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     #: let a prefill step also feed decoding requests their next token; default True
     mix_decode_with_prefill: bool = True
+    #: speculative decoding: tokens the model's MTP layers draft per decode step, verified
+    #: in one forward (0 off; ``runtime/speculative.py``); default 0
+    speculative_tokens: int = 0
 
     # ---- the process and its kernels ----------------------------------------------------
     #: tensor-parallel ranks (processes) the model is split over; default 1
@@ -114,6 +117,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        spec = self.speculative_tokens
+        if isinstance(spec, bool) or not isinstance(spec, int) or spec < 0:
+            raise BadInputError(f"speculative_tokens must be an integer >= 0, got {spec!r}")
+        if spec and (self.graph or self.tensor_parallel_size != 1):
+            raise BadInputError(
+                "speculative_tokens runs eager steps in one process; it cannot be combined "
+                "with graph=True or tensor_parallel_size > 1"
+            )
         for name in _ONE_PROCESS_ONLY:
             if getattr(self, name) is not True:
                 continue

@@ -69,6 +69,7 @@ def prepare_kv_cache(
     max_model_len: int | None = None,
     log_layout: bool = False,
     enable_prefix_caching: bool = False,
+    drafter: nn.Module | None = None,
 ) -> KVCacheSetup:
     """Ask the model for its cache declarations, size the pools and inject the tensors.
 
@@ -81,6 +82,9 @@ def prepare_kv_cache(
         max_model_len: longest request expected; only sizes the default budget.
         log_layout: log every cache view built (``[non-contiguous-kv-cache]`` lines).
         enable_prefix_caching: see ``KVCacheManager``.
+        drafter: the MTP layers (``runtime/mtp.py``) when speculating: their cache info is
+            merged after the model's (``ModelCacheInfo.merge``), so the same pools, block
+            tables and slot mappings serve them.
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -102,6 +106,8 @@ def prepare_kv_cache(
             f"{type(model).__name__}.get_cache_info() returned {type(info).__name__}; "
             "expected kvskill.runtime.ModelCacheInfo"
         )
+    if drafter is not None:
+        info = info.merge(drafter.get_cache_info())
     size_legacy_rows(info, max_model_len or DEFAULT_BUDGET_MODEL_LEN)
     # Entries that chose their block size keep it; the others take the run's.
     fill_block_sizes(info, block_size or getattr(model, "block_size", None) or DEFAULT_BLOCK_SIZE)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from kvskill.core.attn_types import AttnType
-from kvskill.core.errors import BadInputError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.runtime.device import select_device
 from kvskill.runtime.engine import EngineStats, LLMEngine, StepHook
 from kvskill.runtime.engine_config import EngineConfig
@@ -88,6 +88,13 @@ class LLM:
     A model with a state group (Mamba) decodes in steps of its own whatever the flag
     (``engine.scheduler.ride_along_disabled_reason`` says why).
 
+    ``speculative_tokens=k``: decode with the model's MTP layer as drafter
+    (``runtime/mtp.py``, ``runtime/speculative.py``): its caches are merged into the model's
+    pools, each decode step verifies the last token and k drafts per request in one forward,
+    and greedy tokens equal one-token-per-step decoding. ``stats.speculation`` gives the
+    acceptance rate and tokens per step. Step hooks see one logit row per request per step,
+    which a verify step does not have: they are refused with speculation.
+
     The NPU profile (``runtime/ops/reference/npu_profile.py``) is on by default: every step
     runs the reference operators against the NPU's shape limits (paged block sizes: a
     multiple of 128 in [128, 512]), its head counts and dims, and, in float16/bfloat16, its
@@ -102,6 +109,7 @@ class LLM:
         config: EngineConfig | None = None,
         *,
         step_hooks: Sequence[StepHook] = (),
+        mtp_state: dict[str, Tensor] | None = None,
         **settings: Any,
     ) -> None:
         """Load MODEL (a directory or a built module) and set up its KV pools and engine.
@@ -109,9 +117,17 @@ class LLM:
         Args:
             config: every setting (``EngineConfig``); default: its defaults.
             step_hooks: called with a ``StepRecord`` after every step.
+            mtp_state: a built module's MTP-layer tensors under their checkpoint names
+                (``model.layers.<N+i>.*``), for speculative_tokens; a directory's come from
+                its checkpoint.
             **settings: ``EngineConfig`` fields, replacing those of CONFIG.
         """
         config = replace(config or EngineConfig(), **settings)
+        if config.speculative_tokens and step_hooks:
+            raise BadInputError(
+                "step hooks record one logit row per request per step; a speculative verify "
+                "step scores several: give speculative_tokens=0 to record steps"
+            )
         #: the settings this LLM runs with
         self.engine_config = config
         if config.freeze_startup_heap:
@@ -149,6 +165,7 @@ class LLM:
                 random_weights=config.random_weights,
                 trust_remote_code=config.trust_remote_code,
             )
+        self._given_mtp_state = mtp_state
         try:
             self._set_up(model, config, step_hooks)
         except BaseException:
@@ -164,7 +181,11 @@ class LLM:
                 shard.model_dir,
             )
         else:
-            self.model, self.config, self.model_dir = _acquire_model(model, config)
+            self.model, self.config, self.model_dir, mtp_state = _acquire_model(model, config)
+            if mtp_state is None:
+                mtp_state = self._given_mtp_state
+        #: the MTP layers drafting for speculative decoding (None when speculative_tokens is 0)
+        self.drafter = self._build_drafter(config, mtp_state) if config.speculative_tokens else None
         self.fast_paths = switch_on_fast_paths(self.model, config)
         self.num_prepacked_linears = self.fast_paths.get("prepack_linear").count
         self.num_fused_layers = self.fast_paths.get("fuse_layers").count
@@ -189,6 +210,7 @@ class LLM:
             self.model,
             device=self.device,
             free_block_order_seed=config.free_block_order_seed,
+            drafter=self.drafter,
             **kv_kwargs,
         )
         if self.tensor_parallel is not None:
@@ -211,6 +233,7 @@ class LLM:
             max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             mix_decode_with_prefill=config.mix_decode_with_prefill,
+            num_speculative_tokens=config.speculative_tokens,
             max_model_len=self._resolve_max_model_len(
                 config.max_model_len, config.max_num_batched_tokens, config.enable_chunked_prefill
             ),
@@ -227,10 +250,47 @@ class LLM:
             step_hooks=step_hooks,
             screened_head=self.output_head_screen,
             captured_decode=self._captured_decode(config, scheduler_config.max_model_len),
+            speculator=self._speculator(config),
         )
         self._batch_ids = itertools.count()
 
     # ---- set-up helpers -----------------------------------------------------------------
+    def _build_drafter(self, config: EngineConfig, mtp_state: dict | None):
+        """The model's MTP layers with their checkpoint tensors (speculative_tokens > 0)."""
+        from kvskill.runtime.mtp import MtpDrafter
+
+        if is_executor_model(self.model):
+            raise BadInputError(
+                "speculative_tokens drafts with transformers-style MTP layers; this model "
+                "follows the framework executor's contract"
+            )
+        drafter = MtpDrafter(self.model)
+        if mtp_state:
+            drafter.load_checkpoint_state(mtp_state)
+        elif mtp_state is None:
+            raise BadInputError(
+                "speculative_tokens reads the MTP layers' tensors from a converted directory's "
+                "checkpoint; give the directory, or a built module with mtp_state="
+            )
+        elif not config.random_weights:
+            raise BadInputError(
+                "the checkpoint has no MTP tensors (model.layers.<N+i>.*); speculative_tokens "
+                "drafts with them"
+            )
+        return drafter
+
+    def _speculator(self, config: EngineConfig):
+        if self.drafter is None:
+            return None
+        from kvskill.runtime.speculative import Speculator, speculation_refusal
+
+        refusal = speculation_refusal(
+            {key: self.kv_manager.managers[key].attn_type for key in self.kv_manager.group_keys}
+        )
+        if refusal is not None:
+            raise UnsupportedModelError(f"speculative_tokens: {refusal}")
+        return Speculator(self.drafter, config.speculative_tokens)
+
     def _captured_decode(self, config: EngineConfig, max_model_len: int):
         """The per-bucket decode graph when ``graph`` is on (transformers-style forwards only:
         a framework executor model keeps its own graph mode)."""
@@ -412,6 +472,11 @@ class LLM:
     @contextmanager
     def step_hook(self, hook: StepHook) -> Iterator[StepHook]:
         """Call ``hook(StepRecord)`` after every step inside the block."""
+        if self.engine.speculator is not None:
+            raise BadInputError(
+                "step hooks record one logit row per request per step; a speculative verify "
+                "step scores several"
+            )
         self.engine.step_hooks.append(hook)
         try:
             yield hook
@@ -442,9 +507,10 @@ def _text_config(config):
 
 
 def _acquire_model(model, config: EngineConfig):
-    """(model, config, directory or None): a built module as is, or loaded from a directory."""
+    """(model, config, directory or None, the checkpoint's MTP tensors or None): a built
+    module as is, or loaded from a directory."""
     if isinstance(model, nn.Module):
-        return model, getattr(model, "config", None), None
+        return model, getattr(model, "config", None), None, None
     loaded = load_model(
         model,
         dtype=resolve_dtype(config.dtype),
@@ -453,7 +519,7 @@ def _acquire_model(model, config: EngineConfig):
         random_weights=config.random_weights,
         trust_remote_code=config.trust_remote_code,
     )
-    return loaded.model, loaded.config, loaded.model_dir
+    return loaded.model, loaded.config, loaded.model_dir, loaded.mtp_state
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

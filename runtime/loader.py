@@ -15,9 +15,10 @@ import importlib
 import importlib.machinery
 import importlib.util
 import logging
+import re
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -34,6 +35,7 @@ from kvskill.runtime.executor_host import (
     framework_modules,
     is_executor_model_class,
 )
+from kvskill.runtime.mtp import mtp_tensor_pattern
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ class LoadedModel:
     model_dir: Path
     module: ModuleType  #: the imported modeling module
     weights_loaded: bool  #: False when the weights are random
+    #: the checkpoint's MTP-layer tensors (``model.layers.<N+i>.*``, see ``runtime/mtp.py``),
+    #: set aside from the main model's; empty when it has none
+    mtp_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -117,15 +122,23 @@ def load_model(
     _check_fits_in_memory(model_cls, config, torch_dtype, device)
     torch.manual_seed(seed)
     model = _build(model_cls, config, model_dir)
+    mtp_state: dict[str, torch.Tensor] = {}
     if weight_files and read_weights:
         try:
-            _load_safetensors(model, weight_files)
+            mtp_state = _load_safetensors(model, weight_files, mtp_tensor_pattern(config))
         except WeightsMismatchError as mismatch:
             del model  # the retry builds its own; do not hold two copies
             model = _load_with_transformers_conversions(model_cls, config, model_dir, mismatch)
+            # as stored: the drafter names them if they needed those conversions too
+            mtp_state = _matching_tensors(weight_files, mtp_tensor_pattern(config))
     model = model.to(device=device, dtype=torch_dtype).eval()
     return LoadedModel(
-        model, config, model_dir, module, weights_loaded=bool(weight_files) and read_weights
+        model,
+        config,
+        model_dir,
+        module,
+        weights_loaded=bool(weight_files) and read_weights,
+        mtp_state=mtp_state,
     )
 
 
@@ -382,7 +395,10 @@ def _load_with_transformers_conversions(
             hf_logging.enable_progress_bar()
     tied = _tied_parameter_names(model)
     missing = [k for k in info.get("missing_keys", ()) if k not in tied]
-    if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
+    # the MTP layers' tensors are no part of the main model (runtime/mtp.py reads them)
+    mtp = mtp_tensor_pattern(config)
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not (mtp and mtp.match(k))]
+    if missing or unexpected or info.get("mismatched_keys"):
         raise mismatch
     logger.info("weights: loaded through transformers' %s checkpoint conversions", model_type)
     return model
@@ -398,7 +414,11 @@ def load_checkpoint_tensors(model: nn.Module, model_dir: Path) -> None:
     _load_safetensors(model, sorted(model_dir.glob("*.safetensors")))
 
 
-def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
+def _load_safetensors(
+    model: nn.Module, files: list[Path], set_aside: re.Pattern | None = None
+) -> dict[str, torch.Tensor]:
+    """Load FILES into MODEL; returns the tensors whose names match SET_ASIDE (the MTP
+    layers': the config declares them, the main model has no place for them)."""
     from kvskill.core.safetensors_check import check_safetensors
     from safetensors.torch import load_file
 
@@ -409,6 +429,11 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
             state.update(load_file(str(path)))
         except Exception as exc:
             raise BadInputError(f"cannot read weights {path}: {exc}") from exc
+    own = model.state_dict().keys() if set_aside else ()
+    aside = {
+        k: state.pop(k)
+        for k in [k for k in state if set_aside and set_aside.match(k) and k not in own]
+    }
     tied = _tied_parameter_names(model)
     needed = set(model.state_dict()) - tied
     if not needed <= state.keys():
@@ -442,6 +467,22 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
         )
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
+    return aside
+
+
+def _matching_tensors(files: list[Path], pattern: re.Pattern | None) -> dict[str, torch.Tensor]:
+    """The tensors of FILES whose names match PATTERN, read one by one."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    if pattern is None:
+        return found
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if pattern.match(key):
+                    found[key] = handle.get_tensor(key)
+    return found
 
 
 def _tied_parameter_names(model: nn.Module) -> set[str]:

@@ -97,6 +97,9 @@ class Request:
     block_hashes: dict[str, list[bytes]] = field(default_factory=dict)
     #: tokens of the last admission served from the prefix cache (0 = none)
     num_cached_tokens: int = 0
+    #: speculative decoding: tokens the MTP layers drafted after the last one, fed with it
+    #: in the next (verify) step; dropped on preemption
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +128,13 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    def fed_token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` a step feeds: prompt + output, then the drafts."""
+        num_tokens = self.num_tokens
+        if stop <= num_tokens:
+            return self.token_ids_slice(start, stop)
+        return self.token_ids_slice(start, num_tokens) + self.draft_token_ids[: stop - num_tokens]
 
 
 @dataclass(slots=True)

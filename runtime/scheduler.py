@@ -52,11 +52,18 @@ class SchedulerConfig:
     #: steps that compute prompt tokens also feed the decoding requests their next token
     #: (with chunked prefill only: an unchunked prompt longer than the budget runs alone)
     mix_decode_with_prefill: bool = True
+    #: speculative decoding: a decode step feeds each request its last token and the tokens
+    #: drafted after it (``Request.draft_token_ids``, up to this many); 0 = off
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise BadInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens < 0:
+            raise BadInputError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
 
 
 @dataclass(slots=True)
@@ -107,6 +114,11 @@ class Scheduler:
         self._mixing = config.mix_decode_with_prefill and config.enable_chunked_prefill
         if self._mixing:
             self.ride_along_disabled_reason = kv_manager.ride_along_refusal()
+            if config.num_speculative_tokens and self.ride_along_disabled_reason is None:
+                # a verify step feeds drafts the prompt steps do not carry
+                self.ride_along_disabled_reason = (
+                    "speculative decoding verifies in steps of its own"
+                )
             self._mixing = self.ride_along_disabled_reason is None
 
     def add(self, request: Request) -> None:
@@ -165,12 +177,16 @@ class Scheduler:
         grown, the rest from the first that was not). Only the requests crossing a block
         boundary touch the pools."""
         computed = [r.num_computed_tokens for r in candidates]
+        # the last sampled token, and the drafts after it when speculating
+        fed = [1 + len(r.draft_token_ids) for r in candidates]
         served = self.kv_manager.allocate_slots_batch(
-            [r.request_id for r in candidates], [c + 1 for c in computed], computed
+            [r.request_id for r in candidates],
+            [c + f for c, f in zip(computed, fed, strict=True)],
+            computed,
         )
         grown = [
-            ScheduledRequest(r, 1, c)
-            for r, c in zip(candidates[:served], computed[:served], strict=True)
+            ScheduledRequest(r, f, c)
+            for r, f, c in zip(candidates[:served], fed[:served], computed[:served], strict=True)
         ]
         return grown, candidates[served:]
 
@@ -231,13 +247,14 @@ class Scheduler:
         for request in rest:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self._allocate(request, 1):
+            fed = 1 + len(request.draft_token_ids)
+            while not self._allocate(request, fed):
                 victim = self._preempt(self.running[-1])
                 output.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                output.scheduled.append(ScheduledRequest(request, 1, request.num_computed_tokens))
+                output.scheduled.append(ScheduledRequest(request, fed, request.num_computed_tokens))
         return output
 
     def _allocate(
@@ -267,6 +284,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_prefill_tokens = 0
+        # drafts come from the MTP cache that was just freed; the recompute drafts anew
+        request.draft_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -279,7 +298,11 @@ class Scheduler:
 
         Args:
             sampled: one entry per scheduled request: the token sampled from its last
-                position, or None for a prefill chunk that does not end the prefill.
+                position, or None for a prefill chunk that does not end the prefill, or
+                (a verify step) the tokens accepted: the drafts that agreed and the token
+                after them. A verify step keeps the K/V of its first token and of the
+                accepted drafts only; the slots of rejected drafts lie past the computed
+                length and are written again by the next step before anything reads them.
 
         Returns:
             the per-request step outputs and the requests that finished (blocks freed).
@@ -290,6 +313,17 @@ class Scheduler:
         sizes = self._block_sizes
         for item, token in zip(output.scheduled, sampled, strict=True):
             request = item.request
+            if isinstance(token, list):
+                kept, reason = self._append_accepted(request, token, now)
+                request.num_computed_tokens += len(token)
+                if caching:
+                    # before a finish frees them; K/V and tokens are both known up to here
+                    cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+                if reason is not None:
+                    self._finish(request, reason, now)
+                    finished.append(request)
+                step_outputs.append(StepOutput(request.request_id, kept, reason))
+                continue
             request.num_computed_tokens += item.num_new_tokens
             if caching and (
                 # (a prefill chunk's blocks were offered when it was scheduled)
@@ -309,6 +343,20 @@ class Scheduler:
                 finished.append(request)
             step_outputs.append(StepOutput(request.request_id, [token], reason))
         return step_outputs, finished
+
+    def _append_accepted(
+        self, request: Request, tokens: list[int], now: float
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append a verify step's accepted tokens up to the first that ends the request:
+        (the tokens appended, why it ends or None)."""
+        for count, token in enumerate(tokens, start=1):
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                return tokens[:count], reason
+        return list(tokens), None
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params

@@ -63,7 +63,7 @@ def build_step_inputs(
     else:
         token_ids = array("q")
         for r, p, q in zip(requests, starts, q_lens, strict=True):
-            token_ids.extend(r.token_ids_slice(p, p + q))
+            token_ids.extend(r.fed_token_ids(p, p + q))
         positions = int64_tensor(
             array("q", chain.from_iterable(map(range, starts, kv_lens)))
         )  # [T]

@@ -55,6 +55,7 @@ from kvskill.runtime.ops.reference.npu_profile import (
 from kvskill.verify.cache_widths import check_cache_widths
 from kvskill.verify.compare import DEFAULT_ATOL, LOGIT_RTOL, compare_prompt
 from kvskill.verify.drivers import OWN_FLOWS, DriverRun, OutputKind, driver_for, output_kind
+from kvskill.verify.drivers.engine import EngineDriver
 from kvskill.verify.options import VerifyOptions
 from kvskill.verify.prompts import is_windowed, make_prompts, prompt_lengths_for, read_prompts
 from kvskill.verify.reference.build import build_reference
@@ -396,6 +397,8 @@ def _verify(
     report.notes += run.notes
     report.tensor_parallel = run.tensor_parallel
     report.chains = [c.to_dict() for c in run.chains]
+    if isinstance(driver, EngineDriver) and options.dtype not in LOW_PRECISION:
+        _check_mtp(pair, prompts, references, options, report)
     if options.dtype in LOW_PRECISION:
         report.low_precision = low_precision_verdict(
             pair.reference, prompts, references, run, options, drive=drive
@@ -428,6 +431,29 @@ def _verify(
         )
         if note:
             report.notes.append(note)
+
+
+def _check_mtp(pair: ModelPair, prompts, references, options, report: VerifyReport) -> None:
+    """The MTP chain (``mtp_chain``) when the model has MTP layers."""
+    from kvskill.verify.mtp_chain import mtp_chain
+
+    try:
+        chain, note = mtp_chain(
+            pair.reference,
+            pair.converted,
+            prompts,
+            [tokens for tokens, _ in references],
+            max_new_tokens=options.max_new_tokens,
+            block_size=report.block_size,
+            seed=options.seed,
+            atol=report.atol,
+        )
+    except KvskillError as exc:
+        chain, note = None, f"MTP layers not checked: the runtime refused them ({exc})"
+    if chain is not None:
+        report.chains.append(chain)
+    if note is not None:
+        report.notes.append(note)
 
 
 def vocabulary_size(

@@ -101,6 +101,7 @@ def load_real_reference(
         BadInputError: transformers cannot build it, or the checkpoint leaves parameters
             missing or unexpected (not every tensor of the model came from the file).
     """
+    from kvskill.runtime.mtp import mtp_tensor_pattern
     from kvskill.verify.reference.build import (
         REFERENCE_ATTENTION,
         installed_differs_note,
@@ -126,7 +127,9 @@ def load_real_reference(
         ) from exc
     tied = _tied_names(model)
     missing = [k for k in info.get("missing_keys", ()) if k not in tied]
-    unexpected = list(info.get("unexpected_keys", ()))
+    # the MTP layers' tensors are the checkpoint's own (the MTP chain checks those layers)
+    mtp = mtp_tensor_pattern(config)
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not (mtp and mtp.match(k))]
     mismatched = [
         str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys", ())
     ]

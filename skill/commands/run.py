@@ -23,6 +23,7 @@ from kvskill.commands.run_options import (
     prepack_linear_option,
     random_weights_option,
     screen_output_head_option,
+    speculative_tokens_option,
 )
 from kvskill.commands.run_report import Progress, print_report, run_report
 from kvskill.commands.run_standalone import run_standalone
@@ -104,6 +105,7 @@ def parse_size(text: str) -> int:
 @fuse_layers_option
 @screen_output_head_option
 @graph_option
+@speculative_tokens_option
 @device_option
 @random_weights_option
 @tp_option
@@ -189,6 +191,7 @@ def engine_config_from_options(
         fuse_layers=options["fuse_layers"],
         screen_output_head=options["screen_output_head"],
         graph=options["graph"],
+        speculative_tokens=options["speculative_tokens"],
         cpu_only_shapes=options["cpu_only_shapes"],
     )
 

@@ -92,6 +92,16 @@ graph_option = click.option(
     "process only (not with --tp).",
 )
 
+speculative_tokens_option = click.option(
+    "--speculative-tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Speculative decoding: tokens the model's MTP layers draft per decode step, "
+    "verified in one forward (0 off; drafts after the first reuse the one MTP layer). Exit 2 "
+    "when the model has none.",
+)
+
 device_option = click.option(
     "--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N]."
 )

@@ -168,6 +168,9 @@ def _report(llm, outputs, wall_s: float, directory: Path, ops_backend: str) -> d
         },
         "kv_cache": kv,
         "prefix_cache": _prefix_cache_report(llm),
+        #: speculative decoding with the MTP layers (None when off): drafts accepted / drafted,
+        #: tokens a request gains per decode step
+        "speculation": None if stats.speculation is None else stats.speculation.to_dict(),
         #: exact run (--exact) or fast paths; each path on or off, and why it is off
         "exact": llm.engine_config.exact,
         "fast_paths": llm.fast_paths.to_dict() if llm.fast_paths is not None else {},
@@ -283,6 +286,16 @@ def render_table(report: dict) -> str:
         rows.append(("", _pool_dtype_line(report["kv_budget"]["dtype"])))
     rows.append(("NPU limits", profile_line(report["npu_limits"]).removeprefix("NPU limits: ")))
     rows.append(("prefix cache", _prefix_cache_line(report["prefix_cache"])))
+    spec = report.get("speculation")
+    if spec is not None:
+        rows.append(
+            (
+                "speculative (MTP)",
+                f"acceptance {spec['acceptance_rate']:.2f} "
+                f"({spec['num_accepted_draft_tokens']}/{spec['num_draft_tokens']} drafts), "
+                f"{spec['tokens_per_step']:.2f} tokens per request per decode step",
+            )
+        )
     rows.extend(_fast_path_rows(report))
     captured = report.get("captured_decode")
     if captured is not None:

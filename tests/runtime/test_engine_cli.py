@@ -88,6 +88,7 @@ def test_parse_size():
         (["--num-requests", "2", "--prompt-len", "600"], "leaves no room to generate"),
         (["--prompt-ids", "1", "--num-blocks", "8", "--kv-memory", "1MiB"], "not both"),
         (["--prompt-ids", "1", "--kv-memory", "lots"], "is not a size"),
+        (["--prompt-ids", "1", "--speculative-tokens", "1"], "has no MTP layers"),
     ],
 )
 def test_run_bad_input_exits_2(capsys, toy_dir, args, message):

@@ -271,6 +271,12 @@ def _attend(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """[B, Q_N, S1, Dv] output and [B, N2, S1, G] row max / sum, in fp32."""
     pos, ok = chosen  # [B, N2, S1, P]
+    # Valid entries come first in every row (checked above), so columns past the longest run
+    # of valid entries are -1 everywhere and weigh nothing: dropping them keeps the result
+    # and spares gathering sparse_count (2048) rows per query when the context is short.
+    # (one column stays, so the reductions below have a dimension to reduce)
+    used = max(int(ok.sum(dim=-1).max()) if ok.numel() else 0, 1)
+    pos, ok = pos[..., :used], ok[..., :used]
     q = padded_query(query, layout_query, lengths.q_lens, "query").float()  # [B, N1, S1, D]
     qr = padded_query(query_rope, layout_query, lengths.q_lens, "query_rope").float()
     k = padded_keys(key, layout_kv, lengths, block_table, "key").float()  # [B, N2, S2, D]
@@ -287,7 +293,8 @@ def _attend(
         rows = torch.gather(x, 2, flat.unsqueeze(-1).expand(-1, -1, -1, x.size(-1)))
         return rows.view(*pos.shape, x.size(-1))
 
-    kg, krg, vg = gather(k), gather(kr), gather(v)
+    kg, krg = gather(k), gather(kr)
+    vg = kg if v is k else gather(v)
     qg, qrg = q.view(b, n2, g, s1, -1), qr.view(b, n2, g, s1, -1)
     s = torch.einsum("bngsd,bnspd->bngsp", qg, kg) + torch.einsum("bngsd,bnspd->bngsp", qrg, krg)
     s = (s * scale).masked_fill(~ok.unsqueeze(2), float("-inf"))  # [B, N2, G, S1, P]

@@ -52,6 +52,10 @@ _DENSE = {
     "max_position_embeddings": 256,
 }
 
+#: a 2-layer DSA model in the sparse operators' shapes: 512 latent, the indexer's 16 heads of
+#: 128 keeping 8 positions (fewer than the longer prompts hold)
+_DSA = {"kv_lora_rank": 512, "index_n_heads": 16, "index_head_dim": 128, "index_topk": 8}
+
 #: family -> (model type, config overrides)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", _DENSE),
@@ -98,6 +102,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "deepseek_v2": ("deepseek_v2", tiny_config("deepseek_v2")),
     "qwen3_next (hybrid)": ("qwen3_next", {**SMALL_QWEN3_NEXT, "max_position_embeddings": 256}),
     "jamba (hybrid)": ("jamba", {**SMALL_JAMBA, "max_position_embeddings": 256}),
+    "deepseek_v32 (dsa)": ("deepseek_v32", tiny_config("deepseek_v3", **_DSA)),
+    # GLM-5's DSA: layer 0 runs its indexer, layer 1 reuses its top-k
+    "glm_moe_dsa (dsa+shared)": (
+        "glm_moe_dsa",
+        tiny_config("glm_moe_dsa", **_DSA, indexer_types=["full", "shared"]),
+    ),
 }
 
 PROMPTS = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17, 3]]
@@ -144,8 +154,11 @@ def _convert(family: str, root: Path) -> Path:
 def _llm(model_dir: Path, *, graph: bool, backend=None):
     from kvskill.runtime import LLM
 
+    # exact: the model's own code in both modes, as LLM(graph=True) runs it (the fast paths
+    # stay off under graph capture)
     llm = LLM(
         model_dir,
+        exact=True,
         random_weights=True,
         seed=1,
         block_size=16,

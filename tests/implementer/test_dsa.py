@@ -25,6 +25,7 @@ from kvskill.verify.shrink_mla import INDEX_N_HEADS, INDEX_TOPK, shrink_mla
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from mla_models import (  # noqa: E402
     build_pair,
+    load_converted,
     prompts,
     reference_greedy,
     runtime_greedy,
@@ -135,6 +136,49 @@ def test_shrunk_twin_keeps_the_operator_dims_and_a_small_top_k():
     assert new["kv_lora_rank"] == 512
     assert "index_head_dim" not in new  # 128, the indexer's only head dim, stays
     assert (new["index_n_heads"], new["index_topk"]) == (INDEX_N_HEADS, INDEX_TOPK)
+
+
+@pytest.mark.slow
+def test_captured_decode_has_no_graph_break_and_decodes_the_eager_tokens(
+    tmp_path, converted, monkeypatch
+):
+    """The indexer over its paged key cache and the sparse attention over the paged latent are
+    registered operators: the decode step captures with fullgraph (a graph break would fail
+    the run), on dynamo's eager backend, and replays the eager run's tokens and logits.
+    Slow: tracing the model takes 7 to 16 s on the shared 2-core machine; the fast guard is
+    test_graph_ops.py's compiled DSA step."""
+    import torch
+    from kvskill.runtime import LLM
+    from kvskill.runtime.captured_decode import BACKEND_ENV
+    from transformers import AutoConfig
+
+    module = load_converted(
+        (converted / f"modeling_{MODEL}.py").read_text(encoding="utf-8"), "m.py", tmp_path
+    )
+    # one layer whose indexer keeps 4 positions: every prompt is longer, the selection decides
+    config = AutoConfig.for_model(MODEL, **{**tiny_dsa(num_hidden_layers=1), "index_topk": 4})
+    torch.manual_seed(0)
+    model = module.DeepseekV32ForCausalLM(config).eval()
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    torch._dynamo.reset()
+    batch = prompts(5, lengths=(6, 8, 5))
+
+    def run(graph: bool):
+        llm = LLM(model, exact=True, block_size=16, num_blocks=16, max_num_seqs=4, graph=graph)
+        logits = []
+        llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
+        outs = llm.generate(batch, SamplingParams(max_tokens=3, ignore_eos=True))
+        return [o.token_ids for o in outs], logits, llm
+
+    eager_tokens, eager_logits, _ = run(graph=False)
+    graph_tokens, graph_logits, llm = run(graph=True)
+    assert graph_tokens == eager_tokens
+    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
+    assert worst <= 1e-5
+    stats = llm.engine.captured_decode.stats
+    # three requests decoding together: bucket 4 (one padded row), captured once, replayed
+    assert stats.compiled_buckets == [4]
+    assert stats.num_replays == 1 and stats.num_eager_decode_steps == 0
 
 
 # -- end to end ----------------------------------------------------------------------------

@@ -47,10 +47,16 @@ def test_an_unknown_setting_is_a_type_error(toy_dir):
         LLM(toy_dir, EngineConfig(trust_remote_code=True), num_block=8)
 
 
-@pytest.mark.parametrize("flag", ["prepack_linear", "fuse_layers", "screen_output_head"])
+@pytest.mark.parametrize("flag", ["prepack_linear", "fuse_layers", "screen_output_head", "graph"])
 def test_one_process_settings_refuse_tensor_parallel(flag):
     with pytest.raises(BadInputError, match=f"{flag} runs in one process"):
         EngineConfig(tensor_parallel_size=2, **{flag: True})
+
+
+def test_an_exact_run_may_capture_its_decode():
+    # the capture of the model's own code, which verify --graph judges against the original
+    config = EngineConfig(exact=True, graph=True)
+    assert config.exact and config.graph
 
 
 def test_to_dict_is_json_values():

@@ -233,3 +233,84 @@ def test_selective_state_update_fake_matches_eager():
     a, b, c = -torch.rand(dim, dstate), torch.randn(2, dstate), torch.randn(2, dstate)
     args = (state, x, dt, a, b, c, None, z, None, True, torch.tensor([2, 0]), None, -1)
     _same_meta(*_fake_and_real(ops.selective_state_update_, *args))
+
+
+def _paged_dsa_decode_inputs():
+    """A DSA decode step of three requests (kv lengths 7, 10, 3) at toy size: indexer query,
+    paged keys and weights; latent / rope query and caches (PA_BSND, block size 4)."""
+    g = torch.Generator().manual_seed(7)
+    table = torch.tensor([[5, 2, 0], [1, 6, 3], [4, 0, 0]], dtype=torch.int32)
+    kv_lens = torch.tensor([7, 10, 3], dtype=torch.int32)
+    cu_q = torch.tensor([1, 2, 3], dtype=torch.int32)
+    index_q, index_k = torch.randn(3, 2, 8, generator=g), torch.randn(8, 4, 1, 8, generator=g)
+    weights = torch.randn(3, 2, generator=g)
+    query, rope = torch.randn(3, 4, 16, generator=g), torch.randn(3, 4, 4, generator=g)
+    latent, rope_cache = torch.randn(8, 4, 1, 16, generator=g), torch.randn(8, 4, 1, 4, generator=g)
+    return index_q, index_k, weights, query, rope, latent, rope_cache, table, cu_q, kv_lens
+
+
+def _dsa_step(index_q, index_k, weights, query, rope, latent, rope_cache, table, cu_q, kv_lens):
+    """The converted DSA decode: the indexer's top-4 positions, then attention over them."""
+    paged = dict(block_table=table, actual_seq_lengths_query=cu_q, layout_query="TND")
+    top, _ = ref.npu_lightning_indexer(
+        index_q, index_k, weights, actual_seq_lengths_key=kv_lens, layout_key="PA_BSND",
+        sparse_count=4, sparse_mode=3, **paged,
+    )  # fmt: skip
+    out, _, _ = ref.npu_sparse_flash_attention(
+        query, latent, latent, top, 0.25, actual_seq_lengths_kv=kv_lens, query_rope=rope,
+        key_rope=rope_cache, layout_kv="PA_BSND", sparse_mode=3, attention_mode=2, **paged,
+    )  # fmt: skip
+    return top, out
+
+
+def test_dsa_operator_fakes_match_eager():
+    index_q, index_k, weights, query, rope, latent, rope_cache, table, cu_q, kv_lens = (
+        _paged_dsa_decode_inputs()
+    )
+    paged = dict(
+        block_table=table, actual_seq_lengths_query=cu_q, layout_query="TND", sparse_mode=3
+    )
+    indexer = _fake_and_real(
+        ops.lightning_indexer, index_q, index_k, weights, actual_seq_lengths_key=kv_lens,
+        layout_key="PA_BSND", sparse_count=4, **paged,
+    )  # fmt: skip
+    _same_meta(*indexer)
+    top = indexer[0][0]
+    assert tuple(top.shape) == (3, 1, 4) and top.dtype == torch.int32
+    attention = dict(attention_mode=2, query_rope=rope, key_rope=rope_cache)
+    _same_meta(
+        *_fake_and_real(
+            ops.sparse_flash_attention, query, latent, latent, top, 0.25,
+            actual_seq_lengths_kv=kv_lens, layout_kv="PA_BSND", **paged, **attention,
+        )
+    )  # fmt: skip
+    # softmax max / sum [B, KV_N, S1, G] (BSND keys: A2/A3 refuse the lse with PA_BSND)
+    attention.update(query_rope=rope.unsqueeze(1), key_rope=rope_cache[:3])
+    real, fake = _fake_and_real(
+        ops.sparse_flash_attention, query.unsqueeze(1), latent[:3], latent[:3], top.unsqueeze(1),
+        0.25, return_softmax_lse=True, **attention,
+    )  # fmt: skip
+    _same_meta(real, fake)
+    assert tuple(fake[1].shape) == (3, 1, 1, 4)
+
+
+def test_compiled_dsa_step_is_two_operator_nodes_and_matches_eager():
+    inputs = _paged_dsa_decode_inputs()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(_dsa_step, backend=backend, fullgraph=True)
+    top, out = compiled(*inputs)
+    eager_top, eager_out = _dsa_step(*inputs)
+    assert torch.equal(top, eager_top)
+    torch.testing.assert_close(out, eager_out)
+    # the selection keeps 4 of 7 and 10 keys: it decides those rows
+    assert (top[:2] >= 0).sum() == 8
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert [c for c in calls if "getitem" not in c] == [
+        "kvskill.lightning_indexer.default",
+        "kvskill.sparse_flash_attention.default",
+    ]

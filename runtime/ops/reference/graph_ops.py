@@ -11,13 +11,15 @@ routes to the registered operator (``torch.compiler.is_compiling()`` is a consta
 Operators that write in place declare what they mutate and return nothing; the public
 function returns the written tensors itself, as torch_npu does.
 
-The fake shapes follow the operator documentation in ``references/npu_ops.md`` (torch_npu's
-own ``op_plugin/meta/_meta_registrations.py`` is not installed here to read).
+The fake shapes follow the operator documentation in ``references/npu_ops.md``; the sparse
+operators' (``npu_lightning_indexer``, ``npu_sparse_flash_attention``) follow torch_npu
+2.13.0's own ``op_plugin/meta/_meta_registrations.py``, read from the wheel.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -43,21 +45,68 @@ def register(
 
 def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Callable]:
     """Decorator for an out-of-place operator whose signature the dispatcher can type: the
-    function is registered as ``kvskill::NAME`` and keeps its own signature and eager path."""
+    function is registered as ``kvskill::NAME`` and keeps its own signature and eager path.
+
+    A custom operator may not take tensors as keyword-only arguments, which torch_npu's
+    schemas do (``*, Tensor? block_table=None``): such a function is registered with every
+    parameter positional, in its order, and the traced call passes them so."""
 
     def decorate(fn: Callable) -> Callable:
-        op = register(name, fn, fake)
+        params = inspect.signature(fn).parameters.values()
+        if not any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params):
+            op = register(name, fn, fake)
+            to_op = None
+        else:
+            op = register(name, _all_positional(fn), _all_positional(fake))
+            to_op = _positional_arguments(fn)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if compiling():
-                return op(*args, **kwargs)
+                return op(*args, **kwargs) if to_op is None else op(*to_op(args, kwargs))
             return fn(*args, **kwargs)
 
         call.graph_op = op  # type: ignore[attr-defined]
         return call
 
     return decorate
+
+
+def _all_positional(fn: Callable) -> Callable:
+    """FN with its keyword-only parameters taken positionally after the others (annotations
+    resolved, so the schema can be read off the new signature)."""
+    signature = inspect.signature(fn, eval_str=True)
+    keyword_only = [
+        p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    num_leading = len(signature.parameters) - len(keyword_only)
+
+    def positional(*args: Any) -> Any:
+        # the dispatcher may leave out trailing arguments at their defaults: FN's own apply
+        return fn(*args[:num_leading], **dict(zip(keyword_only, args[num_leading:])))  # noqa: B905
+
+    positional.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[
+            p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            for p in signature.parameters.values()
+        ]
+    )
+    positional.__name__ = fn.__name__
+    return positional
+
+
+def _positional_arguments(fn: Callable) -> Callable[[tuple, dict], list]:
+    """(args, kwargs) of a call to FN -> every argument's value in FN's parameter order, the
+    defaults filled in (plain list and dict work: dynamo traces it)."""
+    params = list(inspect.signature(fn).parameters.values())
+    names = [p.name for p in params]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+    def arrange(args: tuple, kwargs: dict) -> list:
+        rest = [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args) :]]
+        return [*args, *rest]
+
+    return arrange
 
 
 #: set by ``dispatched_operators``: eager calls go through the registered operators too

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._checks import OpInputError, describe, strict_keywords
+from .graph_ops import capturable
 from .sparse_inputs import (
     PAGED,
     LengthArgs,
@@ -61,7 +62,36 @@ _HINTS = {
 }
 
 
+def _indexer_fake(
+    query: Tensor,
+    key: Tensor,
+    weights: Tensor,
+    *,
+    actual_seq_lengths_query: Tensor | None = None,
+    actual_seq_lengths_key: Tensor | None = None,
+    block_table: Tensor | None = None,
+    layout_query: str = "BSND",
+    layout_key: str = "BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED_TOKENS,
+    next_tokens: int = UNBOUNDED_TOKENS,
+    return_value: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The output shapes of torch_npu 2.13.0's meta registration: indices int32
+    [B, S1, N2, sparse_count] (BSND query) or [T, N2, sparse_count], the key heads read from
+    dim 1 of a TND key and dim 2 of a (PA_)BSND one; values the same shape in the query dtype
+    with ``return_value``, else empty."""
+    if layout_query == "BSND":
+        shape = (query.size(0), query.size(1), key.size(2), sparse_count)
+    else:
+        shape = (query.size(0), key.size(1 if layout_key == "TND" else 2), sparse_count)
+    values = query.new_empty(shape if return_value else (0,))
+    return query.new_empty(shape, dtype=torch.int32), values
+
+
 @strict_keywords(OP, _HINTS)
+@capturable("lightning_indexer", _indexer_fake)
 def npu_lightning_indexer(
     query: Tensor,
     key: Tensor,

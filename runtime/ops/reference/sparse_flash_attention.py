@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ._checks import OpInputError, ReferenceUnsupportedError, describe, strict_keywords
 from .attention_inputs import padded_to_packed
+from .graph_ops import capturable
 from .npu_limits import NPU_ONLY
 from .npu_profile import current_profile
 from .sparse_inputs import (
@@ -65,9 +66,55 @@ _HINTS = {
 }
 
 
+def _sparse_attention_fake(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None,
+    sparse_indices: Tensor,
+    scale_value: float,
+    *,
+    block_table: Tensor | None = None,
+    actual_seq_lengths_query: Tensor | None = None,
+    actual_seq_lengths_kv: Tensor | None = None,
+    query_rope: Tensor | None = None,
+    key_rope: Tensor | None = None,
+    sparse_block_size: int = 1,
+    layout_query: str = "BSND",
+    layout_kv: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED_TOKENS,
+    next_tokens: int = UNBOUNDED_TOKENS,
+    attention_mode: int = 0,
+    return_softmax_lse: bool = False,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The output shapes of torch_npu 2.13.0's meta registration: the output in the query's
+    shape and dtype; softmax max / sum fp32 [B, KV_N, S1, G] (BSND) or [KV_N, T, G] (TND) with
+    ``return_softmax_lse``, else empty.
+
+    NOTE: for a TND query the meta function reads KV_N as ``key.size(1)``, which is the block
+    size of a PA_BSND key; the key's head dim (-2) is KV_N in every key layout, and is what the
+    reference returns (the shapes profile refuses the lse with PA_BSND, as A2/A3 do)."""
+    out = torch.empty_like(query)
+    if not return_softmax_lse:
+        return (
+            out,
+            query.new_empty((0,), dtype=torch.float32),
+            query.new_empty((0,), dtype=torch.float32),
+        )
+    kv_heads = key.size(-2)
+    if layout_query == "BSND":
+        shape = (query.size(0), kv_heads, query.size(1), query.size(2) // kv_heads)
+    else:
+        shape = (kv_heads, query.size(0), query.size(1) // kv_heads)
+    lse = query.new_empty(shape, dtype=torch.float32)
+    return out, lse, torch.empty_like(lse)
+
+
 # NOTE: the doc pages print `sparse_block_size` as a required positional argument; the schema
 # the binding is generated from makes it keyword-only with default 1, and the schema wins.
 @strict_keywords(OP, _HINTS)
+@capturable("sparse_flash_attention", _sparse_attention_fake)
 def npu_sparse_flash_attention(
     query: Tensor,
     key: Tensor,

@@ -22,6 +22,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -43,9 +44,12 @@ def register(
     return op
 
 
-def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Callable]:
+def capturable(name: str, fake: Callable[[SimpleNamespace], Any]) -> Callable[[Callable], Callable]:
     """Decorator for an out-of-place operator whose signature the dispatcher can type: the
     function is registered as ``kvskill::NAME`` and keeps its own signature and eager path.
+
+    FAKE takes the call's arguments as one namespace (``args.query``, defaults filled in), so
+    the operator's signature is written once, on the function itself.
 
     A custom operator may not take tensors as keyword-only arguments, which torch_npu's
     schemas do (``*, Tensor? block_table=None``): such a function is registered with every
@@ -54,11 +58,10 @@ def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Call
     def decorate(fn: Callable) -> Callable:
         params = inspect.signature(fn).parameters.values()
         if not any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params):
-            op = register(name, fn, fake)
-            to_op = None
+            impl, to_op = fn, None
         else:
-            op = register(name, _all_positional(fn), _all_positional(fake))
-            to_op = _positional_arguments(fn)
+            impl, to_op = _all_positional(fn), _positional_arguments(fn)
+        op = register(name, impl, _fake_taking_namespace(impl, fake))
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -70,6 +73,21 @@ def capturable(name: str, fake: Callable[..., Any]) -> Callable[[Callable], Call
         return call
 
     return decorate
+
+
+def _fake_taking_namespace(impl: Callable, fake: Callable[[SimpleNamespace], Any]) -> Callable:
+    """A fake with IMPL's signature (the registration reads it) that binds the call and hands
+    FAKE the arguments by name."""
+    signature = inspect.signature(impl, eval_str=True)
+
+    def bound_fake(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return fake(SimpleNamespace(**bound.arguments))
+
+    bound_fake.__signature__ = signature  # type: ignore[attr-defined]
+    bound_fake.__name__ = f"{impl.__name__}_fake"
+    return bound_fake
 
 
 def _all_positional(fn: Callable) -> Callable:

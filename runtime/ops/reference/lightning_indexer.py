@@ -20,6 +20,8 @@ unconfirmed on device. Positions are logical (0 .. kv_len - 1), also with PA_BSN
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -62,31 +64,17 @@ _HINTS = {
 }
 
 
-def _indexer_fake(
-    query: Tensor,
-    key: Tensor,
-    weights: Tensor,
-    *,
-    actual_seq_lengths_query: Tensor | None = None,
-    actual_seq_lengths_key: Tensor | None = None,
-    block_table: Tensor | None = None,
-    layout_query: str = "BSND",
-    layout_key: str = "BSND",
-    sparse_count: int = 2048,
-    sparse_mode: int = 3,
-    pre_tokens: int = UNBOUNDED_TOKENS,
-    next_tokens: int = UNBOUNDED_TOKENS,
-    return_value: bool = False,
-) -> tuple[Tensor, Tensor]:
+def _indexer_fake(args: SimpleNamespace) -> tuple[Tensor, Tensor]:
     """The output shapes of torch_npu 2.13.0's meta registration: indices int32
     [B, S1, N2, sparse_count] (BSND query) or [T, N2, sparse_count], the key heads read from
     dim 1 of a TND key and dim 2 of a (PA_)BSND one; values the same shape in the query dtype
     with ``return_value``, else empty."""
-    if layout_query == "BSND":
-        shape = (query.size(0), query.size(1), key.size(2), sparse_count)
+    query, key, count = args.query, args.key, args.sparse_count
+    if args.layout_query == "BSND":
+        shape = (query.size(0), query.size(1), key.size(2), count)
     else:
-        shape = (query.size(0), key.size(1 if layout_key == "TND" else 2), sparse_count)
-    values = query.new_empty(shape if return_value else (0,))
+        shape = (query.size(0), key.size(1 if args.layout_key == "TND" else 2), count)
+    values = query.new_empty(shape if args.return_value else (0,))
     return query.new_empty(shape, dtype=torch.int32), values
 
 

@@ -13,6 +13,8 @@ rounds a bf16/fp16 result (after the normalisation or after the gamma multiply),
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -24,15 +26,14 @@ def _rstd_shape(x: Tensor, gamma: Tensor) -> list[int]:
     return [*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim())]
 
 
-def _rms_norm_fake(input: Tensor, gamma: Tensor, epsilon: float = 1e-06) -> tuple[Tensor, Tensor]:  # noqa: A002
-    return torch.empty_like(input), input.new_empty(_rstd_shape(input, gamma), dtype=torch.float32)
+def _rms_norm_fake(args: SimpleNamespace) -> tuple[Tensor, Tensor]:
+    x = args.input
+    return torch.empty_like(x), x.new_empty(_rstd_shape(x, args.gamma), dtype=torch.float32)
 
 
-def _add_rms_norm_fake(
-    x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float = 1e-06
-) -> tuple[Tensor, Tensor, Tensor]:
-    rstd = x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
-    return torch.empty_like(x1), rstd, torch.empty_like(x1)
+def _add_rms_norm_fake(args: SimpleNamespace) -> tuple[Tensor, Tensor, Tensor]:
+    rstd = args.x1.new_empty(_rstd_shape(args.x1, args.gamma), dtype=torch.float32)
+    return torch.empty_like(args.x1), rstd, torch.empty_like(args.x1)
 
 
 def _check(op: str, x: Tensor, gamma: Tensor) -> None:

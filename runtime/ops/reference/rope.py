@@ -12,6 +12,8 @@ operators are bit-identical.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -32,8 +34,8 @@ def _cat(left: Tensor, right: Tensor) -> Tensor:
     return torch.cat((left, right), dim=-1)
 
 
-def _interleave_rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return torch.empty_like(x)
+def _interleave_rope_fake(args: SimpleNamespace) -> Tensor:
+    return torch.empty_like(args.x)
 
 
 @capturable("interleave_rope", _interleave_rope_fake)

@@ -12,6 +12,8 @@ Computed in fp32, returned in the input dtype. npu_apply_rotary_pos_emb writes i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -42,14 +44,8 @@ def rotate_pairs(x: Tensor, mode: str) -> Tensor:
     return torch.stack((-b, a), dim=-1).flatten(-2)
 
 
-def _rotary_mul_fake(
-    input: Tensor,  # noqa: A002
-    r1: Tensor,
-    r2: Tensor,
-    rotary_mode: str = "half",
-    rotate: Tensor | None = None,
-) -> Tensor:
-    return torch.empty_like(input)
+def _rotary_mul_fake(args: SimpleNamespace) -> Tensor:
+    return torch.empty_like(args.input)
 
 
 @capturable("rotary_mul", _rotary_mul_fake)

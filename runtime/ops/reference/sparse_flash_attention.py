@@ -18,6 +18,8 @@ writes in empty rows is unconfirmed. A position chosen twice counts twice, as th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -66,28 +68,7 @@ _HINTS = {
 }
 
 
-def _sparse_attention_fake(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor | None,
-    sparse_indices: Tensor,
-    scale_value: float,
-    *,
-    block_table: Tensor | None = None,
-    actual_seq_lengths_query: Tensor | None = None,
-    actual_seq_lengths_kv: Tensor | None = None,
-    query_rope: Tensor | None = None,
-    key_rope: Tensor | None = None,
-    sparse_block_size: int = 1,
-    layout_query: str = "BSND",
-    layout_kv: str = "BSND",
-    sparse_mode: int = 3,
-    pre_tokens: int = UNBOUNDED_TOKENS,
-    next_tokens: int = UNBOUNDED_TOKENS,
-    attention_mode: int = 0,
-    return_softmax_lse: bool = False,
-    sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _sparse_attention_fake(args: SimpleNamespace) -> tuple[Tensor, Tensor, Tensor]:
     """The output shapes of torch_npu 2.13.0's meta registration: the output in the query's
     shape and dtype; softmax max / sum fp32 [B, KV_N, S1, G] (BSND) or [KV_N, T, G] (TND) with
     ``return_softmax_lse``, else empty.
@@ -95,15 +76,16 @@ def _sparse_attention_fake(
     NOTE: for a TND query the meta function reads KV_N as ``key.size(1)``, which is the block
     size of a PA_BSND key; the key's head dim (-2) is KV_N in every key layout, and is what the
     reference returns (the shapes profile refuses the lse with PA_BSND, as A2/A3 do)."""
+    query = args.query
     out = torch.empty_like(query)
-    if not return_softmax_lse:
+    if not args.return_softmax_lse:
         return (
             out,
             query.new_empty((0,), dtype=torch.float32),
             query.new_empty((0,), dtype=torch.float32),
         )
-    kv_heads = key.size(-2)
-    if layout_query == "BSND":
+    kv_heads = args.key.size(-2)
+    if args.layout_query == "BSND":
         shape = (query.size(0), kv_heads, query.size(1), query.size(2) // kv_heads)
     else:
         shape = (kv_heads, query.size(0), query.size(1) // kv_heads)
@@ -318,11 +300,12 @@ def _attend(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """[B, Q_N, S1, Dv] output and [B, N2, S1, G] row max / sum, in fp32."""
     pos, ok = chosen  # [B, N2, S1, P]
-    # Valid entries come first in every row (checked above), so columns past the longest run
-    # of valid entries are -1 everywhere and weigh nothing: dropping them keeps the result
-    # and spares gathering sparse_count (2048) rows per query when the context is short.
-    # (one column stays, so the reductions below have a dimension to reduce)
-    used = max(int(ok.sum(dim=-1).max()) if ok.numel() else 0, 1)
+    # Columns past the last one any row counts weigh nothing (-1 entries sit at the end of
+    # every row, and a block entry's tokens past the causal limit are masked): dropping them
+    # keeps the result and spares gathering sparse_count (2048) rows per query when the
+    # context is short. One column stays, so the reductions below have a dimension.
+    counted = ok.flatten(0, -2).any(dim=0).nonzero()
+    used = int(counted[-1]) + 1 if counted.numel() else 1
     pos, ok = pos[..., :used], ok[..., :used]
     q = padded_query(query, layout_query, lengths.q_lens, "query").float()  # [B, N1, S1, D]
     qr = padded_query(query_rope, layout_query, lengths.q_lens, "query_rope").float()

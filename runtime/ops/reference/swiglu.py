@@ -7,6 +7,8 @@ Computed in fp32, returned in x's dtype; ``out`` has x's shape with ``dim`` halv
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -14,10 +16,10 @@ from ._checks import FLOAT_DTYPES, OpInputError, describe, require_dtype, requir
 from .graph_ops import capturable
 
 
-def _swiglu_fake(input: Tensor, dim: int = -1) -> Tensor:  # noqa: A002
-    shape = list(input.shape)
-    shape[dim] //= 2
-    return input.new_empty(shape)
+def _swiglu_fake(args: SimpleNamespace) -> Tensor:
+    shape = list(args.input.shape)
+    shape[args.dim] //= 2
+    return args.input.new_empty(shape)
 
 
 @capturable("swiglu", _swiglu_fake)

@@ -113,6 +113,7 @@ class KVCacheManager:
                 block_size=g.block_size,
                 sliding_window=g.sliding_window,
                 compress_ratio=g.compress_ratio,
+                next_n=g.next_n,
             )
             for key, g in self.groups.items()
         }
@@ -452,6 +453,7 @@ class KVCacheManager:
                     block_size=group.block_size,
                     sliding_window=group.sliding_window,
                     max_num_batched_tokens=step,
+                    next_n=group.next_n,
                 )
                 if bound is not None:
                     blocks = min(blocks, bound)

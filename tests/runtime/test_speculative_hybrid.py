@@ -89,30 +89,19 @@ def test_gated_delta_states_follow_the_accepted_tokens(qwen3_next, monkeypatch):
 
 
 def test_drafter_reads_the_mtp_tensors_as_qwen3_next_lays_them_out(qwen3_next, checkpoint):
-    """The drafter's logits over a prompt's pairs after its prefill equal the MTP layer
-    written out by hand from transformers' Qwen3-Next modules: ``mtp.fc`` over
-    cat[pre_fc_norm_embedding(embed(token p+1)), pre_fc_norm_hidden(hidden of p)], a
-    full-attention decoder layer at position p+1 (causal), ``mtp.norm``, the model's head."""
-    import copy
-
+    """The drafter's logits over a prompt's pairs after its prefill equal Qwen3-Next's MTP
+    layer written out from transformers' modules (verify's reference) over the same
+    ``mtp.*`` tensors."""
     import torch
+    from kvskill.verify.mtp_reference import Qwen3NextMtpReference
     from transformers import AutoModelForCausalLM
 
     config, state = checkpoint
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     reference.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    mtp_config = copy.deepcopy(config)
-    mtp_config.layer_types = list(config.layer_types) + ["full_attention"]
-    mtp_config._attn_implementation = "eager"
-    n = config.num_hidden_layers
-    block = type(reference.model.layers[-1])(mtp_config, n).eval()
-    block.load_state_dict(
-        {k.removeprefix("mtp.layers.0."): v for k, v in state.items() if "mtp.layers.0." in k}
-    )
-    norms = {}
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = type(reference.model.norm)(config.hidden_size, eps=config.rms_norm_eps)
-        norms[name].load_state_dict({"weight": state[f"mtp.{name}.weight"]})
+    hand = Qwen3NextMtpReference(reference).eval()
+    names = hand.checkpoint_state()
+    hand.load_state_dict(dict(zip(hand.state_dict(), (state[k] for k in names), strict=True)))
 
     prompt = PROMPTS[1]
     llm = LLM(qwen3_next, **SETTINGS, speculative_tokens=1)
@@ -122,17 +111,34 @@ def test_drafter_reads_the_mtp_tensors_as_qwen3_next_lays_them_out(qwen3_next, c
     draft_logits = llm.engine.speculator.last_draft_logits
     with torch.no_grad():
         hidden = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]
-        embeds = reference.model.embed_tokens(torch.tensor([prompt[1:] + [sampled]]))
-        x = torch.cat(
-            [norms["pre_fc_norm_embedding"](embeds), norms["pre_fc_norm_hidden"](hidden)], dim=-1
-        )
-        x = x @ state["mtp.fc.weight"].t()
-        positions = torch.arange(1, len(prompt) + 1)[None]
-        t = len(prompt)
-        causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = block(x, reference.model.rotary_emb(x, positions), causal, position_ids=positions)
-        expected = reference.lm_head(norms["norm"](out))[0]
+    expected = hand.logits(
+        hidden, torch.tensor([prompt[1:] + [sampled]]), torch.arange(1, len(prompt) + 1)[None]
+    )[0]
     assert draft_logits.shape == expected.shape == (len(prompt), config.vocab_size)
     # fp32; the main model's paged gated-delta path and transformers' differ by ~1e-4 in the
     # hidden states the pairs read (measured max logit difference 1.1e-4)
     torch.testing.assert_close(draft_logits, expected, atol=5e-4, rtol=0)
+
+
+def test_verify_checks_the_hybrid_mtp_chain(qwen3_next, checkpoint):
+    from kvskill.runtime.loader import load_model
+    from kvskill.verify.mtp_chain import mtp_chain
+    from transformers import AutoModelForCausalLM
+
+    config, state = checkpoint
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    reference.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
+    expected, _ = _tokens(qwen3_next)
+    result, note = mtp_chain(
+        reference,
+        load_model(qwen3_next).model,
+        PROMPTS,
+        expected,
+        max_new_tokens=GREEDY.max_tokens,
+        block_size=4,
+        seed=0,
+        atol=5e-4,
+    )
+    assert note is None
+    assert result["passed"], result["failures"]
+    assert "drafter logits vs the MTP reference" in result["summary"]

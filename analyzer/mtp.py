@@ -60,18 +60,18 @@ def mtp_plan(
     refusal = None
     # Gated delta nets speculate: their converted forward writes the state after every token
     # of a verify step into the request's 1 + next_n state blocks and the runtime keeps the
-    # last accepted one (runtime/speculative.py). Other state mixers keep one state per
-    # request; windows would need the framework's 2 * next_n margin.
+    # last accepted one (runtime/speculative.py). Windows release blocks by the accepted
+    # length and keep a 2 * next_n margin. Other state mixers keep one state per request.
     # NOTE: Kimi delta attention (kimi_linear, bailing_hybrid: beside MLA layers) writes its
     # rows through the same converted code but has not run speculatively: it stays refused.
-    served = {"attention"}
+    served = {"attention", "sliding"}
     if spec.state.get("mixer") == "gated_delta" and spec.mla is None:
         served.add("linear_attention")
     if kinds - served:
         refusal = (
-            f"layer kinds {sorted(kinds - served)} besides full attention: a speculative step "
-            "would have to advance their states or windows over accepted tokens only, which "
-            "the runtime does for the gated delta nets of non-MLA models only"
+            f"layer kinds {sorted(kinds - served)} besides full attention and windows: a "
+            "speculative step would have to advance their states over accepted tokens only, "
+            "which the runtime does for the gated delta nets of non-MLA models only"
         )
     elif not entries:
         refusal = "no full-attention cache entry to give the MTP layers"

@@ -28,8 +28,8 @@ class KVCacheGroup:
     #: tokens folded into one stored row (1: a row per token); its block of ``block_size``
     #: tokens stores ``block_size // compress_ratio`` rows
     compress_ratio: int = 1
-    #: speculative depth of a state group: it keeps ``1 + next_n`` blocks per request (its
-    #: Mamba entries' ``next_n``); 0 for other groups
+    #: speculative depth the group is sized for: a state group keeps ``1 + next_n`` blocks
+    #: per request (its Mamba entries' ``next_n``), a window group ``2 * next_n`` more tokens
     next_n: int = 0
     #: (layer info, that layer's entries of this group), in layer order
     layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)

@@ -88,7 +88,7 @@ def prepare_kv_cache(
             tables and slot mappings serve them.
         next_n: drafts per verify step when speculating: every Mamba entry declares it (its
             manager keeps ``1 + next_n`` state blocks per request, the framework's
-            ``MambaCacheEntry.next_n``).
+            ``MambaCacheEntry.next_n``) and window groups keep ``2 * next_n`` more tokens.
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -152,6 +152,7 @@ def prepare_kv_cache(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
+        next_n=next_n,
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager, budget)

@@ -475,13 +475,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         max_num_batched_tokens: int | None,
         next_n: int = 0,
     ) -> int | None:
-        # NOTE: speculation is refused for window groups (``speculation_refusal``), so
-        # next_n never widens this bound; the framework would add 2 * next_n tokens
-        # (cache_utils.py:210-222 at fbc225d).
+        # Speculation: a verify step adds 1 + next_n tokens and the drafter's chain rows lie
+        # within the next verify step's span; the framework reserves 2 * next_n window
+        # tokens for the same (cache_utils.py:210-222 at fbc225d), kept here as the least a
+        # step may add. Blocks are released by the accepted length only, so a rejected
+        # draft never evicts a block an accepted token still reads.
+        step = max_num_batched_tokens
+        if step is not None and next_n:
+            step = max(step, 2 * next_n)
         return window_blocks_per_request(
             sliding_window=sliding_window,
             block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=step,
         )
 
 

@@ -23,8 +23,9 @@ drafts are checked, the block of the last accepted token becomes block 0
 a spare block the next verify step overwrites: it leaves no trace. Only state layers that
 write those rows (``verify_state_rows``: the converted gated delta nets) are served.
 
-Sliding windows stay refused: no window model with an MTP layer runs here end to end yet (the
-framework keeps ``2 * next_n`` more window tokens for the drafts).
+Sliding windows release blocks by the accepted length only (``get_num_skipped_tokens`` of
+the computed tokens), so a rejected draft never evicts a block an accepted token reads; the
+window pools keep the framework's margin of ``2 * next_n`` tokens.
 
 Prefix caching shares the MTP rows with the blocks: a cached block's last row pairs its last
 token with the token after it in the request that filled it, which another request may
@@ -92,7 +93,11 @@ class SpeculationStats:
 
 #: cache group kinds a verify step serves (states only through layers that write a state
 #: row per token, see ``speculation_refusal``)
-_SERVED_KINDS = {AttnType.FULL_ATTENTION.value, AttnType.MAMBA.value}
+_SERVED_KINDS = {
+    AttnType.FULL_ATTENTION.value,
+    AttnType.SLIDING_WINDOW.value,
+    AttnType.MAMBA.value,
+}
 
 
 def speculation_refusal(
@@ -104,9 +109,8 @@ def speculation_refusal(
     others = sorted({t for t in cache_groups.values() if t not in _SERVED_KINDS})
     if others:
         return (
-            f"cache groups of kind {others}: a verify step serves full-attention and "
-            "gated-delta state groups only (a window would need the framework's 2 * next_n "
-            "margin, not built)"
+            f"cache groups of kind {others}: a verify step serves full-attention, window and "
+            "gated-delta state groups only"
         )
     if state_layers_without_rows:
         names = list(state_layers_without_rows)

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 from kvskill.runtime import LLM, SamplingParams
 from kvskill.runtime.managers import MambaManager
-from kvskill.runtime.speculative import Speculator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from mtp_checkpoints import convert_checkpoint, qwen3_next_mtp_state  # noqa: E402
+from mtp_checkpoints import (  # noqa: E402
+    convert_checkpoint,
+    oracle_drafts,
+    qwen3_next_mtp_state,
+)
 
 # one apply of the gated-delta codemods over qwen3_next's modeling file
 pytestmark = pytest.mark.slow
@@ -44,34 +47,13 @@ def _tokens(directory, **settings):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm
 
 
-def _oracle_drafts(monkeypatch, expected: dict[tuple, list[int]]) -> None:
-    """After the MTP layer drafted, its drafts become the reference's next tokens; the last
-    one is spoiled every third step of each request."""
-    draft = Speculator._draft
-
-    def oracle(self, engine, scheduled, hidden, kept, ends):
-        draft(self, engine, scheduled, hidden, kept, ends)
-        for s in scheduled:
-            r = s.request
-            if not r.draft_token_ids:
-                continue
-            done = len(r.output_token_ids)
-            want = list(expected[tuple(r.prompt_token_ids)][done : done + len(r.draft_token_ids)])
-            want += [0] * (len(r.draft_token_ids) - len(want))
-            if (done + r.index) % 3 == 0:
-                want[(done // 3) % len(want)] ^= 1
-            r.draft_token_ids[:] = want
-
-    monkeypatch.setattr(Speculator, "_draft", oracle)
-
-
 def test_gated_delta_states_follow_the_accepted_tokens(qwen3_next, monkeypatch):
     expected, _ = _tokens(qwen3_next)
     # the MTP layer's own drafts (random weights: nearly all rejected)
     got, llm = _tokens(qwen3_next, speculative_tokens=2)
     assert got == expected and llm.stats.speculation.num_draft_tokens > 0
     assert llm.engine.speculator.last_draft_logits is not None
-    _oracle_drafts(monkeypatch, {tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)})
+    oracle_drafts(monkeypatch, {tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)})
     for k in (1, 2):
         got, llm = _tokens(qwen3_next, speculative_tokens=k)
         assert got == expected, k

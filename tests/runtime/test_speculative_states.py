@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from kvskill.runtime import BlockPool, MambaManager
+from kvskill.runtime import BlockPool, MambaManager, SlidingWindowManager
 from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.mtp import mtp_tensor_pattern
 from kvskill.runtime.ops import fla
@@ -96,10 +96,19 @@ def test_the_kv_manager_gives_state_groups_their_entries_next_n():
     assert manager.managers["FullAttention"].next_n == 0
 
 
+def test_window_groups_keep_a_margin_of_two_next_n_tokens():
+    sink = Sink()
+    info = model_info([attn_layer(sink, 0, "SlidingWindow", sliding_window=8)])
+    assert KVCacheManager(info, num_blocks=40, next_n=3).managers["SlidingWindow"].next_n == 3
+    # one-token steps: ceil((8 - 1 + 6) / 4) + 1 blocks with the margin, 3 without
+    bound = SlidingWindowManager.max_blocks_per_request
+    assert bound(block_size=4, sliding_window=8, max_num_batched_tokens=1, next_n=3) == 5
+    assert bound(block_size=4, sliding_window=8, max_num_batched_tokens=1) == 3
+
+
 def test_what_speculation_serves_and_refuses():
-    groups = {"FullAttention": "FullAttention", "Mamba": "Mamba"}
+    groups = {"FullAttention": "FullAttention", "Mamba": "Mamba", "SlidingWindow": "SlidingWindow"}
     assert speculation_refusal(groups) is None
-    assert "['SlidingWindow']" in speculation_refusal({**groups, "SlidingWindow": "SlidingWindow"})
     refusal = speculation_refusal(groups, ["model.layers.0.mamba", "model.layers.2.mamba"])
     assert "model.layers.0.mamba (and 1 more) keeps one state per request" in refusal
     assert "Legacy" in speculation_refusal({"Legacy": "Legacy"})

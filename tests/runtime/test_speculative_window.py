@@ -65,3 +65,20 @@ def test_window_layers_keep_what_accepted_tokens_read(qwen2_window, monkeypatch)
     # 12 blocks of 4 tokens per group: preemption
     got, llm = _tokens(qwen2_window, speculative_tokens=2, num_blocks=12, max_model_len=40)
     assert got == expected and llm.stats.num_preemptions > 0
+
+
+def test_prefix_cache_hits_under_windows_keep_their_tokens(qwen2_window, monkeypatch):
+    expected, _ = _tokens(qwen2_window)
+    # prompts that continue the first two requests: their leading blocks are cached
+    second = [PROMPTS[0] + expected[0][:5], PROMPTS[1] + expected[1][:3]]
+    llm = LLM(qwen2_window, **SETTINGS, num_blocks=100)
+    expected_second = [o.token_ids for o in llm.generate(second, GREEDY)]
+    oracle_drafts(
+        monkeypatch,
+        {tuple(p): e for p, e in zip(PROMPTS + second, expected + expected_second, strict=True)},
+    )
+    llm = LLM(qwen2_window, **SETTINGS, num_blocks=100, speculative_tokens=2)
+    assert llm.kv_manager.enable_prefix_caching
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert [o.token_ids for o in llm.generate(second, GREEDY)] == expected_second
+    assert llm.stats.num_prefix_hit_tokens >= 8

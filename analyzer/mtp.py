@@ -8,6 +8,10 @@ embedding of token p+1 and predicts token p+2. Its checkpoint tensors sit at
 decoder layer class, so it declares the same cache entries as a main layer of its kind; its
 ``ModelCacheInfo`` is merged after the main model's (the framework's ``ModelCacheInfo.merge``):
 layer indices N..N+k-1, the same groups, block tables and slot mappings as the main layers.
+
+With gated-delta layers (Qwen3-Next: MTP tensors under ``mtp.*``, counted by
+``mtp_num_hidden_layers``) every Mamba entry carries ``next_n``: its manager keeps
+``1 + next_n`` state blocks per request, the framework's ``MambaCacheEntry.next_n``.
 """
 
 from __future__ import annotations
@@ -54,11 +58,20 @@ def mtp_plan(
         for e in entries
     )
     refusal = None
-    if kinds - {"attention"}:
+    # Gated delta nets speculate: their converted forward writes the state after every token
+    # of a verify step into the request's 1 + next_n state blocks and the runtime keeps the
+    # last accepted one (runtime/speculative.py). Windows release blocks by the accepted
+    # length and keep a 2 * next_n margin. Other state mixers keep one state per request.
+    # NOTE: Kimi delta attention (kimi_linear, bailing_hybrid: beside MLA layers) writes its
+    # rows through the same converted code but has not run speculatively: it stays refused.
+    served = {"attention", "sliding"}
+    if spec.state.get("mixer") == "gated_delta" and spec.mla is None:
+        served.add("linear_attention")
+    if kinds - served:
         refusal = (
-            f"layer kinds {sorted(kinds - {'attention'})} besides full attention: a speculative "
-            "step would have to advance recurrent states and windows over accepted tokens only, "
-            "which the runtime does not do yet"
+            f"layer kinds {sorted(kinds - served)} besides full attention and windows: a "
+            "speculative step would have to advance their states over accepted tokens only, "
+            "which the runtime does for the gated delta nets of non-MLA models only"
         )
     elif not entries:
         refusal = "no full-attention cache entry to give the MTP layers"

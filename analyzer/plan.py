@@ -224,7 +224,8 @@ class MtpPlan:
     #: layers are not built and hold no cache)
     kv_bytes_per_token_speculative: int
     #: draft tokens per verify step by default (one per MTP layer); a verify step feeds
-    #: next_n + 1 tokens per request, so the pools keep next_n extra slots per request
+    #: next_n + 1 tokens per request, so the pools keep next_n extra slots per request, and
+    #: a gated-delta model's state groups 1 + next_n state blocks per request
     next_n: int
     #: how the MTP caches join the model's (the framework's merge)
     merge: str

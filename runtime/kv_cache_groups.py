@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvskill.runtime.cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
+from kvskill.runtime.cache_info import (
+    CacheEntry,
+    CacheInfoError,
+    LayerCacheInfo,
+    ModelCacheInfo,
+)
 
 
 @dataclass(eq=False)
@@ -23,6 +28,9 @@ class KVCacheGroup:
     #: tokens folded into one stored row (1: a row per token); its block of ``block_size``
     #: tokens stores ``block_size // compress_ratio`` rows
     compress_ratio: int = 1
+    #: speculative depth the group is sized for: a state group keeps ``1 + next_n`` blocks
+    #: per request (its Mamba entries' ``next_n``), a window group ``2 * next_n`` more tokens
+    next_n: int = 0
     #: (layer info, that layer's entries of this group), in layer order
     layers: list[tuple[LayerCacheInfo, list[CacheEntry]]] = field(default_factory=list)
 
@@ -58,6 +66,13 @@ def build_groups(cache_info: ModelCacheInfo) -> dict[str, KVCacheGroup]:
                     sliding_window=entry.sliding_window,
                     compress_ratio=entry.compress_ratio,
                 )
+            next_n = getattr(entry, "next_n", 0)
+            if next_n != group.next_n and group.entries:
+                raise CacheInfoError(
+                    f"group {entry.group_key!r}: entries declare next_n {group.next_n} and "
+                    f"{next_n}; one manager keeps one number of state blocks per request"
+                )
+            group.next_n = next_n
             if not group.layers or group.layers[-1][0] is not layer:
                 group.layers.append((layer, []))
             group.layers[-1][1].append(entry)

@@ -63,9 +63,13 @@ class KVCacheManager:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = False,
+        next_n: int = 0,
     ) -> None:
         """
         Args:
+            next_n: drafts per speculative verify step: window groups keep a margin of
+                ``2 * next_n`` tokens (state groups take theirs from their Mamba entries'
+                ``next_n``).
             enable_prefix_caching: share the K/V of full blocks between requests with the
                 same prefix (see ``get_computed_blocks``); refused for a model with a group
                 that cannot share blocks, the reason in ``prefix_caching_disabled_reason``.
@@ -81,6 +85,9 @@ class KVCacheManager:
         self.use_hybrid_blocks = use_hybrid_blocks
         self.page_alignment_bytes = page_alignment_bytes
         self.groups: dict[str, KVCacheGroup] = build_groups(cache_info)
+        for group in self.groups.values():
+            if group.attn_type == AttnType.SLIDING_WINDOW.value:
+                group.next_n = next_n
         if not self.groups:
             raise BadInputError("the model declares no cache entry that needs blocks")
         if num_blocks is None and memory_budget_bytes is None:
@@ -113,6 +120,7 @@ class KVCacheManager:
                 block_size=g.block_size,
                 sliding_window=g.sliding_window,
                 compress_ratio=g.compress_ratio,
+                next_n=g.next_n,
             )
             for key, g in self.groups.items()
         }
@@ -452,6 +460,7 @@ class KVCacheManager:
                     block_size=group.block_size,
                     sliding_window=group.sliding_window,
                     max_num_batched_tokens=step,
+                    next_n=group.next_n,
                 )
                 if bound is not None:
                     blocks = min(blocks, bound)

@@ -16,7 +16,7 @@ from kvskill.core.attn_types import AttnType
 from kvskill.core.config_checks import format_bytes
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.kv_blocks import NULL_BLOCKS_PER_POOL
-from kvskill.runtime.cache_info import ModelCacheInfo, fill_block_sizes
+from kvskill.runtime.cache_info import MambaCacheEntry, ModelCacheInfo, fill_block_sizes
 from kvskill.runtime.device import available_memory_bytes, total_memory_bytes
 from kvskill.runtime.kv_cache_groups import build_groups
 from kvskill.runtime.kv_cache_manager import KVCacheManager
@@ -70,6 +70,7 @@ def prepare_kv_cache(
     log_layout: bool = False,
     enable_prefix_caching: bool = False,
     drafter: nn.Module | None = None,
+    next_n: int = 0,
 ) -> KVCacheSetup:
     """Ask the model for its cache declarations, size the pools and inject the tensors.
 
@@ -85,6 +86,9 @@ def prepare_kv_cache(
         drafter: the MTP layers (``runtime/mtp.py``) when speculating: their cache info is
             merged after the model's (``ModelCacheInfo.merge``), so the same pools, block
             tables and slot mappings serve them.
+        next_n: drafts per verify step when speculating: every Mamba entry declares it (its
+            manager keeps ``1 + next_n`` state blocks per request, the framework's
+            ``MambaCacheEntry.next_n``) and window groups keep ``2 * next_n`` more tokens.
 
     Raises:
         UnsupportedModelError: the model has no ``get_cache_info``.
@@ -108,6 +112,9 @@ def prepare_kv_cache(
         )
     if drafter is not None:
         info = info.merge(drafter.get_cache_info())
+    for _, entry in info.entries():
+        if isinstance(entry, MambaCacheEntry):
+            entry.next_n = next_n
     size_legacy_rows(info, max_model_len or DEFAULT_BUDGET_MODEL_LEN)
     # Entries that chose their block size keep it; the others take the run's.
     fill_block_sizes(info, block_size or getattr(model, "block_size", None) or DEFAULT_BLOCK_SIZE)
@@ -145,6 +152,7 @@ def prepare_kv_cache(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
+        next_n=next_n,
     )
     manager.allocate_cache_tensors(log_layout=log_layout)
     return KVCacheSetup(info, manager, budget)

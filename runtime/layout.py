@@ -315,6 +315,7 @@ def group_block_cost(
             block_size=group.block_size,
             sliding_window=group.sliding_window,
             max_num_batched_tokens=max_num_batched_tokens,
+            next_n=group.next_n,
         )
     return GroupBlockCost(
         key=group.key,

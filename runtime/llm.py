@@ -211,6 +211,7 @@ class LLM:
             device=self.device,
             free_block_order_seed=config.free_block_order_seed,
             drafter=self.drafter,
+            next_n=config.speculative_tokens if self.drafter is not None else 0,
             **kv_kwargs,
         )
         if self.tensor_parallel is not None:
@@ -285,7 +286,13 @@ class LLM:
         from kvskill.runtime.speculative import Speculator, speculation_refusal
 
         refusal = speculation_refusal(
-            {key: self.kv_manager.managers[key].attn_type for key in self.kv_manager.group_keys}
+            {key: self.kv_manager.managers[key].attn_type for key in self.kv_manager.group_keys},
+            [
+                name
+                for name, module in self.model.named_modules()
+                if getattr(module, "attn_type", None) == AttnType.MAMBA.value
+                and not getattr(module, "verify_state_rows", False)
+            ],
         )
         if refusal is not None:
             raise UnsupportedModelError(f"speculative_tokens: {refusal}")

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Sequence
 from typing import ClassVar
 
+import torch
 from kvskill.core.attn_types import AttnType
 from kvskill.core.kv_blocks import window_blocks_per_request
 from kvskill.runtime.block_pool import NULL_BLOCK_ID, BlockPool
@@ -92,6 +93,7 @@ class SingleTypeKVCacheManager:
         block_size: int,
         sliding_window: int | None = None,
         compress_ratio: int = 1,
+        next_n: int = 0,
     ) -> None:
         self.block_pool = block_pool
         self.group_key = group_key
@@ -99,6 +101,8 @@ class SingleTypeKVCacheManager:
         self.sliding_window = sliding_window
         #: tokens per stored row; > 1: the model addresses rows itself (no slot mapping)
         self.compress_ratio = compress_ratio
+        #: drafts a speculative verify step feeds per request at most (0: no speculation)
+        self.next_n = next_n
         #: block ids as C ints (``array("i")``): a step's block table is then a few memcpys
         #: per request instead of a conversion of every id
         self.req_to_blocks: dict[str, array] = {}
@@ -128,7 +132,12 @@ class SingleTypeKVCacheManager:
 
     @classmethod
     def max_blocks_per_request(
-        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+        cls,
+        *,
+        block_size: int,
+        sliding_window: int | None,
+        max_num_batched_tokens: int | None,
+        next_n: int = 0,
     ) -> int | None:
         """Upper bound on one request's live blocks, or None when it grows with the sequence."""
         return None
@@ -459,17 +468,38 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     @classmethod
     def max_blocks_per_request(
-        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+        cls,
+        *,
+        block_size: int,
+        sliding_window: int | None,
+        max_num_batched_tokens: int | None,
+        next_n: int = 0,
     ) -> int | None:
+        # Speculation: a verify step adds 1 + next_n tokens and the drafter's chain rows lie
+        # within the next verify step's span; the framework reserves 2 * next_n window
+        # tokens for the same (cache_utils.py:210-222 at fbc225d), kept here as the least a
+        # step may add. Blocks are released by the accepted length only, so a rejected
+        # draft never evicts a block an accepted token still reads.
+        step = max_num_batched_tokens
+        if step is not None and next_n:
+            step = max(step, 2 * next_n)
         return window_blocks_per_request(
             sliding_window=sliding_window,
             block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=step,
         )
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """One state block per request, whatever its length (the state is overwritten in place)."""
+    """One state block per request, whatever its length (the state is overwritten in place).
+
+    Speculative decoding (``next_n`` > 0) keeps ``1 + next_n`` blocks per request, as the
+    framework's ``MambaManager`` (``single_type_kv_cache_manager.py:302-314`` at fbc225d):
+    block 0 holds the request's state; a verify step of ``1 + d`` tokens reads it and writes
+    the state after its token t into block t (``verify_state_table``); the accepted count
+    picks the block that becomes block 0 (``keep_state_after``), a swap of two ids, no copy.
+    Every step's block table carries block 0 only; the verify step gets all of them.
+    """
 
     attn_type = AttnType.MAMBA.value
     is_token_addressed = False
@@ -488,13 +518,52 @@ class MambaManager(SingleTypeKVCacheManager):
     )
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return 1
+        return 1 + self.next_n
+
+    def step_tables(
+        self,
+        request_ids: Sequence[str],
+        *,
+        starts: Sequence[int],
+        num_new_tokens: Sequence[int],
+    ) -> GroupStepTables:
+        """Block 0 of every request: its state (the other blocks serve verify steps only)."""
+        tables = super().step_tables(request_ids, starts=starts, num_new_tokens=num_new_tokens)
+        return GroupStepTables(block_table=tables.block_table[:, :1], slot_mapping=None)
+
+    def verify_state_table(self, request_ids: Sequence[str], num_tokens: Sequence[int]) -> Tensor:
+        """int32 ``[B, max(num_tokens)]``: the first ``num_tokens[b]`` state blocks of request
+        b, then -1 (a pad id the state operators skip). Column t takes the state after the
+        request's token t of a verify step; column 0 is also the state it starts from."""
+        width = max(num_tokens)
+        rows = []
+        for rid, n in zip(request_ids, num_tokens, strict=True):
+            blocks = self.req_to_blocks[rid]
+            assert n <= len(blocks), (
+                f"group {self.group_key!r}: a verify step of {n} tokens needs {n} state "
+                f"blocks, request {rid!r} holds {len(blocks)}"
+            )
+            rows.append(list(blocks[:n]) + [-1] * (width - n))
+        return torch.tensor(rows, dtype=torch.int32)
+
+    def keep_state_after(self, request_id: str, token_index: int) -> None:
+        """Make the state written after token ``token_index`` of the last verify step the
+        request's state: its block becomes block 0 (the old block 0 becomes a spare)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None or token_index == 0:
+            return
+        blocks[0], blocks[token_index] = blocks[token_index], blocks[0]
 
     @classmethod
     def max_blocks_per_request(
-        cls, *, block_size: int, sliding_window: int | None, max_num_batched_tokens: int | None
+        cls,
+        *,
+        block_size: int,
+        sliding_window: int | None,
+        max_num_batched_tokens: int | None,
+        next_n: int = 0,
     ) -> int | None:
-        return 1
+        return 1 + next_n
 
 
 class LegacyManager(SingleTypeKVCacheManager):

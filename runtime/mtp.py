@@ -12,6 +12,14 @@ holds pair p and the drafter's cache covers exactly the positions the main cache
 Checkpoints keep an MTP layer's tensors at ``model.layers.<N+i>.*``: ``enorm``, ``hnorm``,
 ``eh_proj``, ``shared_head.norm`` (the post-norm), the decoder layer's own tensors, and copies
 of the embedding and head (``embed_tokens``, ``shared_head.head``) that are not read here.
+
+Qwen3-Next keeps them under ``mtp.*`` instead (the names vLLM's ``qwen3_next_mtp.py`` loads,
+and the ``mtp.`` prefix the framework's ``qwen3_5/models/modeling_qwen3_5_moe.py:2860``
+skips): ``mtp.pre_fc_norm_embedding`` and ``mtp.pre_fc_norm_hidden`` (enorm, hnorm; the
+embedding half comes first as in DeepSeek's), ``mtp.fc`` (eh_proj), ``mtp.layers.<i>.*`` (a
+full-attention decoder layer: vLLM builds it with ``layer_type="full_attention"``) and
+``mtp.norm`` (the post-norm). Its config counts them with ``mtp_num_hidden_layers``; its
+``layer_types`` name no MTP kind, so the MTP layers are full attention (``_MTP_LAYER_KIND``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,16 @@ _OWN_TENSORS = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj."}
 _POST_NORM = "shared_head.norm."
 #: the main model's embedding and head, repeated in the checkpoint; the drafter shares them
 _SHARED_COPIES = ("embed_tokens.", "shared_head.head.")
+#: the ``mtp.*`` layout (Qwen3-Next): checkpoint prefix -> the MTP layer's own module
+_MTP_PREFIX_NAMES = {
+    "fc.": "eh_proj.",
+    "pre_fc_norm_embedding.": "enorm.",
+    "pre_fc_norm_hidden.": "hnorm.",
+    "norm.": "post_norm.",
+}
+#: model types whose config lists ``layer_types`` but no ``mtp_layer_types``: the kind of
+#: their MTP layers (vLLM's qwen3_next_mtp.py builds them as full attention)
+_MTP_LAYER_KIND = {"qwen3_next": "full_attention"}
 
 
 def num_mtp_layers(config) -> int:
@@ -57,7 +75,7 @@ def mtp_tensor_pattern(config) -> re.Pattern | None:
         return None
     n = _text(config).num_hidden_layers
     indices = "|".join(str(i) for i in range(n, n + k))
-    return re.compile(rf"^model\.layers\.({indices})\.")
+    return re.compile(rf"^(model\.layers\.({indices})\.|mtp\.)")
 
 
 class MtpLayer(nn.Module):
@@ -147,7 +165,7 @@ class MtpDrafter(nn.Module):
         """
         own: dict[str, Tensor] = {}
         unknown: list[str] = []
-        for key, tensor in state.items():
+        for key, tensor in _from_mtp_layout(state, self.num_hidden_layers).items():
             match = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
             i = int(match.group(1)) - self.num_hidden_layers if match else -1
             if not 0 <= i < len(self.layers):
@@ -179,6 +197,31 @@ class MtpDrafter(nn.Module):
             raise BadInputError(
                 f"MTP weights do not match: {str(exc).splitlines()[-1].strip()}"
             ) from None
+
+
+def _from_mtp_layout(state: dict[str, Tensor], num_hidden_layers: int) -> dict[str, Tensor]:
+    """``mtp.*`` tensors (Qwen3-Next's layout, see the module doc) under the
+    ``model.layers.<N+i>.*`` names of the other layout; other keys unchanged. The fc and the
+    norms around the block belong to MTP layer 0 (the runtime drafts with one layer)."""
+    renamed: dict[str, Tensor] = {}
+    for key, tensor in state.items():
+        if not key.startswith("mtp."):
+            renamed[key] = tensor
+            continue
+        rest = key[len("mtp.") :]
+        match = re.match(r"^layers\.(\d+)\.(.*)$", rest)
+        if match:
+            i, inner = int(match.group(1)), match.group(2)
+            renamed[f"model.layers.{num_hidden_layers + i}.{inner}"] = tensor
+            continue
+        for prefix, own in _MTP_PREFIX_NAMES.items():
+            if rest.startswith(prefix):
+                name = "shared_head.norm." if own == "post_norm." else own
+                renamed[f"model.layers.{num_hidden_layers}.{name}{rest[len(prefix) :]}"] = tensor
+                break
+        else:
+            renamed[key] = tensor  # reported as unexpected by the caller
+    return renamed
 
 
 def _fuse_experts(state: dict[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
@@ -251,6 +294,7 @@ def _mtp_layer_config(config):
     text = copy.deepcopy(_text(config))
     if hasattr(text, "first_k_dense_replace"):
         text.first_k_dense_replace = 0
+    k = num_mtp_layers(text)
     for key, mtp_key in (
         ("layer_types", "mtp_layer_types"),
         ("mlp_layer_types", "mtp_mlp_layer_types"),
@@ -259,6 +303,9 @@ def _mtp_layer_config(config):
         if types is None:
             continue
         extra = getattr(text, mtp_key, None)
+        kind = _MTP_LAYER_KIND.get(getattr(text, "model_type", ""))
+        if extra is None and key == "layer_types" and kind is not None:
+            extra = [kind] * k
         if extra is None:
             raise BadInputError(
                 f"the config has {key} but no {mtp_key}: the kind of its MTP layers is unknown"

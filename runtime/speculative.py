@@ -14,9 +14,18 @@ token p+1, at rotary position p+1, cache row p) and drafts the token after each 
 last one; with ``speculative_tokens`` k > 1 the same layer then runs over its own output and
 its last draft for the others (``Speculator._chain``).
 
-Only full-attention pools are served (``speculation_refusal``): a recurrent state or a window
-would have to advance over the accepted tokens only (the framework keeps ``1 + next_n``
-state blocks and ``2 * next_n`` window blocks for that), which this runtime does not do.
+Recurrent states advance over accepted tokens only, as in the framework (``MambaCacheEntry
+.next_n``: its manager keeps ``1 + next_n`` state blocks per request). A verify step hands the
+state layers every request's ``1 + d`` state blocks (``MambaManager.verify_state_table``);
+the layer starts from block 0 and writes the state after its token t into block t; once the
+drafts are checked, the block of the last accepted token becomes block 0
+(``MambaManager.keep_state_after``, a swap of two block ids). A rejected token's state sits in
+a spare block the next verify step overwrites: it leaves no trace. Only state layers that
+write those rows (``verify_state_rows``: the converted gated delta nets) are served.
+
+Sliding windows release blocks by the accepted length only (``get_num_skipped_tokens`` of
+the computed tokens), so a rejected draft never evicts a block an accepted token reads; the
+window pools keep the framework's margin of ``2 * next_n`` tokens.
 
 Prefix caching shares the MTP rows with the blocks: a cached block's last row pairs its last
 token with the token after it in the request that filled it, which another request may
@@ -82,14 +91,33 @@ class SpeculationStats:
         }
 
 
-def speculation_refusal(cache_groups: dict[str, str]) -> str | None:
+#: cache group kinds a verify step serves (states only through layers that write a state
+#: row per token, see ``speculation_refusal``)
+_SERVED_KINDS = {
+    AttnType.FULL_ATTENTION.value,
+    AttnType.SLIDING_WINDOW.value,
+    AttnType.MAMBA.value,
+}
+
+
+def speculation_refusal(
+    cache_groups: dict[str, str], state_layers_without_rows: list[str] = ()
+) -> str | None:
     """Why the pools cannot serve speculative steps (None: they can). CACHE_GROUPS: group
-    key -> attn_type."""
-    others = sorted({t for t in cache_groups.values() if t != AttnType.FULL_ATTENTION.value})
+    key -> attn_type; STATE_LAYERS_WITHOUT_ROWS: names of the state layers that keep one
+    state per request only (no ``verify_state_rows``)."""
+    others = sorted({t for t in cache_groups.values() if t not in _SERVED_KINDS})
     if others:
         return (
-            f"cache groups of kind {others}: their states or windows would have to advance over "
-            "accepted tokens only; speculative decoding runs full-attention models"
+            f"cache groups of kind {others}: a verify step serves full-attention, window and "
+            "gated-delta state groups only"
+        )
+    if state_layers_without_rows:
+        names = list(state_layers_without_rows)
+        return (
+            f"state layer {names[0]} (and {len(names) - 1} more) keeps one state per request: "
+            "a verify step needs the state after every token (the gated delta nets' converted "
+            "forward writes them)"
         )
     return None
 
@@ -128,7 +156,12 @@ class Speculator:
             # every fed token is scored; causal within each request's 1 + d tokens (a step
             # without drafts keeps the one-token decode call)
             if ends[-1] > len(scheduled):
-                md = replace(md, is_prefill=True, prompt_tokens=ends[-1])
+                md = replace(
+                    md,
+                    is_prefill=True,
+                    prompt_tokens=ends[-1],
+                    block_table=self._with_state_blocks(engine, scheduled, q_lens, md),
+                )
             rows = torch.arange(ends[-1], device=engine.device)
         started = time.perf_counter()
         with last_hidden_states(engine.model) as captured:
@@ -140,10 +173,33 @@ class Speculator:
         else:
             entries = self._verify(engine, scheduled, logits, ends)
             kept = [len(tokens) for tokens in entries]
+            if ends[-1] > len(scheduled):
+                self._keep_accepted_states(engine, scheduled, kept)
         step_outputs, _ = engine.scheduler.update_from_output(output, entries, time.perf_counter())
         self._draft(engine, scheduled, hidden, kept, ends)
         generated = sum(len(o.new_token_ids) for o in step_outputs)
         return step_outputs, generated, time.perf_counter() - started
+
+    @staticmethod
+    def _with_state_blocks(engine, scheduled, q_lens: list[int], md) -> dict[str, Tensor]:
+        """The step's block tables with every state group's ``1 + d`` blocks per request."""
+        if not engine.kv_manager.state_group_keys:
+            return md.block_table
+        ids = [s.request.request_id for s in scheduled]
+        tables = dict(md.block_table)
+        for key in engine.kv_manager.state_group_keys:
+            manager = engine.kv_manager.managers[key]
+            tables[key] = manager.verify_state_table(ids, q_lens).to(engine.device)
+        return tables
+
+    @staticmethod
+    def _keep_accepted_states(engine, scheduled, kept: list[int]) -> None:
+        """Each request keeps the state after its last accepted token (token ``kept - 1`` of
+        the verify step): that block becomes its block 0."""
+        for key in engine.kv_manager.state_group_keys:
+            manager = engine.kv_manager.managers[key]
+            for s, n in zip(scheduled, kept, strict=True):
+                manager.keep_state_after(s.request.request_id, n - 1)
 
     def _verify(self, engine, scheduled, logits: Tensor, ends: list[int]) -> list[list[int]]:
         """Per request, the accepted drafts and the token after them."""

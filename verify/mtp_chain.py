@@ -1,8 +1,9 @@
 """The MTP chain: a converted model's MTP layer, run as the bundled runtime's drafter, against
-transformers' own ``MtpModel`` on the same weights.
+transformers' own ``MtpModel`` on the same weights (or, for Qwen3-Next, whose MTP layer
+transformers does not build, the layer written out from its modules: ``mtp_reference``).
 
 Checked, for a model whose config declares MTP layers (and a transformers that has
-``MtpModel``): the drafter's cache entries are injected with their declared shapes (they were
+``MtpModel``, or a reference here): the drafter's cache entries are injected with their declared shapes (they were
 merged into the model's cache info); its logits over every pair of the first prompt, after
 the paged prefill, equal ``MtpModel``'s within the verify tolerance; greedy speculative
 decoding gives the reference's tokens for every prompt; and the pools are back to their
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from kvskill.runtime.chains import chain_result, check_init_chain, check_pools_released
 from kvskill.runtime.mtp import num_mtp_layers
+from kvskill.verify.mtp_reference import MTP_REFERENCE_MODEL_TYPES, Qwen3NextMtpReference
 from kvskill.verify.weights import condition_weights
 from torch import nn
 
@@ -37,22 +39,29 @@ def mtp_chain(
     k = num_mtp_layers(converted.config)
     if not k:
         return None, None
-    try:
-        from transformers.modeling_layers import MtpModel
-    except ImportError:
-        return None, "MTP layers not checked: this transformers has no MtpModel to compare with"
     if k != 1:
         return None, f"MTP layers not checked: {k} layers; the runtime drafts with one"
-    try:
-        mtp = MtpModel(reference, 1).float().eval()
-    except Exception as exc:  # noqa: BLE001 - transformers' own class refuses this model
-        return None, f"MTP layers not checked: transformers' MtpModel refuses the model ({exc})"
-    condition_weights(mtp.layers, seed + 1)
-    state = _checkpoint_names(mtp, reference.config.get_text_config().num_hidden_layers)
+    if reference.config.get_text_config().model_type in MTP_REFERENCE_MODEL_TYPES:
+        hand = Qwen3NextMtpReference(reference).float().eval()
+        condition_weights(hand, seed + 1)
+        state, draft_logits, against = hand.checkpoint_state(), hand.logits, "the MTP reference"
+    else:
+        try:
+            from transformers.modeling_layers import MtpModel
+        except ImportError:
+            return None, "MTP layers not checked: this transformers has no MtpModel to compare with"
+        try:
+            mtp = MtpModel(reference, 1).float().eval()
+        except Exception as exc:  # noqa: BLE001 - transformers' own class refuses this model
+            return None, f"MTP layers not checked: transformers' MtpModel refuses the model ({exc})"
+        condition_weights(mtp.layers, seed + 1)
+        state = _checkpoint_names(mtp, reference.config.get_text_config().num_hidden_layers)
+        draft_logits, against = _mtp_model_logits(mtp), "transformers' MtpModel"
     result = _run(
         reference,
         converted,
-        mtp,
+        draft_logits,
+        against,
         state,
         prompts,
         reference_tokens,
@@ -78,10 +87,22 @@ def _checkpoint_names(mtp: nn.Module, num_hidden_layers: int) -> dict[str, torch
     return state
 
 
+def _mtp_model_logits(mtp):
+    """MtpModel's logits of the pairs (hidden ``[1, T, H]``, token ids, rotary positions)."""
+
+    def logits(hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        with torch.no_grad():
+            out = mtp.forward_layer(0, hidden, position_ids, None, input_ids=input_ids)
+            return mtp._project_to_logits(out)
+
+    return logits
+
+
 def _run(
     reference,
     converted,
-    mtp,
+    expected_logits,
+    against: str,
     state,
     prompts,
     reference_tokens,
@@ -123,17 +144,14 @@ def _run(
         engine.step()
     with torch.no_grad():
         hidden = reference(torch.tensor([first]), output_hidden_states=True).hidden_states[-1]
-        out = mtp.forward_layer(
-            0,
-            hidden.float(),
-            torch.arange(1, len(first) + 1)[None],
-            None,
-            input_ids=torch.tensor([first[1:] + [sampled]]),
-        )
-        expected = mtp._project_to_logits(out)[0].float()
+    expected = expected_logits(
+        hidden.float(),
+        torch.tensor([first[1:] + [sampled]]),
+        torch.arange(1, len(first) + 1)[None],
+    )[0].float()
     diff = (draft_logits - expected).abs().max().item()
     if diff > atol:
-        failures.append(f"draft logits differ from transformers' MtpModel by {diff:.3g} > {atol:g}")
+        failures.append(f"draft logits differ from {against} by {diff:.3g} > {atol:g}")
     outputs = llm.generate([list(p) for p in prompts], params)
     for index, (out, tokens) in enumerate(zip(outputs, reference_tokens, strict=True)):
         if out.token_ids != list(tokens):
@@ -144,7 +162,7 @@ def _run(
     failures += check_pools_released(llm.kv_manager)
     spec = llm.stats.speculation
     summary = (
-        f"drafter logits vs MtpModel max diff {diff:.2e}; speculative tokens of "
+        f"drafter logits vs {against} max diff {diff:.2e}; speculative tokens of "
         f"{len(prompts)} prompts; acceptance {spec.acceptance_rate:.2f}; pools released"
     )
     return chain_result("mtp", summary, failures).to_dict()

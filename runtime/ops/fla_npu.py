@@ -182,6 +182,8 @@ def _plan_conv_update(a: dict[str, Any]) -> NpuCall | str:
     if problem:
         return problem
     lines = a["conv_state_indices"]
+    if lines is not None and lines.dim() != 1:
+        return "conv_state_indices with a line per token (a speculative verify step)"
     if lines is not None:
         extra["cache_indices"] = lines.to(torch.int32)
     return NpuCall(

@@ -149,6 +149,10 @@ def causal_conv1d_update(
             ``query_start_loc`` [B + 1].
         conv_state: [num_lines, dim, state_len >= W - 1].
         conv_state_indices: [B] state line per sequence (default: line b); pad id = skip.
+            Or [B, max_L] (a speculative verify step): sequence b starts from line
+            ``idx[b, 0]`` and line ``idx[b, t]`` receives the state after its token t, so
+            the caller keeps the state of whichever token was accepted last (the
+            framework's 1 + next_n state blocks); pad ids are skipped.
 
     Context = the first W-1 columns of the line (the whole line when state_len = W-1); the line
     then shifts left by L and the new tokens are appended. Note the activation default is None
@@ -169,19 +173,35 @@ def causal_conv1d_update(
             f"{describe(conv_state)}"
         )
     seqs = _update_sequences(x, dim, query_start_loc)
-    lines = (
-        conv_state_indices.tolist() if conv_state_indices is not None else list(range(len(seqs)))
-    )
+    if conv_state_indices is None:
+        lines = [[b] for b in range(len(seqs))]
+    else:
+        lines = conv_state_indices.view(conv_state_indices.size(0), -1).tolist()
+    per_token = conv_state_indices is not None and conv_state_indices.dim() == 2
     out = torch.zeros_like(x)
     for b, (read, write) in enumerate(seqs):
-        line = int(lines[b])
-        if line == pad_slot_id:
+        line = int(lines[b][0])
+        if line == pad_slot_id or (per_token and line < 0):
             continue
         xb = read(x).float()  # [dim, L]
         old = conv_state[line].float()
         xp = torch.cat((old[:, : width - 1], xb), dim=1)
         write(out, activate(_conv(xp, weight, bias), activation).to(x.dtype))
-        conv_state[line] = torch.cat((old, xb), dim=1)[:, -state_len:].to(conv_state.dtype)
+        history = torch.cat((old, xb), dim=1)
+        if not per_token or len(lines[b]) == 1:
+            conv_state[line] = history[:, -state_len:].to(conv_state.dtype)
+            continue
+        if len(lines[b]) < xb.size(1):
+            raise OpInputError(
+                f"causal_conv1d_update: 2-D conv_state_indices need a line per token "
+                f"(width >= {xb.size(1)}), got {describe(conv_state_indices)}"
+            )
+        for t in range(xb.size(1)):
+            target = int(lines[b][t])
+            if target >= 0 and target != pad_slot_id:
+                # the line after token t: the state_len inputs ending at it
+                end = old.size(1) + t + 1
+                conv_state[target] = history[:, end - state_len : end].to(conv_state.dtype)
     return out
 
 

@@ -34,3 +34,14 @@ def test_mtp_layers_of_a_model_with_state_layers_are_not_speculative():
     assert plan.mtp is not None and plan.mtp.num_layers >= 1
     assert plan.mtp.speculative_refusal is not None
     assert "besides full attention" in plan.mtp.speculative_refusal
+
+
+def test_mtp_layers_of_a_gated_delta_hybrid_are_speculative(tmp_path):
+    from transformers import AutoConfig
+
+    # Qwen3-Next's config.json counts its MTP layers with a key its config class lacks
+    config = AutoConfig.for_model("qwen3_next", num_hidden_layers=4, mtp_num_hidden_layers=1)
+    config.save_pretrained(tmp_path)
+    plan = analyze_model(str(tmp_path))
+    assert plan.mtp is not None and plan.mtp.config_key == "mtp_num_hidden_layers"
+    assert plan.mtp.speculative_refusal is None

@@ -134,6 +134,16 @@ def test_decode_conv_with_a_longer_state_row_stays_on_the_reference(npu_backend)
     assert "K-1 = 2" in _reason("causal_conv1d_update")
 
 
+def test_verify_step_conv_with_a_line_per_token_stays_on_the_reference(npu_backend):
+    # the operator takes one cache line per request; a verify step names one per token
+    _, weight, bias, states, _, _ = _conv_inputs()
+    lines = torch.tensor([[4, 5, 1], [0, -1, -1]], dtype=torch.int32)
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
+    x = torch.randn(4, 128, dtype=BF16)
+    fla.causal_conv1d_update(x, states, weight, bias, None, lines, query_start_loc=qsl)
+    assert "a line per token" in _reason("causal_conv1d_update")
+
+
 def _delta_inputs(lens, *, heads=2, value_heads=4, dk=128, dv=128, dtype=BF16, slots=8):
     torch.manual_seed(2)
     total = sum(lens)

@@ -66,11 +66,11 @@ def test_a_preempted_request_drops_its_drafts_and_decoding_does_not_ride_along()
     assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 2)]
 
 
-def test_pools_with_state_or_window_groups_are_refused_for_speculation():
+def test_pools_of_other_kinds_are_refused_for_speculation():
     from kvskill.runtime.speculative import speculation_refusal
 
     assert speculation_refusal({"FullAttention": "FullAttention"}) is None
-    reason = speculation_refusal(
-        {"FullAttention": "FullAttention", "Mamba": "Mamba", "SlidingWindow": "SlidingWindow"}
-    )
-    assert reason is not None and "['Mamba', 'SlidingWindow']" in reason
+    served = {"FullAttention": "FullAttention", "Mamba": "Mamba", "SlidingWindow": "SlidingWindow"}
+    assert speculation_refusal(served) is None
+    reason = speculation_refusal({**served, "Legacy": "Legacy"})
+    assert reason is not None and "['Legacy']" in reason

@@ -158,6 +158,10 @@ class ScreenedHead:
     def forward(self, x: Tensor) -> Tensor:
         if compiling():
             return _SCREENED_HEAD(x, self.screen_id)
+        return self.forward_now(x)
+
+    def forward_now(self, x: Tensor) -> Tensor:
+        """The head's logits of ``x``, screened when ``screening`` is on, decided now."""
         if not self.active or x.dtype != torch.float32 or x.device.type != "cpu":
             return self._plain_forward(x)
         rows = x.reshape(-1, x.shape[-1])
@@ -228,7 +232,7 @@ _SCREEN_IDS = itertools.count()
 
 def _screened_head(x: Tensor, screen_id: int) -> Tensor:
     """The head's logits as an eager call gives them: screened when the step screens."""
-    return _SCREENS[screen_id].forward(x)
+    return _SCREENS[screen_id].forward_now(x)
 
 
 def _screened_head_shape(x: Tensor, screen_id: int) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from kvskill.runtime import fused_layers, prepacked_linear, screened_head
 from kvskill.runtime.exact_steps import exact_steps
 from kvskill.runtime.ops.cpu_kernels import fused_elementwise
+from kvskill.runtime.ops.reference.graph_ops import dispatched_operators
 from torch import nn
 
 TOKENS, HEADS, HEAD_DIM = 3, 2, 8
@@ -133,3 +134,15 @@ def test_an_exact_steps_trace_keeps_the_models_own_code(fast_step):
     assert calls["<built-in function linear>"] == 6
     torch.testing.assert_close(captured, own, rtol=0, atol=0)
     assert expected.shape == captured.shape
+
+
+def test_eager_calls_routed_through_the_registered_operators_give_the_same_logits(fast_step):
+    # bench_captured_decode counts operator calls this way: each kernel is one call
+    step, screen, _ = fast_step
+    x = torch.randn(TOKENS, WIDTH)
+    with torch.inference_mode(), screen.screening(True):
+        eager = step(x)
+        with dispatched_operators():
+            routed = step(x)
+    assert torch.equal(routed, eager)
+    assert screen.stats.num_screened_rows == 2 * TOKENS

@@ -19,13 +19,10 @@ if TYPE_CHECKING:
     import torch
     from kvskill.runtime.ops.reference.npu_profile import NpuProfile
 
-#: the fast paths (``runtime/fast_paths.py``): each sums in another order than the model's own
-#: code, so none runs in an exact run
-_NOT_EXACT = ("prepack_linear", "fuse_layers", "screen_output_head")
-#: the fast paths and captured decode: each changes what one process computes, so
-#: tensor-parallel ranks would combine results computed two different ways. (Captured decode
-#: of an exact run traces the model's own code: ``verify --graph`` compares it.)
-_ONE_PROCESS_ONLY = (*_NOT_EXACT, "graph")
+#: the fast paths (``runtime/fast_paths.py``) and captured decode: each changes what one process computes, so
+#: tensor-parallel ranks would combine results computed two different ways, and each sums in
+#: another order than the model's own code, so none runs in an exact run
+_ONE_PROCESS_ONLY = ("prepack_linear", "fuse_layers", "screen_output_head", "graph")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +117,7 @@ class EngineConfig:
         for name in _ONE_PROCESS_ONLY:
             if getattr(self, name) is not True:
                 continue
-            if self.exact and name in _NOT_EXACT:
+            if self.exact:
                 raise BadInputError(
                     f"{name}=True is a fast path, not bit-exact; it cannot be combined with "
                     "exact=True (--exact)"

@@ -89,8 +89,7 @@ graph_option = click.option(
     help="Run decode steps as a graph captured once per batch bucket (torch.compile, "
     "fullgraph; inductor on the CPU, torchair's backend with torch_npu), the batch padded to "
     "the bucket. The first step of each bucket compiles (tens of seconds on a CPU). The fast "
-    "paths run inside the graph; with --exact it holds the model's own code. One process "
-    "only (not with --tp).",
+    "paths run inside the graph. One process only (not with --tp).",
 )
 
 device_option = click.option(

@@ -53,13 +53,6 @@ def test_one_process_settings_refuse_tensor_parallel(flag):
         EngineConfig(tensor_parallel_size=2, **{flag: True})
 
 
-def test_graph_capture_combines_with_an_exact_run_but_not_with_tensor_parallel():
-    # verify --graph captures the model's own code: an exact run
-    assert EngineConfig(exact=True, graph=True).graph
-    with pytest.raises(BadInputError, match="graph runs in one process"):
-        EngineConfig(tensor_parallel_size=2, graph=True)
-
-
 def test_to_dict_is_json_values():
     import torch
 

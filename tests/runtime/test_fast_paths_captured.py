@@ -146,3 +146,23 @@ def test_eager_calls_routed_through_the_registered_operators_give_the_same_logit
             routed = step(x)
     assert torch.equal(routed, eager)
     assert screen.stats.num_screened_rows == 2 * TOKENS
+
+
+def test_a_graph_captured_fast_is_traced_again_for_an_exact_step(fast_step):
+    step, _, _ = fast_step
+    x = torch.randn(TOKENS, WIDTH)
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=keep, fullgraph=True)
+    with torch.no_grad():
+        own = _Step().eval()(x)
+        compiled(x)
+        with exact_steps():
+            exact = compiled(x)
+    assert len(graphs) == 2  # the setting is guarded: the exact step did not replay the first
+    torch.testing.assert_close(exact, own, rtol=0, atol=0)

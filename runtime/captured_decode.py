@@ -14,6 +14,10 @@ are dropped. The sequence-length list twins the framework fills for its captured
 tensors at the top of the graph (``tolist`` traced into unbacked ints), so the converted layers
 pass them as the operators' ``SymInt[]`` lengths and changing lengths never recompile.
 Prefill steps, and decode batches larger than the largest bucket, run eagerly.
+
+The fast paths (``runtime/fast_paths.py``) stay on: oneDNN's packed linear, the fused RMSNorm,
+SiLU x up and rope kernels and the screened output head are registered operators too, so the
+graph holds each as one node (the screen decides its candidates when the graph replays).
 """
 
 from __future__ import annotations

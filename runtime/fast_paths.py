@@ -95,10 +95,6 @@ def _off_by_setting(name: str, config: EngineConfig) -> str | None:
         return f"{name}=False (--no-{name.replace('_', '-')})"
     if asked is None and config.exact:
         return "exact run (--exact): the model's own code, bit for bit"
-    if asked is None and config.graph:
-        # NOTE: the captured decode traces the model's modules; the fast paths swap those
-        # for CPU kernels that were not made capturable (not tried under torch.compile)
-        return "captured decode (--graph) runs the model's own code: not made capturable"
     if asked is None and config.tensor_parallel_size != 1:
         # NOTE: the ranks would combine results computed two different ways
         return f"tensor parallel ({config.tensor_parallel_size} ranks): one process only"

@@ -22,6 +22,10 @@ and by per-call overhead, so one wide call costs less than two or three narrow o
 code changes: a member called on another input (or on the same tensor changed in place, where
 torch tracks it) runs the fused GEMM again, so results do not depend on call order, only the
 saving does.
+
+In a captured decode step each packed GEMM is one registered operator,
+``torch.ops.kvskill.packed_linear`` (inductor lowers oneDNN's own linear only for weights it
+froze itself, which these are not).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import types
 
 import torch
 from kvskill.runtime.exact_steps import in_exact_steps
+from kvskill.runtime.ops.reference.graph_ops import compiling, register
 from torch import Tensor, nn
 
 #: Batch-size hint for the weight reorder: oneDNN picks the packed layout for this many rows.
@@ -61,10 +66,30 @@ def packed_weight(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
 
 
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T + bias`` for ``packed`` = ``packed_weight(weight)``."""
+    if compiling():
+        return _PACKED_LINEAR(x, packed, bias)
+    return _packed_linear(x, packed, bias)
+
+
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# oneDNN's linear as one opaque node of a captured graph; the packed weight keeps its
+# [out, in] shape (as torch's own meta function for the oneDNN op reads it)
+_PACKED_LINEAR = register(
+    "packed_linear",
+    _packed_linear,
+    lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]),
+)
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu" or in_exact_steps():
         return nn.functional.linear(x, self.weight, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, self._kvskill_packed, self.bias, "none", [], "")
+    return packed_linear(x, self._kvskill_packed, self.bias)
 
 
 class _FusedSiblings:
@@ -94,15 +119,17 @@ class _FusedSiblings:
 
     def compute(self, x: Tensor) -> Tensor:
         """Every member's output of ``x`` side by side (``columns`` index it), uncached."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
     def output_of(self, index: int, x: Tensor) -> Tensor:
         # NOTE: a different tensor object (or a member asking twice) always recomputes, and
         # so does an input changed in place between the siblings' calls, except under
         # inference mode, whose tensors keep no version counter: there the same object is
         # taken as the same values (model code does not modify a projection's input in
-        # place between its q/k/v or gate/up calls).
-        version = -1 if x.is_inference() else x._version
+        # place between its q/k/v or gate/up calls). A captured step is traced under inference
+        # mode, where dynamo cannot ask; its trace keeps the same memo, so the graph holds one
+        # GEMM per group too.
+        version = -1 if compiling() or x.is_inference() else x._version
         if x is not self._input or version != self._input_version or index in self._served:
             self._output = self.compute(x)
             self._input, self._input_version = x, version

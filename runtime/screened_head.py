@@ -39,17 +39,25 @@ the plain path instead), so the engine screens only steps whose
 requests are all greedy and that no step hook records. A step with a row whose bound is not
 finite (NaN or inf in the hidden state), or with more than ``MAX_CANDIDATES_PER_ROW``
 candidates a row, runs the plain head instead.
+
+In a captured decode step (``runtime/captured_decode.py``) the head is one registered
+operator, ``torch.ops.kvskill.screened_head``: which tokens are candidates, and whether the
+step screens at all, depend on values a trace cannot know, so the operator decides them when
+the graph replays, as an eager call does.
 """
 
 from __future__ import annotations
 
+import itertools
 import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from kvskill.runtime import prepacked_linear
+from kvskill.runtime.ops.reference.graph_ops import compiling, register
 from torch import Tensor, nn
 
 #: bf16 unit roundoff (8 significant bits, round to nearest even)
@@ -129,6 +137,9 @@ class ScreenedHead:
         self.coefficient = error_coefficient(head.in_features)
         self.stats = ScreenStats()
         self.active = False
+        #: this screen's key in _SCREENS: the captured graph's operator finds it by this int
+        self.screen_id = next(_SCREEN_IDS)
+        _SCREENS[self.screen_id] = self
         # Whatever forward the head has now (the plain one, or prepacked_linear's) stays the
         # path for every call that is not screened.
         self._plain_forward = head.forward
@@ -145,6 +156,12 @@ class ScreenedHead:
             self.active = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if compiling():
+            return _SCREENED_HEAD(x, self.screen_id)
+        return self.forward_now(x)
+
+    def forward_now(self, x: Tensor) -> Tensor:
+        """The head's logits of ``x``, screened when ``screening`` is on, decided now."""
         if not self.active or x.dtype != torch.float32 or x.device.type != "cpu":
             return self._plain_forward(x)
         rows = x.reshape(-1, x.shape[-1])
@@ -206,6 +223,24 @@ class ScreenedHead:
 
 def _screened_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return self._kvskill_screen.forward(x)
+
+
+#: every live screen by its screen_id (weak: a screen lives as long as its head)
+_SCREENS: weakref.WeakValueDictionary[int, ScreenedHead] = weakref.WeakValueDictionary()
+_SCREEN_IDS = itertools.count()
+
+
+def _screened_head(x: Tensor, screen_id: int) -> Tensor:
+    """The head's logits as an eager call gives them: screened when the step screens."""
+    return _SCREENS[screen_id].forward_now(x)
+
+
+def _screened_head_shape(x: Tensor, screen_id: int) -> Tensor:
+    vocab = _SCREENS[screen_id].weight.shape[0]
+    return x.new_empty(*x.shape[:-1], vocab, dtype=torch.float32)
+
+
+_SCREENED_HEAD = register("screened_head", _screened_head, _screened_head_shape)
 
 
 def screen_output_head(model: nn.Module) -> ScreenedHead:

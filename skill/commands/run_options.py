@@ -88,8 +88,8 @@ graph_option = click.option(
     is_flag=True,
     help="Run decode steps as a graph captured once per batch bucket (torch.compile, "
     "fullgraph; inductor on the CPU, torchair's backend with torch_npu), the batch padded to "
-    "the bucket. The first step of each bucket compiles (tens of seconds on a CPU). One "
-    "process only (not with --tp).",
+    "the bucket. The first step of each bucket compiles (tens of seconds on a CPU). The fast "
+    "paths run inside the graph. One process only (not with --tp).",
 )
 
 speculative_tokens_option = click.option(

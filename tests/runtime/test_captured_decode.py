@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvskill.runtime import fused_layers, prepacked_linear
 from kvskill.runtime.captured_decode import BACKEND_ENV, decode_buckets
 
 TINY_LLAMA = {
@@ -70,6 +71,10 @@ def test_captured_decode_is_token_exact_against_eager(tiny_llama, monkeypatch):
     assert len(graph_logits) == len(eager_logits)
     worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
     assert worst <= 1e-5
+    # the captured steps ran the fast paths the eager run had (their kernels are graph nodes)
+    fast = {p.name: p.on for p in llm.fast_paths.paths}
+    if all(m.unavailable_reason() is None for m in (prepacked_linear, fused_layers)):
+        assert fast["prepack_linear"] and fast["fuse_layers"]
     stats = llm.engine.captured_decode.stats
     # buckets 4 (three requests) and 1 (the longest alone), each captured once, then replayed
     assert sorted(stats.compiled_buckets) == [1, 4]

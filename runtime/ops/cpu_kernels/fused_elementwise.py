@@ -6,6 +6,12 @@ fp32 on the CPU, a last dimension that is not contiguous, rows that are not two 
 strides, kernels off); the caller then runs its PyTorch form. Results agree with PyTorch's to
 within fp32 rounding (the sum of squares is added in another order, exp may differ in its last
 two bits), not bit for bit; rope's are bit for bit.
+
+Each kernel is also a registered custom operator (``torch.ops.kvskill.fused_rms_norm``,
+``fused_silu_mul``, ``fused_rope``) with a fake implementation, so a captured decode step
+(``runtime/captured_decode.py``) keeps it as one node instead of breaking its graph at the
+``ctypes`` call; eager calls reach the kernel directly. Whether a call is covered is decided
+from shapes and strides before either, which a trace knows.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from kvskill.runtime.ops.reference.graph_ops import compiling, register
 from torch import Tensor
 
 from .build import load
@@ -34,13 +41,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     dim = x.size(-1)
     if weight.size(0) != dim or dim == 0:
         return None
-    rows = _row_layout(x)
-    fn = _function("kvskill_rms_norm", [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _f32, _ptr, _i64])
-    if rows is None or fn is None:
+    if _row_layout(x) is None or not _kernels_loaded():
         return None
+    return _RMS_NORM(x, weight, eps) if compiling() else _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    fn = _function("kvskill_rms_norm", [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _f32, _ptr, _i64])
+    if fn is None:  # turned off since the call was found covered (a graph captured before)
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * (x * scale)
     out = torch.empty(x.shape, dtype=torch.float32)
-    outer, inner, so, si = rows
-    fn(x.data_ptr(), outer, inner, so, si, weight.data_ptr(), dim, eps, out.data_ptr(),
+    outer, inner, so, si = _row_layout(x)
+    fn(x.data_ptr(), outer, inner, so, si, weight.data_ptr(), x.size(-1), eps, out.data_ptr(),
        _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
     return out
 
@@ -53,9 +66,16 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor | None:
     # one stride between rows: the kernel walks rows, not [outer, inner] pairs
     if g_rows is None or u_rows is None or g_rows[1] != 1 or u_rows[1] != 1:
         return None
-    fn = _function("kvskill_silu_mul", [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64])
-    if fn is None:
+    if not _kernels_loaded():
         return None
+    return _SILU_MUL(gate, up) if compiling() else _silu_mul(gate, up)
+
+
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    fn = _function("kvskill_silu_mul", [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64])
+    if fn is None:  # turned off since the call was found covered (a graph captured before)
+        return torch.nn.functional.silu(gate) * up
+    g_rows, u_rows = _row_layout(gate), _row_layout(up)
     out = torch.empty(gate.shape, dtype=torch.float32)
     fn(gate.data_ptr(), g_rows[2], up.data_ptr(), u_rows[2], g_rows[0], gate.size(-1),
        out.data_ptr(), _threads(out.numel(), _SILU_ELEMENTS_PER_THREAD))  # fmt: skip
@@ -77,15 +97,29 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     _, heads, tokens, dim = x.shape
     if cos.shape != sin.shape or cos.shape[-2:] != (tokens, dim) or cos.numel() != tokens * dim:
         return None
+    # (the result is laid out as x, whose head dim is contiguous: so is the result's)
+    if tokens == 0 or not _kernels_loaded():
+        return None
+    return _ROPE(x, cos, sin) if compiling() else _rope(x, cos, sin)
+
+
+def _rope_output(x: Tensor) -> Tensor:
+    """The result's tensor, laid out as x is."""
+    return torch.empty_like(x, memory_format=torch.preserve_format)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     fn = _function(
         "kvskill_rope",
         [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64],
     )
-    if fn is None or tokens == 0:
-        return None
-    out = torch.empty_like(x, memory_format=torch.preserve_format)
-    if out.stride(-1) != 1:
-        return None
+    out = _rope_output(x)
+    if fn is None:  # turned off since the call was found covered (a graph captured before)
+        half = x.size(-1) // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        out.copy_(x * cos.view(1, 1, *cos.shape[-2:]) + rotated * sin.view(1, 1, *sin.shape[-2:]))
+        return out
+    _, heads, tokens, dim = x.shape
     fn(x.data_ptr(), tokens, heads, x.stride(2), x.stride(1), dim, cos.data_ptr(),
        cos.stride(-2), sin.data_ptr(), sin.stride(-2), out.data_ptr(), out.stride(2),
        out.stride(1), _threads(out.numel(), _ELEMENTS_PER_THREAD))  # fmt: skip
@@ -122,6 +156,13 @@ def _threads(elements: int, per_thread: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // per_thread))
 
 
+@torch.compiler.assume_constant_result
+def _kernels_loaded() -> bool:
+    """Whether the kernels are built and on; a trace takes the answer as a constant (it
+    cannot follow the loading)."""
+    return load("fused_elementwise") is not None
+
+
 def _function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
     lib = load("fused_elementwise")  # None while kernels are off (build.disabled, env)
     if lib is None:
@@ -131,3 +172,18 @@ def _function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
         fn.restype = None
         fn.argtypes = argtypes
     return fn
+
+
+# The kernels as registered operators (see the module docstring); the fakes give the shapes
+# and layouts the kernels return.
+_RMS_NORM = register(
+    "fused_rms_norm",
+    _rms_norm,
+    lambda x, weight, eps: torch.empty(x.shape, dtype=torch.float32, device=x.device),
+)
+_SILU_MUL = register(
+    "fused_silu_mul",
+    _silu_mul,
+    lambda gate, up: torch.empty(gate.shape, dtype=torch.float32, device=gate.device),
+)
+_ROPE = register("fused_rope", _rope, lambda x, cos, sin: _rope_output(x))

@@ -38,6 +38,7 @@ from kvskill.analyzer.compressed_attention import (
     decide_compressed_attention,
 )
 from kvskill.analyzer.compressed_attention import refusal as compressed_refusal
+from kvskill.analyzer.compressed_features import compressed_features
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
@@ -558,7 +559,23 @@ def _decide_compressed_attention(
     calls = [line for attr, line in (cls.module_calls if cls else []) if attr == "compressor"]
     where = code.where(calls[0]) if calls else code.facts.file_name
     sinks = sinks_line(code)
-    compressed = replace(compressed, sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None)
+    features = (
+        compressed_features(
+            Path(source.modeling_file).read_text(encoding="utf-8"),
+            code.facts.file_name,
+            name,
+            head_dim=spec.head_dim,
+            ratios={k.layer_type: k.compress_ratio for k in compressed.kinds},
+            sinks_line=sinks,
+        )
+        if source.modeling_file and cls is not None
+        else []
+    )
+    compressed = replace(
+        compressed,
+        sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None,
+        sub_features=features,
+    )
     reason = compressed_refusal(compressed, name, where)
     book.warn(reason)
     book.block(reason)

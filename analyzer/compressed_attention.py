@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvskill.analyzer.compressed_features import features_text
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.plan import CacheEntryPlan, CompressedAttentionPlan, CompressedLayerKind
@@ -209,18 +210,26 @@ def compressed_cache_entries(plan: CompressedAttentionPlan) -> dict[str, list[Ca
 
 
 def refusal(plan: CompressedAttentionPlan, attention_class: str, where: str) -> str:
-    """One line: what apply cannot convert and which operator or limit stops it."""
+    """One line: what apply cannot convert and, per sub-feature found in the file, which
+    operator or limit stops it."""
     kinds = ", ".join(
         f"{k.name} x{len(k.layer_indices)}" + (f" (ratio {k.compress_ratio})" if k.compress_ratio > 1 else "")
         for k in plan.kinds
     )  # fmt: skip
     sinks = " with learnable sinks" if plan.sinks else ""
-    return (
+    head = (
         f"{attention_class} ({where}) calls self.compressor(...) and attends its compressed "
-        f"entries and its sliding-window keys{sinks} in one softmax ({kinds}): torch_npu 2.13.0 has "
-        "no operator for it (the framework calls torch.ops.custom.npu_sparse_attn_sharedkv and "
-        "torch.ops.custom.compressor, and a CSA indexer with cmp_ratio, none in the wheel; its "
-        "npu_sparse_flash_attention reads one paged cache and takes sinks on Ascend 950 only, "
-        "npu_nsa_compress_infer pools with learned block weights, FA v2's learnable_sink needs "
-        "value d <= 128)"
+        f"entries and its sliding-window keys{sinks} in one softmax ({kinds})"
+    )
+    if plan.sub_features:
+        return (
+            f"{head}; per sub-feature: {features_text(plan.sub_features)}; no paged rewrite of "
+            "it exists for these operators"
+        )
+    return (
+        f"{head}: torch_npu 2.13.0 has no operator for it (the framework calls "
+        "torch.ops.custom.npu_sparse_attn_sharedkv and torch.ops.custom.compressor, and a CSA "
+        "indexer with cmp_ratio, none in the wheel; its npu_sparse_flash_attention reads one "
+        "paged cache and takes sinks on Ascend 950 only, npu_nsa_compress_infer pools with "
+        "learned block weights, FA v2's learnable_sink needs value d <= 128)"
     )

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.compressed_attention import WHEEL_HAS, layer_types_of
+from kvskill.analyzer.compressed_features import compressed_features
+from kvskill.analyzer.plan import Plan
 from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.convert import ApplyOptions
 from kvskill.implementer.writer import apply_model
@@ -91,3 +93,55 @@ def test_a_checkpoint_ratio_list_names_the_same_kinds():
         "compressed_sparse_attention",
     ]
     assert layer_types_of({"layer_types": ["full_attention"]}) is None
+
+
+def _line(source: str, where: str) -> str:
+    return source.splitlines()[int(where.rsplit(":", 1)[1]) - 1]
+
+
+def test_each_sub_feature_is_named_at_the_line_that_holds_it(plan):
+    source = Path(plan.source.modeling_file).read_text("utf-8")
+    features = {f.name: f for f in plan.compressed_attention.sub_features}
+    assert list(features) == ["window", "sinks", "compressor state", "CSA indexer", "HCA"]
+    held = {
+        "window": "cache.update(kv, kv,",
+        "sinks": "self.sinks = ",
+        "compressor state": ".store_compression_weights(",
+        "CSA indexer": ".topk(",
+        "HCA": "class DeepseekV4HCACompressor(",
+    }
+    for name, text in held.items():
+        assert text in _line(source, features[name].where), name
+        assert features[name].missing, name  # nothing converts yet: each says why
+    assert "one cache for K = V" in features["window"].needs
+    assert "head_dim is 512" in features["sinks"].missing
+    assert "cmp_ratio 4" in features["CSA indexer"].needs
+    assert "cmp_ratio=128" in features["HCA"].needs
+    # the refusal carries every sub-feature's line, and the Plan's JSON keeps them
+    refusal = plan.implementer_blockers[0]
+    assert all(f.where in refusal for f in features.values())
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.compressed_attention.sub_features == plan.compressed_attention.sub_features
+
+
+def test_sub_features_follow_the_file_not_the_model_type(plan):
+    """A file whose window keeps separate values and whose indexer does not take a top-k is
+    described as it is: no K = V claim, no CSA indexer."""
+    source = Path(plan.source.modeling_file).read_text("utf-8")
+    assert source.count("index_scores.topk(") == 2
+    edited = source.replace("cache.update(kv, kv,", "cache.update(kv, kv * 1.0,").replace(
+        "index_scores.topk(", "index_scores.sort("
+    )
+    features = {
+        f.name: f
+        for f in compressed_features(
+            edited,
+            "modeling_x.py",
+            "DeepseekV4Attention",
+            head_dim=512,
+            ratios={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+            sinks_line=None,
+        )
+    }
+    assert list(features) == ["window", "compressor state", "HCA"]
+    assert "K = V" not in features["window"].needs

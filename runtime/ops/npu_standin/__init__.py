@@ -1,10 +1,12 @@
 """Run a framework model on a CPU: install stand-in ``torch_npu`` and ``torchair`` modules.
 
 hicann/cann-recipes-infer models import ``torch_npu`` and ``torchair`` at the top and call
-torch_npu operators, ``torch.npu`` device functions and ``torch.ops.npu`` operators. Inside
-``npu_standin()`` those resolve to kvskill's reference operators (the torch_npu 2.13.0 schemas,
-documented limits enforced) and to honest CPU answers (``_device``, ``_profiler``,
-``_torchair``); quantized operators, collectives and graph mode refuse by name with one line.
+torch_npu operators, ``torch.npu`` device functions and ``torch.ops.npu`` operators;
+DeepSeek-V4 also imports ``custom_ops`` for ``torch.ops.custom``. Inside ``npu_standin()``
+those resolve to kvskill's reference operators (the torch_npu 2.13.0 schemas and the
+framework's custom schemas, documented limits enforced) and to honest CPU answers
+(``_device``, ``_profiler``, ``_torchair``); quantized operators, collectives and graph mode
+refuse by name with one line.
 
     from kvskill.runtime.ops.npu_standin import npu_standin
 
@@ -30,6 +32,7 @@ from types import ModuleType
 
 import torch
 
+from ._custom_ops import build as build_custom_ops
 from ._refusal import StandinRefusal
 from ._torch_npu import OpsNamespace
 from ._torch_npu import build as build_torch_npu
@@ -56,7 +59,7 @@ def npu_standin(framework_root: str | os.PathLike[str] | None = None) -> Iterato
             ``torch_npu`` is installed (run the model on it instead).
     """
     _check_free()
-    modules = {**build_torch_npu(), **build_torchair()}
+    modules = {**build_torch_npu(), **build_torchair(), **build_custom_ops()}
     root = str(Path(framework_root).resolve()) if framework_root is not None else None
     had_npu = getattr(torch, "npu", _MISSING)
     had_ops_npu = torch.ops.__dict__.get("npu", _MISSING)
@@ -77,7 +80,7 @@ def npu_standin(framework_root: str | os.PathLike[str] | None = None) -> Iterato
 
 
 def _check_free() -> None:
-    for name in ("torch_npu", "torchair"):
+    for name in ("torch_npu", "torchair", "custom_ops"):
         if name in sys.modules:
             raise StandinConflictError(
                 f"`{name}` is already imported ({sys.modules[name]!r}); the stand-in installs "

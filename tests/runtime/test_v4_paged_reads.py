@@ -1,0 +1,172 @@
+"""DeepSeek-V4's attention reads on the paged operators, against transformers' own layer.
+
+A CSA layer and an HCA layer of a tiny transformers DeepSeek-V4 run a prompt; what reaches its
+eager attention (the query, the window rows, the compressed entries, the indexer's inputs) is
+captured and put into paged caches with shuffled block tables. Then:
+
+- the CSA top-k comes from the wheel's ``npu_lightning_indexer`` with one batch row per query
+  token, whose key length is the entries that token may read, ``(p + 1) // ratio``: the
+  operator has no ``cmp_ratio``, and this gives every row its own causal limit;
+- ``custom.npu_sparse_attn_sharedkv`` attends the window, the selected (CSA) or all (HCA)
+  compressed entries and the sinks in one softmax.
+
+Both must give transformers' attention output; attending all CSA entries instead of the
+selection must not (the prompt is longer than top-k x ratio, so the indexer drops entries).
+The compressor itself is transformers' module here: its paged form, with its state kept across
+steps, is not tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvskill.runtime.ops.reference.custom import register_custom_operators
+from kvskill.runtime.ops.reference.lightning_indexer import npu_lightning_indexer
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+BLOCK = 16
+WINDOW = 128  # the attention operator's only window (ori_win_left 127)
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def _config(layer_type: str) -> DeepseekV4Config:
+    return DeepseekV4Config(
+        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, head_dim=32,
+        partial_rotary_factor=0.5, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        index_n_heads=8, index_head_dim=16, index_topk=4, sliding_window=WINDOW,
+        layer_types=[layer_type], mlp_layer_types=["moe"],
+    )  # fmt: skip
+
+
+def _captured_layer(layer_type: str, tokens: int):
+    """Run transformers' attention on TOKENS positions; keep what its softmax and indexer saw."""
+    torch.manual_seed(0)
+    config = _config(layer_type)
+    config._attn_implementation = "eager"
+    model = v4.DeepseekV4Model(config).float().eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    attention = model.layers[0].self_attn
+    hidden = torch.randn(1, tokens, config.hidden_size)
+    positions = torch.arange(tokens).unsqueeze(0)
+    seen: dict[str, torch.Tensor] = {}
+
+    def eager(module, query, key, value, mask, **kwargs):
+        seen.update(query=query, kv=key, mask=mask)
+        out, weights = v4.eager_attention_forward(module, query, key, value, mask, **kwargs)
+        seen["out"] = out
+        return out, weights
+
+    def scorer_inputs(_module, args):
+        seen.update(index_q=args[0], index_k=args[1], index_hidden=args[2])
+
+    if layer_type == CSA:
+        attention.compressor.indexer.scorer.register_forward_pre_hook(scorer_inputs)
+    rows = torch.arange(tokens)
+    band = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - WINDOW)
+    mask = torch.zeros(tokens, tokens).masked_fill(~band, float("-inf"))[None, None]
+    embeddings = {
+        kind: model.rotary_emb(hidden, position_ids=positions, layer_type=kind)
+        for kind in ("main", "compress")
+    }
+    original = v4.ALL_ATTENTION_FUNCTIONS.get_interface
+    v4.ALL_ATTENTION_FUNCTIONS.get_interface = lambda *_a, **_k: eager
+    try:
+        with torch.no_grad():
+            attention(hidden, embeddings, positions, mask)
+    finally:
+        v4.ALL_ATTENTION_FUNCTIONS.get_interface = original
+    return config, attention, seen
+
+
+def _paged(rows: torch.Tensor, block_rows: int, generator: torch.Generator):
+    """ROWS [n, D] in shuffled blocks of BLOCK_ROWS rows: (cache [blocks, rows, 1, D], table)."""
+    blocks = max(1, -(-rows.size(0) // block_rows))
+    order = torch.randperm(blocks + 3, generator=generator)[:blocks]
+    cache = torch.randn(blocks + 3, block_rows, 1, rows.size(-1), generator=generator)
+    for i, block in enumerate(order.tolist()):
+        chunk = rows[i * block_rows : (i + 1) * block_rows]
+        cache[block, : chunk.size(0), 0] = chunk
+    return cache, order.to(torch.int32).unsqueeze(0)
+
+
+def _csa_selection(config, attention, seen, generator) -> torch.Tensor:
+    """Top-k per query token from npu_lightning_indexer, one batch row per token."""
+    ratio = config.compress_rates[CSA]
+    q = seen["index_q"][0]  # [S, H, D]
+    keys = seen["index_k"][0]  # [E, D]
+    tokens = q.size(0)
+    scorer = attention.compressor.indexer.scorer
+    weights = scorer.weights_proj(seen["index_hidden"][0]) * (
+        scorer.weights_scaling * scorer.softmax_scale
+    )  # relu(c x) = c relu(x): both positive scales go into the weights
+    cache, table = _paged(keys, BLOCK // ratio, generator)
+    visible = (torch.arange(tokens) + 1) // ratio  # entries each token may read
+    indices, _ = npu_lightning_indexer(
+        q.contiguous(),
+        cache,
+        weights.float(),
+        actual_seq_lengths_query=torch.arange(1, tokens + 1, dtype=torch.int32),
+        actual_seq_lengths_key=visible.to(torch.int32),
+        block_table=table.expand(tokens, -1).contiguous(),
+        layout_query="TND",
+        layout_key="PA_BSND",
+        sparse_count=config.index_topk,
+        sparse_mode=3,
+    )
+    return indices  # [S, 1, top-k], -1 after the candidates
+
+
+def _sharedkv(config, attention, seen, generator, selection, *, all_entries=False):
+    q = seen["query"][0].transpose(0, 1).contiguous()  # [S, N, D]
+    tokens = q.size(0)
+    kv = seen["kv"][0, 0]  # [S + E, D]: window rows, then the compressed entries
+    ratio = config.compress_rates[config.layer_types[0]]
+    window, cmp = kv[:tokens], kv[tokens:]
+    ori_kv, ori_table = _paged(window, BLOCK, generator)
+    cmp_kv, cmp_table = _paged(cmp, BLOCK // ratio if ratio < BLOCK else 1, generator)
+    indices = None if all_entries or selection is None else selection.contiguous()
+    cu_q = torch.tensor([0, tokens], dtype=torch.int32)
+    used = torch.tensor([tokens], dtype=torch.int32)
+    metadata = torch.ops.custom.npu_sparse_attn_sharedkv_metadata(
+        q.size(1), 1, q.size(2), cu_seqlens_q=cu_q, seqused_kv=used, batch_size=1,
+        max_seqlen_q=tokens, max_seqlen_kv=tokens,
+        cmp_topk=indices.size(-1) if indices is not None else 0, cmp_ratio=ratio,
+        layout_q="TND", has_ori_kv=True, has_cmp_kv=True, device="cpu",
+    )  # fmt: skip
+    out, _ = torch.ops.custom.npu_sparse_attn_sharedkv(
+        q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=indices, ori_block_table=ori_table,
+        cmp_block_table=cmp_table, cu_seqlens_q=cu_q, seqused_kv=used, sinks=attention.sinks,
+        metadata=metadata, softmax_scale=attention.scaling, cmp_ratio=ratio, layout_q="TND",
+        layout_kv="PA_ND",
+    )  # fmt: skip
+    return out  # [S, N, D]
+
+
+@pytest.mark.parametrize(("layer_type", "tokens"), [(CSA, 150), (HCA, 300)])
+@torch.no_grad()  # inference, as the runtime runs it
+def test_paged_reads_give_transformers_attention(layer_type, tokens):
+    register_custom_operators()  # torch.ops.custom.*, as the stand-in's custom_ops does
+    config, attention, seen = _captured_layer(layer_type, tokens)
+    generator = torch.Generator().manual_seed(1)
+    expected = seen["out"][0]  # [S, N, D], before the output's inverse rope
+    ratio = config.compress_rates[layer_type]
+    assert seen["kv"].size(2) == tokens + tokens // ratio  # window rows + compressed entries
+    selection = None
+    if layer_type == CSA:
+        selection = _csa_selection(config, attention, seen, generator)
+        assert selection.shape == (tokens, 1, config.index_topk)
+        # the indexer drops entries: the last token may read tokens // ratio > top-k of them
+        assert tokens // ratio > config.index_topk
+        # the same selection as transformers' block bias (entries it left at 0)
+        chosen = [set(r[r >= 0].tolist()) for r in selection[:, 0]]
+        bias = seen["mask"][0, 0, :, tokens:]
+        assert chosen == [set(torch.nonzero(b == 0).flatten().tolist()) for b in bias]
+    got = _sharedkv(config, attention, seen, generator, selection)
+    diff = (got - expected).abs().max().item()
+    assert diff < 1e-5, diff
+    if layer_type == CSA:
+        every = _sharedkv(config, attention, seen, generator, selection, all_entries=True)
+        assert (every - expected).abs().max().item() > 1e-2

@@ -223,8 +223,8 @@ def refusal(plan: CompressedAttentionPlan, attention_class: str, where: str) -> 
     )
     if plan.sub_features:
         return (
-            f"{head}; per sub-feature: {features_text(plan.sub_features)}; no paged rewrite of "
-            "it exists for these operators"
+            f"{head}: kvskill has no paged rewrite of it; what each part would run on: "
+            f"{features_text(plan.sub_features)}"
         )
     return (
         f"{head}: torch_npu 2.13.0 has no operator for it (the framework calls "

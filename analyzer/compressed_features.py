@@ -59,6 +59,9 @@ from kvskill.analyzer.gather import dotted_name, is_cache_receiver, method
 from kvskill.analyzer.plan import CompressedSubFeature
 
 _EMPTY = cst.Module(body=[])
+SHAREDKV = "torch.ops.custom.npu_sparse_attn_sharedkv"
+#: the framework builds its custom operators itself (ops/ascendc); the wheel has none of them
+NOT_IN_WHEEL = "is the framework's own operator, not in torch_npu 2.13.0"
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -152,13 +155,13 @@ def compressed_features(
                 construct=window.construct,
                 where=where(window.line),
                 needs=(
-                    "npu_scatter_nd_update_ into win_kv at slot_mapping (in torch_npu 2.13.0)"
+                    "the write: npu_scatter_nd_update_ into win_kv at slot_mapping"
                     + (", one cache for K = V" if shared else "")
+                    + "; the read: "
+                    + SHAREDKV
+                    + " (ori_kv, window 128 only)"
                 ),
-                missing=(
-                    "its read shares one softmax with the compressed entries: "
-                    "npu_sparse_attn_sharedkv, not in torch_npu 2.13.0"
-                ),
+                missing=f"the read's {SHAREDKV} {NOT_IN_WHEEL}",
             )
         )
     if sinks_line is not None:
@@ -167,10 +170,10 @@ def compressed_features(
                 name="sinks",
                 construct="self.sinks",
                 where=where(sinks_line),
-                needs="npu_sparse_attn_sharedkv(sinks=...) or FA v2 learnable_sink",
+                needs=f"{SHAREDKV}(sinks=...) in the same softmax",
                 missing=(
-                    "npu_sparse_attn_sharedkv is not in torch_npu 2.13.0; FA v2's "
-                    f"learnable_sink needs value d <= 128, head_dim is {head_dim}"
+                    f"{SHAREDKV} {NOT_IN_WHEEL}; the wheel's FA v2 learnable_sink needs value "
+                    f"d <= 128, head_dim is {head_dim}"
                 ),
             )
         )
@@ -196,7 +199,7 @@ def compressed_features(
                         else ""
                     )
                 ),
-                missing="torch.ops.custom.compressor is not in torch_npu 2.13.0",
+                missing=f"torch.ops.custom.compressor {NOT_IN_WHEEL}",
             )
         )
     indexer = reader.first("topk", [n for n in compressors if method(reader.classes[n], "forward")])
@@ -207,11 +210,15 @@ def compressed_features(
                 name="CSA indexer",
                 construct=f"{indexer.owner}: {indexer.construct}",
                 where=where(indexer.line),
-                needs=f"a lightning indexer with cmp_ratio {csa} over the paged li_cmp_kv",
-                missing=(
-                    "npu_lightning_indexer has no cmp_ratio; the framework's "
-                    "npu_quant_lightning_indexer quantizes q and k and is not in torch_npu 2.13.0"
+                # npu_lightning_indexer takes no cmp_ratio, but its causal limit is per batch
+                # row: one row per query token with key length (p + 1) // ratio is the
+                # source's per-token limit (tests/runtime/test_v4_paged_reads.py); the
+                # framework's cmp_ratio indexer, npu_quant_lightning_indexer, scores int8
+                needs=(
+                    f"the wheel's npu_lightning_indexer over the paged li_cmp_kv, one batch row "
+                    f"per query token with key length (p + 1) // {csa}, scale in the weights"
                 ),
+                missing="",
             )
         )
     hca = [
@@ -228,18 +235,16 @@ def compressed_features(
                 name="HCA",
                 construct=f"class {hca[0]}",
                 where=where(reader.line(cls)),
-                needs=f"npu_sparse_attn_sharedkv(cmp_kv=..., cmp_ratio={ratio}) over every entry",
-                missing="npu_sparse_attn_sharedkv is not in torch_npu 2.13.0",
+                needs=f"{SHAREDKV}(cmp_kv=..., cmp_ratio={ratio}) over every readable entry",
+                missing=f"{SHAREDKV} {NOT_IN_WHEEL}",
             )
         )
     return found
 
 
 def features_text(features: list[CompressedSubFeature]) -> str:
-    """``window (modeling_x.py:836 cache.update(kv, kv, ...)): <missing>; ...`` on one line."""
-    return "; ".join(
-        f"{f.name} ({f.where} {_short(f.construct)}): {f.missing or 'converts'}" for f in features
-    )
+    """``window (modeling_x.py:836 cache.update(kv, kv, ...)) -> <needs>; ...`` on one line."""
+    return "; ".join(f"{f.name} ({f.where} {_short(f.construct)}) -> {f.needs}" for f in features)
 
 
 def _short(construct: str, limit: int = 120) -> str:

@@ -178,7 +178,7 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
             )
         after = at + len(plan.compressed_attention.kinds) + bool(plan.compressed_attention.sinks)
         rows[after:after] = [
-            (f"V4 {f.name}", f"{f.where}: needs {f.needs}; {f.missing or 'converts'}")
+            (f"V4 {f.name}", f"{f.where}: needs {f.needs}; {f.missing or 'no operator limit'}")
             for f in plan.compressed_attention.sub_features
         ]
     if "kv_memory_bytes" in plan.memory:

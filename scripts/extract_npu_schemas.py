@@ -67,7 +67,8 @@ OPERATORS = (
     "npu_nsa_compress",  # its paged form is the overload npu_nsa_compress_infer.cache
 )
 #: operators cann-recipes-infer's deepseek_v4 calls through torch.ops.custom, recorded as
-#: absent from the wheel (no func: entry, no docs block); the extraction fails if one appears
+#: absent from the wheel (no func: entry, no docs block); the extraction fails if one appears.
+#: Their own schemas come from the framework checkout: scripts/extract_custom_schemas.py
 ABSENT = (
     "npu_sparse_attn_sharedkv",
     "npu_sparse_attn_sharedkv_metadata",

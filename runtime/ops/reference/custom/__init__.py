@@ -42,12 +42,14 @@ Quantization-only, not needed:
 
 from __future__ import annotations
 
+from .compressor import compressor
 from .registry import SCHEMAS, register_custom_operators
 from .sas_metadata import npu_sparse_attn_sharedkv_metadata
 from .sparse_attn_sharedkv import npu_sparse_attn_sharedkv
 
 __all__ = [
     "SCHEMAS",
+    "compressor",
     "npu_sparse_attn_sharedkv",
     "npu_sparse_attn_sharedkv_metadata",
     "register_custom_operators",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .compressor import compressor, compressor_fake
 from .sas_metadata import npu_sparse_attn_sharedkv_metadata
 from .sparse_attn_sharedkv import npu_sparse_attn_sharedkv
 
@@ -43,6 +44,13 @@ SCHEMAS: dict[str, str] = {
         "int ori_win_left=127, int ori_win_right=0, str layout_q='BSND', str layout_kv='PA_ND', "
         "bool has_ori_kv=True, bool has_cmp_kv=True, str device='npu:0') -> Tensor"
     ),
+    "compressor": (
+        "compressor(Tensor x, Tensor wkv, Tensor wgate, Tensor(a!) state_cache, Tensor ape, "
+        "Tensor norm_weight, Tensor rope_sin, Tensor rope_cos, int rope_head_dim, int cmp_ratio, "
+        "*, Tensor? state_block_table=None, Tensor? cu_seqlens=None, Tensor? seqused=None, "
+        "Tensor? start_pos=None, int coff=1, float norm_eps=1e-6, int rotary_mode=1, "
+        "int cache_mode=1) -> Tensor"
+    ),
 }
 
 
@@ -60,6 +68,7 @@ def _metadata_fake(num_heads_q: int, num_heads_kv: int, head_dim: int, **kw: Any
 OPERATORS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "npu_sparse_attn_sharedkv": (npu_sparse_attn_sharedkv, _sas_fake),
     "npu_sparse_attn_sharedkv_metadata": (npu_sparse_attn_sharedkv_metadata, _metadata_fake),
+    "compressor": (compressor, compressor_fake),
 }
 
 _library: list[torch.library.Library] = []

@@ -12,8 +12,9 @@ captured and put into paged caches with shuffled block tables. Then:
 
 Both must give transformers' attention output; attending all CSA entries instead of the
 selection must not (the prompt is longer than top-k x ratio, so the indexer drops entries).
-The compressor itself is transformers' module here: its paged form, with its state kept across
-steps, is not tested.
+The compressor is checked on its own: ``custom.compressor`` over paged fp32 state rows, called
+once per chunk of a prompt (prefill, decodes, chunked prefill), gives the entries transformers'
+compressor and CSA indexer keep in their cache layer across calls.
 """
 
 from __future__ import annotations
@@ -170,3 +171,79 @@ def test_paged_reads_give_transformers_attention(layer_type, tokens):
     if layer_type == CSA:
         every = _sharedkv(config, attention, seen, generator, selection, all_entries=True)
         assert (every - expected).abs().max().item() > 1e-2
+
+
+class _OneLayerCache:
+    """What transformers' compressors read from a cache: ``cache.layers[layer_idx]``."""
+
+    def __init__(self, layer) -> None:
+        self.layers = [layer]
+
+
+def _op_entries(module, config, chunks, hidden, generator) -> torch.Tensor:
+    """custom.compressor over the CHUNKS of HIDDEN one call each (a prefill, decodes, a chunked
+    prefill), its state in paged fp32 rows with a shuffled table: every entry, in order."""
+    ratio, coff = module.compress_rate, module.kv_proj.weight.size(0) // module.head_dim
+    dim = module.head_dim
+    rope = config.qk_rope_head_dim
+    blocks = -(-hidden.size(0) // BLOCK)
+    # block 0 is the operator's "no state here" (the runtime's null block): never a real block
+    table = (torch.randperm(blocks, generator=generator) + 1).to(torch.int32).unsqueeze(0)
+    state = torch.zeros(blocks + 1, BLOCK, 2 * coff * dim)
+    entries, start = [], 0
+    for n in chunks:
+        x = hidden[start : start + n]
+        done = [p for p in range(start, start + n) if p % ratio == ratio - 1]
+        rows = min(n, n // ratio + 1)
+        cos = torch.zeros(rows, rope)
+        sin = torch.zeros(rows, rope)
+        if done:
+            at = torch.tensor([(p // ratio) * ratio for p in done]).unsqueeze(0)
+            c, s = module.rotary_emb(x[None], position_ids=at, layer_type="compress")
+            cos[: len(done)] = c[0].repeat_interleave(2, dim=-1)
+            sin[: len(done)] = s[0].repeat_interleave(2, dim=-1)
+        out = torch.ops.custom.compressor(
+            x, module.kv_proj.weight, module.gate_proj.weight, state, module.position_bias,
+            module.kv_norm.weight.float(), sin, cos, rope, ratio, state_block_table=table,
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+            start_pos=torch.tensor([start], dtype=torch.int32), coff=coff,
+            norm_eps=module.kv_norm.variance_epsilon, rotary_mode=2,
+        )  # fmt: skip
+        entries.append(out[: len(done)])
+        start += n
+    return torch.cat(entries)
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "chunks"), [(CSA, [13, 1, 1, 1, 6, 3]), (HCA, [130, 1, 126, 2])]
+)
+@torch.no_grad()
+def test_compressor_state_across_steps_gives_transformers_entries(layer_type, chunks):
+    """transformers' compressor keeps the open window (and CSA's previous half) in its cache
+    layer between calls; custom.compressor keeps it in paged state rows: the same entries."""
+    register_custom_operators()
+    torch.manual_seed(0)
+    config = _config(layer_type)
+    model = v4.DeepseekV4Model(config).float().eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    compressor = model.layers[0].self_attn.compressor
+    cache_class = v4.DeepseekV4CSACache if layer_type == CSA else v4.DeepseekV4HCACache
+    cache = _OneLayerCache(cache_class(config))
+    hidden = torch.randn(sum(chunks), config.hidden_size)
+    residual = torch.randn(sum(chunks), config.q_lora_rank)
+    start = 0
+    for n in chunks:
+        positions = torch.arange(start, start + n).unsqueeze(0)
+        compressor(hidden[None, start : start + n], residual[None, start : start + n],
+                   positions, cache, 0)  # fmt: skip
+        start += n
+    generator = torch.Generator().manual_seed(2)
+    modules = {"compressor": compressor}
+    if layer_type == CSA:
+        modules["indexer"] = compressor.indexer
+    for name, module in modules.items():
+        expected = cache.layers[0].compressed_kv[name][0]  # [E, D]
+        got = _op_entries(module, config, chunks, hidden, generator)
+        assert got.shape == expected.shape == (sum(chunks) // module.compress_rate, module.head_dim)
+        assert (got - expected).abs().max().item() < 1e-5, name

@@ -567,6 +567,7 @@ def _decide_compressed_attention(
             head_dim=spec.head_dim,
             ratios={k.layer_type: k.compress_ratio for k in compressed.kinds},
             sinks_line=sinks,
+            window=int(spec.sliding_window or 0),
         )
         if source.modeling_file and cls is not None
         else []

@@ -62,6 +62,11 @@ _EMPTY = cst.Module(body=[])
 SHAREDKV = "torch.ops.custom.npu_sparse_attn_sharedkv"
 #: the framework builds its custom operators itself (ops/ascendc); the wheel has none of them
 NOT_IN_WHEEL = "is the framework's own operator, not in torch_npu 2.13.0"
+#: custom-npu_sparse_attn_sharedkv.md:65 "ori_win_left ... 仅支持默认值127": the query and the
+#: 127 tokens before it
+SHAREDKV_WINDOW = 128
+#: custom-npu_sparse_attn_sharedkv.md:59 and custom-npu_compressor.md:141 "支持4/128"
+CMP_RATIOS = (4, 128)
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -133,10 +138,12 @@ def compressed_features(
     head_dim: int,
     ratios: dict[str, int],
     sinks_line: int | None,
+    window: int = SHAREDKV_WINDOW,
 ) -> list[CompressedSubFeature]:
     """Each sub-feature of ATTENTION's compressed attention found in SOURCE, with its verdict.
 
-    RATIOS maps the config's layer types to their compress ratio (CSA 4, HCA 128).
+    RATIOS maps the config's layer types to their compress ratio (CSA 4, HCA 128); WINDOW is
+    the config's ``sliding_window``. A value the operators do not take is named as the limit.
     """
     reader = _Reader(source)
 
@@ -144,16 +151,16 @@ def compressed_features(
         return f"{file_name}:{line}"
 
     found: list[CompressedSubFeature] = []
-    window = reader.first("update", [attention], "forward", is_cache_receiver)
-    if window is not None:
-        call = cst.parse_expression(window.construct)
+    update = reader.first("update", [attention], "forward", is_cache_receiver)
+    if update is not None:
+        call = cst.parse_expression(update.construct)
         args = cst.ensure_type(call, cst.Call).args
         shared = len(args) >= 2 and _code(args[0].value) == _code(args[1].value)
         found.append(
             CompressedSubFeature(
                 name="window",
-                construct=window.construct,
-                where=where(window.line),
+                construct=update.construct,
+                where=where(update.line),
                 needs=(
                     "the write: npu_scatter_nd_update_ into win_kv at slot_mapping"
                     + (", one cache for K = V" if shared else "")
@@ -161,7 +168,13 @@ def compressed_features(
                     + SHAREDKV
                     + " (ori_kv, window 128 only)"
                 ),
-                missing=f"the read's {SHAREDKV} {NOT_IN_WHEEL}",
+                missing=f"the read's {SHAREDKV} {NOT_IN_WHEEL}"
+                + (
+                    f"; it takes a {SHAREDKV_WINDOW}-token window only (ori_win_left 127), "
+                    f"the config's sliding_window is {window}"
+                    if window != SHAREDKV_WINDOW
+                    else ""
+                ),
             )
         )
     if sinks_line is not None:
@@ -199,7 +212,13 @@ def compressed_features(
                         else ""
                     )
                 ),
-                missing=f"torch.ops.custom.compressor {NOT_IN_WHEEL}",
+                missing=f"torch.ops.custom.compressor {NOT_IN_WHEEL}"
+                + "".join(
+                    f"; it takes cmp_ratio {' or '.join(map(str, CMP_RATIOS))} only, "
+                    f"{layer_type} has {ratio}"
+                    for layer_type, ratio in sorted(ratios.items())
+                    if ratio > 1 and ratio not in CMP_RATIOS
+                ),
             )
         )
     indexer = reader.first("topk", [n for n in compressors if method(reader.classes[n], "forward")])

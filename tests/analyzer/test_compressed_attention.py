@@ -130,7 +130,8 @@ def test_each_sub_feature_is_named_at_the_line_that_holds_it(plan):
 
 def test_sub_features_follow_the_file_not_the_model_type(plan):
     """A file whose window keeps separate values and whose indexer does not take a top-k is
-    described as it is: no K = V claim, no CSA indexer."""
+    described as it is: no K = V claim, no CSA indexer; a window or a ratio the operators do
+    not take is the limit named."""
     source = Path(plan.source.modeling_file).read_text("utf-8")
     assert source.count("index_scores.topk(") == 2
     edited = source.replace("cache.update(kv, kv,", "cache.update(kv, kv * 1.0,").replace(
@@ -143,9 +144,14 @@ def test_sub_features_follow_the_file_not_the_model_type(plan):
             "modeling_x.py",
             "DeepseekV4Attention",
             head_dim=512,
-            ratios={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+            ratios={"compressed_sparse_attention": 4, "heavily_compressed_attention": 64},
             sinks_line=None,
+            window=64,
         )
     }
     assert list(features) == ["window", "compressor state", "HCA"]
     assert "K = V" not in features["window"].needs
+    # values the operators do not take are named as the limit
+    assert "the config's sliding_window is 64" in features["window"].missing
+    assert "heavily_compressed_attention has 64" in features["compressor state"].missing
+    assert "compressed_sparse_attention has" not in features["compressor state"].missing

@@ -8,7 +8,8 @@ captured and put into paged caches with shuffled block tables. Then:
   token, whose key length is the entries that token may read, ``(p + 1) // ratio``: the
   operator has no ``cmp_ratio``, and this gives every row its own causal limit;
 - ``custom.npu_sparse_attn_sharedkv`` attends the window, the selected (CSA) or all (HCA)
-  compressed entries and the sinks in one softmax.
+  compressed entries and the sinks in one softmax, for two requests in one call: the whole
+  prompt, and its last 3 tokens as a chunk after a cached prefix.
 
 Both must give transformers' attention output; attending all CSA entries instead of the
 selection must not (the prompt is longer than top-k x ratio, so the indexer drops entries).
@@ -82,15 +83,16 @@ def _captured_layer(layer_type: str, tokens: int):
     return config, attention, seen
 
 
-def _paged(rows: torch.Tensor, block_rows: int, generator: torch.Generator):
-    """ROWS [n, D] in shuffled blocks of BLOCK_ROWS rows: (cache [blocks, rows, 1, D], table)."""
-    blocks = max(1, -(-rows.size(0) // block_rows))
-    order = torch.randperm(blocks + 3, generator=generator)[:blocks]
-    cache = torch.randn(blocks + 3, block_rows, 1, rows.size(-1), generator=generator)
+def _paged(rows: torch.Tensor, block_rows: int, generator: torch.Generator, copies: int = 1):
+    """COPIES requests holding ROWS [n, D] each, in shuffled blocks of BLOCK_ROWS rows of one
+    cache: (cache [blocks, rows, 1, D], table [copies, blocks per request])."""
+    per = max(1, -(-rows.size(0) // block_rows))
+    order = torch.randperm(copies * per + 3, generator=generator)[: copies * per]
+    cache = torch.randn(copies * per + 3, block_rows, 1, rows.size(-1), generator=generator)
     for i, block in enumerate(order.tolist()):
-        chunk = rows[i * block_rows : (i + 1) * block_rows]
+        chunk = rows[(i % per) * block_rows : (i % per + 1) * block_rows]
         cache[block, : chunk.size(0), 0] = chunk
-    return cache, order.to(torch.int32).unsqueeze(0)
+    return cache, order.to(torch.int32).view(copies, per)
 
 
 def _csa_selection(config, attention, seen, generator) -> torch.Tensor:
@@ -120,19 +122,24 @@ def _csa_selection(config, attention, seen, generator) -> torch.Tensor:
     return indices  # [S, 1, top-k], -1 after the candidates
 
 
-def _sharedkv(config, attention, seen, generator, selection, *, all_entries=False):
+def _sharedkv(config, attention, seen, generator, selection, *, all_entries=False, tail=3):
+    """Two requests in one call over the same history: request 0 the whole prompt (a
+    prefill), request 1 its last TAIL tokens only (a chunk after a prefix): [S + TAIL, N, D]."""
     q = seen["query"][0].transpose(0, 1).contiguous()  # [S, N, D]
     tokens = q.size(0)
     kv = seen["kv"][0, 0]  # [S + E, D]: window rows, then the compressed entries
     ratio = config.compress_rates[config.layer_types[0]]
     window, cmp = kv[:tokens], kv[tokens:]
-    ori_kv, ori_table = _paged(window, BLOCK, generator)
-    cmp_kv, cmp_table = _paged(cmp, BLOCK // ratio if ratio < BLOCK else 1, generator)
-    indices = None if all_entries or selection is None else selection.contiguous()
-    cu_q = torch.tensor([0, tokens], dtype=torch.int32)
-    used = torch.tensor([tokens], dtype=torch.int32)
+    ori_kv, ori_table = _paged(window, BLOCK, generator, copies=2)
+    cmp_kv, cmp_table = _paged(cmp, BLOCK // ratio if ratio < BLOCK else 1, generator, copies=2)
+    indices = None
+    if not all_entries and selection is not None:
+        indices = torch.cat([selection, selection[-tail:]]).contiguous()
+    q = torch.cat([q, q[-tail:]])
+    cu_q = torch.tensor([0, tokens, tokens + tail], dtype=torch.int32)
+    used = torch.tensor([tokens, tokens], dtype=torch.int32)
     metadata = torch.ops.custom.npu_sparse_attn_sharedkv_metadata(
-        q.size(1), 1, q.size(2), cu_seqlens_q=cu_q, seqused_kv=used, batch_size=1,
+        q.size(1), 1, q.size(2), cu_seqlens_q=cu_q, seqused_kv=used, batch_size=2,
         max_seqlen_q=tokens, max_seqlen_kv=tokens,
         cmp_topk=indices.size(-1) if indices is not None else 0, cmp_ratio=ratio,
         layout_q="TND", has_ori_kv=True, has_cmp_kv=True, device="cpu",
@@ -143,7 +150,7 @@ def _sharedkv(config, attention, seen, generator, selection, *, all_entries=Fals
         metadata=metadata, softmax_scale=attention.scaling, cmp_ratio=ratio, layout_q="TND",
         layout_kv="PA_ND",
     )  # fmt: skip
-    return out  # [S, N, D]
+    return out
 
 
 @pytest.mark.parametrize(("layer_type", "tokens"), [(CSA, 150), (HCA, 300)])
@@ -166,6 +173,8 @@ def test_paged_reads_give_transformers_attention(layer_type, tokens):
         bias = seen["mask"][0, 0, :, tokens:]
         assert chosen == [set(torch.nonzero(b == 0).flatten().tolist()) for b in bias]
     got = _sharedkv(config, attention, seen, generator, selection)
+    # the chunk's rows sit at the prompt's last positions (p = seqused_kv - S + i)
+    expected = torch.cat([expected, expected[-3:]])
     diff = (got - expected).abs().max().item()
     assert diff < 1e-5, diff
     if layer_type == CSA:

@@ -61,7 +61,8 @@ from kvskill.analyzer.plan import CompressedSubFeature
 _EMPTY = cst.Module(body=[])
 SHAREDKV = "torch.ops.custom.npu_sparse_attn_sharedkv"
 #: the framework builds its custom operators itself (ops/ascendc); the wheel has none of them
-NOT_IN_WHEEL = "is the framework's own operator, not in torch_npu 2.13.0"
+#: (kvskill's stand-in registers reference implementations under torch.ops.custom)
+NOT_IN_WHEEL = "the framework's own operator, not in torch_npu 2.13.0"
 #: custom-npu_sparse_attn_sharedkv.md:65 "ori_win_left ... 仅支持默认值127": the query and the
 #: 127 tokens before it
 SHAREDKV_WINDOW = 128
@@ -164,29 +165,27 @@ def compressed_features(
                 needs=(
                     "the write: npu_scatter_nd_update_ into win_kv at slot_mapping"
                     + (", one cache for K = V" if shared else "")
-                    + "; the read: "
-                    + SHAREDKV
-                    + " (ori_kv, window 128 only)"
+                    + f"; the read: {SHAREDKV} (ori_kv, a 128-token window), {NOT_IN_WHEEL}"
                 ),
-                missing=f"the read's {SHAREDKV} {NOT_IN_WHEEL}"
-                + (
-                    f"; it takes a {SHAREDKV_WINDOW}-token window only (ori_win_left 127), "
-                    f"the config's sliding_window is {window}"
-                    if window != SHAREDKV_WINDOW
-                    else ""
+                missing="; ".join(
+                    ([] if shared else ["the window keeps separate keys and values; win_kv holds one K = V row"])
+                    + (
+                        [f"{SHAREDKV} takes a {SHAREDKV_WINDOW}-token window only (ori_win_left 127), the config's sliding_window is {window}"]
+                        if window != SHAREDKV_WINDOW
+                        else []
+                    )
                 ),
             )
-        )
+        )  # fmt: skip
     if sinks_line is not None:
         found.append(
             CompressedSubFeature(
                 name="sinks",
                 construct="self.sinks",
                 where=where(sinks_line),
-                needs=f"{SHAREDKV}(sinks=...) in the same softmax",
-                missing=(
-                    f"{SHAREDKV} {NOT_IN_WHEEL}; the wheel's FA v2 learnable_sink needs value "
-                    f"d <= 128, head_dim is {head_dim}"
+                needs=(
+                    f"{SHAREDKV}(sinks=...) in the same softmax (the wheel's FA v2 "
+                    f"learnable_sink needs value d <= 128, head_dim is {head_dim})"
                 ),
             )
         )
@@ -203,8 +202,9 @@ def compressed_features(
                 construct=f"{state.construct.split('(')[0]}(...) in {owners}",
                 where=where(state.line),
                 needs=(
-                    "torch.ops.custom.compressor over per-request SlidingWindow state rows "
-                    "(sfa_kv_state / li_kv_state, float32 [kv | score], state_block_table)"
+                    f"torch.ops.custom.compressor ({NOT_IN_WHEEL}) over per-request "
+                    "SlidingWindow state rows (sfa_kv_state / li_kv_state, float32 [kv | score], "
+                    "state_block_table)"
                     + (
                         f", coff 2 for the overlapping windows ({overlap.owner}: "
                         f"{overlap.construct.split('(')[0]}(...) at {where(overlap.line)})"
@@ -212,10 +212,9 @@ def compressed_features(
                         else ""
                     )
                 ),
-                missing=f"torch.ops.custom.compressor {NOT_IN_WHEEL}"
-                + "".join(
-                    f"; it takes cmp_ratio {' or '.join(map(str, CMP_RATIOS))} only, "
-                    f"{layer_type} has {ratio}"
+                missing="; ".join(
+                    f"torch.ops.custom.compressor takes cmp_ratio "
+                    f"{' or '.join(map(str, CMP_RATIOS))} only, {layer_type} has {ratio}"
                     for layer_type, ratio in sorted(ratios.items())
                     if ratio > 1 and ratio not in CMP_RATIOS
                 ),
@@ -237,7 +236,6 @@ def compressed_features(
                     f"the wheel's npu_lightning_indexer over the paged li_cmp_kv, one batch row "
                     f"per query token with key length (p + 1) // {csa}, scale in the weights"
                 ),
-                missing="",
             )
         )
     hca = [
@@ -255,10 +253,51 @@ def compressed_features(
                 construct=f"class {hca[0]}",
                 where=where(reader.line(cls)),
                 needs=f"{SHAREDKV}(cmp_kv=..., cmp_ratio={ratio}) over every readable entry",
-                missing=f"{SHAREDKV} {NOT_IN_WHEEL}",
             )
         )
     return found
+
+
+#: the sub-features each layer kind needs the file to have
+EXPECTED = {
+    "sliding_attention": ("window",),
+    "compressed_sparse_attention": ("window", "compressor state", "CSA indexer"),
+    "heavily_compressed_attention": ("window", "compressor state", "HCA"),
+}
+#: custom-npu_sparse_attn_sharedkv.md:27 (N1 64), :85 (D 512), :37 (K2 512): what the device's
+#: attention takes; a twin shrunk below them is checked on the CPU only
+SHAREDKV_HEADS, SHAREDKV_HEAD_DIM, SHAREDKV_TOPK = 64, 512, 512
+
+
+def blockers(features: list[CompressedSubFeature], layer_types: list[str]) -> list[str]:
+    """What stops the paged rewrite: a limit a sub-feature hits, or a sub-feature the config's
+    layer kinds need that the file does not have (its code is not the shape rewritten)."""
+    found = {f.name for f in features}
+    needed = sorted({n for t in layer_types for n in EXPECTED.get(t, ())} - found)
+    return [f"{f.name} ({f.where}): {f.missing}" for f in features if f.missing] + [
+        f"no {name} construct found for the config's layers" for name in needed
+    ]
+
+
+def operator_limits(heads_per_rank: int, head_dim: int, topk: int | None) -> list[str]:
+    """The device attention's fixed sizes the real config misses."""
+    limits = []
+    if heads_per_rank != SHAREDKV_HEADS:
+        limits.append(
+            f"operator limit: {SHAREDKV} takes {SHAREDKV_HEADS} query heads per rank, the "
+            f"config has {heads_per_rank} (--attn-tp-size splits them)"
+        )
+    if head_dim != SHAREDKV_HEAD_DIM:
+        limits.append(
+            f"operator limit: {SHAREDKV} takes head_dim {SHAREDKV_HEAD_DIM}, the config has "
+            f"{head_dim}"
+        )
+    if topk is not None and topk != SHAREDKV_TOPK:
+        limits.append(
+            f"operator limit: {SHAREDKV} takes a CSA top-k of {SHAREDKV_TOPK}, the config's "
+            f"index_topk is {topk}"
+        )
+    return limits
 
 
 def features_text(features: list[CompressedSubFeature]) -> str:

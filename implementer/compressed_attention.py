@@ -45,20 +45,30 @@ INDEXER_READS = ("q_b_proj", "scorer", "index_topk")
 SCORER_READS = ("weights_proj", "weights_scaling", "softmax_scale")
 _STATE_CALL = m.Call(func=m.Attribute(attr=m.Name("store_compression_weights")))
 _TOPK_CALL = m.Call(func=m.Attribute(attr=m.Name("topk")))
-_COMPRESSOR_CALL = m.Call(
-    func=m.Attribute(value=m.Name("self"), attr=m.Name(COMPRESSOR_ATTR))
-)
+_COMPRESSOR_CALL = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(COMPRESSOR_ATTR)))
 
 
 def _assigned_attrs(cls: cst.ClassDef) -> set[str]:
     """``self.X = ...`` in ``__init__`` and class-level ``X = ...``."""
     found = set()
     init = method(cls, "__init__")
-    for target in m.findall(init, m.AssignTarget(target=m.Attribute(value=m.Name("self")))) if init else []:
-        found.add(cst.ensure_type(cst.ensure_type(target, cst.AssignTarget).target, cst.Attribute).attr.value)
+    for target in (
+        m.findall(init, m.AssignTarget(target=m.Attribute(value=m.Name("self")))) if init else []
+    ):
+        found.add(
+            cst.ensure_type(
+                cst.ensure_type(target, cst.AssignTarget).target, cst.Attribute
+            ).attr.value
+        )
     for stmt in cst.ensure_type(cls.body, cst.IndentedBlock).body:
-        for target in m.findall(stmt, m.AssignTarget(target=m.Name())) if isinstance(stmt, cst.SimpleStatementLine) else []:
-            found.add(cst.ensure_type(cst.ensure_type(target, cst.AssignTarget).target, cst.Name).value)
+        for target in (
+            m.findall(stmt, m.AssignTarget(target=m.Name()))
+            if isinstance(stmt, cst.SimpleStatementLine)
+            else []
+        ):
+            found.add(
+                cst.ensure_type(cst.ensure_type(target, cst.AssignTarget).target, cst.Name).value
+            )
     return found  # fmt: skip
 
 
@@ -132,9 +142,7 @@ class CompressedAttentionInitCommand(AttentionInitCommand):
         values = self.template_values(original, facts.config_param, facts.layer_idx_param)
         init_stmts = statements(self.INIT_TEMPLATE, config, **values)
         added = [
-            f
-            for f in methods(self.METHODS_TEMPLATE, config)
-            if f.name.value in self.INIT_METHODS
+            f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value in self.INIT_METHODS
         ]
         body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
         return with_body(updated, [*body, *added])
@@ -180,9 +188,7 @@ class CompressedAttentionForwardCommand(AttentionForwardCommand):
         )
         init_methods = CompressedAttentionInitCommand.INIT_METHODS
         added = [
-            f
-            for f in methods(self.METHODS_TEMPLATE, config)
-            if f.name.value not in init_methods
+            f for f in methods(self.METHODS_TEMPLATE, config) if f.name.value not in init_methods
         ]
         return with_body(updated, [*body, *added])
 

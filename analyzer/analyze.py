@@ -562,8 +562,9 @@ def _decide_cache_entries(
 def _decide_compressed_attention(
     source: ModelSource, code: CodeView, spec: ModelSpec, attn_tp_size: int, book: Notebook
 ) -> CompressedAttentionPlan | None:
-    """Compressed layers (DeepSeek-V4): their kinds, caches and operators, and the one-line
-    reason apply refuses them, naming the attention class and its compressor."""
+    """Compressed layers (DeepSeek-V4): their kinds, caches, operators and sub-features; a
+    one-line blocker naming the attention class, its compressor call and what stops the rewrite
+    (a limit hit, a construct missing), else the evidence that it converts."""
     compressed = decide_compressed_attention(spec, source.config, book)
     if compressed is None:
         return None

@@ -1,4 +1,4 @@
-"""Compressed attention (DeepSeek-V4): what the Plan says of it, and why apply refuses it.
+"""Compressed attention (DeepSeek-V4): what the Plan says of it, and when apply refuses it.
 
 Every layer attends a sliding window of its own keys (one head, K = V) with learnable sinks.
 A compressed layer also folds every ``compress_ratio`` tokens into one entry and attends those

@@ -40,7 +40,7 @@ from kvskill.analyzer.compressed_attention import (
 )
 from kvskill.analyzer.compressed_attention import refusal as compressed_refusal
 from kvskill.analyzer.compressed_features import blockers as compressed_blockers
-from kvskill.analyzer.compressed_features import compressed_features
+from kvskill.analyzer.compressed_features import compressed_features, converted_attention
 from kvskill.analyzer.compressed_features import operator_limits as compressed_operator_limits
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
@@ -568,7 +568,19 @@ def _decide_compressed_attention(
     compressed = decide_compressed_attention(spec, source.config, book)
     if compressed is None:
         return None
-    name = code.roles.attention[0] if code.roles.attention else "the attention"
+    # the class that calls its compressor (a cache layer class may come first in the file)
+    owners = [
+        n
+        for n, c in code.facts.classes.items()
+        if any(a == "compressor" for a, _ in c.module_calls)
+    ]
+    name = (
+        owners[0]
+        if owners
+        else code.roles.attention[0]
+        if code.roles.attention
+        else "the attention"
+    )
     cls = code.facts.classes.get(name)
     # the forward's self.compressor(...) call (module_calls records self.<attr>(...) lines)
     calls = [line for attr, line in (cls.module_calls if cls else []) if attr == "compressor"]
@@ -595,7 +607,14 @@ def _decide_compressed_attention(
     cfg = text_config(source.config)[0]
     types = layer_types_of(source.config) or []
     reasons = compressed_blockers(features, types)
-    if cls is None or not source.modeling_file:
+    done = (
+        converted_attention(
+            Path(source.modeling_file).read_text(encoding="utf-8"), code.facts.file_name
+        )
+        if source.modeling_file and not owners
+        else None
+    )
+    if done is None and (cls is None or not source.modeling_file):
         reasons.append("no attention class with a compressor call was read")
     for limit in compressed_operator_limits(
         max(spec.num_heads // attn_tp_size, 1),
@@ -603,7 +622,14 @@ def _decide_compressed_attention(
         cfg.get("index_topk") if "compressed_sparse_attention" in types else None,
     ):
         book.warn(limit)  # the device's sizes: a shrunk twin still verifies on the CPU
-    if reasons:
+    if done is not None:
+        reason = (
+            f"{done} is already a converted compressed attention (win_kv read by "
+            "npu_sparse_attn_sharedkv): apply converts the source model, not its output"
+        )
+        book.warn(reason)
+        book.block(reason)
+    elif reasons:
         reason = compressed_refusal(compressed, name, where, reasons)
         book.warn(reason)
         book.block(reason)

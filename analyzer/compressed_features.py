@@ -300,6 +300,25 @@ def operator_limits(heads_per_rank: int, head_dim: int, topk: int | None) -> lis
     return limits
 
 
+def converted_attention(source: str, file_name: str) -> str | None:
+    """``Class (file:line)`` of an attention kvskill already converted (it assigns ``self.win_kv``
+    and reads with ``npu_sparse_attn_sharedkv``), else None."""
+    reader = _Reader(source)
+    for name, cls in reader.classes.items():
+        init = method(cls, "__init__")
+        wins = (
+            m.findall(
+                init,
+                m.AssignTarget(target=m.Attribute(value=m.Name("self"), attr=m.Name("win_kv"))),
+            )
+            if init
+            else []
+        )
+        if wins and _calls(cls, "npu_sparse_attn_sharedkv"):
+            return f"{name} ({file_name}:{reader.line(wins[0])})"
+    return None  # fmt: skip
+
+
 def features_text(features: list[CompressedSubFeature]) -> str:
     """``window (modeling_x.py:836 cache.update(kv, kv, ...)) -> <needs>; ...`` on one line."""
     return "; ".join(f"{f.name} ({f.where} {_short(f.construct)}) -> {f.needs}" for f in features)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from kvskill.analyzer.compressed_features import converted_attention
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.verify.flow import verify_directory
 from kvskill.verify.options import VerifyOptions
@@ -48,6 +49,8 @@ def test_apply_writes_the_paged_compressed_attention(converted):
         assert call in forward, call
     # compressed entries hold block_size rows of compress_ratio tokens, as the framework declares
     assert "entry.block_size = self.block_size * entry.compress_ratio" in text
+    # analyze knows its own output (apply on it is refused, naming the converted class)
+    assert converted_attention(text, "m.py").startswith("DeepseekV4Attention (m.py:")
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ only, by a paged one that
 - selects CSA's entries with ``npu_lightning_indexer``, one batch row per query token;
 - attends with ``custom.npu_sparse_attn_sharedkv`` (window, entries, sinks).
 
-(The entries the model's own compressor computes without a cache are ignored.) This is what a
-paged rewrite of V4's attention has to emit; the rewrite itself does not exist yet.
+(The entries the model's own compressor computes without a cache are ignored.) These are the
+steps the rewrite (KVR028 / KVR029) emits; this test holds the runtime and the operators to them
+without the codemod, on a model built in the test.
 """
 
 from __future__ import annotations

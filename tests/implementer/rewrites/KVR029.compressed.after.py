@@ -121,7 +121,7 @@ class MiniAttention(nn.Module):
             ori_block_table=md.block_table["win_kv"].to(torch.int32),
             cu_seqlens_q=cu_seqlens_q,
             seqused_kv=seqused_kv,
-            sinks=self.sinks,
+            sinks=self.sinks.float(),  # the operator takes float32 sinks whatever the model's dtype
             metadata=self.sharedkv_metadata(query_tnd, cu_seqlens_q, seqused_kv, compressed, md),
             softmax_scale=self.scaling,
             layout_q="TND",
@@ -202,7 +202,7 @@ class MiniAttention(nn.Module):
             module.kv_proj.weight,
             module.gate_proj.weight,
             getattr(self, f"{prefix}_kv_state").flatten(-3),
-            module.position_bias,
+            module.position_bias.float(),  # ape and the norm weight are float32 operands
             module.kv_norm.weight.float(),
             rope_sin,
             rope_cos,

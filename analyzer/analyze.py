@@ -36,8 +36,12 @@ from kvskill.analyzer.code_facts import RopeDecision, code_facts, rope_style
 from kvskill.analyzer.compressed_attention import (
     compressed_cache_entries,
     decide_compressed_attention,
+    layer_types_of,
 )
 from kvskill.analyzer.compressed_attention import refusal as compressed_refusal
+from kvskill.analyzer.compressed_features import blockers as compressed_blockers
+from kvskill.analyzer.compressed_features import compressed_features, converted_attention
+from kvskill.analyzer.compressed_features import operator_limits as compressed_operator_limits
 from kvskill.analyzer.config import ModelSpec, normalise, text_config
 from kvskill.analyzer.config_keys import (
     attribute_map_for,
@@ -320,7 +324,7 @@ def plan_for_source(
     layers = _decide_layers(source, code, read, book)
     design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
     entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
-    compressed = _decide_compressed_attention(source, code, spec, book)
+    compressed = _decide_compressed_attention(source, code, spec, attn_tp_size, book)
     if compressed is not None:
         entries = compressed_cache_entries(compressed)
     caches = _size_caches(
@@ -336,7 +340,18 @@ def plan_for_source(
         book=book,
     )
     facts = _read_code_facts(source, code, read, layers.sharing, book)
-    _add_checks(spec, code, design, facts, mode, layers.attn_types, attn_tp_size, block_size, book)
+    _add_checks(
+        spec,
+        code,
+        design,
+        facts,
+        mode,
+        layers.attn_types,
+        attn_tp_size,
+        block_size,
+        book,
+        fused_attention=compressed is None,
+    )
     rope = _cite_rope(source, code, spec, book)
     cache_write = (
         _mla_cache_write(source, book, indexed=plannable_indexer(spec))
@@ -546,23 +561,86 @@ def _decide_cache_entries(
 
 
 def _decide_compressed_attention(
-    source: ModelSource, code: CodeView, spec: ModelSpec, book: Notebook
+    source: ModelSource, code: CodeView, spec: ModelSpec, attn_tp_size: int, book: Notebook
 ) -> CompressedAttentionPlan | None:
-    """Compressed layers (DeepSeek-V4): their kinds, caches and operators, and the one-line
-    reason apply refuses them, naming the attention class and its compressor."""
+    """Compressed layers (DeepSeek-V4): their kinds, caches, operators and sub-features; a
+    one-line blocker naming the attention class, its compressor call and what stops the rewrite
+    (a limit hit, a construct missing), else the evidence that it converts."""
     compressed = decide_compressed_attention(spec, source.config, book)
     if compressed is None:
         return None
-    name = code.roles.attention[0] if code.roles.attention else "the attention"
+    # the class that calls its compressor (a cache layer class may come first in the file)
+    owners = [
+        n
+        for n, c in code.facts.classes.items()
+        if any(a == "compressor" for a, _ in c.module_calls)
+    ]
+    name = (
+        owners[0]
+        if owners
+        else code.roles.attention[0]
+        if code.roles.attention
+        else "the attention"
+    )
     cls = code.facts.classes.get(name)
     # the forward's self.compressor(...) call (module_calls records self.<attr>(...) lines)
     calls = [line for attr, line in (cls.module_calls if cls else []) if attr == "compressor"]
     where = code.where(calls[0]) if calls else code.facts.file_name
     sinks = sinks_line(code)
-    compressed = replace(compressed, sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None)
-    reason = compressed_refusal(compressed, name, where)
-    book.warn(reason)
-    book.block(reason)
+    features = (
+        compressed_features(
+            Path(source.modeling_file).read_text(encoding="utf-8"),
+            code.facts.file_name,
+            name,
+            head_dim=spec.head_dim,
+            ratios={k.layer_type: k.compress_ratio for k in compressed.kinds},
+            sinks_line=sinks,
+            window=int(spec.sliding_window or 0),
+        )
+        if source.modeling_file and cls is not None
+        else []
+    )
+    compressed = replace(
+        compressed,
+        sinks=f"{name}.sinks ({code.where(sinks)})" if sinks else None,
+        sub_features=features,
+    )
+    cfg = text_config(source.config)[0]
+    types = layer_types_of(source.config) or []
+    reasons = compressed_blockers(features, types)
+    done = (
+        converted_attention(
+            Path(source.modeling_file).read_text(encoding="utf-8"), code.facts.file_name
+        )
+        if source.modeling_file and not owners
+        else None
+    )
+    if done is None and (cls is None or not source.modeling_file):
+        reasons.append("no attention class with a compressor call was read")
+    for limit in compressed_operator_limits(
+        max(spec.num_heads // attn_tp_size, 1),
+        spec.head_dim,
+        cfg.get("index_topk") if "compressed_sparse_attention" in types else None,
+    ):
+        book.warn(limit)  # the device's sizes: a shrunk twin still verifies on the CPU
+    if done is not None:
+        reason = (
+            f"{done} is already a converted compressed attention (win_kv read by "
+            "npu_sparse_attn_sharedkv): apply converts the source model, not its output"
+        )
+        book.warn(reason)
+        book.block(reason)
+    elif reasons:
+        reason = compressed_refusal(compressed, name, where, reasons)
+        book.warn(reason)
+        book.block(reason)
+    else:
+        book.cite(
+            "compressed_attention",
+            f"{name}: window, compressor state, CSA indexer and HCA found as the paged rewrite "
+            "reads them (KVR028 / KVR029)",
+            where,
+        )
     return compressed
 
 
@@ -690,8 +768,12 @@ def _add_checks(
     attn_tp_size: int,
     block_size: int,
     book: Notebook,
+    *,
+    fused_attention: bool = True,
 ) -> None:
-    """The common-error table's items and the operators' limits that apply to this model."""
+    """The common-error table's items and the operators' limits that apply to this model
+    (FUSED_ATTENTION False: a compressed attention, which reads through no FA call; its
+    operators' sizes are ``compressed_features.operator_limits``)."""
     # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
     keeps_absorbed_prefill = bool(facts.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
@@ -707,6 +789,8 @@ def _add_checks(
         scale_has_mscale=design.scale.has_yarn_mscale,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
     )
+    if not fused_attention:
+        return
     add_operator_limits(
         spec=spec,
         book=book,

@@ -1,4 +1,4 @@
-"""Compressed attention (DeepSeek-V4): what the Plan says of it, and why apply refuses it.
+"""Compressed attention (DeepSeek-V4): what the Plan says of it, and when apply refuses it.
 
 Every layer attends a sliding window of its own keys (one head, K = V) with learnable sinks.
 A compressed layer also folds every ``compress_ratio`` tokens into one entry and attends those
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvskill.analyzer.compressed_features import features_text
 from kvskill.analyzer.config import ModelSpec, text_config
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.plan import CacheEntryPlan, CompressedAttentionPlan, CompressedLayerKind
@@ -213,8 +214,11 @@ def compressed_cache_entries(plan: CompressedAttentionPlan) -> dict[str, list[Ca
     return entries
 
 
-def refusal(plan: CompressedAttentionPlan, attention_class: str, where: str) -> str:
-    """One line: what apply cannot convert and which operator or limit stops it."""
+def refusal(
+    plan: CompressedAttentionPlan, attention_class: str, where: str, reasons: list[str]
+) -> str:
+    """One line: why apply cannot convert this compressed attention (REASONS: the limits hit
+    and the sub-features missing), and what each part found would run on."""
     kinds = ", ".join(
         f"{k.name} x{len(k.layer_indices)}" + (f" (ratio {k.compress_ratio})" if k.compress_ratio > 1 else "")
         for k in plan.kinds
@@ -222,10 +226,7 @@ def refusal(plan: CompressedAttentionPlan, attention_class: str, where: str) -> 
     sinks = " with learnable sinks" if plan.sinks else ""
     return (
         f"{attention_class} ({where}) calls self.compressor(...) and attends its compressed "
-        f"entries and its sliding-window keys{sinks} in one softmax ({kinds}): torch_npu 2.13.0 has "
-        "no operator for it (the framework calls torch.ops.custom.npu_sparse_attn_sharedkv and "
-        "torch.ops.custom.compressor, and a CSA indexer with cmp_ratio, none in the wheel; its "
-        "npu_sparse_flash_attention reads one paged cache and takes sinks on Ascend 950 only, "
-        "npu_nsa_compress_infer pools with learned block weights, FA v2's learnable_sink needs "
-        "value d <= 128)"
+        f"entries and its sliding-window keys{sinks} in one softmax ({kinds}): "
+        f"{'; '.join(reasons)}; what each part found would run on: "
+        f"{features_text(plan.sub_features)}"
     )

@@ -172,7 +172,8 @@ FA_CALL = m.Call(func=m.Attribute(attr=_names(*FA_OPS)))
 #: latent and rope caches at the indexer's top-k
 #: the fused attention over an indexer's selection (DeepSeek-V3.2's DSA)
 SPARSE_FA_OP = "npu_sparse_flash_attention"
-SPARSE_READ_OPS = (SPARSE_FA_OP, "npu_lightning_indexer")
+#: (and compressed attention's: the window, the compressed entries and the sinks in one softmax)
+SPARSE_READ_OPS = (SPARSE_FA_OP, "npu_lightning_indexer", "npu_sparse_attn_sharedkv")
 SPARSE_READ_CALL = m.Call(func=m.Attribute(attr=_names(*SPARSE_READ_OPS)))
 #: the Legacy read: a request's static rows handed to the model's own attention function
 LEGACY_READ_CALL = m.Call(func=m.Name("legacy_attention_inputs"))

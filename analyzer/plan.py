@@ -257,6 +257,20 @@ class CompressedLayerKind:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompressedSubFeature:
+    """One part of a compressed attention (window, sinks, compressor state, CSA indexer, HCA):
+    the construct the modeling file has, what a paged conversion calls for it, and why it
+    does not convert today ("" when it does)."""
+
+    name: str
+    construct: str
+    #: "modeling_x.py:LINE"
+    where: str
+    needs: str
+    missing: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompressedAttentionPlan:
     """The compressed layers of a model and what converting them would need."""
 
@@ -268,8 +282,13 @@ class CompressedAttentionPlan:
     #: where the attention's learnable per-head sink logits live (every layer's softmax
     #: takes them), None when it has none
     sinks: str | None = None
+    #: each sub-feature found in the modeling file, in the order the attention runs them
+    sub_features: list[CompressedSubFeature] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "sub_features", [_record(CompressedSubFeature, f) for f in self.sub_features]
+        )
         kinds = [
             k if isinstance(k, CompressedLayerKind) else CompressedLayerKind(**k)
             for k in self.kinds

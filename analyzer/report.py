@@ -176,6 +176,11 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
                     "(Ascend 950 only)",
                 ),
             )
+        after = at + len(plan.compressed_attention.kinds) + bool(plan.compressed_attention.sinks)
+        rows[after:after] = [
+            (f"V4 {f.name}", f"{f.where}: needs {f.needs}; {f.missing or 'no operator limit'}")
+            for f in plan.compressed_attention.sub_features
+        ]
     if plan.mtp is not None:
         mtp = plan.mtp
         rows.append(

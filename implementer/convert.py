@@ -117,6 +117,8 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
             f"at kv_len; {plan.code['legacy_standalone_source']}) is driven by its own runner; "
             "convert it with --mode standalone (mode 2, the runner kept)"
         )
+    if plan.compressed_attention is not None:
+        return _convert_compressed(plan, options)
     mla = plan.is_mla
     _check_mla_absorb(plan, options.mla_absorb)
     spec = (MlaSpec if mla else ConversionSpec).from_plan(
@@ -126,6 +128,24 @@ def convert_framework(plan: Plan, options: ApplyOptions) -> Conversion:
     original = read_source(modeling_file)
     converted = (convert_mla_source if mla else convert_source)(
         original, spec, package=source_package(plan), filename=modeling_file.name
+    )
+    return Conversion(plan=plan, original=original, converted=converted)
+
+
+def _convert_compressed(plan: Plan, options: ApplyOptions) -> Conversion:
+    """Compressed attention (DeepSeek-V4) on the framework's custom operators
+    (``compressed_attention.py``)."""
+    spec = ConversionSpec.from_plan(
+        plan, fa_version=options.fa_version, block_size=options.block_size
+    )
+    modeling_file = Path(plan.source.modeling_file)
+    original = read_source(modeling_file)
+    converted = convert(
+        original,
+        spec,
+        ConversionPath.COMPRESSED,
+        package=source_package(plan),
+        filename=modeling_file.name,
     )
     return Conversion(plan=plan, original=original, converted=converted)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import libcst as cst
 from kvskill.analyzer.plan import DeployMode, Plan
-from kvskill.core.errors import BadInputError
+from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.implementer.convert import Conversion, source_package
 from kvskill.implementer.kv_mode import resolve_kv_mode
 from kvskill.implementer.snippets import render
@@ -217,6 +217,12 @@ def check_executor_target(plan: Plan, kv_mode: str) -> None:
     if plan.deploy_mode is not DeployMode.FRAMEWORK:
         raise BadInputError(
             f"--target {CANN_RECIPES_TARGET} writes framework mode; drop --mode standalone"
+        )
+    if plan.compressed_attention is not None:
+        raise UnsupportedModelError(
+            f"--target {CANN_RECIPES_TARGET}: compressed attention (DeepSeek-V4) is written for "
+            "kvskill's runtime only; the executor runs its own models/deepseek_v4: use the "
+            "default target"
         )
     resolved = resolve_kv_mode(plan, kv_mode)
     if resolved != "paged":

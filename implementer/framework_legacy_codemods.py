@@ -294,7 +294,9 @@ class FrameworkLegacyModelCommand(ModelClassRewrite):
             if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
                 stmt = append_statements(stmt, [block_size])
             body.append(stmt)
-        cache_info = methods("framework_cache_info.py.j2", config, shared_kv=False)
+        cache_info = methods(
+            "framework_cache_info.py.j2", config, shared_kv=False, compressed=False
+        )
         return with_body(updated, [*body, *cache_info])
 
 

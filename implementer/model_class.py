@@ -51,6 +51,9 @@ class CacheInfoCommand(ModelClassRewrite):
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         config = self.parser_config()
         cache_info = methods(
-            "framework_cache_info.py.j2", config, shared_kv=self.spec.reads_shared_kv is not None
+            "framework_cache_info.py.j2",
+            config,
+            shared_kv=self.spec.reads_shared_kv is not None,
+            compressed=getattr(self.spec, "compressed_attention", False),
         )
         return add_cache_info(updated, self.spec.block_size, cache_info, config)

@@ -39,6 +39,7 @@ _CHECKS: dict[ConversionPath, Callable[[cst.Module, Any, str, list[str]], object
     ConversionPath.PAGED: partial(check_attention_module, serves_call_sites=True),
     ConversionPath.MLA: check_mla_module,
     ConversionPath.CONTIGUOUS: check_attention_module,
+    ConversionPath.COMPRESSED: check_attention_module,
     ConversionPath.LEGACY: check_attention_module,
     ConversionPath.FRAMEWORK_LEGACY: check_framework_legacy_module,
     ConversionPath.STANDALONE_LEGACY: check_standalone_legacy_module,

@@ -18,6 +18,10 @@ from enum import Enum
 from kvskill.implementer._command import FrameworkCommand
 from kvskill.implementer.attn_forward import AttentionForwardCommand
 from kvskill.implementer.attn_init import AttentionInitCommand
+from kvskill.implementer.compressed_attention import (
+    CompressedAttentionForwardCommand,
+    CompressedAttentionInitCommand,
+)
 from kvskill.implementer.contiguous import (
     ContiguousAttentionForwardCommand,
     ContiguousAttentionInitCommand,
@@ -67,6 +71,9 @@ class ConversionPath(str, Enum):
     #: the framework's own Legacy model (cache_unit rows, BSH fused attention) converted in
     #: place to the executor's Paged contract; its imports stay the executor's
     FRAMEWORK_LEGACY = "framework_legacy"
+    #: compressed attention (DeepSeek-V4): a K = V window, compressor entries and state rows,
+    #: the framework's custom operators (framework mode)
+    COMPRESSED = "compressed"
     #: the framework's standalone Legacy model (mode 1: rows from its own init_cache, BSH
     #: fused attention, its own runner) converted in place to standalone mode 2 (its MLA
     #: form, latent and rope caches, to mode 3); its imports stay the executor's
@@ -95,6 +102,7 @@ def _paths(*paths: ConversionPath) -> frozenset[ConversionPath]:
 
 
 PAGED, MLA, CONTIGUOUS = ConversionPath.PAGED, ConversionPath.MLA, ConversionPath.CONTIGUOUS
+COMPRESSED = ConversionPath.COMPRESSED
 LEGACY = ConversionPath.LEGACY
 FRAMEWORK_LEGACY = ConversionPath.FRAMEWORK_LEGACY
 STANDALONE_LEGACY = ConversionPath.STANDALONE_LEGACY
@@ -110,7 +118,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR006", ContiguousAttentionInitCommand, _paths(CONTIGUOUS)),
     Rewrite("KVR007", ContiguousAttentionForwardCommand, _paths(CONTIGUOUS)),
     Rewrite("KVR008", GatedDeltaCommand, _paths(PAGED, MLA)),
-    Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS, LEGACY)),
+    Rewrite("KVR009", CacheInfoCommand, _paths(PAGED, CONTIGUOUS, LEGACY, COMPRESSED)),
     Rewrite("KVR010", MlaCacheInfoCommand, _paths(MLA)),
     Rewrite("KVR011", SkipDenseMasksCommand, RUNTIME_PATHS),
     Rewrite("KVR012", LocalTextModelCommand, ALL_PATHS),
@@ -129,6 +137,8 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR025", StandaloneLegacyModelCommand, _paths(STANDALONE_LEGACY)),
     Rewrite("KVR026", StandaloneLegacyMlaAttentionCommand, _paths(STANDALONE_LEGACY)),
     Rewrite("KVR027", IndexerCommand, _paths(MLA)),
+    Rewrite("KVR028", CompressedAttentionInitCommand, _paths(COMPRESSED)),
+    Rewrite("KVR029", CompressedAttentionForwardCommand, _paths(COMPRESSED)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )

@@ -73,6 +73,9 @@ class ConversionSpec:
     #: the config's boolean keys (``alibi``): what decides the attention branches the file
     #: proves config-decided (``implementer/decided_branches.py``)
     config_switches: dict[str, bool] = field(default_factory=dict)
+    #: compressed attention (DeepSeek-V4): its compressed entries declare ``block_size`` as
+    #: rows per block x ratio, as the framework does
+    compressed_attention: bool = False
     #: whether the rewrite keeps the model's own attention math (Legacy) instead of replacing
     #: its kernel with the fused operator, so score changes the operator cannot express
     #: (soft-capping, ALiBi) do not block it
@@ -131,6 +134,7 @@ class ConversionSpec:
             fused_qkv=fused_qkv_layouts(plan),
             reads_shared_kv=_reads_shared_kv(plan),
             config_switches=config_switches(plan),
+            compressed_attention=plan.compressed_attention is not None,
         )
 
 

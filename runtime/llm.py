@@ -219,11 +219,14 @@ class LLM:
             self.tensor_parallel.share_kv_setup(kv_kwargs, setup)
         self.cache_info, self.kv_manager = setup.cache_info, setup.manager
         if self.npu_profile.shapes:  # the paged attention's block sizes, as the run chose them
+            # a compressed entry (compress_ratio > 1) is no FA cache: its token block holds
+            # block_size // ratio rows, and the operator reading them checks its own block size
             for size in sorted(
                 {
                     entry.block_size
                     for _, entry in self.cache_info.entries()
                     if entry.attn_type in (AttnType.FULL_ATTENTION, AttnType.SLIDING_WINDOW)
+                    and entry.compress_ratio == 1
                 }
             ):
                 check_run_block_size(size)

@@ -294,7 +294,14 @@ def verify_directory(directory: Path, options: VerifyOptions) -> VerifyReport:
     checked, checked_note = choose_checked(directory, options.shrink, options.dtype)
     options = replace(options, shrink=checked is Checked.SHRUNK_TWIN)
     shrunk = (
-        shrink_config(config, shrink_window=is_windowed(plan), attribute_map=names, code=plan.code)
+        shrink_config(
+            config,
+            # compressed attention's window is an operator limit (npu_sparse_attn_sharedkv
+            # takes a 128-token window only): kept
+            shrink_window=is_windowed(plan) and plan.compressed_attention is None,
+            attribute_map=names,
+            code=plan.code,
+        )
         if options.shrink
         else None
     )

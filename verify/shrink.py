@@ -21,7 +21,7 @@ from typing import Any
 from kvskill.analyzer.analyze import PER_LAYER_HEAD_KEYS
 from kvskill.analyzer.config import text_config
 from kvskill.analyzer.config_keys import SSM_ALIASES, kv_heads, kv_heads_keys, lookup, write_keys
-from kvskill.verify.shrink_mla import is_mla_config, shrink_mla
+from kvskill.verify.shrink_mla import INDEX_N_HEADS, is_mla_config, shrink_mla
 
 #: tiny sizes: fast on a CPU, big enough that a wrong mask or head mapping shows in logits.
 #: head_dim stays 64, a size the fused attention accepts on every path (TND, learnable
@@ -36,6 +36,9 @@ NUM_EXPERTS = 4
 #: the window shrinks to this many tokens so prompts run past it
 SLIDING_WINDOW = 8
 ATTENTION_CHUNK = 64
+#: CSA's top-k in a shrunk compressed-attention twin: below the entries of its prompts (one
+#: per 4 tokens), so the indexer drops entries
+COMPRESSED_INDEX_TOPK = 8
 MIN_LAYERS = 2
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -415,6 +418,11 @@ def _shrink_decoder(
     _put(new, config, "vocab_size", VOCAB_SIZE, names)
     if shrink_window and isinstance(config.get("sliding_window"), int):
         new["sliding_window"] = min(config["sliding_window"], SLIDING_WINDOW)
+    if isinstance(config.get("compress_rates"), dict) and isinstance(config.get("index_topk"), int):
+        # compressed attention (DeepSeek-V4): the ratios stay (the operators take 4 / 128);
+        # a top-k the prompts' compressed entries exceed, so the CSA indexer drops some
+        new["index_topk"] = min(config["index_topk"], COMPRESSED_INDEX_TOPK)
+        new["index_n_heads"] = min(int(config.get("index_n_heads") or 1), INDEX_N_HEADS)
     if isinstance(config.get("attention_chunk_size"), int):
         # chunks shorter than the prompts, so a query's chunk boundary is exercised (the
         # original builds its chunked masks from the same value)

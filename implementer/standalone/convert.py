@@ -48,6 +48,13 @@ def convert_standalone(plan: Plan, options: ApplyOptions) -> Conversion:
     if plan.code.get("legacy_standalone"):
         # the framework's own standalone model: its runner stays, its mode 1 rows become mode 2
         return convert_standalone_own_legacy(plan, options)
+    if plan.compressed_attention is not None:
+        raise UnsupportedModelError(
+            f"{Path(plan.source.modeling_file).name}: cannot convert in standalone mode: "
+            "compressed attention (DeepSeek-V4) is rewritten for framework mode only (its "
+            "compressor state and compressed rows need the runtime's SlidingWindow and "
+            "compressed groups, which the standalone runner does not build): use --mode framework"
+        )
     sharing = plan.code.get("kv_sharing") or {}
     if sharing.get("shared"):
         raise UnsupportedModelError(

@@ -51,6 +51,14 @@ MLA_SPEC = MlaSpec(
 LEGACY_SPEC = LegacySpec(
     fa_version=FaVersion.V1, input_layout="BSH", uniform_attn_type="FullAttention"
 )
+COMPRESSED_SPEC = ConversionSpec(
+    fa_version=FaVersion.V2,
+    input_layout="TND",
+    uniform_attn_type="SlidingWindow",
+    sparse_mode={"SlidingWindow": {"prefill": 4, "decode": 4}},
+    has_sinks=True,
+    compressed_attention=True,
+)
 SPECS = {
     ConversionPath.PAGED: PAGED_SPEC,
     ConversionPath.CONTIGUOUS: PAGED_SPEC,
@@ -58,6 +66,7 @@ SPECS = {
     ConversionPath.LEGACY: LEGACY_SPEC,
     ConversionPath.FRAMEWORK_LEGACY: PAGED_SPEC,
     ConversionPath.STANDALONE_LEGACY: PAGED_SPEC,
+    ConversionPath.COMPRESSED: COMPRESSED_SPEC,
 }
 BEFORE = {
     ConversionPath.PAGED: HERE / "before_paged.py",
@@ -74,6 +83,8 @@ BEFORE = {
     / "cann_legacy"
     / "dense_standalone"
     / "modeling_legacy_dense.py",
+    # a K = V window with sinks, a compressor with its indexer (DeepSeek-V4's shape)
+    ConversionPath.COMPRESSED: HERE / "before_compressed.py",
 }
 #: the paths that convert the framework's own Legacy files and keep the executor's imports
 OWN_LEGACY_PATHS = {ConversionPath.FRAMEWORK_LEGACY, ConversionPath.STANDALONE_LEGACY}
@@ -110,6 +121,7 @@ NO_WORK_IN_FIXTURE = {
     ("KVR001", "mla"),
     ("KVR011", "mla"),
     ("KVR012", "mla"),
+    ("KVR012", "compressed"),
 }
 NOTHING_TO_DO = '''\
 """A module with no model in it."""

@@ -202,3 +202,149 @@ def test_compressed_declarations_that_no_manager_can_serve(change, message):
     with pytest.raises(CacheInfoError) as error:
         validate_cache_info(info)
     assert message in str(error.value)
+
+
+# -- the compressor's state: a SlidingWindow entry of per-token rows ----------------------------
+
+#: DeepSeek-V4's CSA compressor pools 2 * RATIO tokens per entry (the previous window's first
+#: series with the current window's second), so the framework keeps its per-token projections
+#: in a SlidingWindow entry of 2 * RATIO rows (``sfa_kv_state``, dim [2, D], two heads: kv and
+#: score, float32; cann-recipes-infer models/deepseek_v4/models/modeling_deepseek.py:932-955)
+STATE_WINDOW = 2 * RATIO
+STATE_KEY, POOLED_KEY = "c4a_cmp_state", "c4a_cmp_kv"
+
+
+class CompressorStateToy(nn.Module):
+    """Entry w = sum over the 2 * RATIO slots of softmax(score + ape) * kv, where slots
+    0..RATIO-1 are tokens of window w - 1 (series a) and RATIO.. those of window w (series b),
+    as transformers' DeepseekV4CSACompressor pools; the tokens' projections are read back
+    from the state entry when the window closes, possibly steps after they were written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=64)
+        self.block_size = BLOCK_SIZE
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.kv_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.gate_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.ape = nn.Parameter(torch.randn(RATIO, 2, DIM))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.state = self.pooled = None
+
+    def get_cache_info(self) -> ModelCacheInfo:
+        def setter(name):
+            return lambda tensor: setattr(self, name, tensor)
+
+        caches = [
+            CacheEntry("state", "SlidingWindow", [2, DIM], 2, torch.float32, True,
+                       manager_key=STATE_KEY, sliding_window=STATE_WINDOW,
+                       tensor_setter=setter("state")),
+            CacheEntry("pooled", "FullAttention", DIM, 1, torch.float32, True,
+                       manager_key=POOLED_KEY, compress_ratio=RATIO,
+                       tensor_setter=setter("pooled")),
+        ]  # fmt: skip
+        return ModelCacheInfo(num_layers=1, layer_infos=[LayerCacheInfo(0, caches)])
+
+    def projections(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """[T, 2 (kv, score), 2 (series a, b), D]"""
+        kv = self.kv_proj(x).view(-1, 2, DIM)
+        score = self.gate_proj(x).view(-1, 2, DIM) + self.ape[pos % RATIO]
+        return torch.stack([kv, score], dim=1)
+
+    def forward(self, input_ids, position_ids, use_cache=False, logits_to_keep=None):
+        md = get_forward_metadata()
+        pos = position_ids[0]
+        x = self.embed(input_ids[0])
+        request = torch.repeat_interleave(
+            torch.arange(md.actual_seq_lengths_q.numel()), md.actual_seq_lengths_q.long()
+        )
+        self.state[at(md.slot_mapping[STATE_KEY], BLOCK_SIZE)[:2]] = self.projections(
+            x, pos
+        )  # both heads
+        done = pos % RATIO == RATIO - 1
+        entries, owner = pos[done] // RATIO, request[done]
+        if entries.numel():
+            # the 2 * RATIO tokens each closing window pools, all inside the state's window
+            first = entries[:, None] * RATIO - RATIO + torch.arange(STATE_WINDOW)
+            present = first >= 0
+            slots = prepare_slot_mapping(
+                md.block_table[STATE_KEY], owner[:, None].expand_as(first)[present],
+                first[present], BLOCK_SIZE,
+            )  # fmt: skip
+            rows = torch.zeros(*first.shape, 2, 2, DIM)
+            rows[..., 1, :, :] = float("-inf")  # an absent token weighs nothing
+            rows[present] = self.state[at(slots, BLOCK_SIZE)[:2]]
+            self.pooled[
+                at(
+                    prepare_slot_mapping(
+                        md.block_table[POOLED_KEY], owner, entries, ROWS_PER_BLOCK
+                    ),
+                    ROWS_PER_BLOCK,
+                )
+            ] = pool(rows)
+        visible = (pos + 1) // RATIO
+        width = int(visible.max()) if visible.numel() else 0
+        row_ids = torch.arange(width).expand(pos.numel(), width)
+        seen = row_ids < visible[:, None]
+        slots = prepare_slot_mapping(
+            md.block_table[POOLED_KEY], request[:, None].expand_as(row_ids)[seen],
+            row_ids[seen], ROWS_PER_BLOCK,
+        )  # fmt: skip
+        summed = torch.zeros_like(x).index_add_(
+            0, torch.nonzero(seen)[:, 0], self.pooled[at(slots, ROWS_PER_BLOCK)]
+        )
+        logits = self.head(x + summed)
+        return logits[logits_to_keep].unsqueeze(0)
+
+
+def pool(rows: torch.Tensor) -> torch.Tensor:
+    """[E, 2 * RATIO, 2, 2, D] token rows -> [E, D]: series a of the first RATIO slots, b of
+    the last, softmax-gated over the slots."""
+    kv = torch.cat([rows[:, :RATIO, 0, 0], rows[:, RATIO:, 0, 1]], dim=1)
+    score = torch.cat([rows[:, :RATIO, 1, 0], rows[:, RATIO:, 1, 1]], dim=1)
+    return (kv * score.softmax(dim=1)).sum(dim=1)
+
+
+def naive_state_greedy(model: CompressorStateToy, prompt: list[int], max_tokens: int):
+    tokens, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            pos = torch.arange(len(tokens))
+            x = model.embed(torch.tensor(tokens))
+            proj = model.projections(x, pos)
+            entries = []
+            for w in range(len(tokens) // RATIO):
+                rows = torch.zeros(STATE_WINDOW, 2, 2, DIM)
+                rows[:, 1] = float("-inf")
+                lo = w * RATIO - RATIO
+                rows[max(0, -lo) :] = proj[max(0, lo) : w * RATIO + RATIO]
+                entries.append(pool(rows[None])[0])
+            hidden = x[-1] + (torch.stack(entries).sum(0) if entries else 0)
+            tokens.append(int(model.head(hidden).argmax()))
+            out.append(tokens[-1])
+    return out
+
+
+@pytest.mark.parametrize("use_hybrid_blocks", [False, True])
+def test_compressor_state_rows_survive_steps_preemption_and_prefix_hits(use_hybrid_blocks):
+    params = SamplingParams(max_tokens=9)
+    expected = [naive_state_greedy(CompressorStateToy(), p, 9) for p in PROMPTS]
+    roomy = LLM(CompressorStateToy(), num_blocks=64, use_hybrid_blocks=use_hybrid_blocks)
+    assert [o.token_ids for o in roomy.generate(PROMPTS, params)] == expected
+    # the state group holds a bounded window per request; the pooled group every row
+    assert roomy.kv_manager.usage()["groups"][STATE_KEY]["bytes_per_block"] == (
+        BLOCK_SIZE * 2 * 2 * DIM * 4
+    )
+    tight = LLM(
+        CompressorStateToy(),
+        num_blocks=15 if use_hybrid_blocks else 8,
+        use_hybrid_blocks=use_hybrid_blocks,
+        enable_prefix_caching=True,
+        free_block_order_seed=3,
+    )
+    outputs = [o.token_ids for o in tight.generate(PROMPTS + PROMPTS[:2], params)]
+    assert outputs == expected + expected[:2]
+    assert tight.stats.num_preemptions > 0
+    assert tight.stats.num_prefix_hit_tokens >= BLOCK_SIZE
+    assert tight.kv_manager.num_free_blocks == tight.kv_manager.initial_free_blocks

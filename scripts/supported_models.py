@@ -53,6 +53,7 @@ FAMILIES = [
     Family("deepseek_v3"),
     Family("deepseek_v32"),
     Family("glm_moe_dsa"),
+    Family("deepseek_v4"),
     Family(
         "deepseek_v2",
         {"num_experts_per_tok": 2},
@@ -81,6 +82,10 @@ def _analyze_cell(plan) -> str:
         modes += f", Mamba states in {states} of {len(kinds)} layers"
     extra = ", learnable sinks" if plan.has_sinks else ""
     extra += ", MLA absorbed" if plan.mla_absorb else ""
+    if plan.compressed_attention is not None:
+        extra += ", compressed " + " / ".join(
+            f"{k.name} x{len(k.layer_indices)}" for k in plan.compressed_attention.kinds
+        )
     if plan.indexer is not None:
         extra += f", DSA indexer top-{plan.indexer.topk} in {len(plan.indexer.layers)} layers"
     return (

@@ -1,4 +1,4 @@
-"""A stand-in ``torch_npu`` for dry runs of converted models on CPU.
+"""A stand-in ``torch_npu`` (and ``torch.ops.custom``) for dry runs of converted models on CPU.
 
 Each operator first binds its arguments the way torch_npu 2.13.0's Python binding would, from
 the schema fixture alone (positional count, keyword names, required arguments, argument
@@ -6,6 +6,9 @@ types), then hands the bound arguments to the reference operator under the stric
 profile, which applies the documented limits. Out-of-place results come back as zeros of the
 right shape and dtype, so nothing downstream can depend on the reference's numerics; in-place
 operators return their (written) first argument, as the device does.
+
+The framework's own operator extension (``torch.ops.custom.*``, DeepSeek-V4's compressed
+attention) is faked the same way, bound against its recorded registration schemas.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from aten_schema import REQUIRED, Param, Schema, load_schemas
+from aten_schema import FIXTURE, REQUIRED, Param, Schema, load_schemas
 from kvskill.runtime import ops
 from kvskill.runtime.ops import reference
+from kvskill.runtime.ops.reference import custom as custom_reference
+
+#: the framework's extension schemas (scripts/extract_custom_schemas.py)
+CUSTOM_FIXTURE = FIXTURE.with_name("custom_schemas.json")
 
 
 class BindingError(TypeError):
@@ -106,13 +113,16 @@ def _zeros_like_result(result: Any) -> Any:
 
 def _make_op(schema: Schema, impl: Callable[..., Any], log: CallLog) -> Callable[..., Any]:
     in_place = "!" in schema.params[0].type
+    # A *_metadata operator's output is the plan its attention reads, not numerics: it passes
+    # through as the reference made it (the attention checks it was made for its arguments).
+    keeps_result = in_place or schema.name.endswith("_metadata")
 
     def op(*args: Any, **kwargs: Any) -> Any:
         bound = bind(schema, args, kwargs)
         log.calls.append((schema.name, bound))
         with ops.npu_limits():
             result = impl(**bound)
-        return result if in_place else _zeros_like_result(result)
+        return result if keeps_result else _zeros_like_result(result)
 
     op.__name__ = schema.name
     return op
@@ -138,6 +148,16 @@ def install(monkeypatch, log: CallLog) -> types.ModuleType:
     a model. Device selection stays on the CPU: the fake registers no ``torch.npu``.
     """
     fake = build(log)
+    custom = types.SimpleNamespace(
+        **{
+            name: _make_op(schema, getattr(custom_reference, name), log)
+            for name, schema in load_schemas(CUSTOM_FIXTURE).items()
+            if hasattr(custom_reference, name)
+        }
+    )
+    # converted code reaches the extension as torch.ops.custom once `import custom_ops` works
+    monkeypatch.setitem(sys.modules, "custom_ops", types.ModuleType("custom_ops"))
+    monkeypatch.setattr(torch.ops, "custom", custom)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setattr(ops, "torch_npu", fake)
     monkeypatch.setattr(ops, "_BACKEND", ops.Backend("npu", "fake torch_npu (dry run on CPU)"))

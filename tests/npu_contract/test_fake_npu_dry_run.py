@@ -125,12 +125,27 @@ FAMILIES = {
     # attention's sparse_count); glm_moe_dsa's every layer runs its indexer by default
     "deepseek_v32": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
     "glm_moe_dsa": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    # compressed attention: an HCA and a CSA layer with the operators' head dim 512 (one K = V
+    # head), 64 query heads, the indexer's 64 heads of 128 and top-512; small elsewhere
+    "deepseek_v4": {
+        "num_hidden_layers": 2,
+        "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        "hidden_size": 1024,
+        "q_lora_rank": 128,
+        "o_lora_rank": 128,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 512,
+        "num_nextn_predict_layers": 0,
+    },
     # the remote-code row: its own config is NPU-sized already (4 / 2 heads of 64)
     REMOTE: {},
 }
 #: framework, standalone over the paged runner, standalone over the contiguous (BSH) runner
 MODES = ("framework", "standalone-paged", "standalone-contiguous")
 _STATE_LAYERS = "recurrent-state (Mamba) layers are converted in framework mode only"
+_V4_FRAMEWORK_ONLY = "compressed attention (DeepSeek-V4) is rewritten for framework mode only"
 _MLA_PAGED_ONLY = "absorbed MLA attention is generated over the paged latent caches only"
 # npu_ops §1.4/§1.5: with BSH and one query token the operator runs its decode branch, which
 # ignores sparse_mode and pre/next tokens, so a window cannot be applied in decode
@@ -147,6 +162,8 @@ REFUSED = {
     ("deepseek_v2", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("deepseek_v32", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("glm_moe_dsa", "standalone-contiguous"): _MLA_PAGED_ONLY,
+    ("deepseek_v4", "standalone-paged"): _V4_FRAMEWORK_ONLY,
+    ("deepseek_v4", "standalone-contiguous"): _V4_FRAMEWORK_ONLY,
     ("mistral", "standalone-contiguous"): _BSH_WINDOW,
     ("gpt_oss", "standalone-contiguous"): _BSH_WINDOW,
 }
@@ -202,6 +219,11 @@ def _attention_calls(log: fake_torch_npu.CallLog) -> list[dict]:
         log.of("npu_fused_infer_attention_score")
         + log.of("npu_fused_infer_attention_score_v2")
         + log.of("npu_sparse_flash_attention")
+        # the framework's V4 attention names its query q and the query's layout layout_q
+        + [
+            b | {"query": b["q"], "layout_query": b["layout_q"]}
+            for b in log.of("npu_sparse_attn_sharedkv")
+        ]
     )
 
 

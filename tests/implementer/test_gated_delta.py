@@ -60,7 +60,7 @@ def test_the_converted_layer_keeps_its_states_in_the_mamba_group(converted):
         "fla.fused_recurrent_gated_delta_rule(",
     ):
         assert op in layer
-    assert "ssm_state_indices=state_index" in layer
+    assert "ssm_state_indices=decode_state_index" in layer
     # the attention layers of the hybrid model are full attention, not a Mamba conditional
     attention = code[code.index("class Qwen3NextAttention") : code.index("class Qwen3NextGated")]
     assert 'self.attn_type = "FullAttention"' in attention

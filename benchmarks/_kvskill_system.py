@@ -128,6 +128,7 @@ class KvskillRuntime:
         prepack_linear: bool | None = None,
         fuse_layers: bool | None = None,
         screen_output_head: bool | None = None,
+        graph: bool = False,
     ):
         from kvskill.runtime import LLM, EngineConfig
         from kvskill.runtime.loader import load_model
@@ -150,9 +151,26 @@ class KvskillRuntime:
             prepack_linear=prepack_linear,
             fuse_layers=fuse_layers,
             screen_output_head=screen_output_head,
+            graph=graph,
         )
         self.llm = LLM(loaded.model, config)
+        self.vocab_size = spec.vocab_size
         self.probe = _StepProbe(self.llm.engine)
+
+    @torch.inference_mode()
+    def capture_buckets(self, max_batch: int) -> dict:
+        """Capture the decode graph of every bucket a batch of up to MAX_BATCH requests
+        reaches: MAX_BATCH short requests whose token counts are 2, 3, ..., so once they are
+        all decoding the batch shrinks by one request per step through every size. Returns
+        the capture's stats (buckets compiled, compile seconds)."""
+        from kvskill.runtime import SamplingParams
+
+        prompts = [[(7 * i + j) % self.vocab_size for j in range(4)] for i in range(max_batch)]
+        params = [SamplingParams(max_tokens=2 + i, ignore_eos=True) for i in range(max_batch)]
+        self.llm.generate(prompts, params)
+        self.llm.kv_manager.reset_prefix_cache()
+        captured = self.llm.engine.captured_decode
+        return {} if captured is None else captured.stats.to_dict()
 
     def close(self) -> None:
         self.probe.close()

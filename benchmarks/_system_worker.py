@@ -31,9 +31,11 @@ def build_runner(system: str, reference, spec, *, kv_capacity_tokens: int, num_r
     if system in KVSKILL_OPTIONS:
         from _kvskill_system import KvskillRuntime
 
-        rt = KvskillRuntime(
-            spec, reference, kv_capacity_tokens=kv_capacity_tokens, **KVSKILL_OPTIONS[system]
-        )
+        options = KVSKILL_OPTIONS[system]
+        rt = KvskillRuntime(spec, reference, kv_capacity_tokens=kv_capacity_tokens, **options)
+        if options.get("graph"):
+            stats = rt.capture_buckets(num_requests)
+            print(f"[{system}] captured before timing: {stats}", file=sys.stderr, flush=True)
         return rt.run, rt.close
     bpt = kv_bytes_per_token(spec)
     if system == "hf_padded":

@@ -14,6 +14,9 @@ tokenizer), decodes greedily with EOS ignored, and runs in fp32. Systems:
 - `kvskill_screen`: `kvskill_fused` with `screen_output_head=True` (greedy steps read the
   output head in bf16 and compute fp32 logits only for the tokens a rounding bound keeps;
   each token the exact argmax of fp32 dot products); on W5 also `kvskill_screen_nopc`;
+- `kvskill_graph`: the defaults with `graph=True` (decode steps replay a graph captured per
+  batch bucket); its process captures every bucket the workload's batch can reach before it
+  answers ready, as vLLM compiles its model at start-up, so no capture falls in a timed run;
 - `hf_padded`: transformers' padded `generate`, all requests in one batch;
 - `hf_cb`: transformers' continuous batching, when the installed transformers has it;
 - `vllm`: vLLM's CPU build, in its own venv and process (`_vllm_runner.py`, built by
@@ -88,6 +91,7 @@ KVSKILL_OPTIONS = {
     "kvskill_fused": {**_OFF, **_FAST},
     "kvskill_screen": _SCREEN,
     "kvskill_screen_nopc": {**_SCREEN, "enable_prefix_caching": False},
+    "kvskill_graph": {"graph": True},
 }
 SYSTEMS = (*KVSKILL_OPTIONS, "hf_padded", "hf_cb", "vllm", "vllm_nopc")
 #: Systems that only differ from another one by prefix caching run on W5 only.

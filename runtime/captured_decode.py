@@ -70,6 +70,15 @@ def _backend() -> Any:
     return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
 
 
+#: Inductor's C++ kernels split a loop over the OpenMP threads once each thread gets 512
+#: elements; a decode step's elementwise work (a residual add of batch x hidden) is a few
+#: thousand elements, where opening a parallel region costs more than the loop, and on a
+#: loaded machine a region waits milliseconds for its second thread (measured: a 4,096-element
+#: add took 3.3 ms per call). ATen runs such loops on one thread below its grain size of
+#: 32,768 elements (at::internal::GRAIN_SIZE); the captured step uses the same threshold.
+INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 32768}
+
+
 def traced_scalar_reads():
     """Trace ``tolist()`` / ``item()`` into the graph as unbacked ints instead of breaking it:
     the converted attention reads the step's lengths as ints (the operators take
@@ -128,11 +137,13 @@ class CapturedDecode:
             key: -(-max_model_len // kv_manager.block_size_of(key)) for key in kv_manager.group_keys
         }
         self.stats = CaptureStats()
+        backend = backend if backend is not None else _backend()
         self._compiled: Callable = torch.compile(
             self._forward,
             fullgraph=True,
             dynamic=False,
-            backend=backend if backend is not None else _backend(),
+            backend=backend,
+            options=INDUCTOR_OPTIONS if backend == "inductor" else None,
         )
 
     def bucket_for(self, batch: int) -> int | None:

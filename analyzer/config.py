@@ -113,9 +113,19 @@ def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The decoder's config: ``text_config`` for composite configs, else the config."""
+    """The decoder's config: ``text_config`` for composite configs, else the config.
+
+    A checkpoint may store its text keys at the top level (dots3_note's published
+    ``config.json``); its config class builds ``text_config`` from them and keeps them at the
+    top level too. Both then name the same layer count, and ``text_config`` is the one the
+    model reads, with the values the class derives (``per_layer_config``, normalised
+    ``layer_types``).
+    """
     inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+    if isinstance(inner, dict) and (
+        "num_hidden_layers" not in config
+        or inner.get("num_hidden_layers") == config["num_hidden_layers"]
+    ):
         return inner, "text_config."
     return config, ""
 

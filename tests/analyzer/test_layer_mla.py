@@ -103,3 +103,23 @@ def test_sliding_mla_layers_inside_the_operator_limits_are_still_refused(tmp_pat
     assert not [b for b in plan.implementer_blockers if b.startswith("operator limit")]
     with pytest.raises(UnsupportedModelError, match="MLA layers 2-3 are SlidingWindow"):
         MlaSpec.from_plan(plan)
+
+
+def test_a_published_flat_config_is_read_through_its_text_config(tmp_path):
+    # dots3_note's checkpoints store the text keys at the top level, the sliding layers' own
+    # values as swa_*; the config class turns them into text_config.per_layer_config
+    config = {
+        "model_type": "dots3_note",
+        "num_hidden_layers": 6,
+        "kv_lora_rank": 512,
+        "swa_num_attention_heads": 64,
+        "swa_num_key_value_heads": 64,
+        "swa_kv_lora_rank": 1024,
+        "swa_qk_nope_head_dim": 192,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = analyze_model(str(tmp_path))
+    assert plan.attention.value == "mla"
+    assert plan.indexer is not None and plan.indexer.layers == [0, 1, 5]
+    sliding = {e.cache_name: e.dim for e in plan.cache_entries["SlidingWindow"]}
+    assert sliding == {"nope_cache": 1024, "rope_cache": 64}

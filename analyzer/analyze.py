@@ -82,6 +82,7 @@ from kvskill.analyzer.kv_sharing import (
     sharing_record,
 )
 from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
+from kvskill.analyzer.layer_mla import MlaGroup, cite_mla_groups, mla_groups
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
 from kvskill.analyzer.mla_write import FUSED, decide_mla_cache_write
@@ -323,7 +324,8 @@ def plan_for_source(
     )
     layers = _decide_layers(source, code, read, book)
     design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
-    entries = _decide_cache_entries(source, spec, layers.attn_types, design, attn_tp_size, book)
+    groups = _mla_layer_groups(spec, layers.layers, book)
+    entries = _decide_cache_entries(source, spec, layers, design, attn_tp_size, groups, book)
     compressed = _decide_compressed_attention(source, code, spec, attn_tp_size, book)
     if compressed is not None:
         entries = compressed_cache_entries(compressed)
@@ -351,6 +353,7 @@ def plan_for_source(
         block_size,
         book,
         fused_attention=compressed is None,
+        mla_groups=groups,
     )
     rope = _cite_rope(source, code, spec, book)
     cache_write = (
@@ -549,15 +552,43 @@ def _decide_attention(
 def _decide_cache_entries(
     source: ModelSource,
     spec: ModelSpec,
-    attn_types: list[str],
+    layers: _Layers,
     design: _AttentionDesign,
     attn_tp_size: int,
+    groups: list[MlaGroup],
     book: Notebook,
 ) -> dict[str, list[CacheEntryPlan]]:
     """The cache entries each attn_type declares (per rank), and where state sizes come from."""
-    entries = cache_entries(spec, attn_types, design.kv_heads, attn_tp_size, design.sliding_heads)
+    entries = cache_entries(
+        spec,
+        layers.attn_types,
+        design.kv_heads,
+        attn_tp_size,
+        design.sliding_heads,
+        mla_groups=groups,
+    )
     cite_state_entries(entries, source, book)
     return entries
+
+
+def _mla_layer_groups(spec: ModelSpec, layers: list[LayerPlan], book: Notebook) -> list[MlaGroup]:
+    """The MLA layers grouped by what they are (``analyzer.layer_mla``), cited when they
+    differ; layers of one attn_type with different latent dims cannot share one cache group."""
+    indexed = set(indexer_layers(spec).owners) if plannable_indexer(spec) else set()
+    groups = mla_groups(spec, layers, indexed)
+    cite_mla_groups(groups, book, book.cfg(spec.sources.get("layer_overrides")))
+    by_type: dict[str, set[tuple]] = {}
+    for group in groups:
+        by_type.setdefault(group.attn_type, set()).add(tuple(group.dims.items()))
+    for attn_type, dims in by_type.items():
+        if len(dims) > 1:
+            msg = (
+                f"{attn_type} MLA layers differ in latent dims ({len(dims)} kinds); the layers "
+                "of one attn_type share one cache group with one entry width"
+            )
+            book.warn(msg)
+            book.block(msg)
+    return groups
 
 
 def _decide_compressed_attention(
@@ -706,12 +737,13 @@ def _size_caches(
 
 
 def _indexer_key_layers(spec: ModelSpec, sublayers: int) -> dict[str, int] | None:
-    """{indexer key cache: the layers keeping it} when some indexed layers share another's
-    top-k and keep no indexer keys (GLM-5), else None (every MLA layer keeps them)."""
+    """{indexer key cache: the layers keeping it} when some layers share another's top-k
+    (GLM-5) or run no indexer (dots3_note) and keep no indexer keys, else None (every MLA
+    layer keeps them)."""
     if not plannable_indexer(spec):
         return None
     layers = indexer_layers(spec)
-    if not layers.shared:
+    if not layers.shared and not layers.dense:
         return None
     return {INDEXER_KEY_CACHE: len(layers.owners) * sublayers}
 
@@ -770,10 +802,12 @@ def _add_checks(
     book: Notebook,
     *,
     fused_attention: bool = True,
+    mla_groups: list[MlaGroup] | None = None,
 ) -> None:
     """The common-error table's items and the operators' limits that apply to this model
     (FUSED_ATTENTION False: a compressed attention, which reads through no FA call; its
-    operators' sizes are ``compressed_features.operator_limits``)."""
+    operators' sizes are ``compressed_features.operator_limits``; MLA_GROUPS: the MLA layers
+    by their own dims, each group checked with its own)."""
     # the standalone Legacy MLA rewrite (KVR026) keeps the model's own absorbed fused call
     keeps_absorbed_prefill = bool(facts.get("legacy_standalone")) and spec.mla is not None
     add_pitfalls(
@@ -801,6 +835,7 @@ def _add_checks(
         attn_tp_size=attn_tp_size,
         block_size=block_size,
         keeps_absorbed_prefill=keeps_absorbed_prefill,
+        mla_groups=mla_groups,
     )
 
 

@@ -36,6 +36,9 @@ _LAYER_KIND = {
 }
 
 
+#: the layer_types value of a layer that runs the DSA indexer (dots3_note)
+INDEXED_ATTENTION = "indexed_attention"
+
 #: model types whose every layer is a state-space mixer (no attention at all)
 STATE_SPACE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
 #: model types whose "hybrid" layers each hold an attention KV cache and a Mamba state:
@@ -86,6 +89,9 @@ class ModelSpec:
     #: "indexer_types"}: the last the per-layer list, or None when every layer runs its own),
     #: None without one
     indexer: dict[str, Any] | None = None
+    #: layer index -> the config keys that layer sets for itself (transformers 5's
+    #: ``per_layer_config``: only the keys that differ from the model's), {} without any
+    layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: field -> the config key it was read from (a vendor's name where the config uses one)
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -107,9 +113,19 @@ def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The decoder's config: ``text_config`` for composite configs, else the config."""
+    """The decoder's config: ``text_config`` for composite configs, else the config.
+
+    A checkpoint may store its text keys at the top level (dots3_note's published
+    ``config.json``); its config class builds ``text_config`` from them and keeps them at the
+    top level too. Both then name the same layer count, and ``text_config`` is the one the
+    model reads, with the values the class derives (``per_layer_config``, normalised
+    ``layer_types``).
+    """
     inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+    if isinstance(inner, dict) and (
+        "num_hidden_layers" not in config
+        or inner.get("num_hidden_layers") == config["num_hidden_layers"]
+    ):
         return inner, "text_config."
     return config, ""
 
@@ -232,8 +248,30 @@ def normalise(
         max_positions=max_positions if _is_int(max_positions) else None,
         alibi=_alibi_switch(cfg),
         indexer=_indexer(cfg, sources, prefix),
+        layer_overrides=_layer_overrides(cfg, int(num_layers), sources, prefix),
         sources=sources,
     )
+
+
+def _layer_overrides(
+    cfg: dict[str, Any], num_layers: int, sources: dict[str, str], prefix: str
+) -> dict[int, dict[str, Any]]:
+    """``per_layer_config`` by layer index (its keys are the index as a string, "02", or an
+    int); entries past the layer count or not a dict are not layers of this model."""
+    raw = cfg.get("per_layer_config")
+    if not isinstance(raw, dict):
+        return {}
+    found: dict[int, dict[str, Any]] = {}
+    for key, values in raw.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= index < num_layers and isinstance(values, dict) and values:
+            found[index] = dict(values)
+    if found:
+        sources["layer_overrides"] = prefix + "per_layer_config"
+    return found
 
 
 def _alibi_switch(cfg: dict[str, Any]) -> bool | None:
@@ -273,9 +311,20 @@ def _indexer(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[
     kinds = cfg.get("indexer_types")
     if isinstance(kinds, list):
         sources["indexer_types"] = prefix + "indexer_types"
+    # dots3_note's layer_types: only its "indexed_attention" layers run the indexer, the
+    # others attend densely (full or sliding) and keep no indexer keys
+    types = cfg.get("layer_types")
+    indexed = (
+        [i for i, t in enumerate(types) if t == INDEXED_ATTENTION]
+        if isinstance(types, list) and INDEXED_ATTENTION in types
+        else None
+    )
+    if indexed is not None:
+        sources["indexed_layers"] = prefix + "layer_types"
     return {
         **{k: int(v) for k, v in values.items()},
         "indexer_types": [str(k) for k in kinds] if isinstance(kinds, list) else None,
+        "indexed_layers": indexed,
     }
 
 

@@ -10,7 +10,7 @@ caching and preemption keep the three together), ``npu_lightning_indexer`` selec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
@@ -35,6 +35,9 @@ class IndexerLayers:
     shared: list[int]
     #: why the pattern cannot be planned, or None
     problem: str | None = None
+    #: layers that run no indexer and attend densely, full or sliding (dots3_note's
+    #: "full_attention" and "sliding_attention" beside its "indexed_attention" layers)
+    dense: list[int] = field(default_factory=list)
 
 
 def indexer_layers(spec: ModelSpec) -> IndexerLayers:
@@ -42,10 +45,18 @@ def indexer_layers(spec: ModelSpec) -> IndexerLayers:
 
     GLM-5's ``indexer_types`` (one entry per layer, "full" or "shared"): a shared layer has no
     indexer module, hence no weights and no key cache, and attends to the positions the
-    nearest earlier full layer selected for the same tokens.
+    nearest earlier full layer selected for the same tokens. dots3_note's ``layer_types``:
+    its "indexed_attention" layers run the indexer, the others none (they attend densely).
     """
     assert spec.indexer is not None
     kinds = spec.indexer.get("indexer_types")
+    indexed = spec.indexer.get("indexed_layers")
+    if kinds is None and indexed is not None:
+        return IndexerLayers(
+            owners=list(indexed),
+            shared=[],
+            dense=[i for i in range(spec.num_layers) if i not in set(indexed)],
+        )
     if kinds is None:
         return IndexerLayers(owners=list(range(spec.num_layers)), shared=[])
     kinds = list(kinds[: spec.num_layers])
@@ -86,12 +97,20 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         f"{INDEXER_KEY_CACHE} ({key_bytes} bytes per token per layer), paged with the latent",
         book.cfg(spec.sources.get("indexer")),
     )
+    if layers.dense:
+        book.cite(
+            "indexer.layers",
+            f"{len(layers.owners)} layers run the indexer and keep {INDEXER_KEY_CACHE} "
+            f"({spans(layers.owners)}); {len(layers.dense)} layers ({spans(layers.dense)}) "
+            "run none: they attend densely (full or sliding) and keep no indexer keys",
+            book.cfg(spec.sources.get("indexed_layers")),
+        )
     if layers.shared:
         book.cite(
             "indexer.layers",
             f"{len(layers.owners)} layers run the indexer and keep {INDEXER_KEY_CACHE} "
-            f"({_spans(layers.owners)}); {len(layers.shared)} 'shared' layers "
-            f"({_spans(layers.shared)}) reuse the previous indexer layer's top-k and keep no "
+            f"({spans(layers.owners)}); {len(layers.shared)} 'shared' layers "
+            f"({spans(layers.shared)}) reuse the previous indexer layer's top-k and keep no "
             "indexer keys",
             book.cfg(spec.sources.get("indexer_types")),
         )
@@ -111,15 +130,16 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         operators=[LIGHTNING_INDEXER, SPARSE_ATTENTION],
         layers=layers.owners,
         shared_layers=layers.shared,
+        dense_layers=layers.dense,
     )
 
 
-def _spans(indices: list[int]) -> str:
+def spans(indices: list[int]) -> str:
     """Layer indices as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
-    spans: list[list[int]] = []
+    runs: list[list[int]] = []
     for index in indices:
-        if spans and index == spans[-1][1] + 1:
-            spans[-1][1] = index
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
         else:
-            spans.append([index, index])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+            runs.append([index, index])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

@@ -14,9 +14,12 @@ Each message names the doc section of torch_npu 2.13.0's ``_op_plugin_docs.py`` 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.indexer import plannable_indexer
+from kvskill.analyzer.layer_mla import MlaGroup
 from kvskill.core import npu_limits as lim
 
 _DOC = "torch_npu 2.13.0 FA docs, 约束说明"
@@ -37,13 +40,22 @@ def add_operator_limits(
     attn_tp_size: int,
     block_size: int,
     keeps_absorbed_prefill: bool = False,
+    mla_groups: list[MlaGroup] | None = None,
 ) -> None:
     """Blockers and warnings for every operator limit the model's shapes hit.
 
     KEEPS_ABSORBED_PREFILL: the conversion keeps the model's own absorbed MLA call for prefill
     (the framework's standalone Legacy MLA, ND block caches): no un-absorbed prefill and no
-    NZ cache, so their limits do not apply.
+    NZ cache, so their limits do not apply. MLA_GROUPS: MLA layers that differ in dims, heads
+    or indexer use (``analyzer.layer_mla``); each group is checked with its own values and its
+    messages name its layers.
     """
+    if attention == "mla" and mla_groups and len(mla_groups) > 1:
+        for group in mla_groups:
+            _mla_group(
+                spec, group, _LayerBook(book, group.label), fa_version, attn_tp_size, block_size
+            )
+        return
     heads = max(spec.num_heads // attn_tp_size, 1)
     if heads > lim.MAX_HEADS:
         _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
@@ -83,7 +95,65 @@ def add_operator_limits(
     _paged_block_size(book, block_size)
 
 
-def _dsa(spec: ModelSpec, book: Notebook, heads: int, block_size: int) -> None:
+class _LayerBook:
+    """The notebook, with each operator-limit message naming the layers it concerns."""
+
+    def __init__(self, book: Notebook, label: str) -> None:
+        self._book = book
+        self._label = label
+
+    def _named(self, text: str) -> str:
+        return text.replace("operator limit: ", f"operator limit: {self._label}: ", 1)
+
+    def warn(self, text: str) -> None:
+        self._book.warn(self._named(text))
+
+    def block(self, text: str) -> None:
+        self._book.block(self._named(text))
+
+
+def _mla_group(
+    spec: ModelSpec,
+    group: MlaGroup,
+    book: _LayerBook,
+    fa_version: str,
+    attn_tp_size: int,
+    block_size: int,
+) -> None:
+    """One group's limits: the DSA pair for indexed layers, the MLA attention otherwise, and
+    for sliding layers the absorbed band case too."""
+    own = replace(spec, mla=dict(group.dims), num_heads=group.num_heads)
+    heads = max(group.num_heads // attn_tp_size, 1)
+    if heads > lim.MAX_HEADS:
+        _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
+    if group.indexed:
+        _dsa(own, book, heads, block_size)
+        return
+    _mla(own, book, fa_version, heads, block_size, keeps_absorbed_prefill=False)
+    if group.sliding_window is not None:
+        _mla_band(own, book, heads)
+
+
+def _mla_band(spec: ModelSpec, book: Notebook | _LayerBook, heads: int) -> None:
+    """A window on the absorbed latent: v1 › query_rope和key_rope参数约束 › sparse为4时 takes
+    query N 128, D 512 (key N 1, D 512), BSND only, an ND cache (no NZ), block_size 64/128."""
+    rank = int((spec.mla or {}).get("kv_lora_rank") or 0)
+    if rank != lim.MLA_LATENT_DIM:
+        _block(
+            book,
+            f"a sliding window on the absorbed {rank}-wide latent: the band case (sparse_mode 4) "
+            f"takes D {lim.MLA_LATENT_DIM} only (v1 › query_rope和key_rope参数约束 › sparse为4时)",
+        )
+    if heads != lim.MLA_BAND_HEADS:
+        _warn(
+            book,
+            f"a sliding window on the absorbed latent with {heads} query heads per rank: "
+            f"{_ON_NPU}; the band case (sparse_mode 4) takes N {lim.MLA_BAND_HEADS}, BSND, an "
+            "ND cache (v1 › query_rope和key_rope参数约束 › sparse为4时)",
+        )
+
+
+def _dsa(spec: ModelSpec, book: Notebook | _LayerBook, heads: int, block_size: int) -> None:
     """The DSA pair's limits (kernel docs, 约束说明, Atlas A2/A3): the sparse attention over the
     absorbed 512 latent, the indexer over its 128-wide keys."""
     mla = spec.mla or {}
@@ -122,7 +192,7 @@ def _dsa(spec: ModelSpec, book: Notebook, heads: int, block_size: int) -> None:
 
 def _mla(
     spec: ModelSpec,
-    book: Notebook,
+    book: Notebook | _LayerBook,
     fa_version: str,
     heads: int,
     block_size: int,
@@ -192,11 +262,11 @@ def _paged_block_size(book: Notebook, block_size: int) -> None:
         )
 
 
-def _block(book: Notebook, message: str) -> None:
+def _block(book: Notebook | _LayerBook, message: str) -> None:
     text = f"operator limit: {message} [{_DOC}]"
     book.warn(text)
     book.block(text)
 
 
-def _warn(book: Notebook, message: str) -> None:
+def _warn(book: Notebook | _LayerBook, message: str) -> None:
     book.warn(f"operator limit: {message} [{_DOC}]")

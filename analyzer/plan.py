@@ -199,6 +199,9 @@ class IndexerPlan:
     #: the layers that reuse the top-k of the previous indexer layer (GLM-5's "shared"
     #: ``indexer_types``): no indexer module, no ``key_cache``
     shared_layers: list[int] = field(default_factory=list)
+    #: the layers that run no indexer and attend densely, full or sliding (dots3_note):
+    #: no ``key_cache``
+    dense_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

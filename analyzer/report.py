@@ -96,9 +96,17 @@ def _usable(num_blocks: int) -> int:
 
 def _layers_line(plan: Plan) -> str:
     counts: dict[str, int] = {}
+    indexed: dict[str, int] = {}
+    owners = set(plan.indexer.layers) if plan.indexer and plan.indexer.dense_layers else set()
     for layer in plan.layers:
         counts[layer.attn_type] = counts.get(layer.attn_type, 0) + 1
-    parts = ", ".join(f"{t} x{n}" for t, n in counts.items())
+        if layer.index in owners:
+            indexed[layer.attn_type] = indexed.get(layer.attn_type, 0) + 1
+    # when only some layers run the DSA indexer, say how many of each attn_type do
+    parts = ", ".join(
+        f"{t} x{n}" + (f" ({indexed[t]} DSA-indexed)" if t in indexed else "")
+        for t, n in counts.items()
+    )
     window = next((layer.sliding_window for layer in plan.layers if layer.sliding_window), None)
     return parts + (f" (window {window})" if window else "")
 

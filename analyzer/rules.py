@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvskill.analyzer.config import ATTENTION_AND_STATE_MODEL_TYPES, ModelSpec, pinned_state_dtypes
 from kvskill.analyzer.evidence import Notebook, hf_window_rule_source
 from kvskill.analyzer.indexer import INDEXER_KEY_CACHE, plannable_indexer
+from kvskill.analyzer.layer_mla import MlaGroup
 from kvskill.analyzer.plan import (
     AttentionKind,
     CacheEntryPlan,
@@ -80,7 +81,7 @@ def decide_layers(spec: ModelSpec, book: Notebook) -> list[LayerPlan]:
             layers.append(
                 LayerPlan(
                     index=index,
-                    kind="attention" if kind == "sliding" else kind,
+                    kind=("mla" if spec.mla else "attention") if kind == "sliding" else kind,
                     attn_type=AttnType.SLIDING_WINDOW.value,
                     sliding_window=spec.sliding_window,
                 )
@@ -396,11 +397,14 @@ def cache_entries(
     kv_heads_per_rank: int,
     attn_tp_size: int,
     sliding_kv_heads_per_rank: int | None = None,
+    mla_groups: list[MlaGroup] | None = None,
 ) -> dict[str, list[CacheEntryPlan]]:
     """The caches one layer of each attn_type declares.
 
     ``sliding_kv_heads_per_rank``: the sliding layers' own KV heads when the code gives them
-    more than the config's count (see ``sliding_kv_heads``).
+    more than the config's count (see ``sliding_kv_heads``). ``mla_groups``: the MLA layers by
+    attn_type, indexer use and their own dims (``analyzer.layer_mla``); an attn_type whose
+    layers differ in latent dims is refused before the entries are written.
     """
     dtype = spec.dtype
     entries: dict[str, list[CacheEntryPlan]] = {}
@@ -408,11 +412,17 @@ def cache_entries(
         if attn_type == AttnType.MAMBA.value:
             entries[attn_type] = _state_entries(spec, attn_tp_size)
         elif spec.mla:
+            # the latent of this attn_type's layers (per-layer dims where the config gives
+            # them), the indexer's keys only where one of them runs the indexer
+            groups = [g for g in mla_groups or [] if g.attn_type == attn_type]
+            dims = groups[0].dims if groups else spec.mla
+            window = groups[0].sliding_window if groups else None
             entries[attn_type] = [
-                _entry("nope_cache", int(spec.mla["kv_lora_rank"] or 0), 1, dtype),
-                _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
+                _entry("nope_cache", int(dims["kv_lora_rank"] or 0), 1, dtype, window),
+                _entry("rope_cache", int(dims["qk_rope_head_dim"] or 0), 1, dtype, window),
             ]
-            if plannable_indexer(spec):
+            indexed = any(g.indexed for g in groups) if groups else True
+            if plannable_indexer(spec) and indexed:
                 assert spec.indexer is not None
                 entries[attn_type].append(
                     _entry(INDEXER_KEY_CACHE, spec.indexer["head_dim"], 1, dtype)

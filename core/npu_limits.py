@@ -32,6 +32,12 @@ MLA_V1_HEADS = (32, 64, 128)
 MLA_V2_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MLA_BLOCK_SIZES = (16, 128)
 MLA_NZ_BLOCK_SIZES = (128,)
+#: v1 › query_rope和key_rope参数约束 › sparse为4时 (a band on the absorbed latent; Q_S 1 with
+#: "sparse=4且传入mask" too): query N 128, D 512; key N 1, D 512, S <= 131088; key/value ND
+#: only (no NZ); input_layout BSND only; PageAttention block_size 64 or 128
+MLA_BAND_HEADS = 128
+MLA_BAND_BLOCK_SIZES = (64, 128)
+MLA_BAND_MAX_KV = 131088
 #: TND without page attention (the un-absorbed MLA prefill). v1 › TND场景下query、key、value输入的
 #: 综合限制: "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等", "Q_D、K_D等于192, V_D等于128/192",
 #: "T小于等于65536", bf16 only; v2 › 当query的d不等于512时: "Q_D、K_D、V_D等于128, 或者Q_D、K_D等于

@@ -19,6 +19,9 @@ from kvskill.core.npu_limits import (
     MAX_HEADS,
     MAX_HIDDEN,
     MAX_PAGED_BLOCK,
+    MLA_BAND_BLOCK_SIZES,
+    MLA_BAND_HEADS,
+    MLA_BAND_MAX_KV,
     MLA_BLOCK_SIZES,
     MLA_LATENT_DIM,
     MLA_MAX_QUERY_TOKENS,
@@ -109,6 +112,9 @@ def _check_paged_cache(call: FaCall, layout: Layout) -> None:
 
 def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
     """Absorbed MLA: a 512-wide latent query with a 64-wide rope part."""
+    if call.sparse_mode == 4 and not call.names.op.endswith("_v2"):
+        _check_mla_band(call, shapes)
+        return
     # doc v2, 约束说明 › 当query的d等于512时 (v1: › query_rope和key_rope参数约束, sparse不为4时)
     if not paged:
         _fail(call, "MLA with a 512-wide query needs PageAttention (block_table)")
@@ -152,6 +158,52 @@ def _check_mla_latent(call: FaCall, shapes: Shapes, paged: bool) -> None:
         _fail(
             call,
             f"MLA decode (Q_S = 1) takes sparse_mode=0 without a mask, got sparse_mode={call.sparse_mode}",
+        )
+
+
+def _check_mla_band(call: FaCall, shapes: Shapes) -> None:
+    """A band (sliding window) on the absorbed latent: v1 only.
+
+    doc v1, 约束说明 › query_rope和key_rope参数约束: "sparse: Q_S等于1时支持sparse=0且不传mask或
+    sparse=4且传入mask, Q_S大于1时支持sparse=3或sparse=4且传入mask"; › sparse为4时: query N 128,
+    D 512, per request Q_S <= KV_S; key N 1, D 512, S <= 131088; key/value ND only; input_layout
+    BSND only; PageAttention block_size 64 or 128. (The v2 docs keep Q_S = 1 to sparse 0.)
+    """
+    if call.input_layout != "BSND":
+        _fail(
+            call,
+            f"MLA with sparse_mode=4 takes input_layout 'BSND' only, got {call.input_layout!r}",
+        )
+    if call.key.dim() == 5:
+        _fail(call, "MLA with sparse_mode=4 takes an ND key/value cache, not the 5-D NZ one")
+    kv_heads = call.num_key_value_heads or call.num_heads
+    if kv_heads != 1:
+        _fail(call, f"MLA with sparse_mode=4 needs 1 KV head, got num_key_value_heads={kv_heads}")
+    for b, (s1, s2) in enumerate(zip(shapes.q_lens, shapes.kv_lens, strict=True)):
+        if s1 > s2:
+            _fail(
+                call,
+                f"MLA with sparse_mode=4 needs Q_S <= KV_S per request; request {b} has {s1} > {s2}",
+            )
+        if s2 > MLA_BAND_MAX_KV:
+            _fail(
+                call,
+                f"MLA with sparse_mode=4 takes KV_S <= {MLA_BAND_MAX_KV}, got {s2} (request {b})",
+            )
+    profile = current_profile()
+    if profile.dims and call.num_heads != MLA_BAND_HEADS:
+        _fail(
+            call,
+            f"MLA with sparse_mode=4 takes num_heads {MLA_BAND_HEADS}, got {call.num_heads} ({NPU_ONLY})",
+        )
+    if (
+        profile.shapes
+        and call.block_table is not None
+        and call.block_size not in MLA_BAND_BLOCK_SIZES
+    ):
+        _fail(
+            call,
+            f"MLA with sparse_mode=4 takes block_size in {MLA_BAND_BLOCK_SIZES}, got {call.block_size} ({NPU_ONLY})",
         )
 
 

@@ -38,7 +38,7 @@ def test_apply_writes_the_paged_compressed_attention(converted):
     assert "cache.update(kv, kv" not in forward and "attention_interface(" not in forward
     for call in (
         'self.update_cache(md.slot_mapping["win_kv"]',
-        "self.custom_operators().npu_sparse_attn_sharedkv(",
+        "torch.ops.custom.npu_sparse_attn_sharedkv(",
         "ori_kv=self.win_kv",
         "sinks=self.sinks",
         "softmax_scale=self.scaling",

@@ -56,6 +56,16 @@ _DENSE = {
 #: 128 keeping 8 positions (fewer than the longer prompts hold)
 _DSA = {"kv_lora_rank": 512, "index_n_heads": 16, "index_head_dim": 128, "index_topk": 8}
 
+#: a 3-layer DeepSeek-V4, one layer of each kind
+_V4 = {
+    "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+    "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "index_n_heads": 8, "index_head_dim": 16, "index_topk": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "mlp_layer_types": ["moe"] * 3,
+}  # fmt: skip
+
 #: family -> (model type, config overrides)
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", _DENSE),
@@ -108,6 +118,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         "glm_moe_dsa",
         tiny_config("glm_moe_dsa", **_DSA, indexer_types=["full", "shared"]),
     ),
+    # DeepSeek-V4: a sliding, a CSA (ratio 4, the indexer's top-4) and an HCA (ratio 128)
+    # layer over the 128-token window the conversion requires
+    "deepseek_v4 (compressed)": ("deepseek_v4", _V4),
 }
 
 PROMPTS = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17, 3]]

@@ -121,7 +121,7 @@ class CompressedAttentionInitCommand(AttentionInitCommand):
     INIT_TEMPLATE = "compressed_attn_init.py.j2"
     METHODS_TEMPLATE = "compressed_attn_methods.py.j2"
     #: the methods __init__ needs (the forward command adds the rest)
-    INIT_METHODS = frozenset({"set_win_kv", "compressed_cache_entries"})
+    INIT_METHODS = frozenset({"set_win_kv", "compressed_cache_entries", "custom_operators"})
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:

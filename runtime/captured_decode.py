@@ -36,6 +36,7 @@ from kvskill.runtime.kv_cache_manager import KVCacheManager
 from kvskill.runtime.model_output import logits_of
 from kvskill.runtime.step_inputs import StepInputs
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 #: the null block's first slot: where padded rows write (never read by a real request)
 NULL_SLOT = 0
@@ -84,6 +85,22 @@ def traced_scalar_reads():
     the converted attention reads the step's lengths as ints (the operators take
     ``SymInt[]``), and the values change every step, so they must not become constants."""
     return torch._dynamo.config.patch(capture_scalar_outputs=True)
+
+
+def is_uncapturable(exc: BaseException | None) -> bool:
+    """Whether EXC (or what caused it) is dynamo refusing the step rather than the model failing:
+    an unsupported construct, or a branch or size that depends on a tensor's values (e.g.
+    ``if mask.sum():``, or an operator's ``int`` argument read from a tensor)."""
+    refusals = (
+        torch._dynamo.exc.Unsupported,
+        torch._dynamo.exc.UserError,
+        GuardOnDataDependentSymNode,
+    )
+    while exc is not None:
+        if isinstance(exc, refusals):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def uncapturable_reason(exc: Exception) -> str:
@@ -172,7 +189,9 @@ class CapturedDecode:
         try:
             with torch.inference_mode(), traced_scalar_reads():
                 logits = self._compiled(*padded)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+        except Exception as exc:
+            if not is_uncapturable(exc):
+                raise
             raise UnsupportedModelError(uncapturable_reason(exc)) from None
         if first:
             self.stats.compiled_buckets.append(bucket)

@@ -38,7 +38,7 @@ def test_apply_writes_the_paged_compressed_attention(converted):
     assert "cache.update(kv, kv" not in forward and "attention_interface(" not in forward
     for call in (
         'self.update_cache(md.slot_mapping["win_kv"]',
-        "self.custom_operators().npu_sparse_attn_sharedkv(",
+        "torch.ops.custom.npu_sparse_attn_sharedkv(",
         "ori_kv=self.win_kv",
         "sinks=self.sinks",
         "softmax_scale=self.scaling",
@@ -73,3 +73,49 @@ def test_verify_passes_and_fails_when_every_entry_is_attended(tmp_path, converte
     )
     assert not bad.passed
     assert bad.max_logit_diff > 100 * bad.atol
+
+
+#: the converted file's dims shrunk for a runtime test (the code does not depend on them)
+TINY_DIMS = {
+    "vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32,
+    "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "index_n_heads": 8, "index_head_dim": 16,
+    "index_topk": 4,
+}  # fmt: skip
+
+
+@pytest.mark.slow  # dynamo traces the 3-layer decode step once: about 15 s
+def test_the_decode_step_is_captured_whole_and_decodes_as_eager(tmp_path, converted, monkeypatch):
+    import json
+
+    import torch
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.runtime.captured_decode import BACKEND_ENV
+
+    tiny = tmp_path / "tiny"
+    shutil.copytree(converted, tiny)
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, **TINY_DIMS}))
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    torch._dynamo.reset()
+    # two requests decoding together (bucket 2): the first crosses positions 127 (an HCA
+    # entry closes) and 131 (a CSA entry), so the captured step pools and writes both kinds
+    prompts = [[(7 * i) % 63 + 1 for i in range(125)], [5, 9, 33, 7, 2, 8, 11]]
+
+    def run(graph: bool):
+        llm = LLM(tiny, random_weights=True, seed=1, block_size=16, num_blocks=64,
+                  max_num_seqs=2, max_model_len=256, cpu_only_shapes=True,
+                  trust_remote_code=True, graph=graph)  # fmt: skip
+        logits = []
+        llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        return [o.token_ids for o in outs], logits, llm
+
+    eager_tokens, eager_logits, _ = run(graph=False)
+    graph_tokens, graph_logits, llm = run(graph=True)
+    assert graph_tokens == eager_tokens
+    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
+    assert worst <= 1e-5
+    stats = llm.engine.captured_decode.stats
+    assert stats.compiled_buckets == [2]
+    assert stats.num_replays == 6 and stats.num_eager_decode_steps == 0

@@ -96,3 +96,28 @@ def test_an_uncapturable_step_is_refused_in_one_line_naming_the_code():
     line = reads_a_pointer.__code__.co_firstlineno + 1
     assert f"test_captured_decode.py:{line}" in reason
     assert reason.endswith("run without graph capture (--graph / graph=True)")
+
+
+def test_a_branch_on_a_data_dependent_size_is_refused_naming_its_line():
+    from kvskill.runtime.captured_decode import (
+        is_uncapturable,
+        traced_scalar_reads,
+        uncapturable_reason,
+    )
+
+    def branches_on_a_mask(x):
+        kept = x[x > 0]
+        if kept.numel():  # how many rows the mask keeps is known only when the step runs
+            return kept.sum()
+        return x.sum()
+
+    compiled = torch.compile(branches_on_a_mask, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as caught, torch.inference_mode(), traced_scalar_reads():
+        compiled(torch.ones(3))
+    assert is_uncapturable(caught.value)
+    assert not is_uncapturable(RuntimeError("a shape mismatch in the model"))
+    reason = uncapturable_reason(caught.value)
+    assert "\n" not in reason and "data-dependent" in reason
+    line = branches_on_a_mask.__code__.co_firstlineno + 2
+    assert f"test_captured_decode.py:{line}" in reason

@@ -130,6 +130,7 @@ class MiniAttention(nn.Module):
                 self.compressed_modules["li"] = self.compressor.indexer
             for prefix, module in self.compressed_modules.items():
                 self.cache_entries.extend(self.compressed_cache_entries(prefix, module))
+        self.custom_operators()  # torch.ops.custom, resolved here rather than in the traced step
 
     def forward(self, hidden_states, position_embeddings, position_ids, attention_mask, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
@@ -194,6 +195,22 @@ class MiniAttention(nn.Module):
                 sliding_window=coff * ratio,
             ),
         ]
+
+    @staticmethod
+    def custom_operators():
+        """torch.ops.custom: the framework's operator extension where it is installed (the
+        device), else kvskill's reference operators under the same names and schemas.
+
+        NOTE: __init__ resolves it once; the forward calls torch.ops.custom.<name> directly,
+        as an import inside a captured decode step would break its graph.
+        """
+        try:
+            import custom_ops  # noqa: F401
+        except ImportError:
+            from kvskill.runtime.ops.reference.custom import register_custom_operators
+
+            register_custom_operators()
+        return torch.ops.custom
 
 
 class MiniDecoderLayer(nn.Module):

@@ -113,16 +113,16 @@ class MiniAttention(nn.Module):
         query_tnd = q.transpose(1, 2).reshape(-1, self.num_heads_per_rank, q.shape[-1]).contiguous()
         self.update_cache(md.slot_mapping["win_kv"], kv.transpose(1, 2).reshape(-1, kv.shape[-1]))
         compressed = self.compressed_inputs(hidden_states, q_residual, position_ids, md)
-        _, _, cu_seqlens_q = self.step_requests(md)
+        _, _, cu_seqlens_q = self.step_requests(md, query_tnd.shape[0])
         seqused_kv = md.actual_seq_lengths_kv.to(torch.int32)
-        attn_output, _ = self.custom_operators().npu_sparse_attn_sharedkv(
+        attn_output, _ = torch.ops.custom.npu_sparse_attn_sharedkv(
             query_tnd,
             ori_kv=self.win_kv,
             ori_block_table=md.block_table["win_kv"].to(torch.int32),
             cu_seqlens_q=cu_seqlens_q,
             seqused_kv=seqused_kv,
             sinks=self.sinks.float(),  # the operator takes float32 sinks whatever the model's dtype
-            metadata=self.sharedkv_metadata(query_tnd, cu_seqlens_q, seqused_kv, compressed, md),
+            metadata=self.sharedkv_metadata(query_tnd, cu_seqlens_q, seqused_kv, compressed),
             softmax_scale=self.scaling,
             layout_q="TND",
             layout_kv="PA_ND",
@@ -159,53 +159,57 @@ class MiniAttention(nn.Module):
         torch_npu.npu_scatter_nd_update_(cache, where, rows.reshape(-1, *tail))
 
     @staticmethod
-    def step_requests(md):
-        """Per token its request; per request its tokens before this step; cumulative q."""
+    def step_requests(md, tokens: int):
+        """Per token its request; per request its tokens before this step; cumulative q.
+
+        TOKENS (the step's, the sum of the query lengths) sizes the owner list, so a captured
+        step knows its shape without reading the lengths.
+        """
         q_lens = md.actual_seq_lengths_q.long()
-        owner = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens)
+        owner = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens, output_size=tokens)
         start = (md.actual_seq_lengths_kv.long() - q_lens).to(torch.int32)
         cu = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
         return owner, start, cu
 
-    @staticmethod
-    def custom_operators():
-        """torch.ops.custom: the framework's operator extension where it is installed (the
-        device), else kvskill's reference operators under the same names and schemas."""
-        try:
-            import custom_ops  # noqa: F401
-        except ImportError:
-            from kvskill.runtime.ops.reference.custom import register_custom_operators
-
-            register_custom_operators()
-        return torch.ops.custom
-
     def compress(self, prefix: str, hidden: torch.Tensor, positions: torch.Tensor, md) -> None:
         """Pool the windows this step's tokens close (custom.compressor, its state in
-        {prefix}_kv_state) and write each entry at its row of {prefix}_cmp_kv."""
+        {prefix}_kv_state) and write each entry at its row of {prefix}_cmp_kv.
+
+        Every shape here is the step's token count, never the number of windows closed, so a
+        captured decode step needs no data-dependent size: a token that closes its window
+        (position p with p % ratio == ratio - 1) is the k-th such token, k = its rank, and its
+        entry p // ratio is the compressor's k-th output row. Ratio 4, positions 5 6 7 8 9 10 11:
+        closing 7 and 11, ranks 0 and 1, entries 1 and 2. The other tokens' rope rows go to a
+        spare row past the output and their writes to the null block's slot 0, which no table
+        reads (block tables pad with it and no length reaches into it).
+        """
         module = self.compressed_modules[prefix]
         ratio = module.compress_rate
-        owner, start, cu = self.step_requests(md)
         x = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        tokens = x.shape[0]
+        owner, start, cu = self.step_requests(md, tokens)
         pos = positions.reshape(-1)
         done = pos % ratio == ratio - 1
-        entries = pos[done] // ratio
+        entries = pos // ratio
+        rank = done.long().cumsum(0) - 1
+        rows_out = min(tokens, tokens // ratio + start.numel())
+        row = torch.where(done, rank, rows_out)
         # each entry is roped at its window's first position
         cos, sin = module.rotary_emb(x[None], position_ids=(entries * ratio)[None], layer_type=module.rope_layer_type)
         rope = 2 * cos.shape[-1]
-        rows_out = min(x.shape[0], x.shape[0] // ratio + start.numel())
-        rope_cos = torch.zeros(rows_out, rope, dtype=torch.float32, device=x.device)
-        rope_sin = torch.zeros(rows_out, rope, dtype=torch.float32, device=x.device)
-        rope_cos[: entries.numel()] = cos[0].repeat_interleave(2, dim=-1).float()
-        rope_sin[: entries.numel()] = sin[0].repeat_interleave(2, dim=-1).float()
-        pooled = self.custom_operators().compressor(
+        rope_cos = torch.zeros(rows_out + 1, rope, dtype=torch.float32, device=x.device)
+        rope_sin = torch.zeros(rows_out + 1, rope, dtype=torch.float32, device=x.device)
+        rope_cos[row] = cos[0].repeat_interleave(2, dim=-1).float()
+        rope_sin[row] = sin[0].repeat_interleave(2, dim=-1).float()
+        pooled = torch.ops.custom.compressor(
             x,
             module.kv_proj.weight,
             module.gate_proj.weight,
             getattr(self, f"{prefix}_kv_state").flatten(-3),
             module.position_bias.float(),  # ape and the norm weight are float32 operands
             module.kv_norm.weight.float(),
-            rope_sin,
-            rope_cos,
+            rope_sin[:rows_out],
+            rope_cos[:rows_out],
             rope,
             ratio,
             state_block_table=md.block_table[f"c{ratio}a_cmp_state"].to(torch.int32),
@@ -215,12 +219,14 @@ class MiniAttention(nn.Module):
             norm_eps=module.kv_norm.variance_epsilon,
             rotary_mode=2,
         )
-        if entries.numel():
-            cache = getattr(self, f"{prefix}_cmp_kv")
-            per = cache.shape[1]
-            table = md.block_table[f"c{ratio}a_cmp_kv"]
-            slots = table[owner[done], entries // per].long() * per + entries % per
-            self.write_rows(cache, slots, pooled[: entries.numel()].to(cache.dtype))
+        cache = getattr(self, f"{prefix}_cmp_kv")
+        per = cache.shape[1]
+        table = md.block_table[f"c{ratio}a_cmp_kv"]
+        # a token that closes no window may sit past its request's allocated entries: clamp
+        # its (unused) block index into the table
+        block = table[owner, (entries // per).clamp(max=table.shape[1] - 1)].long()
+        slots = torch.where(done, block * per + entries % per, 0)
+        self.write_rows(cache, slots, pooled[rank.clamp(min=0)].to(cache.dtype))
 
     def select_entries(self, hidden: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, md) -> torch.Tensor:
         """CSA's top-k compressed entries per token ([T, 1, k], -1 after the candidates).
@@ -231,10 +237,10 @@ class MiniAttention(nn.Module):
         """
         indexer = self.compressed_modules["li"]
         ratio = indexer.compress_rate
-        owner, _, _ = self.step_requests(md)
         x = hidden.reshape(-1, hidden.shape[-1])
         pos = positions.reshape(-1)
         tokens = x.shape[0]
+        owner, _, _ = self.step_requests(md, tokens)
         cos, sin = indexer.rotary_emb(x[None], position_ids=pos[None], layer_type=indexer.rope_layer_type)
         q = indexer.q_b_proj(q_residual.reshape(tokens, -1)).view(1, tokens, -1, indexer.head_dim).transpose(1, 2)
         q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)[0]
@@ -274,18 +280,21 @@ class MiniAttention(nn.Module):
             "cmp_ratio": ratio,
         }
 
-    def sharedkv_metadata(self, query: torch.Tensor, cu: torch.Tensor, used: torch.Tensor, compressed: dict, md) -> torch.Tensor:
-        """npu_sparse_attn_sharedkv_metadata: the per-core plan the attention requires."""
+    def sharedkv_metadata(self, query: torch.Tensor, cu: torch.Tensor, used: torch.Tensor, compressed: dict) -> torch.Tensor:
+        """npu_sparse_attn_sharedkv_metadata: the per-core plan the attention requires.
+
+        max_seqlen_q / max_seqlen_kv stay at their defaults, as the framework's own model leaves
+        them (calc_sas_metadata); reading them from the lengths would put host reads of this
+        step's values into a captured decode step.
+        """
         indices = compressed.get("cmp_sparse_indices")
-        return self.custom_operators().npu_sparse_attn_sharedkv_metadata(
+        return torch.ops.custom.npu_sparse_attn_sharedkv_metadata(
             query.shape[1],
             1,
             query.shape[2],
             cu_seqlens_q=cu,
             seqused_kv=used,
             batch_size=used.numel(),
-            max_seqlen_q=int(md.actual_seq_lengths_q.max()),
-            max_seqlen_kv=int(used.max()),
             cmp_topk=indices.shape[-1] if indices is not None else 0,
             cmp_ratio=compressed.get("cmp_ratio", -1),
             layout_q="TND",

@@ -123,7 +123,10 @@ def decide_attention(spec: ModelSpec, book: Notebook) -> AttentionKind:
         book.cite(
             "attention",
             f"MLA: kv_lora_rank={spec.mla['kv_lora_rank']} with a separate rope key of "
-            f"{spec.mla['qk_rope_head_dim']} dims",
+            f"{spec.mla['qk_rope_head_dim']} dims"
+            if spec.mla["qk_rope_head_dim"]
+            else f"MLA: kv_lora_rank={spec.mla['kv_lora_rank']} without a rope key "
+            "(qk_rope_head_dim 0: the latent is the whole key)",
             book.cfg(spec.sources.get("mla")),
         )
         return AttentionKind.MLA
@@ -410,8 +413,12 @@ def cache_entries(
         elif spec.mla:
             entries[attn_type] = [
                 _entry("nope_cache", int(spec.mla["kv_lora_rank"] or 0), 1, dtype),
-                _entry("rope_cache", int(spec.mla["qk_rope_head_dim"] or 0), 1, dtype),
             ]
+            # a latent without rope (qk_rope_head_dim 0) keeps no rope key
+            if spec.mla["qk_rope_head_dim"]:
+                entries[attn_type].append(
+                    _entry("rope_cache", int(spec.mla["qk_rope_head_dim"]), 1, dtype)
+                )
             if plannable_indexer(spec):
                 assert spec.indexer is not None
                 entries[attn_type].append(

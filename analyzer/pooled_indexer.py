@@ -72,8 +72,9 @@ def pool_size(spec: ModelSpec) -> int:
 
 
 def is_pooled(spec: ModelSpec) -> bool:
-    """A DSA indexer that scores pooled keys (GLM-5.3's ``index_kpool`` > 1)."""
-    return spec.indexer is not None and pool_size(spec) > 1
+    """A DSA indexer that scores pooled keys (GLM-5.3's ``index_kpool`` > 1) on some layer (a
+    config whose layers are all linear attention builds no indexer)."""
+    return spec.indexer is not None and pool_size(spec) > 1 and INDEXED in spec.layer_kinds
 
 
 def attention_layers(spec: ModelSpec) -> tuple[list[int], list[int]]:

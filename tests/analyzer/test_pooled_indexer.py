@@ -67,13 +67,6 @@ def test_plan_refuses_naming_each_part_its_line_and_its_limit(plan):
     assert not any("planned as FullAttention" in b for b in plan.implementer_blockers)
 
 
-def test_a_pool_the_sparse_attention_cannot_take_is_named():
-    # sparse_block_size is a power of two up to 128: pools of 24 tokens are not
-    plan = analyze_model("glm5_next", config_overrides={"index_kpool": 24, "index_topk": 2040})
-    tail = next(f for f in plan.indexer.sub_features if f.name == "open-pool tail")
-    assert "power of two in [1, 128], index_kpool is 24" in tail.missing
-
-
 def test_apply_exits_3_with_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["apply", "glm5_next", "--mode", "framework", "--out", str(tmp_path / "out")])
@@ -81,3 +74,17 @@ def test_apply_exits_3_with_one_line(capsys, tmp_path):
     assert exc.value.code == 3
     assert len(err.splitlines()) == 1 and "k-pool DSA indexer" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_saved_config_with_head_dim_0_and_a_pool_of_24_is_read_and_refused(tmp_path):
+    # the config ties head_dim to qk_rope_head_dim, so config.json says head_dim 0; and
+    # sparse_block_size is a power of two up to 128: pools of 24 tokens are not
+    Glm5NextConfig(text_config={"index_kpool": 24, "index_topk": 2040}).save_pretrained(tmp_path)
+    assert '"head_dim": 0' in (tmp_path / "config.json").read_text()
+    plan = analyze_model(str(tmp_path))
+    assert plan.mla.qk_rope_head_dim == 0 and plan.indexer.pool_size == 24
+    tail = next(f for f in plan.indexer.sub_features if f.name == "open-pool tail")
+    assert "power of two in [1, 128], index_kpool is 24" in tail.missing
+    assert any(
+        "open-pool tail" in b and "index_kpool is 24" in b for b in plan.implementer_blockers
+    )

@@ -28,6 +28,10 @@ What a paged conversion needs (the operators of the torch_npu 2.13.0 wheel):
   and the open pool ``p // index_kpool`` (its later tokens cut by ``sparse_mode`` 3), reading
   the absorbed latent; it requires ``query_rope`` / ``key_rope`` of D 64.
 
+NOTE: the scores are sums of relu terms and often tie at 0; ``torch.topk`` orders ties its own
+way, the operator lower position first, so a selection may differ from the source's where
+scores tie even when the design above is followed.
+
 No operator of the wheel pools keys (the framework's ``torch.ops.custom.compressor`` is its
 own build and takes ratios 4 and 128), and the sparse attention takes no latent without rope,
 so apply refuses the layer with each part, its line and its limit named.

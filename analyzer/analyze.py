@@ -62,6 +62,7 @@ from kvskill.analyzer.indexer import (
     decide_indexer,
     indexer_layers,
     plannable_indexer,
+    reads_sparsely,
 )
 from kvskill.analyzer.inherited import (
     inherited_attention,
@@ -85,7 +86,7 @@ from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_
 from kvskill.analyzer.layer_mla import MlaGroup, cite_mla_groups, mla_groups
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
-from kvskill.analyzer.mla_write import FUSED, decide_mla_cache_write
+from kvskill.analyzer.mla_write import FUSED, SCATTER, decide_mla_cache_write
 from kvskill.analyzer.mtp import mtp_plan
 from kvskill.analyzer.op_limits import add_operator_limits
 from kvskill.analyzer.pitfalls import add_pitfalls
@@ -108,8 +109,14 @@ from kvskill.analyzer.plan_notes import (
     cite_config_branches,
     cite_decoder_origin,
     cite_state_entries,
+    cite_state_mixer,
     code_notes,
     window_only_in_cache,
+)
+from kvskill.analyzer.pooled_indexer import (
+    decide_pooled_indexer,
+    is_pooled,
+    pooled_cache_entries,
 )
 from kvskill.analyzer.roles import find_roles
 from kvskill.analyzer.rules import (
@@ -326,6 +333,8 @@ def plan_for_source(
     design = _decide_attention(spec, code, layers.attn_types, attn_tp_size, book)
     groups = _mla_layer_groups(spec, layers.layers, book)
     entries = _decide_cache_entries(source, spec, layers, design, attn_tp_size, groups, book)
+    if is_pooled(spec):
+        entries = pooled_cache_entries(spec, entries, AttnType.FULL_ATTENTION.value)
     compressed = _decide_compressed_attention(source, code, spec, attn_tp_size, book)
     if compressed is not None:
         entries = compressed_cache_entries(compressed)
@@ -357,7 +366,7 @@ def plan_for_source(
     )
     rope = _cite_rope(source, code, spec, book)
     cache_write = (
-        _mla_cache_write(source, book, indexed=plannable_indexer(spec))
+        _mla_cache_write(source, spec, book, indexed=reads_sparsely(spec))
         if design.attention is AttentionKind.MLA
         else None
     )
@@ -520,7 +529,7 @@ def _decide_attention(
     fa_version, fa_reason = decide_fa_version(code, book)
     layout, absorb = decide_layout(kv_mode, attention, book)
     modes, windows = decide_sparse_modes(
-        kv_mode, attention, attn_types, spec.sliding_window, book, indexed=plannable_indexer(spec)
+        kv_mode, attention, attn_types, spec.sliding_window, book, indexed=reads_sparsely(spec)
     )
     scale = decide_scale(spec, code, book)
     kv_heads = decide_kv_heads(spec, attn_tp_size, book)
@@ -568,6 +577,7 @@ def _decide_cache_entries(
         mla_groups=groups,
     )
     cite_state_entries(entries, source, book)
+    cite_state_mixer(spec, book)
     return entries
 
 
@@ -878,7 +888,13 @@ def _assemble_plan(
     """The Plan of every stage's decisions, with the notebook's warnings and evidence."""
     attn_types = layers.attn_types
     # before the notebook is read into the Plan: the indexer cites its evidence
-    indexer = decide_indexer(spec, book) if design.kv_mode is KvMode.PAGED else None
+    indexer = (
+        decide_pooled_indexer(spec, source.modeling_file, book)
+        if is_pooled(spec)
+        else decide_indexer(spec, book)
+        if design.kv_mode is KvMode.PAGED
+        else None
+    )
     return Plan(
         model_type=source.model_type,
         architecture=code.roles.causal_lm,
@@ -926,9 +942,19 @@ def _assemble_plan(
     )
 
 
-def _mla_cache_write(source: ModelSource, book, *, indexed: bool) -> str:
+def _mla_cache_write(source: ModelSource, spec: ModelSpec, book, *, indexed: bool) -> str:
     """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write).
     INDEXED: a DSA model, whose sparse attention reads the latent as ND rows."""
+    if spec.mla is not None and not spec.mla["qk_rope_head_dim"]:
+        # NOTE: the fused write norms the latent and rotates a 64-wide rope key; a latent
+        # without rope (glm5_next) has no key for it to rotate
+        book.cite(
+            "mla_cache_write",
+            f"{SCATTER}: the latent has no rope key (qk_rope_head_dim 0); the fused write "
+            "rotates a 64-wide one",
+            book.cfg(spec.sources.get("mla")),
+        )
+        return SCATTER
     config_json = json.dumps(source.config, sort_keys=True, default=str)
     decision = _mla_write_cached(source.modeling_file or "", config_json)
     reason = decision.reason

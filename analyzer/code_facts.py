@@ -185,6 +185,10 @@ _ROTATION_NAME = re.compile(r"rot|rope", re.IGNORECASE)
 
 def rope_style(code: CodeView, spec: ModelSpec, config: dict[str, Any]) -> RopeDecision:
     """ "interleaved" | "half" | "none", where that was read, and partial rotation."""
+    if spec.mla is not None and not spec.mla["qk_rope_head_dim"]:
+        # a latent without a rope key (glm5_next): the text attention rotates nothing, whatever
+        # helpers the file's vision tower defines
+        return RopeDecision(style="none", source="config qk_rope_head_dim 0")
     style, source = _pairing(code, spec, text_config(config)[0])
     if style == "none" or spec.mla:
         return RopeDecision(style=style, source=source)  # MLA's rope key is its own width

@@ -88,7 +88,7 @@ def _calls(node: cst.CSTNode, attr: str) -> list[cst.Call]:
     ]
 
 
-class _Reader:
+class SourceReader:
     """The modeling file's classes with the line of each node."""
 
     def __init__(self, source: str) -> None:
@@ -116,6 +116,23 @@ class _Reader:
                 if receiver(dotted_name(func.value)):
                     return _Found(construct=_code(call), line=self.line(call), owner=owner)
         return None
+
+    def first_name(
+        self, name: str, owners: list[str], method_name: str | None = None
+    ) -> _Found | None:
+        """The first use of the bare name NAME (``name(...)`` or ``x = name``) in OWNERS (in
+        their METHOD_NAME when given), its construct the statement line it sits on."""
+        for owner in owners:
+            cls = self.classes.get(owner)
+            scope = method(cls, method_name) if cls is not None and method_name else cls
+            for stmt in m.findall(scope, m.SimpleStatementLine()) if scope is not None else []:
+                if m.findall(stmt, m.Name(name)):
+                    return _Found(construct=_code(stmt), line=self.line(stmt), owner=owner)
+        return None
+
+    def defining(self, method_name: str) -> list[str]:
+        """Classes that define METHOD_NAME themselves, in file order."""
+        return [name for name, cls in self.classes.items() if method(cls, method_name)]
 
     def holders(self, attr: str) -> list[str]:
         """Classes that call ``<x>.<attr>(...)`` anywhere, in file order."""
@@ -146,7 +163,7 @@ def compressed_features(
     RATIOS maps the config's layer types to their compress ratio (CSA 4, HCA 128); WINDOW is
     the config's ``sliding_window``. A value the operators do not take is named as the limit.
     """
-    reader = _Reader(source)
+    reader = SourceReader(source)
 
     def where(line: int) -> str:
         return f"{file_name}:{line}"
@@ -303,7 +320,7 @@ def operator_limits(heads_per_rank: int, head_dim: int, topk: int | None) -> lis
 def converted_attention(source: str, file_name: str) -> str | None:
     """``Class (file:line)`` of an attention kvskill already converted (it assigns ``self.win_kv``
     and reads with ``npu_sparse_attn_sharedkv``), else None."""
-    reader = _Reader(source)
+    reader = SourceReader(source)
     for name, cls in reader.classes.items():
         init = method(cls, "__init__")
         wins = (

@@ -284,7 +284,9 @@ def _alibi_switch(cfg: dict[str, Any]) -> bool | None:
 def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, int | None] | None:
     rank = cfg.get("kv_lora_rank")
     rope_dim = cfg.get("qk_rope_head_dim")
-    if not rank or not rope_dim:
+    # NOTE: 0 is a latent without a rope key (NoPE MLA, GLM-5.3's glm5_next): still MLA, its
+    # cache is the latent alone; only a missing key means "not MLA"
+    if not rank or not isinstance(rope_dim, int) or rope_dim < 0:
         return None
     sources["mla"] = prefix + "kv_lora_rank"
     return {
@@ -321,10 +323,17 @@ def _indexer(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[
     )
     if indexed is not None:
         sources["indexed_layers"] = prefix + "layer_types"
+    # GLM-5.3's k-pool indexer: it scores one gated key per index_kpool tokens and may add the
+    # query's open pool (analyzer/pooled_indexer.py)
+    pool = cfg.get("index_kpool")
+    if _is_int(pool) and pool > 1:
+        sources["index_kpool"] = prefix + "index_kpool"
     return {
         **{k: int(v) for k, v in values.items()},
         "indexer_types": [str(k) for k in kinds] if isinstance(kinds, list) else None,
         "indexed_layers": indexed,
+        "kpool": int(pool) if _is_int(pool) and pool > 1 else 1,
+        "select_tail": bool(cfg.get("index_kpool_always_select_tail")),
     }
 
 
@@ -397,7 +406,8 @@ def _state_dims(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
             "state_k_dim": dim,
             "state_v_dim": dim,
             "state_dtype": "float32",
-            "mixer": "gated_delta",
+            # the delta rule with a decay per key channel (chunk_kda / fused_recurrent_kda)
+            "mixer": "kda",
         }
     d_state = ssm_value(cfg, "state")
     if d_state:

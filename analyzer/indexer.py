@@ -78,8 +78,21 @@ def indexer_layers(spec: ModelSpec) -> IndexerLayers:
 
 def plannable_indexer(spec: ModelSpec) -> bool:
     """An indexer the paged path converts: an MLA model whose layers each run their own, or
-    reuse the top-k of an earlier layer that does (GLM-5's "shared" layers)."""
-    return spec.indexer is not None and spec.mla is not None and not indexer_layers(spec).problem
+    reuse the top-k of an earlier layer that does (GLM-5's "shared" layers). A k-pool
+    indexer (GLM-5.3) scores pooled keys: analyzer/pooled_indexer.py plans and refuses it."""
+    return (
+        spec.indexer is not None
+        and spec.mla is not None
+        and int(spec.indexer.get("kpool") or 1) == 1
+        and not indexer_layers(spec).problem
+    )
+
+
+def reads_sparsely(spec: ModelSpec) -> bool:
+    """The MLA attention reads what a DSA indexer selects: a plannable per-token indexer or a
+    k-pool one (whose design is the same operator pair, analyzer/pooled_indexer.py)."""
+    pooled = spec.indexer is not None and int(spec.indexer.get("kpool") or 1) > 1
+    return plannable_indexer(spec) or (pooled and spec.mla is not None)
 
 
 def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.indexer import plannable_indexer
+from kvskill.analyzer.indexer import reads_sparsely
 from kvskill.analyzer.layer_mla import MlaGroup
 from kvskill.core import npu_limits as lim
 
@@ -59,7 +59,7 @@ def add_operator_limits(
     heads = max(spec.num_heads // attn_tp_size, 1)
     if heads > lim.MAX_HEADS:
         _block(book, f"{heads} query heads per rank exceed {lim.MAX_HEADS} (› N轴小于等于256)")
-    if attention == "mla" and plannable_indexer(spec):
+    if attention == "mla" and reads_sparsely(spec):
         _dsa(spec, book, heads, block_size)
         return
     if attention == "mla":

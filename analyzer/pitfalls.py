@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.indexer import plannable_indexer
+from kvskill.analyzer.indexer import reads_sparsely
 from kvskill.analyzer.rules import TND_HEAD_DIMS
 from kvskill.core.attn_types import AttnType
 
@@ -35,9 +35,9 @@ def add_pitfalls(
             "blocker is gone"
         )
         return
-    dsa = attention == "mla" and plannable_indexer(spec)
+    dsa = attention == "mla" and reads_sparsely(spec)
     if dsa:
-        _dsa_pitfalls(warn)
+        _dsa_pitfalls(warn, int((spec.indexer or {}).get("kpool") or 1))
     else:
         _fused_attention_pitfalls(warn, fa_version)
     full_like = [t for t in attn_types if t != AttnType.MAMBA.value]
@@ -101,8 +101,9 @@ def add_pitfalls(
         warn(f"config names no dtype; cache dtype {spec.dtype} assumed")
 
 
-def _dsa_pitfalls(warn) -> None:
-    """The indexed sparse attention's rows (lint KV015-KV019 check the code for them)."""
+def _dsa_pitfalls(warn, pool: int = 1) -> None:
+    """The indexed sparse attention's rows (lint KV015-KV019 check the code for them); POOL:
+    tokens per scored key of a k-pool indexer (GLM-5.3), 1 for a per-token one."""
     warn(
         "DSA: npu_lightning_indexer and npu_sparse_flash_attention take no atten_mask (causal "
         "through sparse_mode=3, prefill and decode); their lengths are int32 tensors, cumulative "
@@ -112,10 +113,12 @@ def _dsa_pitfalls(warn) -> None:
         "DSA: with block_table both read the paged caches as layout 'PA_BSND' (ND rows, "
         "[blocks, block_size, 1, dim]): the latent is written with cache_mode 'PA_BNSD', not "
         "NZ; the indexer's keys are the layer's third cache entry, paged with the latent"
+        + (f" (one pooled key per {pool} tokens)" if pool > 1 else "")
     )
     warn(
         "DSA: the indexer's relu(q . k) scores are not scaled by the operator; the model's "
         "softmax scale (and 1/sqrt(heads)) go into its weights; sparse_count = index_topk"
+        + (f" // index_kpool, the pools kept, with sparse_block_size {pool}" if pool > 1 else "")
     )
 
 

@@ -202,6 +202,13 @@ class IndexerPlan:
     #: the layers that run no indexer and attend densely, full or sliding (dots3_note):
     #: no ``key_cache``
     dense_layers: list[int] = field(default_factory=list)
+    #: tokens pooled into one scored key (GLM-5.3's ``index_kpool``; 1: a key per token);
+    #: ``topk // pool_size`` pools are kept and expanded into their tokens
+    pool_size: int = 1
+    #: the query's open pool (its visible tokens of an incomplete pool) is always attended
+    select_tail: bool = False
+    #: the pooled indexer's parts, each with its construct, line and what it needs
+    sub_features: list[CompressedSubFeature] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,9 +268,10 @@ class CompressedLayerKind:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedSubFeature:
-    """One part of a compressed attention (window, sinks, compressor state, CSA indexer, HCA):
-    the construct the modeling file has, what a paged conversion calls for it, and why it
-    does not convert today ("" when it does)."""
+    """One part of an attention the paged rewrite reads part by part (DeepSeek-V4's window,
+    sinks, compressor state, CSA indexer, HCA; GLM-5.3's pooled indexer): the construct the
+    modeling file has, what a paged conversion calls for it, and why it does not convert
+    today ("" when it does)."""
 
     name: str
     construct: str

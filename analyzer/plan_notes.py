@@ -12,6 +12,7 @@ from kvskill.analyzer.evidence import Notebook
 from kvskill.analyzer.indexer import indexer_layers, plannable_indexer
 from kvskill.analyzer.inputs import ModelSource
 from kvskill.analyzer.plan import CacheEntryPlan
+from kvskill.analyzer.pooled_indexer import is_pooled
 from kvskill.analyzer.qkv_split import fused_qkv_note
 from kvskill.analyzer.rules import CodeView, holds_attention_and_state
 from kvskill.core.attn_types import AttnType
@@ -110,6 +111,22 @@ def cite_state_entries(entries: dict[str, list[CacheEntryPlan]], source: ModelSo
     book.cite("cache_entries.Mamba", f"per-request state: {shapes}", book.cfg(key))
 
 
+def cite_state_mixer(spec: ModelSpec, book: Notebook) -> None:
+    """The operators a Kimi delta attention's state layers run on (config.py names the kind)."""
+    if spec.state.get("mixer") != "kda":
+        return
+    book.cite(
+        "state_mixer",
+        "Kimi delta attention (the gated delta rule with a decay per key channel, a causal conv "
+        "over q | k | v): the converted layer runs causal_conv1d_fn / causal_conv1d_update and "
+        "chunk_kda (prefill) / fused_recurrent_kda (decode) on the paged conv and SSM states; "
+        "torch_npu 2.13.0 has no operator for the rule (npu_chunk_gated_delta_rule takes one "
+        "decay per head, npu_recurrent_gated_delta_rule's per-channel gk is 暂不支持), so the "
+        "rule runs as the bundled runtime's reference",
+        book.cfg(spec.sources.get("state") or "linear_num_heads"),
+    )
+
+
 def code_notes(
     facts: dict[str, Any], spec, book: Notebook, *, null_layer_types: bool = False
 ) -> None:
@@ -169,8 +186,9 @@ def code_notes(
             facts["cache_update_source"],
         )
     kinds = {k for k in spec.layer_kinds if not holds_attention_and_state(spec, k)}
-    if plannable_indexer(spec):
-        # the indexer's keys are a cache entry of the layer (analyzer/indexer.py)
+    if plannable_indexer(spec) or is_pooled(spec):
+        # the indexer's keys are a cache entry of the layer (analyzer/indexer.py); a k-pool
+        # indexer is refused part by part (analyzer/pooled_indexer.py)
         kinds.discard("indexed_attention")
     for kind, note in (
         ("hybrid", "layers that hold both attention KV and a Mamba state"),

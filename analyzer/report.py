@@ -153,7 +153,14 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
             rows.index(("softmax scale", f"{plan.softmax_scale:.8g}")) + 1,
             (
                 "DSA indexer",
-                f"{index.n_heads} heads x {index.head_dim}, top-{index.topk}; "
+                f"{index.n_heads} heads x {index.head_dim}, top-{index.topk}"
+                + (
+                    f" in pools of {index.pool_size} ({index.topk // index.pool_size} pools"
+                    + (" + the open pool)" if index.select_tail else ")")
+                    if index.pool_size > 1
+                    else ""
+                )
+                + "; "
                 f"{index.key_cache} {index.key_cache_bytes_per_token} B/token/layer"
                 + (
                     f" on {len(index.layers)} layers, {len(index.shared_layers)} reuse their top-k"

@@ -124,7 +124,10 @@ def decide_attention(spec: ModelSpec, book: Notebook) -> AttentionKind:
         book.cite(
             "attention",
             f"MLA: kv_lora_rank={spec.mla['kv_lora_rank']} with a separate rope key of "
-            f"{spec.mla['qk_rope_head_dim']} dims",
+            f"{spec.mla['qk_rope_head_dim']} dims"
+            if spec.mla["qk_rope_head_dim"]
+            else f"MLA: kv_lora_rank={spec.mla['kv_lora_rank']} without a rope key "
+            "(qk_rope_head_dim 0: the latent is the whole key)",
             book.cfg(spec.sources.get("mla")),
         )
         return AttentionKind.MLA
@@ -419,8 +422,12 @@ def cache_entries(
             window = groups[0].sliding_window if groups else None
             entries[attn_type] = [
                 _entry("nope_cache", int(dims["kv_lora_rank"] or 0), 1, dtype, window),
-                _entry("rope_cache", int(dims["qk_rope_head_dim"] or 0), 1, dtype, window),
             ]
+            # a latent without rope (qk_rope_head_dim 0) keeps no rope key
+            if dims["qk_rope_head_dim"]:
+                entries[attn_type].append(
+                    _entry("rope_cache", int(dims["qk_rope_head_dim"]), 1, dtype, window)
+                )
             indexed = any(g.indexed for g in groups) if groups else True
             if plannable_indexer(spec) and indexed:
                 assert spec.indexer is not None

@@ -88,7 +88,7 @@ def check_config_values(config: dict[str, Any], *, where: str) -> None:
     cfg, prefix = decoder_config(config)
     for key, (low, high) in {**_PER_LAYER_COUNTS, **_BOUNDS}.items():
         value = cfg.get(key)
-        if value is None:
+        if value is None or (key == "head_dim" and value == 0 and _ropeless_latent(cfg)):
             continue
         if isinstance(value, list) and key in PER_LAYER_KEYS | _PER_LAYER_COUNTS.keys():
             for index, item in enumerate(value):
@@ -117,6 +117,12 @@ def check_config_values(config: dict[str, Any], *, where: str) -> None:
             f"{where}: {prefix}{hidden_key}={hidden} is smaller than {prefix}{heads_key}={heads} "
             "and no head_dim is given: the heads would be empty"
         )
+
+
+def _ropeless_latent(cfg: dict[str, Any]) -> bool:
+    """An MLA latent without a rope key (glm5_next): its config ties ``head_dim`` to
+    ``qk_rope_head_dim``, so both are 0 in a saved config.json."""
+    return bool(cfg.get("kv_lora_rank")) and cfg.get("qk_rope_head_dim") == 0
 
 
 def _check_count(name: str, value: Any, low: int, high: int, *, where: str) -> None:

@@ -84,6 +84,7 @@ from kvskill.analyzer.kv_sharing import (
 from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_source
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
+from kvskill.analyzer.mla_layers import cite_mla_layers
 from kvskill.analyzer.mla_write import FUSED, decide_mla_cache_write
 from kvskill.analyzer.mtp import mtp_plan
 from kvskill.analyzer.op_limits import add_operator_limits
@@ -844,6 +845,7 @@ def _assemble_plan(
     attn_types = layers.attn_types
     # before the notebook is read into the Plan: the indexer cites its evidence
     indexer = decide_indexer(spec, book) if design.kv_mode is KvMode.PAGED else None
+    cite_mla_layers(spec, source.modeling_file, book)
     return Plan(
         model_type=source.model_type,
         architecture=code.roles.causal_lm,

@@ -81,6 +81,13 @@ class MlaSpec:
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
     #: the DSA indexer (indexed sparse attention), None for dense MLA
     indexer: IndexerSpec | None = None
+    #: whether some layers have no rope part (NoPE layers): their rope query and key are
+    #: zero-padded to the caches' rope width
+    nope_layers: bool = False
+    #: whether the config proves every layer attends to its own latent (``kv_source_layers``
+    #: naming no other layer): then a hand-off of the latent to later layers inside the seam
+    #: (``shared_kv_states[...] = ...``) has no reader and is dropped with the seam
+    own_latent_only: bool = False
 
     @classmethod
     def from_plan(
@@ -103,6 +110,8 @@ class MlaSpec:
             block_size=block_size or plan.block_size,
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
             pinned_state_dtypes=pinned_state_dtypes(plan),
+            nope_layers=bool(plan.mla and plan.mla.nope_layers),
+            own_latent_only=plan.mla is not None and plan.mla.reused_latent == {},
             indexer=(
                 IndexerSpec(
                     key_cache=plan.indexer.key_cache,

@@ -22,13 +22,14 @@ the seam refuses.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import method
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 
 def code(node: cst.CSTNode) -> str:
@@ -195,6 +196,10 @@ def _elementwise(node: cst.CSTNode, query: str) -> str | None:
     return None
 
 
+#: ``x = self.<attr>(x, ...)`` in the text: files without one are not parsed
+_CANDIDATE = re.compile(r"^\s*(\w+) = self\.\w+\(\1\b", re.M)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RescaleSite:
     """A per-position query rescale found in a modeling file, for the analyzer's evidence."""
@@ -208,9 +213,18 @@ class RescaleSite:
 def rescale_sites(modeling_file: str) -> list[RescaleSite]:
     """Every ``x = self.<attr>(x, ...)`` in a class's forward whose module class multiplies x
     by one factor per vector computed elementwise (``_not_per_position``), with its line."""
-    wrapper = MetadataWrapper(cst.parse_module(Path(modeling_file).read_text(encoding="utf-8")))
-    positions = wrapper.resolve(PositionProvider)
-    classes = {c.name.value: c for c in wrapper.module.body if isinstance(c, cst.ClassDef)}
+    return list(_sites_in(Path(modeling_file).read_text(encoding="utf-8")))
+
+
+@functools.lru_cache(maxsize=8)
+def _sites_in(text: str) -> tuple[RescaleSite, ...]:
+    """:func:`rescale_sites` of a file's TEXT (cached: analyze and verify both ask)."""
+    if not _CANDIDATE.search(text):
+        return ()
+    # NOTE: a plain parse; the line is looked up in the text (position metadata over a whole
+    # modeling file costs seconds, and most files have no site)
+    module = cst.parse_module(text)
+    classes = {c.name.value: c for c in module.body if isinstance(c, cst.ClassDef)}
     sites = []
     for cls in classes.values():
         forward, init = method(cls, "forward"), method(cls, "__init__")
@@ -232,12 +246,12 @@ def rescale_sites(modeling_file: str) -> list[RescaleSite]:
                 sites.append(
                     RescaleSite(
                         owner=cls.name.value,
-                        line=positions[assign].start.line,
+                        line=_line_of(text, code(assign)),
                         statement=code(assign),
                         module_class=target.name.value,
                     )
                 )
-    return sites
+    return tuple(sites)
 
 
 def _module_classes(
@@ -254,3 +268,13 @@ def _module_classes(
             if cls is not None:
                 found[cst.ensure_type(assign.targets[0].target, cst.Attribute).attr.value] = cls
     return found
+
+
+def _line_of(text: str, statement: str) -> int:
+    """1-based line of the first line of STATEMENT in TEXT (0 when it spans lines it does
+    not match verbatim)."""
+    first = statement.splitlines()[0].strip()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip() == first:
+            return number
+    return 0

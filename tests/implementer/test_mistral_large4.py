@@ -164,7 +164,7 @@ def test_converted_model_is_token_exact_on_prompts_longer_than_the_top_k(tmp_pat
     assert "q_pass = self.softmax_scaling(q_pass, position_ids, head_dim_first=True)" in converted
     assert "q_rot = self.softmax_scaling(q_rot, position_ids, head_dim_first=True)" in converted
     assert "rope_key = torch.nn.functional.pad(" in converted
-    report = verify_directory(out, VerifyOptions(num_prompts=3, max_new_tokens=3))
-    lengths = [p.length for p in report.prompts]
-    assert max(lengths) > 24  # the shrunk twin's index_topk
-    assert report.passed, report.to_text() if hasattr(report, "to_text") else report
+    report = verify_directory(out, VerifyOptions(num_prompts=2, max_new_tokens=3))
+    # the shrunk twin keeps 24 of the positions: a longer prompt makes the indexer choose
+    assert max(p.prompt_len for p in report.prompts) > 24
+    assert report.passed, [(p.prompt_len, p.max_logit_diff) for p in report.prompts]

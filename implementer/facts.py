@@ -1125,6 +1125,7 @@ __all__ = [
     "CacheWriteFacts",
     "KernelStyle",
     "SeamFacts",
+    "SeamStore",
     "attention_facts",
     "cache_write_facts",
     "causal_lm_classes",
@@ -1139,4 +1140,5 @@ __all__ = [
     "query_change_limit",
     "seam_forward",
     "seam_leak_limit",
+    "seam_store_limit",
 ]

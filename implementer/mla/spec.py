@@ -176,5 +176,17 @@ def _check_supported(plan: Plan) -> None:
             reasons.append(
                 f"kv_lora_rank is {rank}; the absorbed query head dim must be 512 or 128"
             )
+    if plan.mla and plan.mla.nope_layers:
+        # the zero rope inputs of NoPE layers are written in the DSA seam's scatter path only
+        if plan.indexer is None:
+            reasons.append(
+                f"NoPE layers {plan.mla.nope_layers} (no rope part) on dense MLA; their zero "
+                "rope query and key are emitted on the DSA path only"
+            )
+        if plan.mla_cache_write and CacheWrite(plan.mla_cache_write) is CacheWrite.FUSED:
+            reasons.append(
+                f"NoPE layers {plan.mla.nope_layers} with the fused latent write: "
+                "npu_kv_rmsnorm_rope_cache rotates a 64-wide rope key, which these layers lack"
+            )
     if reasons:
         raise UnsupportedModelError(f"{plan.model_type}: cannot convert: " + "; ".join(reasons))

@@ -5,6 +5,7 @@ against transformers on prompts longer than the top-k."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import textwrap
@@ -14,8 +15,10 @@ import libcst as cst
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.query_rescale import query_rescale, rescale_sites
+from kvskill.core.errors import UnsupportedModelError
 from kvskill.implementer.facts import module_classes
 from kvskill.implementer.mla.facts import mla_attention_facts
+from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
 from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.verify.flow import verify_directory
 from kvskill.verify.options import VerifyOptions
@@ -142,8 +145,13 @@ def _small_config(tmp_path: Path, **text) -> Path:
     return tmp_path
 
 
-def test_plan_states_nope_layers_and_rescales_and_blocks_latent_reuse(tmp_path):
-    plan = analyze_model(str(_small_config(tmp_path / "own")))
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    """The Plan of a 4-layer Mistral Large 4 whose layers each keep their own latent."""
+    return analyze_model(str(_small_config(tmp_path_factory.mktemp("own"))))
+
+
+def test_plan_states_nope_layers_and_rescales_and_blocks_latent_reuse(plan, tmp_path):
     assert plan.mla is not None and plan.mla.nope_layers == [3] and plan.mla.reused_latent == {}
     assert plan.implementer_blockers == []
     decisions = {e.decision for e in plan.evidence}
@@ -168,3 +176,14 @@ def test_converted_model_is_token_exact_on_prompts_longer_than_the_top_k(tmp_pat
     # the shrunk twin keeps 24 of the positions: a longer prompt makes the indexer choose
     assert max(p.prompt_len for p in report.prompts) > 24
     assert report.passed, [(p.prompt_len, p.max_logit_diff) for p in report.prompts]
+
+
+def test_nope_layers_are_refused_where_their_zero_rope_inputs_are_not_emitted(plan):
+    assert MlaSpec.from_plan(plan).nope_layers
+    # dense MLA (no indexer): its seam has no zero rope inputs for the NoPE layers
+    with pytest.raises(UnsupportedModelError, match=r"NoPE layers \[3\] \(no rope part\) on dense"):
+        MlaSpec.from_plan(dataclasses.replace(plan, indexer=None))
+    # the fused write rotates a 64-wide rope key, which a NoPE layer does not have
+    fused = dataclasses.replace(plan, mla_cache_write=CacheWrite.FUSED)
+    with pytest.raises(UnsupportedModelError, match="npu_kv_rmsnorm_rope_cache rotates"):
+        MlaSpec.from_plan(fused)

@@ -1057,7 +1057,7 @@ def _bound_names(stmts: list[cst.BaseStatement]) -> set[str]:
     subscripts and attributes they store into (``d[k] = v`` binds no name)."""
     names: set[str] = set()
     for stmt in stmts:
-        for target in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.CompFor() | m.For()):
+        for target in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.For()):
             node = target.target
             elements = node.elements if isinstance(node, (cst.Tuple, cst.List)) else [node]
             for element in elements:

@@ -896,7 +896,8 @@ def _assemble_plan(
 def _mla_cache_write(source: ModelSource, book, *, indexed: bool) -> str:
     """Fused latent write or scatter, from the modeling code's norm/rope order (mla_write).
     INDEXED: a DSA model, whose sparse attention reads the latent as ND rows."""
-    config_json = json.dumps(source.config, sort_keys=True, default=str)
+    # the decoder's keys: a composite config holds them under text_config
+    config_json = json.dumps(text_config(source.config)[0], sort_keys=True, default=str)
     decision = _mla_write_cached(source.modeling_file or "", config_json)
     reason = decision.reason
     if decision.mode == FUSED:

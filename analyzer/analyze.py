@@ -386,10 +386,10 @@ def _read_code(source: ModelSource) -> CodeView:
     refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
-    hint = source.vision_language_head or hint
     if source.kind == "remote_code":
         auto = (source.config.get("auto_map") or {}).get("AutoModelForCausalLM")
         hint = auto.split(".")[-1] if isinstance(auto, str) else None
+    hint = source.vision_language_head or hint
     roles = find_roles(facts, hint)
     code = CodeView(facts=facts, roles=roles)
     if roles.causal_lm is None:

@@ -187,3 +187,14 @@ def test_nope_layers_are_refused_where_their_zero_rope_inputs_are_not_emitted(pl
     fused = dataclasses.replace(plan, mla_cache_write=CacheWrite.FUSED)
     with pytest.raises(UnsupportedModelError, match="npu_kv_rmsnorm_rope_cache rotates"):
         MlaSpec.from_plan(fused)
+
+
+def test_a_directory_holding_its_own_copy_of_the_file_finds_the_same_head(tmp_path):
+    # what apply writes (the file beside config.json, no auto_map): re-applying reads it as
+    # local code and must find the vision-language head again, not refuse for want of a
+    # *ForCausalLM class
+    model = _small_config(tmp_path / "copy")
+    (model / _source_path().name).write_text(_source_path().read_text())
+    plan = analyze_model(str(model))
+    assert plan.architecture == "MistralLarge4ForConditionalGeneration"
+    assert plan.source.kind == "remote_code"

@@ -32,7 +32,7 @@ import libcst.matchers as m
 from kvskill.analyzer.gather import method
 
 
-def code(node: cst.CSTNode) -> str:
+def _code(node: cst.CSTNode) -> str:
     return cst.Module(body=[]).code_for_node(node).strip()
 
 
@@ -112,9 +112,9 @@ def query_rescale(
         return None
     found = cst.ensure_type(assign.value, cst.Call)
     attr = cst.ensure_type(found.func, cst.Attribute).attr.value
-    where = f"`{code(assign)}`"
+    where = f"`{_code(assign)}`"
     made = modules.get(attr)
-    cls = classes.get(code(made.func).split(".")[-1]) if made is not None else None
+    cls = classes.get(_code(made.func).split(".")[-1]) if made is not None else None
     if cls is None:
         return f"{where}: self.{attr} is not a module class of this file"
     read = {n for arg in found.args[1:] for n in _names(arg.value)} - {"self"}
@@ -164,9 +164,9 @@ def _not_per_position(cls: cst.ClassDef) -> str | None:
     for stmt in [*steps, factor]:
         # a branch on a flag (the query's layout) is fine when both arms are elementwise
         if isinstance(stmt, cst.BaseCompoundStatement) and not isinstance(stmt, cst.If):
-            return f"loops or opens a block (`{code(stmt).splitlines()[0]}`) before its product"
+            return f"loops or opens a block (`{_code(stmt).splitlines()[0]}`) before its product"
         if m.findall(stmt, m.Return()):
-            return f"returns early (`{code(stmt).splitlines()[0]}`)"
+            return f"returns early (`{_code(stmt).splitlines()[0]}`)"
         reason = _elementwise(stmt, query)
         if reason:
             return reason
@@ -177,22 +177,22 @@ def _elementwise(node: cst.CSTNode, query: str) -> str | None:
     """Why NODE is not elementwise arithmetic that reads QUERY only for its dtype or device."""
     for call in m.findall(node, m.Call()):
         func = cst.ensure_type(call, cst.Call).func
-        name = func.attr.value if isinstance(func, cst.Attribute) else code(func)
+        name = func.attr.value if isinstance(func, cst.Attribute) else _code(func)
         if name not in _ELEMENTWISE:
-            return f"calls `{code(func)}(...)`, not an elementwise operation"
+            return f"calls `{_code(func)}(...)`, not an elementwise operation"
     for sub in m.findall(node, m.SubscriptElement()):
         index = cst.ensure_type(sub, cst.SubscriptElement).slice
         whole = m.matches(index, m.Index(value=m.Name("None") | m.Ellipsis())) or m.matches(
             index, m.Slice(lower=None, upper=None, step=None)
         )
         if not whole:
-            return f"indexes `{code(index)}`, which may mix positions"
+            return f"indexes `{_code(index)}`, which may mix positions"
     for attr in m.findall(node, m.Attribute(value=m.Name(query))):
         if cst.ensure_type(attr, cst.Attribute).attr.value not in _QUERY_META:
-            return f"reads `{code(attr)}` of the query"
+            return f"reads `{_code(attr)}` of the query"
     bare = {id(a.value) for a in m.findall(node, m.Attribute(value=m.Name(query)))}
     if any(id(n) not in bare for n in m.findall(node, m.Name(query))):
-        return f"reads the query's values besides the product (`{code(node).splitlines()[0]}`)"
+        return f"reads the query's values besides the product (`{_code(node).splitlines()[0]}`)"
     return None
 
 
@@ -246,8 +246,8 @@ def _sites_in(text: str) -> tuple[RescaleSite, ...]:
                 sites.append(
                     RescaleSite(
                         owner=cls.name.value,
-                        line=_line_of(text, code(assign)),
-                        statement=code(assign),
+                        line=_line_of(text, _code(assign)),
+                        statement=_code(assign),
                         module_class=target.name.value,
                     )
                 )
@@ -264,7 +264,7 @@ def _module_classes(
     ):
         assign = cst.ensure_type(node, cst.Assign)
         if isinstance(assign.value, cst.Call):
-            cls = classes.get(code(assign.value.func).split(".")[-1])
+            cls = classes.get(_code(assign.value.func).split(".")[-1])
             if cls is not None:
                 found[cst.ensure_type(assign.targets[0].target, cst.Attribute).attr.value] = cls
     return found

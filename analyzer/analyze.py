@@ -86,6 +86,7 @@ from kvskill.analyzer.kv_sizing import ConfigView, apply_code_sizing, sizing_of_
 from kvskill.analyzer.layer_mla import MlaGroup, cite_mla_groups, mla_groups
 from kvskill.analyzer.legacy_rows import legacy_rows_reason
 from kvskill.analyzer.memory import plan_memory
+from kvskill.analyzer.mla_layers import cite_mla_layers
 from kvskill.analyzer.mla_write import FUSED, SCATTER, decide_mla_cache_write
 from kvskill.analyzer.mtp import mtp_plan
 from kvskill.analyzer.op_limits import add_operator_limits
@@ -397,10 +398,10 @@ def _read_code(source: ModelSource) -> CodeView:
     refuse_non_causal(source)
     facts = scan_file(source.modeling_file)
     hint = causal_lm_class_name(source.model_type) if source.kind != "remote_code" else None
-    hint = source.vision_language_head or hint
     if source.kind == "remote_code":
         auto = (source.config.get("auto_map") or {}).get("AutoModelForCausalLM")
         hint = auto.split(".")[-1] if isinstance(auto, str) else None
+    hint = source.vision_language_head or hint
     roles = find_roles(facts, hint)
     code = CodeView(facts=facts, roles=roles)
     if roles.causal_lm is None:
@@ -895,6 +896,7 @@ def _assemble_plan(
         if design.kv_mode is KvMode.PAGED
         else None
     )
+    cite_mla_layers(spec, source.modeling_file, book)
     return Plan(
         model_type=source.model_type,
         architecture=code.roles.causal_lm,
@@ -955,7 +957,8 @@ def _mla_cache_write(source: ModelSource, spec: ModelSpec, book, *, indexed: boo
             book.cfg(spec.sources.get("mla")),
         )
         return SCATTER
-    config_json = json.dumps(source.config, sort_keys=True, default=str)
+    # the decoder's keys: a composite config holds them under text_config
+    config_json = json.dumps(text_config(source.config)[0], sort_keys=True, default=str)
     decision = _mla_write_cached(source.modeling_file or "", config_json)
     reason = decision.reason
     if decision.mode == FUSED:

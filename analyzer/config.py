@@ -295,7 +295,27 @@ def _mla(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str,
         "qk_nope_head_dim": int(cfg.get("qk_nope_head_dim") or 0),
         "qk_rope_head_dim": int(rope_dim),
         "v_head_dim": int(cfg.get("v_head_dim") or 0),
+        **_mla_layers(cfg, sources, prefix),
     }
+
+
+def _mla_layers(cfg: dict[str, Any], sources: dict[str, str], prefix: str) -> dict[str, Any]:
+    """Per-layer MLA facts of Mistral Large 4's config (analyzer/mla_layers.py reads them):
+    ``no_rope_layers`` (1 = the layer rotates, 0 = a NoPE layer without a rope part) and
+    ``kv_source_layers`` (the layer whose latent each layer attends to)."""
+    found: dict[str, Any] = {}
+    count = cfg.get("num_hidden_layers")
+    flags = cfg.get("no_rope_layers")
+    if isinstance(flags, list) and isinstance(count, int):
+        sources["mla.nope_layers"] = prefix + "no_rope_layers"
+        found["nope_layers"] = [i for i, flag in enumerate(flags[:count]) if not flag]
+    owners = cfg.get("kv_source_layers")
+    if isinstance(owners, list) and isinstance(count, int):
+        sources["mla.reused_latent"] = prefix + "kv_source_layers"
+        found["reused_latent"] = {
+            str(i): int(src) for i, src in enumerate(owners[:count]) if src != i
+        }
+    return found
 
 
 #: the DSA indexer's config keys (DeepSeek-V3.2, GLM-5): its query heads, its key width and

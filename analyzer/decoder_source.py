@@ -23,6 +23,18 @@ def _is_wrapper_without_causal_lm(source: ModelSource) -> bool:
     )
 
 
+def _is_converted_wrapper(source: ModelSource) -> bool:
+    """A directory kvskill wrote for such a wrapper: its own copy of the transformers type's
+    file (no auto_map), read as local code; re-applying it finds the same head."""
+    return (
+        source.kind == "remote_code"
+        and "auto_map" not in source.config
+        and source.model_type not in causal_lm_model_types()
+        and transformers_modeling_file(source.model_type) is not None
+        and not source.config.get("is_encoder_decoder")
+    )
+
+
 def text_model_type(source: ModelSource) -> str | None:
     text = source.config.get("text_config")
     text_type = text.get("model_type") if isinstance(text, dict) else None
@@ -129,4 +141,5 @@ def wrapped_language_model(source: ModelSource) -> ModelSource | None:
 
 def own_text_decoder(source: ModelSource) -> ModelSource:
     """SOURCE, or a wrapper's source marked to convert the text decoder its own file defines."""
-    return _with_own_text_decoder(source) if _is_wrapper_without_causal_lm(source) else source
+    wrapper = _is_wrapper_without_causal_lm(source) or _is_converted_wrapper(source)
+    return _with_own_text_decoder(source) if wrapper else source

@@ -114,7 +114,7 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         book.cite(
             "indexer.layers",
             f"{len(layers.owners)} layers run the indexer and keep {INDEXER_KEY_CACHE} "
-            f"({spans(layers.owners)}); {len(layers.dense)} layers ({spans(layers.dense)}) "
+            f"({layer_spans(layers.owners)}); {len(layers.dense)} layers ({layer_spans(layers.dense)}) "
             "run none: they attend densely (full or sliding) and keep no indexer keys",
             book.cfg(spec.sources.get("indexed_layers")),
         )
@@ -122,8 +122,8 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
         book.cite(
             "indexer.layers",
             f"{len(layers.owners)} layers run the indexer and keep {INDEXER_KEY_CACHE} "
-            f"({spans(layers.owners)}); {len(layers.shared)} 'shared' layers "
-            f"({spans(layers.shared)}) reuse the previous indexer layer's top-k and keep no "
+            f"({layer_spans(layers.owners)}); {len(layers.shared)} 'shared' layers "
+            f"({layer_spans(layers.shared)}) reuse the previous indexer layer's top-k and keep no "
             "indexer keys",
             book.cfg(spec.sources.get("indexer_types")),
         )
@@ -147,7 +147,7 @@ def decide_indexer(spec: ModelSpec, book: Notebook) -> IndexerPlan | None:
     )
 
 
-def spans(indices: list[int]) -> str:
+def layer_spans(indices: list[int]) -> str:
     """Layer indices as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
     runs: list[list[int]] = []
     for index in indices:

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvskill.analyzer.config import ModelSpec
 from kvskill.analyzer.evidence import Notebook
-from kvskill.analyzer.indexer import spans
+from kvskill.analyzer.indexer import layer_spans
 from kvskill.analyzer.plan import LayerPlan
 from kvskill.core.attn_types import AttnType
 
@@ -42,7 +42,7 @@ class MlaGroup:
     def label(self) -> str:
         """``"SlidingWindow layers 2-4, 6"`` (``DSA-indexed`` when they run the indexer)."""
         kind = "DSA-indexed " if self.indexed else ""
-        return f"{kind}{self.attn_type} layers {spans(self.layers)}"
+        return f"{kind}{self.attn_type} layers {layer_spans(self.layers)}"
 
 
 def layer_dims(spec: ModelSpec, index: int) -> dict[str, int | None]:

@@ -86,6 +86,14 @@ def decide_mla_cache_write(source: str, config: dict[str, Any], file_name: str) 
             "the latent itself",
             source=where(decompress[1]),
         )
+    flags = config.get("no_rope_layers")
+    if isinstance(flags, list) and not all(flags):
+        return MlaCacheWrite(
+            mode=SCATTER,
+            reason="NoPE layers (no_rope_layers 0) have no rope key; the fused write rotates "
+            "a 64-wide one in every layer",
+            source=where(update),
+        )
     rope_dim = config.get("qk_rope_head_dim")
     if rope_dim != ROPE_DIM:
         return MlaCacheWrite(

@@ -176,6 +176,12 @@ class MlaDims:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    #: layers without a rope part (Mistral Large 4's ``no_rope_layers`` 0): their query and
+    #: latent key carry no rotary dims; None when the config has no such list
+    nope_layers: list[int] | None = None
+    #: {consumer layer: the layer whose latent it attends to} (``kv_source_layers``); {} when
+    #: the config says every layer keeps its own, None when it says nothing
+    reused_latent: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ from kvskill.analyzer.indexer import (
     LIGHTNING_INDEXER,
     SPARSE_ATTENTION,
     indexer_layers,
-    spans,
+    layer_spans,
 )
 from kvskill.analyzer.plan import CacheEntryPlan, CompressedSubFeature, IndexerPlan
 from kvskill.core import npu_limits as lim
@@ -214,7 +214,7 @@ def pooled_features(
                 construct=f"{shared.owner}: {shared.construct}",
                 where=where(shared.line),
                 needs=(
-                    f"layers {spans(sharing)} read the previous full layer's selection "
+                    f"layers {layer_spans(sharing)} read the previous full layer's selection "
                     "(pools and tail); no indexer cache of their own"
                 ),
             )
@@ -249,9 +249,9 @@ def decide_pooled_indexer(
         "indexer.layers",
         f"{len(owners)} attention layers run the indexer and keep {POOL_KEY_CACHE} (one row "
         f"per {pool} tokens) and {POOL_STATE} ({pool_state_bytes(spec)} bytes per request: the "
-        f"open pool's [key | gate] rows) ({spans(owners)})"
+        f"open pool's [key | gate] rows) ({layer_spans(owners)})"
         + (
-            f"; {len(sharing)} 'shared' layers ({spans(sharing)}) reuse the previous indexer "
+            f"; {len(sharing)} 'shared' layers ({layer_spans(sharing)}) reuse the previous indexer "
             "layer's selection"
             if sharing
             else ""

@@ -255,7 +255,14 @@ def check_mla_module(
         fused = spec.cache_write is CacheWrite.FUSED
         indexed = spec.indexer is not None
         shared = spec.indexer is not None and spec.indexer.shared_layers
-        facts = mla_attention_facts(cls, classes, fused, indexed, shared_layers=shared)
+        facts = mla_attention_facts(
+            cls,
+            classes,
+            fused,
+            indexed,
+            shared_layers=shared,
+            own_latent_only=spec.own_latent_only,
+        )
         problems.extend(facts.problems)
     if problems:
         raise UnsupportedModelError(f"{filename}: cannot convert: " + "; ".join(problems))

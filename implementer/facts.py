@@ -174,6 +174,8 @@ class AttentionFacts:
     #: names the seam defines and the code after the kernel reads (a limit in
     #: ``fused_limits``, unless a rewrite keeps the statement that defines them)
     seam_leaks: list[str] = field(default_factory=list)
+    #: stores into objects that outlive the seam (``seam_store_limit`` each)
+    seam_stores: list[SeamStore] = field(default_factory=list)
 
     def seam_limits(self) -> list[str]:
         """What the paged seam replacing the kernel cannot keep: ``fused_limits``, and the
@@ -1022,7 +1024,7 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
     ``fused_limits``."""
     inside = list(body.body[seam.update_index : seam.kernel_index])
     after = list(body.body[seam.kernel_index + 1 :])
-    leaked = (_assigned_names(inside) - set(seam.targets)) & _used_names(after)
+    leaked = (_bound_names(inside) - set(seam.targets)) & _used_names(after)
     leaked -= {seam.key, seam.value, seam.query, *seam.nulled}
     tiled = m.Call(
         func=m.Attribute(value=m.Name(seam.key) | m.Name(seam.value), attr=m.Name("repeat"))
@@ -1042,9 +1044,63 @@ def _check_seam_names(facts: AttentionFacts, body: cst.IndentedBlock, seam: Seam
             "with KV head h // G"
         )
     facts.query_changes = _query_changes(seam, inside)
+    facts.seam_stores = _escaping_stores(inside)
+    for store in facts.seam_stores:
+        facts.fused_limits.append(seam_store_limit(facts.name, store))
     if leaked:
         facts.seam_leaks = sorted(leaked)
         facts.fused_limits.append(seam_leak_limit(facts.name, facts.seam_leaks))
+
+
+def _bound_names(stmts: list[cst.BaseStatement]) -> set[str]:
+    """Names STMTS bind (``x = ...``, ``a, b = ...``, ``for x in``): not the bases of the
+    subscripts and attributes they store into (``d[k] = v`` binds no name)."""
+    names: set[str] = set()
+    for stmt in stmts:
+        for target in m.findall(stmt, m.AssignTarget() | m.AnnAssign() | m.For()):
+            node = target.target
+            elements = node.elements if isinstance(node, (cst.Tuple, cst.List)) else [node]
+            for element in elements:
+                value = element.value if isinstance(element, cst.BaseElement) else element
+                if isinstance(value, cst.Name):
+                    names.add(value.value)
+    return names
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeamStore:
+    """A store into an object the seam did not create (``shared[k] = v``, ``self.x = v``)."""
+
+    #: the object stored into
+    base: str
+    #: the top-level seam statement holding the store, and the store's own line
+    statement: cst.BaseStatement
+    line: str
+
+
+def _escaping_stores(inside: list[cst.BaseStatement]) -> list[SeamStore]:
+    """Stores into subscripts or attributes of names the seam does not bind: the object
+    outlives the seam (a forward parameter, ``self``), so dropping the store changes what
+    others see."""
+    local = _bound_names(inside)
+    stores = []
+    for stmt in inside:
+        for node in m.findall(stmt, m.AssignTarget(target=m.Subscript() | m.Attribute())):
+            target = cst.ensure_type(node, cst.AssignTarget).target
+            base = target.value if isinstance(target, (cst.Subscript, cst.Attribute)) else None
+            while isinstance(base, (cst.Subscript, cst.Attribute)):
+                base = base.value
+            if isinstance(base, cst.Name) and base.value not in local:
+                stores.append(SeamStore(base=base.value, statement=stmt, line=code(target)))
+    return stores
+
+
+def seam_store_limit(name: str, store: SeamStore) -> str:
+    """The limit of a seam that stores into an object living beyond it."""
+    return (
+        f"{name}.forward stores into {store.base} (`{store.line} = ...`) between the cache "
+        "write and the attention call, which the rewrite replaces: the store would be dropped"
+    )
 
 
 def seam_leak_limit(name: str, leaked: list[str]) -> str:
@@ -1069,6 +1125,7 @@ __all__ = [
     "CacheWriteFacts",
     "KernelStyle",
     "SeamFacts",
+    "SeamStore",
     "attention_facts",
     "cache_write_facts",
     "causal_lm_classes",
@@ -1083,4 +1140,5 @@ __all__ = [
     "query_change_limit",
     "seam_forward",
     "seam_leak_limit",
+    "seam_store_limit",
 ]

@@ -53,6 +53,7 @@ FAMILIES = [
     Family("deepseek_v3"),
     Family("deepseek_v32"),
     Family("glm_moe_dsa"),
+    Family("mistral_large4"),
     Family("deepseek_v4"),
     Family(
         "deepseek_v2",

@@ -74,6 +74,7 @@ from kvskill.verify.weights import (
     condition_weights,
     load_real_converted,
     load_real_reference,
+    rescale_classes,
     weights_differ,
 )
 from torch import nn
@@ -232,7 +233,8 @@ def load_model_pair(
         ) from exc
     if note:
         report.notes.append(note)
-    condition_weights(reference, options.seed)  # random: real weights go load_real_pair's way
+    # random: real weights go load_real_pair's way
+    condition_weights(reference, options.seed, varied=rescale_classes(directory))
     # float32 whatever the dtype: in float16 / bfloat16 it is the anchor of the verdict
     reference = reference.float().eval()
     loaded = load_model(

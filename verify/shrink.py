@@ -102,6 +102,10 @@ PER_LAYER_MOE_KEYS = ("moe_intermediate_size", "moe_topk", "num_shared_expert")
 #: run the DSA indexer, "shared" ones reuse the previous one's top-k), so a shrunk twin keeps
 #: a layer of each
 PER_LAYER_KIND_KEYS = ("indexer_types",)
+#: per-layer lists of layer indices (Mistral Large 4's ``kv_source_layers``: the layer whose
+#: latent each layer attends to): the kinds are "its own" and "another's"; cut to a prefix,
+#: the indices stay valid (a layer names itself or an earlier one)
+LAYER_INDEX_KEYS = ("kv_source_layers",)
 #: config keys holding the router's top-k (a scalar, or one value per layer)
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 
@@ -120,7 +124,10 @@ def _num_layers(config: dict[str, Any], names: dict[str, str] | None = None) -> 
     """
     total = int(lookup(config, "num_layers", names)[0] or MIN_LAYERS)
     needed = MIN_LAYERS
-    for values in _per_layer_lists(config, names).values():
+    for key, values in _per_layer_lists(config, names).items():
+        if key in LAYER_INDEX_KEYS:
+            # a layer index per layer: its kind is whether it names the layer itself
+            values = [value == i for i, value in enumerate(values)]
         first_seen: dict[Any, int] = {}
         for i, value in enumerate(values):
             first_seen.setdefault(repr(value), i)

@@ -240,14 +240,31 @@ def _tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
-def condition_weights(model: nn.Module, seed: int) -> None:
+#: spread of the noise added to a varied module's vector parameters (``condition_weights``)
+VARIED_VECTOR_STD = 0.25
+
+
+def condition_weights(model: nn.Module, seed: int, varied: frozenset[str] = frozenset()) -> None:
     """Random weights with well-separated logits.
 
     Default initialisers (std 0.02) give near-uniform logits whose top two can tie within
     float noise, which would make a greedy comparison meaningless; fan-in scaled normals
     keep activations O(1) and the top tokens apart.
+
+    Args:
+        varied: class names of modules whose vector parameters get noise around their
+            initial values too. A per-position query rescale initialised to the identity
+            (Mistral Large 4's softmax scaling: scale 0, bias 1) would otherwise leave the
+            position-dependent factor it adds untested.
     """
     generator = torch.Generator().manual_seed(seed)
+    vectors = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if type(module).__name__ in varied
+        for name, param in module.named_parameters(recurse=False)
+        if param.dim() == 1
+    }
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
@@ -256,3 +273,18 @@ def condition_weights(model: nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
             elif "sink" in name:
                 param.copy_(torch.randn(param.shape, generator=generator))
+            elif name in vectors:
+                noise = torch.randn(param.shape, generator=generator) * VARIED_VECTOR_STD
+                param.add_(noise.to(param.dtype))
+
+
+def rescale_classes(directory: Path) -> frozenset[str]:
+    """Classes of the per-position query rescales in DIRECTORY's modeling files (what
+    ``condition_weights`` varies)."""
+    from kvskill.analyzer.query_rescale import rescale_sites
+
+    return frozenset(
+        site.module_class
+        for path in sorted(directory.glob("modeling_*.py"))
+        for site in rescale_sites(str(path))
+    )

@@ -49,6 +49,7 @@ class MlaCommand(ClassRewriteCommand):
             self.spec.cache_write is CacheWrite.FUSED,
             indexed=self.spec.indexer is not None,
             shared_layers=self.spec.indexer is not None and self.spec.indexer.shared_layers,
+            own_latent_only=self.spec.own_latent_only,
         )
         assert not facts.problems, "the pipeline validates attention facts first"
         return facts
@@ -75,6 +76,7 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
             "attn_tp_size": self.spec.attn_tp_size,
             "kv_b_proj": facts.kv_b_proj,
             "scatter": self.spec.cache_write is CacheWrite.SCATTER,
+            "nope_layers": self.spec.nope_layers,
             "indexer_attr": "",
             "indexer_key_cache": "",
             "optional_entry": None,
@@ -193,6 +195,7 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "cos": fused.cos if fused else "",
             "sin": fused.sin if fused else "",
             "kv_b_proj": facts.kv_b_proj,
+            "nope_layers": self.spec.nope_layers,
         }
         if facts.indexer is not None:
             # the sparse attention's keywords are the DSA template's own
@@ -212,6 +215,9 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         new[0] = new[0].with_changes(
             leading_lines=[*old[seam.update_index].leading_lines, *note, *new[0].leading_lines]
         )
+        if not facts.query_in_seam:
+            # after the seam's opening comment and metadata line, before the query is read
+            new[1:1] = _rescaled(facts, seam)
         before = old[: seam.update_index]
         if fused is not None:
             before = _drop_latent_norm(before, fused.norm, old[seam.kernel_index + 1 :])
@@ -221,9 +227,29 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
         return converted
 
 
+def _rescaled(facts: MlaAttentionFacts, seam: SeamFacts) -> list[cst.BaseStatement]:
+    """The source's per-position query rescales (verified in facts), applied to the query
+    parts the seam reads: one factor per query vector scales each part as it scaled their
+    concatenation."""
+    scaled = facts.query_parts or (seam.query,)
+    found = [r.applied_to(name) for r in facts.query_rescales for name in scaled]
+    if found:
+        notes = (
+            "# The query's per-position rescale, as the source applies it after the cache",
+            "# write: one factor per query vector, so each part takes it.",
+        )
+        lines = [cst.EmptyLine(comment=cst.Comment(n)) for n in notes]
+        found[0] = found[0].with_changes(leading_lines=lines)
+    return found
+
+
 def _after_write(stmts: list[cst.BaseStatement]) -> int:
-    """Index right after the DSA seam's latent write (the statement that names rope_cache)."""
-    writes = [i for i, s in enumerate(stmts) if m.findall(s, m.Name("rope_cache"))]
+    """Index right after the DSA seam's latent write (the fused operator's call, or the
+    scatter write's update_latent_cache)."""
+    write = m.Call(
+        func=m.Attribute(attr=m.Name("npu_kv_rmsnorm_rope_cache") | m.Name("update_latent_cache"))
+    )
+    writes = [i for i, s in enumerate(stmts) if m.findall(s, write)]
     return writes[0] + 1
 
 

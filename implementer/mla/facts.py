@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 from kvskill.analyzer.gather import self_module_calls
+from kvskill.analyzer.query_rescale import QueryRescale, query_rescale
 from kvskill.implementer.facts import (
     SeamFacts,
+    SeamStore,
     attention_facts,
     code,
     init_owner,
     seam_forward,
     seam_leak_limit,
+    seam_store_limit,
 )
 from kvskill.implementer.mla.indexer import IndexerCallFacts, indexer_call
 
@@ -87,6 +90,9 @@ class MlaAttentionFacts:
     fused: FusedWriteFacts | None = None
     #: the DSA indexer's call in the seam (indexed sparse attention), None without one
     indexer: IndexerCallFacts | None = None
+    #: per-position rescales of the query between the cache write and the kernel (Mistral
+    #: Large 4's softmax scaling), in source order: the converted seam applies them too
+    query_rescales: list[QueryRescale] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -113,6 +119,7 @@ def mla_attention_facts(
     indexed: bool = False,
     *,
     shared_layers: bool = False,
+    own_latent_only: bool = False,
 ) -> MlaAttentionFacts:
     """Gather what the MLA codemods need; ``problems`` lists what blocks a rewrite.
 
@@ -133,6 +140,8 @@ def mla_attention_facts(
     forward = _method(cls, "forward")
     if owner is None or forward is None or facts.seam is None:
         return facts
+    if own_latent_only:
+        _drop_unread_handoffs(facts, forward, generic.seam_stores)
     init = _method(owner, "__init__")
     assert init is not None, "init_owner returns a class with an __init__"
     forward, _ = seam_forward(cls, forward)
@@ -146,10 +155,11 @@ def mla_attention_facts(
     else:
         facts.kv_b_proj = up[0]
     facts.query_parts = _query_parts(forward, facts.seam)
+    rebinds = _Rebinds(forward, facts.seam, modules, classes)
     if facts.query_parts is None:
-        facts.query_in_seam = _query_in_seam(facts, forward, facts.seam)
+        facts.query_in_seam = _query_in_seam(facts, rebinds)
     else:
-        _check_query_rebinds(facts, forward, facts.seam, facts.query_parts)
+        _check_query_rebinds(facts, rebinds, facts.query_parts)
     if facts.kv_b_proj is not None:
         facts.decompressed = _decompressed_facts(facts, forward, facts.kv_b_proj)
     if fused:
@@ -162,6 +172,20 @@ def mla_attention_facts(
             f"(`{code(facts.indexer.statement).strip()}`)"
         )
     return facts
+
+
+def _drop_unread_handoffs(
+    facts: MlaAttentionFacts, forward: cst.FunctionDef, stores: list[SeamStore]
+) -> None:
+    """Accept the seam's stores into a forward parameter under a layer flag (Mistral Large 4's
+    ``if self.store_full_length_kv: shared_kv_states[...] = (k_pass, k_rot)``) when the
+    config proves no layer reads another's latent: the store then has no reader. Any other
+    store (into ``self``, unguarded, or with reuse in the config) stays a problem."""
+    params = {p.name.value for p in forward.params.params[1:]}
+    flag = m.If(test=m.Attribute(value=m.Name("self")), orelse=None)
+    for store in stores:
+        if store.base in params and m.matches(store.statement, flag):
+            facts.problems.remove(seam_store_limit(facts.name, store))
 
 
 def _indexer_facts(
@@ -319,7 +343,17 @@ def _relayout_of(value: cst.BaseExpression, name: str) -> bool:
     return m.matches(value, m.Name(name))
 
 
-def _query_in_seam(facts: MlaAttentionFacts, forward: cst.FunctionDef, seam: SeamFacts) -> bool:
+@dataclass(frozen=True)
+class _Rebinds:
+    """What the query's rebinding inside the seam is checked against."""
+
+    forward: cst.FunctionDef
+    seam: SeamFacts
+    modules: dict[str, cst.Call]
+    classes: dict[str, cst.ClassDef]
+
+
+def _query_in_seam(facts: MlaAttentionFacts, rebinds: _Rebinds) -> bool:
     """Whether the query is first bound inside the seam (then its statements are kept).
 
     A query bound before the cache write is read there, in the write's layout. A flash
@@ -328,25 +362,31 @@ def _query_in_seam(facts: MlaAttentionFacts, forward: cst.FunctionDef, seam: Sea
     with its own flattening. Any other rebinding there changes the values the kernel sees,
     which the seam would miss: a problem.
     """
-    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
-    params = {p.name.value for p in forward.params.params}
-    if seam.query not in _assigned_in(body[: seam.update_index]) | params:
+    forward, seam = rebinds.forward, rebinds.seam
+    if seam.query not in _bound_before(forward, seam):
         return True
-    _check_query_rebinds(facts, forward, seam, None)
+    _check_query_rebinds(facts, rebinds, None)
     return False
 
 
+def _bound_before(forward: cst.FunctionDef, seam: SeamFacts) -> set[str]:
+    """Names bound before the cache write: forward parameters and earlier assignments."""
+    body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    params = {p.name.value for p in forward.params.params}
+    return _assigned_in(body[: seam.update_index]) | params
+
+
 def _check_query_rebinds(
-    facts: MlaAttentionFacts,
-    forward: cst.FunctionDef,
-    seam: SeamFacts,
-    parts: tuple[str, str] | None,
+    facts: MlaAttentionFacts, rebinds: _Rebinds, parts: tuple[str, str] | None
 ) -> None:
     """Inside the seam, the query (and its PARTS, when the rewrite builds the query from them)
-    may only be re-laid out or cast, and the query built once as ``torch.cat(PARTS, -1)``:
-    the paged seam replaces these statements, so any other rebinding (a scale, a bias) would
-    be dropped."""
+    may only be re-laid out or cast, built once as ``torch.cat(PARTS, -1)``, and rescaled per
+    position by a verified module (``query_rescale``), which the converted seam applies
+    again: the paged seam replaces these statements, so any other rebinding (a scale of
+    another kind, a bias) would be dropped."""
+    forward, seam = rebinds.forward, rebinds.seam
     body = list(cst.ensure_type(forward.body, cst.IndentedBlock).body)
+    bound_before = _bound_before(forward, seam)
     guarded = {seam.query, *(parts or ())}
     for stmt in body[seam.update_index : seam.kernel_index]:
         for node in m.findall(stmt, m.Assign()):
@@ -366,10 +406,17 @@ def _check_query_rebinds(
                 )
             ):
                 continue
+            rescale = query_rescale(
+                assign, seam.query, rebinds.modules, rebinds.classes, bound_before
+            )
+            if isinstance(rescale, QueryRescale):
+                facts.query_rescales.append(rescale)
+                continue
+            why = f": not a per-position rescale, {rescale}" if rescale else ""
             facts.problems.append(
                 f"{facts.name}.forward rebinds {', '.join(sorted(names))} between its cache "
                 f"write and its attention call ({code(assign)}), beyond a layout or dtype "
-                "change; the paged seam reads the query as it stands at the cache write"
+                f"change{why}; the paged seam reads the query as it stands at the cache write"
             )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvskill.analyzer.indexer import spans
+from kvskill.analyzer.indexer import layer_spans
 from kvskill.analyzer.plan import (
     AttentionKind,
     FaVersion,
@@ -82,6 +82,13 @@ class MlaSpec:
     pinned_state_dtypes: dict[str, str] = field(default_factory=dict)
     #: the DSA indexer (indexed sparse attention), None for dense MLA
     indexer: IndexerSpec | None = None
+    #: whether some layers have no rope part (NoPE layers): their rope query and key are
+    #: zero-padded to the caches' rope width
+    nope_layers: bool = False
+    #: whether the config proves every layer attends to its own latent (``kv_source_layers``
+    #: naming no other layer): then a hand-off of the latent to later layers inside the seam
+    #: (``shared_kv_states[...] = ...``) has no reader and is dropped with the seam
+    own_latent_only: bool = False
 
     @classmethod
     def from_plan(
@@ -104,6 +111,8 @@ class MlaSpec:
             block_size=block_size or plan.block_size,
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
             pinned_state_dtypes=pinned_state_dtypes(plan),
+            nope_layers=bool(plan.mla and plan.mla.nope_layers),
+            own_latent_only=plan.mla is not None and plan.mla.reused_latent == {},
             indexer=(
                 IndexerSpec(
                     key_cache=plan.indexer.key_cache,
@@ -133,7 +142,7 @@ def _check_supported(plan: Plan) -> None:
         # query_rope和key_rope参数约束 › sparse为4时: 128 query heads, D 512, BSND, ND cache)
         # and on the un-absorbed TND prompt (Q_D = K_D = 192); neither is emitted yet
         reasons.append(
-            f"MLA layers {spans(sliding)} are SlidingWindow{_window_site(plan)}: the MLA "
+            f"MLA layers {layer_spans(sliding)} are SlidingWindow{_window_site(plan)}: the MLA "
             "rewrite emits no windowed latent attention (sparse_mode 4 with pre_tokens on the "
             "absorbed latent or the decompressed prompt); only FullAttention MLA layers are "
             "rewritten"
@@ -148,8 +157,8 @@ def _check_supported(plan: Plan) -> None:
         )
     if plan.indexer is not None and plan.indexer.dense_layers:
         reasons.append(
-            f"MLA layers {spans(plan.indexer.dense_layers)} run no DSA indexer beside the "
-            f"indexed layers {spans(plan.indexer.layers)}: the DSA rewrite reads every MLA "
+            f"MLA layers {layer_spans(plan.indexer.dense_layers)} run no DSA indexer beside the "
+            f"indexed layers {layer_spans(plan.indexer.layers)}: the DSA rewrite reads every MLA "
             "layer through an indexer's top-k (or a shared one), none densely"
         )
     if AttnType.MAMBA.value in kinds and plan.attn_tp_size != 1:
@@ -184,6 +193,18 @@ def _check_supported(plan: Plan) -> None:
         if rank not in MLA_QUERY_DIMS:
             reasons.append(
                 f"kv_lora_rank is {rank}; the absorbed query head dim must be 512 or 128"
+            )
+    if plan.mla and plan.mla.nope_layers:
+        # the zero rope inputs of NoPE layers are written in the DSA seam's scatter path only
+        if plan.indexer is None:
+            reasons.append(
+                f"NoPE layers {plan.mla.nope_layers} (no rope part) on dense MLA; their zero "
+                "rope query and key are emitted on the DSA path only"
+            )
+        if plan.mla_cache_write and CacheWrite(plan.mla_cache_write) is CacheWrite.FUSED:
+            reasons.append(
+                f"NoPE layers {plan.mla.nope_layers} with the fused latent write: "
+                "npu_kv_rmsnorm_rope_cache rotates a 64-wide rope key, which these layers lack"
             )
     if reasons:
         raise UnsupportedModelError(f"{plan.model_type}: cannot convert: " + "; ".join(reasons))

@@ -371,12 +371,25 @@ def build_config(
                 f"the installed transformers cannot build a default '{model_type}' config: "
                 f"{message}"
             ) from exc
-        raise BadInputError(f"config for '{model_type}' is not valid: {message}") from exc
+        hint = _stale_pattern_hint(message, paths or tuple(overrides))
+        raise BadInputError(f"config for '{model_type}' is not valid: {message}{hint}") from exc
     data = config.to_dict()
     data.setdefault("model_type", model_type)
     if paths is None:
         paths = _stored_override_keys(overrides, data)
     return BuiltConfig(config=data, derived=_derived_layer_pattern(config, data), overridden=paths)
+
+
+def _stale_pattern_hint(message: str, paths: tuple[str, ...]) -> str:
+    """How to fix a layer count overridden without the layer_types list the config gives."""
+    if "layer_types" not in message or any(p.endswith("layer_types") for p in paths):
+        return ""
+    counts = [p for p in paths if p.rpartition(".")[2] in ("num_hidden_layers", "num_layers")]
+    if not counts:
+        return ""
+    where = counts[0].rpartition(".")[0]
+    key = f"{where}.layer_types" if where else "layer_types"
+    return f" (the config lists its layer_types: override {key} too, one entry per layer)"
 
 
 def _derived_layer_pattern(config: Any, data: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kvskill.analyzer import analyze_model
 from kvskill.analyzer.composite_overrides import ConfigLevels, raw_levels, route_overrides
@@ -38,6 +40,23 @@ def test_a_per_layer_list_override_reaches_the_text_config():
     assert config_json(plan)["text_config"]["layer_types"] == pattern
     sources = {e.decision: e.source for e in plan.evidence}
     assert sources["layers"] == "--config-overrides text_config.layer_types"
+
+
+def test_a_checkpoint_directory_keeps_its_own_layer_types(tmp_path):
+    from transformers import CONFIG_MAPPING
+
+    # a nested config.json as a checkpoint stores it: 32 layer_types in text_config
+    config = CONFIG_MAPPING["qwen3_5"]().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BadInputError, match="override text_config.layer_types too"):
+        analyze_model(str(tmp_path), config_overrides={"num_hidden_layers": 4})
+    pattern = ["linear_attention", "full_attention"] * 2
+    plan = analyze_model(
+        str(tmp_path), config_overrides={"num_hidden_layers": 4, "layer_types": pattern}
+    )
+    assert [layer.attn_type.value for layer in plan.layers] == ["Mamba", "FullAttention"] * 2
+    assert config_json(plan)["text_config"]["num_hidden_layers"] == 4
+    assert (tmp_path / "config.json").read_text() == json.dumps(config)
 
 
 def test_a_key_of_both_levels_is_set_at_both():

@@ -61,7 +61,8 @@ class ConfigLevels:
     text_known: frozenset[str]
     #: the text config the composite builds when the base names none (its class default)
     text_default: dict[str, Any]
-    #: the base keeps its text keys at the top level; the class builds text_config from them
+    #: the base gives no text_config and the class builds one from top-level keys (its text
+    #: keys stored at the top, or a class that forwards them), so overrides stay at the top
     flat: bool = False
 
 
@@ -91,7 +92,7 @@ def route_overrides(
             else:
                 text[key.removeprefix(TEXT_PREFIX)] = value
     if levels.flat:
-        # its class reads the top level: every override goes there, as the checkpoint stores it
+        # its class builds text_config from the top level: every override goes there
         top, base = canonical_dtype_key({**outer, **text}, base, levels.outer_stored)
         return RoutedOverrides(config=merge_overrides(base, top), paths=tuple(top))
     outer, base = canonical_dtype_key(outer, base, levels.outer_stored)

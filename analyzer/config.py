@@ -8,6 +8,7 @@ from typing import Any
 from kvskill.analyzer.config_keys import kv_heads as kv_head_count
 from kvskill.analyzer.config_keys import lookup, ssm_value
 from kvskill.core.cache_bytes import dtype_bytes
+from kvskill.core.config_checks import decoder_config
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 
 #: raw layer-type strings -> the analyzer's layer kind
@@ -113,21 +114,9 @@ def _first(config: dict[str, Any], *keys: str) -> tuple[Any, str | None]:
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The decoder's config: ``text_config`` for composite configs, else the config.
-
-    A checkpoint may store its text keys at the top level (dots3_note's published
-    ``config.json``); its config class builds ``text_config`` from them and keeps them at the
-    top level too. Both then name the same layer count, and ``text_config`` is the one the
-    model reads, with the values the class derives (``per_layer_config``, normalised
-    ``layer_types``).
-    """
-    inner = config.get("text_config")
-    if isinstance(inner, dict) and (
-        "num_hidden_layers" not in config
-        or inner.get("num_hidden_layers") == config["num_hidden_layers"]
-    ):
-        return inner, "text_config."
-    return config, ""
+    """The decoder's config and the prefix of its keys (``core.config_checks.decoder_config``:
+    ``text_config`` for composite configs, else the config)."""
+    return decoder_config(config)
 
 
 def normalise(

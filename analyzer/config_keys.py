@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import libcst as cst
+from kvskill.core.config_checks import decoder_config
 
 #: value -> config keys that hold it, the standard (transformers) key first, then vendor names
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -194,8 +195,8 @@ def attribute_map_for(
     remote code, else the installed transformers' class for the (text) model type."""
     if remote and directory is not None:
         return source_attribute_map(directory, config)
-    inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+    inner, prefix = decoder_config(config)
+    if prefix:
         model_type = inner.get("model_type") or model_type
     return class_attribute_map(model_type)
 

@@ -79,22 +79,20 @@ def language_model_source(source: ModelSource) -> ModelSource | None:
     modeling = transformers_modeling_file(text_type)
     if modeling is None:
         return None
+    # NOTE: --config-overrides of the language model's keys are in text_config already
+    # (analyzer/composite_overrides.py)
     text = dict(text)
-    # --config-overrides name the model the user converts: the language model.
-    for key in source.overridden:
-        if key != "text_config" and key in source.config:
-            text[key] = source.config[key]
     if isinstance(source.config.get("tie_word_embeddings"), bool):
         # The composite model owns the lm_head and ties it (or not) to its language model's
         # embeddings by its own flag; the text config's flag is not the one it follows.
         text["tie_word_embeddings"] = source.config["tie_word_embeddings"]
-    config, derived = build_config(text_type, text, {})
+    built = build_config(text_type, text, {})
     return replace(
         source,
         model_type=text_type,
         modeling_file=str(modeling),
-        config=config,
-        derived=derived,
+        config=built.config,
+        derived=built.derived,
         overridden=source.overridden,
         delegated_from=source.model_type,
     )

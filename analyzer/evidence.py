@@ -33,9 +33,11 @@ class Notebook:
         """Where a config key's value came from, e.g. ``config.json:sliding_window``."""
         if not key:
             return "config"
-        top = key.split(".")[0].split("+")[0]
-        if top in self.source.overridden:
-            return f"--config-overrides {key}"
+        # the key's path in the config the user overrode (a language model's in text_config)
+        path = f"text_config.{key}" if self.source.delegated_from else key
+        given = path.split("+")[0]
+        if any(given == o or given.startswith(f"{o}.") for o in self.source.overridden):
+            return f"--config-overrides {path}"
         if self.source.delegated_from:
             # The language model's config is the composite's text_config.
             key = f"text_config.{key}"

@@ -11,8 +11,14 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from kvskill.analyzer.composite_overrides import (
+    class_levels,
+    merge_overrides,
+    raw_levels,
+    route_overrides,
+)
 from kvskill.analyzer.override_keys import (
     canonical_dtype_key,
     check_override_keys,
@@ -22,11 +28,6 @@ from kvskill.analyzer.override_keys import (
 from kvskill.core.config_checks import check_config_values
 from kvskill.core.errors import BadInputError, UnsupportedModelError
 from kvskill.core.inputs import path_error, read_config_json, resolve_inside
-
-#: keys whose change must re-derive ``layer_types`` in the config class
-_PATTERN_KEYS = frozenset(
-    {"use_sliding_window", "max_window_layers", "sliding_window", "sliding_window_pattern"}
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +44,8 @@ class ModelSource:
     config_file: str | None
     #: full config dict after overrides
     config: dict[str, Any]
-    #: the keys the user overrode (for evidence)
+    #: the keys the user overrode, as paths into CONFIG (for evidence): "sliding_window", or
+    #: "text_config.num_hidden_layers" for a composite config's language model
     overridden: tuple[str, ...] = ()
     #: runner_*.py files shipped next to the model (standalone deployment)
     runner_files: tuple[str, ...] = ()
@@ -164,17 +166,16 @@ def resolve_model(model: str, config_overrides: dict[str, Any] | None = None) ->
         raise BadInputError(f"MODEL '{model}' is a file; give a model directory or a model type")
     if model in known_model_types():
         modeling = transformers_modeling_file(model)
-        config, derived = build_config(model, {}, overrides, code_files=(modeling,))
-        overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
+        built = build_config(model, {}, overrides, code_files=(modeling,))
         return ModelSource(
-            derived=derived,
+            derived=built.derived,
             kind="transformers",
             path=model,
             model_type=model,
             modeling_file=str(modeling) if modeling else None,
             config_file=None,
-            config=config,
-            overridden=tuple(overrides),
+            config=built.config,
+            overridden=built.overridden,
         )
     raise BadInputError(
         f"MODEL '{model}' is neither a directory nor a model type of the installed "
@@ -204,29 +205,23 @@ def _resolve_directory(path: Path, overrides: dict[str, Any]) -> ModelSource:
                 "transformers and the directory ships no modeling_*.py"
             )
         modeling = transformers_modeling_file(model_type)
-    derived: dict[str, Any] = {}
     if model_type in known_model_types() and kind == "directory":
-        config, derived = build_config(model_type, raw, overrides, code_files=(modeling,))
-        overrides = {key: config.get(key) for key in _stored_override_keys(overrides, config)}
+        built = build_config(model_type, raw, overrides, code_files=(modeling,))
     else:
         # Remote code: its configuration class is the directory's own code, never run.
-        overrides, raw = canonical_dtype_key(overrides, raw, raw)
-        check_override_keys(
-            overrides, _remote_known_keys(path, raw, overrides), f"the config in {config_file}"
-        )
-        config = _merge(raw, overrides)
-        check_config_values(config, where=str(config_file))
+        built = _remote_config(path, raw, overrides, where=f"the config in {config_file}")
+        check_config_values(built.config, where=str(config_file))
     return ModelSource(
         kind=kind,
         path=str(path),
         model_type=model_type,
         modeling_file=str(modeling) if modeling else None,
         config_file=str(config_file),
-        config=config,
-        overridden=tuple(overrides),
+        config=built.config,
+        overridden=built.overridden,
         runner_files=runners,
         extra_files=extras,
-        derived=derived,
+        derived=built.derived,
     )
 
 
@@ -265,30 +260,30 @@ def model_root(path: Path) -> Path:
     return path
 
 
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    merged = {**base, **overrides}
-    if _PATTERN_KEYS & set(overrides) and "layer_types" not in overrides:
-        # NOTE: a stale layer_types would hide the new pattern; let it be re-derived.
-        merged.pop("layer_types", None)
-    return merged
+class BuiltConfig(NamedTuple):
+    """A config after overrides, what it derives, and where the overrides went."""
+
+    #: the config dict (``to_dict()`` of its class for a transformers model type)
+    config: dict[str, Any]
+    #: values the config class computes but ``to_dict`` omits (``ModelSource.derived``)
+    derived: dict[str, Any]
+    #: the overridden keys as paths into CONFIG (``ModelSource.overridden``)
+    overridden: tuple[str, ...]
 
 
-def _default_keys(config_class: type, base: dict[str, Any]) -> set[str]:
-    """The keys the config class stores for BASE without any override; a composite
-    (vision-language) config's language-model keys too, which its class routes there."""
+def _class_default(config_class: type, base: dict[str, Any]) -> dict[str, Any] | None:
+    """The config class's ``to_dict()`` for BASE without any override (None if invalid)."""
     try:
         kwargs = {key: value for key, value in base.items() if key != "model_type"}
-        stored = config_class(**kwargs).to_dict()
+        return config_class(**kwargs).to_dict()
     except Exception:  # noqa: BLE001 - an invalid base is reported once the overrides are merged
-        return set(base)
-    inner = stored.get("text_config")
-    return set(stored) | (set(inner) if isinstance(inner, dict) else set())
+        return None
 
 
-def _stored_override_keys(overrides: dict[str, Any], config: dict[str, Any]) -> list[str]:
+def _stored_override_keys(overrides: dict[str, Any], config: dict[str, Any]) -> tuple[str, ...]:
     """The override keys as the built config stores them (a dtype under its stored name)."""
     renamed, _ = canonical_dtype_key(overrides, {}, config)
-    return [key for key in renamed if key in config] or list(overrides)
+    return tuple([key for key in renamed if key in config] or list(overrides))
 
 
 def _remote_known_keys(path: Path, raw: dict[str, Any], overrides: dict[str, Any]) -> set[str]:
@@ -303,13 +298,55 @@ def _remote_known_keys(path: Path, raw: dict[str, Any], overrides: dict[str, Any
     return known | init_parameters(PretrainedConfig) | set(PretrainedConfig().to_dict())
 
 
+def _remote_config(
+    path: Path, raw: dict[str, Any], overrides: dict[str, Any], *, where: str
+) -> BuiltConfig:
+    """config.json of remote code with the overrides merged (its config class is not run)."""
+    if not overrides:
+        return BuiltConfig(config=dict(raw), derived={}, overridden=())
+    levels = raw_levels(raw, mentioned_in(sorted(path.glob("*.py"))), where)
+    if levels is not None:
+        routed = route_overrides(raw, overrides, levels)
+        return BuiltConfig(config=routed.config, derived={}, overridden=routed.paths)
+    overrides, raw = canonical_dtype_key(overrides, raw, raw)
+    check_override_keys(overrides, _remote_known_keys(path, raw, overrides), where)
+    return BuiltConfig(
+        config=merge_overrides(raw, overrides), derived={}, overridden=tuple(overrides)
+    )
+
+
+def _with_overrides(
+    config_class: type,
+    base: dict[str, Any],
+    overrides: dict[str, Any],
+    code_files: tuple[Path | None, ...],
+    where: str,
+) -> tuple[dict[str, Any], tuple[str, ...] | None]:
+    """BASE with OVERRIDES merged, and their paths (None: the keys as the built config
+    stores them). A composite config's overrides go to the level they belong to
+    (``composite_overrides``)."""
+    default = _class_default(config_class, base)
+    code_words = mentioned_in(f for f in code_files if f is not None)
+    levels = class_levels(config_class, base, default or {}, code_words, where)
+    if levels is not None:
+        routed = route_overrides(base, overrides, levels)
+        return routed.config, routed.paths
+    stored = set(default) if default is not None else set(base)
+    overrides, base = canonical_dtype_key(overrides, base, stored)
+    known = stored | set(base) | init_parameters(config_class) | code_words
+    known |= set(getattr(config_class, "attribute_map", None) or {})
+    check_override_keys(overrides, known, where)
+    return merge_overrides(base, overrides), None
+
+
 def build_config(
     model_type: str,
     base: dict[str, Any],
     overrides: dict[str, Any],
     code_files: tuple[Path | None, ...] = (),
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Instantiate transformers' config class; return ``to_dict()`` and derived values.
+) -> BuiltConfig:
+    """Instantiate transformers' config class on BASE with OVERRIDES; return its
+    ``to_dict()``, the values it derives and the overridden paths.
 
     An override must be a key the class stores, takes or maps, or a name the modeling code
     reads (CODE_FILES: ``getattr(config, "head_dim", ...)`` reads a key the class may not
@@ -317,14 +354,11 @@ def build_config(
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
+    merged, paths = dict(base), ()
     if overrides:
-        stored = _default_keys(config_class, base)
-        overrides, base = canonical_dtype_key(overrides, base, stored)
-        known = stored | set(base) | init_parameters(config_class)
-        known |= mentioned_in(f for f in code_files if f is not None)
-        known |= set(getattr(config_class, "attribute_map", None) or {})
-        check_override_keys(overrides, known, f"the '{model_type}' config")
-    merged = _merge(base, overrides)
+        merged, paths = _with_overrides(
+            config_class, base, overrides, code_files, f"the '{model_type}' config"
+        )
     # before the config class sees them: it may derive per-layer lists from the layer count
     check_config_values(merged, where=f"config for '{model_type}'")
     merged.pop("model_type", None)
@@ -337,20 +371,37 @@ def build_config(
                 f"the installed transformers cannot build a default '{model_type}' config: "
                 f"{message}"
             ) from exc
-        raise BadInputError(f"config for '{model_type}' is not valid: {message}") from exc
+        hint = _stale_pattern_hint(message, paths or tuple(overrides))
+        raise BadInputError(f"config for '{model_type}' is not valid: {message}{hint}") from exc
     data = config.to_dict()
     data.setdefault("model_type", model_type)
-    derived: dict[str, Any] = {}
-    # the per-layer pattern a config class derives as a property: layer_types, or the
-    # layers_block_type of the older hybrids (bamba, granitemoehybrid, falcon_h1 in 4.x)
+    if paths is None:
+        paths = _stored_override_keys(overrides, data)
+    return BuiltConfig(config=data, derived=_derived_layer_pattern(config, data), overridden=paths)
+
+
+def _stale_pattern_hint(message: str, paths: tuple[str, ...]) -> str:
+    """How to fix a layer count overridden without the layer_types list the config gives."""
+    if "layer_types" not in message or any(p.endswith("layer_types") for p in paths):
+        return ""
+    counts = [p for p in paths if p.rpartition(".")[2] in ("num_hidden_layers", "num_layers")]
+    if not counts:
+        return ""
+    where = counts[0].rpartition(".")[0]
+    key = f"{where}.layer_types" if where else "layer_types"
+    return f" (the config lists its layer_types: override {key} too, one entry per layer)"
+
+
+def _derived_layer_pattern(config: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """The per-layer pattern a config class derives as a property: ``layer_types``, or the
+    ``layers_block_type`` of the older hybrids (bamba, granitemoehybrid, falcon_h1 in 4.x)."""
     for key in ("layer_types", "layers_block_type"):
         if isinstance(data.get(key), list) and data[key]:
-            break
+            return {}
         try:
             layer_types = getattr(config, key, None)
         except Exception:  # noqa: BLE001 - a property may fail on partial configs
             layer_types = None
         if isinstance(layer_types, list) and layer_types:
-            derived[key] = list(layer_types)
-            break
-    return data, derived
+            return {key: list(layer_types)}
+    return {}

@@ -64,9 +64,19 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 
 
 def decoder_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The decoder's part of a config: ``text_config`` of a composite config, else itself."""
+    """The decoder's part of a config: ``text_config`` of a composite config, else itself.
+
+    A checkpoint may store its text keys at the top level (dots3_note's published
+    ``config.json``); its config class builds ``text_config`` from them and keeps them at the
+    top level too. Both then name the same layer count, and ``text_config`` is the one the
+    model reads, with the values the class derives (``per_layer_config``, normalised
+    ``layer_types``).
+    """
     inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+    if isinstance(inner, dict) and (
+        "num_hidden_layers" not in config
+        or inner.get("num_hidden_layers") == config["num_hidden_layers"]
+    ):
         return inner, "text_config."
     return config, ""
 

@@ -58,7 +58,9 @@ config_overrides_option = click.option(
     default=None,
     metavar="KEY=VALUE,...",
     help="Override config keys before analysis, e.g. 'num_hidden_layers=4,sliding_window=64'. "
-    "Values are parsed as JSON when they can be (numbers, true/false/null, lists).",
+    "Values are parsed as JSON when they can be (numbers, true/false/null, lists). On a "
+    "composite (vision-language) config, a key of the language model, plain or written "
+    "text_config.KEY, sets its text_config; a key of both levels (dtype) sets both.",
 )
 
 trust_remote_code_option = click.option(

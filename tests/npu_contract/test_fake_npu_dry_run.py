@@ -125,6 +125,21 @@ FAMILIES = {
     # attention's sparse_count); glm_moe_dsa's every layer runs its indexer by default
     "deepseek_v32": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
     "glm_moe_dsa": {**MLA_MOE, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    # DSA without q-LoRA, its per-position query rescale, and a NoPE layer (zero rope inputs)
+    "mistral_large4": {
+        "text_config": {
+            **MLA_MOE,
+            "num_hidden_layers": 4,
+            "q_lora_rank": None,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 2048,
+            "layer_types": ["indexed_attention"] * 4,
+            "indexer_types": ["full"] * 4,
+            "no_rope_layers": [1, 1, 1, 0],
+            "kv_source_layers": [0, 1, 2, 3],
+        }
+    },
     # compressed attention: an HCA and a CSA layer with the operators' head dim 512 (one K = V
     # head), 64 query heads, the indexer's 64 heads of 128 and top-512; small elsewhere
     "deepseek_v4": {
@@ -162,6 +177,7 @@ REFUSED = {
     ("deepseek_v2", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("deepseek_v32", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("glm_moe_dsa", "standalone-contiguous"): _MLA_PAGED_ONLY,
+    ("mistral_large4", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("deepseek_v4", "standalone-paged"): _V4_FRAMEWORK_ONLY,
     ("deepseek_v4", "standalone-contiguous"): _V4_FRAMEWORK_ONLY,
     ("mistral", "standalone-contiguous"): _BSH_WINDOW,

@@ -128,3 +128,20 @@ def test_where_the_original_left_the_anchor_the_converted_token_is_judged_by_the
     verdict = judge("bfloat16", anchor, original, far)
     assert not verdict.passed
     assert any("top-5" in line for line in verdict.failures())
+
+
+def test_both_sides_are_measured_on_the_same_steps():
+    # the converted run leaves the anchor's tokens early in a quiet prompt, the original not:
+    # the original's extra quiet steps must not lower its noise floor
+    anchor = _prompts(0.0, 0)
+    original = _prompts(0.02, 1)
+    converted = _prompts(0.02, 2)
+    for side in (original, converted):
+        for prompt in (1, 2, 3):
+            for step in range(STEPS):
+                side[prompt].logits[step] = side[prompt].logits[step] + 0.5 * (step % 2)
+    converted[0].tokens[1:] = [31] * (STEPS - 1)
+    verdict = judge("bfloat16", anchor, original, converted)
+    assert len(verdict.original.step_drifts) == len(verdict.converted.step_drifts)
+    assert len(verdict.original.step_drifts) == 2 + 3 * STEPS
+    assert 0.7 < verdict.ratio < 1.3 and verdict.passed, verdict.failures()

@@ -18,7 +18,8 @@ measures the rounding itself:
   each side's token must be among the other's ``TOP_K`` best. Where the original's own run
   has already left the anchor's tokens (at that step or before), the two low-precision runs
   are two roundings of one model and neither is the reference: the converted token is then
-  judged against the anchor instead (within the anchor's ``TOP_K`` both ways). A sparse
+  judged against the anchor instead (within the anchor's ``TOP_K`` both ways, or no further
+  from the anchor's token than the original's own, which rounding took there). A sparse
   top-k attention (DSA) does this: its indexer keeps 24 of hundreds of positions in a shrunk
   twin, and bf16 rounding in earlier layers swaps some of them in either run.
 
@@ -279,12 +280,19 @@ class LowPrecisionVerdict:
 
     def excused(self, divergence: Divergence) -> bool:
         """DIVERGENCE (from the original) lies where the original itself has left the
-        float32 anchor, and the converted run stays within the anchor's top-k there."""
+        float32 anchor, and the converted run left it no earlier and no further: within the
+        anchor's top-k, or ranked both ways no lower than the original's own token."""
         own = [d for d in self.original.divergences if d.prompt == divergence.prompt]
         if not own or own[0].step > divergence.step:
             return False
         mine = [d for d in self.converted.divergences if d.prompt == divergence.prompt]
-        return not mine or (mine[0].step >= own[0].step and mine[0].within_top_k)
+        if not mine:
+            return True
+        as_close = (
+            mine[0].rank_in_reference <= own[0].rank_in_reference
+            and mine[0].reference_rank_here <= own[0].reference_rank_here
+        )
+        return mine[0].step >= own[0].step and (mine[0].within_top_k or as_close)
 
     def token_failures(self) -> list[Divergence]:
         """Divergences from the original outside the top-k that rounding does not excuse."""
@@ -328,7 +336,8 @@ class LowPrecisionVerdict:
         return [
             f"{d.describe()}: the original's own {self.dtype} run left the float32 "
             f"original's tokens at step {self._own_step(d)} of this prompt; the converted "
-            f"token is within the float32 original's top-{self.top_k}"
+            f"run left them no earlier, within the float32 original's top-{self.top_k} or "
+            "no further than the original"
             for d in self.tokens
             if not d.within_top_k and self.excused(d)
         ]

@@ -121,13 +121,24 @@ def test_where_the_original_left_the_anchor_the_converted_token_is_judged_by_the
     verdict = judge("bfloat16", anchor, stayed, converted)
     assert not verdict.passed and not verdict.excuses()
     assert any("top-5" in line for line in verdict.failures())
-    # and a converted token outside the anchor's top-5 fails even where the original left it
+    # a converted token outside the anchor's top-5 fails where the original's stayed in it
     far = _prompts(0.02, 2)
     far[0].tokens[2:] = [0] * (STEPS - 2)
     far[0].logits[2][0] = 3.5
     verdict = judge("bfloat16", anchor, original, far)
     assert not verdict.passed
     assert any("top-5" in line for line in verdict.failures())
+    # and passes where the original itself went as far (the anchor's 7th best, token 26)
+    wide = _prompts(0.02, 1)
+    wide[0].tokens[2:] = [26] * (STEPS - 2)
+    wide[0].logits[2][26] = 3.5
+    near_far = _prompts(0.02, 2)
+    near_far[0].tokens[2:] = [27] * (STEPS - 2)  # the anchor's 6th best
+    near_far[0].logits[2][27] = 3.5  # the original's token is 6th here, as 27 is there
+    verdict = judge("bfloat16", anchor, wide, near_far)
+    assert not verdict.converted.divergences[0].within_top_k
+    assert verdict.passed, verdict.failures()
+    assert "no further than the original" in verdict.excuses()[0]
 
 
 def test_both_sides_are_measured_on_the_same_steps():

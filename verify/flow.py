@@ -412,6 +412,10 @@ def _verify(
         report.low_precision = low_precision_verdict(
             pair.reference, prompts, references, run, options, drive=drive
         )
+        report.notes += [
+            f"judged against the float32 original: {line}"
+            for line in report.low_precision.excuses()
+        ]
     for index, (prompt, (tokens, ref_logits)) in enumerate(zip(prompts, references, strict=True)):
         result = compare_prompt(
             index,

@@ -15,7 +15,13 @@ measures the rounding itself:
   when the original's rounding happens to cancel;
 - tokens are compared as vLLM's ``check_logprobs_close`` compares two runs in one dtype: the
   converted model's against the original's, identical until the first divergence, where
-  each side's token must be among the other's ``TOP_K`` best.
+  each side's token must be among the other's ``TOP_K`` best. Where the original's own run
+  has already left the anchor's tokens (at that step or before), the two low-precision runs
+  are two roundings of one model and neither is the reference: the converted token is then
+  judged against the anchor instead (within the anchor's ``TOP_K`` both ways, or no further
+  from the anchor's token than the original's own, which rounding took there). A sparse
+  top-k attention (DSA) does this: its indexer keeps 24 of hundreds of positions in a shrunk
+  twin, and bf16 rounding in earlier layers swaps some of them in either run.
 
 A drift is the mean, over the steps compared, of the step's largest |logit - anchor logit|,
 leaving out the largest ``TRIM`` of the steps: a conversion error (a wrong scale, swapped KV
@@ -23,6 +29,11 @@ heads) shifts every step, while a rounding event (an MoE router flipping on a ne
 one step by up to 0.9 in a tiny MoE, once in one side and not in the other; a maximum, or a
 plain mean, would fail a correct conversion for it. Steps are compared up to and including a
 side's first divergence from the anchor: after it the two continue from different tokens.
+Both sides are measured on the same steps, up to the earlier of their two divergences in
+each prompt: a mean over other steps compares other things. (mistral_large4's twin in
+bf16: the converted run left a 3-token prompt's anchor tokens at step 2 on a near tie, the
+original at none, and the original's mean took in 5 more steps of drift 0.03 that the
+converted one did not: ratio 2.11; on the same 8 steps 1.08.)
 """
 
 from __future__ import annotations
@@ -181,8 +192,14 @@ def _compare(index: int, ref: Generation, run: Generation, top_k: int, reference
     return _Compared(steps=steps, divergence=divergence, missing=False)
 
 
-def measure(anchor: list[Generation], side: list[Generation], top_k: int = TOP_K) -> SideDrift:
-    """SIDE's drift from ANCHOR, prompt by prompt, up to each prompt's first divergence."""
+def measure(
+    anchor: list[Generation],
+    side: list[Generation],
+    top_k: int = TOP_K,
+    steps: list[int] | None = None,
+) -> SideDrift:
+    """SIDE's drift from ANCHOR, prompt by prompt, up to each prompt's first divergence (and
+    to at most ``steps[prompt]`` steps when given)."""
     drifts: list[float] = []
     divergences: list[Divergence] = []
     missing = False
@@ -191,9 +208,9 @@ def measure(anchor: list[Generation], side: list[Generation], top_k: int = TOP_K
         if compared.missing:
             missing = True
             continue
+        count = compared.steps if steps is None else min(compared.steps, steps[index])
         drifts += [
-            (run.logits[i].float() - ref.logits[i].float()).abs().max().item()
-            for i in range(compared.steps)
+            (run.logits[i].float() - ref.logits[i].float()).abs().max().item() for i in range(count)
         ]
         if compared.divergence is not None:
             divergences.append(compared.divergence)
@@ -261,9 +278,29 @@ class LowPrecisionVerdict:
     def drift_ok(self) -> bool:
         return not math.isinf(self.noise_floor) and self.drift <= self.allowed
 
+    def excused(self, divergence: Divergence) -> bool:
+        """DIVERGENCE (from the original) lies where the original itself has left the
+        float32 anchor, and the converted run left it no earlier and no further: within the
+        anchor's top-k, or ranked both ways no lower than the original's own token."""
+        own = [d for d in self.original.divergences if d.prompt == divergence.prompt]
+        if not own or own[0].step > divergence.step:
+            return False
+        mine = [d for d in self.converted.divergences if d.prompt == divergence.prompt]
+        if not mine:
+            return True
+        as_close = (
+            mine[0].rank_in_reference <= own[0].rank_in_reference
+            and mine[0].reference_rank_here <= own[0].reference_rank_here
+        )
+        return mine[0].step >= own[0].step and (mine[0].within_top_k or as_close)
+
+    def token_failures(self) -> list[Divergence]:
+        """Divergences from the original outside the top-k that rounding does not excuse."""
+        return [d for d in self.tokens if not d.within_top_k and not self.excused(d)]
+
     @property
     def tokens_ok(self) -> bool:
-        return not self.missing_steps and all(d.within_top_k for d in self.tokens)
+        return not self.missing_steps and not self.token_failures()
 
     @property
     def passed(self) -> bool:
@@ -290,10 +327,23 @@ class LowPrecisionVerdict:
             )
         lines += [
             f"tokens diverge outside the top-{self.top_k}: {d.describe()}"
-            for d in self.tokens
-            if not d.within_top_k
+            for d in self.token_failures()
         ]
         return lines
+
+    def excuses(self) -> list[str]:
+        """Why a divergence outside the top-k of the original was not failed."""
+        return [
+            f"{d.describe()}: the original's own {self.dtype} run left the float32 "
+            f"original's tokens at step {self._own_step(d)} of this prompt; the converted "
+            f"run left them no earlier, within the float32 original's top-{self.top_k} or "
+            "no further than the original"
+            for d in self.tokens
+            if not d.within_top_k and self.excused(d)
+        ]
+
+    def _own_step(self, divergence: Divergence) -> int:
+        return next(d.step for d in self.original.divergences if d.prompt == divergence.prompt)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -310,6 +360,7 @@ class LowPrecisionVerdict:
             "tokens_ok": self.tokens_ok,
             "first_divergence": (first(self.tokens).to_dict() if self.tokens else None),
             "divergences": [d.to_dict() for d in self.tokens],
+            "excused": self.excuses(),
             "original": self.original.to_dict(),
             "converted": self.converted.to_dict(),
         }
@@ -327,6 +378,14 @@ def judge(
 ) -> LowPrecisionVerdict:
     """The verdict on CONVERTED, with ORIGINAL's drift (both in DTYPE) as the noise floor."""
     tokens, missing = token_divergences(original, converted, top_k)
+    # each prompt's steps both sides compare: up to the earlier first divergence (module doc)
+    shared = [
+        min(
+            _compare(i, ref, low, top_k, "float32 original").steps
+            for low in (original[i], converted[i])
+        )
+        for i, ref in enumerate(anchor)
+    ]
     return LowPrecisionVerdict(
         tokens=tokens,
         missing_steps=missing,
@@ -334,8 +393,8 @@ def judge(
         ratio_limit=ratio_limit,
         floor=default_floor(anchor, FLOOR_ATOL if floor_atol is None else floor_atol),
         top_k=top_k,
-        original=measure(anchor, original, top_k),
-        converted=measure(anchor, converted, top_k),
+        original=measure(anchor, original, top_k, shared),
+        converted=measure(anchor, converted, top_k, shared),
     )
 
 

@@ -1,8 +1,8 @@
 """The decode step as one captured graph per batch bucket (``LLM(..., graph=True)``).
 
-A decode step feeds one token per request. Its inputs are padded to the next bucket size
-(1, 2, 4, 8, ... up to ``max_num_seqs``), as the Ascend framework pads its decode batch, and
-its block tables to the width ``max_model_len`` needs, so every step of a bucket has the same
+A decode step feeds one token per request. Its inputs are padded to the next bucket size (1,
+2, 4, then multiples of 8 up to ``max_num_seqs``), as the Ascend framework pads its decode
+batch, and its block tables to the width ``max_model_len`` needs, so every step of a bucket has the same
 shapes and one compiled graph serves them all: ``torch.compile(fullgraph=True, dynamic=False)``
 with inductor on the CPU, torchair's backend where torch_npu is present (import-guarded; not
 exercised on this machine).
@@ -42,13 +42,18 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 NULL_SLOT = 0
 
 
+#: bucket spacing above 8 (vLLM's capture sizes are 1, 2, 4 and the multiples of 8): a padded
+#: row costs a row of every GEMM, and on the CPU the decode GEMMs of a 32-request batch are
+#: compute-bound, so doubling buckets (a batch of 17 run as 32) cost the captured decode 8% of
+#: its tokens/s on the peer benchmark's heterogeneous workload (W1), measured 2026-12-07
+BUCKET_STEP = 8
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
-    sizes = []
-    size = 1
-    while size < max_num_seqs:
-        sizes.append(size)
-        size *= 2
+    """1, 2, 4, then every multiple of BUCKET_STEP below ``max_num_seqs``, and
+    ``max_num_seqs`` itself: a batch pads by fewer than BUCKET_STEP rows."""
+    sizes = [size for size in (1, 2, 4) if size < max_num_seqs]
+    sizes += range(BUCKET_STEP, max_num_seqs, BUCKET_STEP)
     return [*sizes, max_num_seqs]
 
 

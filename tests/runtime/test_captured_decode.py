@@ -23,10 +23,12 @@ TINY_LLAMA = {
 }
 
 
-def test_buckets_double_up_to_the_batch_limit():
+def test_buckets_double_to_4_then_step_by_8_up_to_the_batch_limit():
     assert decode_buckets(1) == [1]
     assert decode_buckets(6) == [1, 2, 4, 6]
     assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert decode_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
 
 
 @pytest.fixture(scope="module")

@@ -42,10 +42,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 NULL_SLOT = 0
 
 
-#: bucket spacing above 8 (vLLM's capture sizes are 1, 2, 4 and the multiples of 8): a padded
-#: row costs a row of every GEMM, and on the CPU the decode GEMMs of a 32-request batch are
-#: compute-bound, so doubling buckets (a batch of 17 run as 32) cost the captured decode 8% of
-#: its tokens/s on the peer benchmark's heterogeneous workload (W1), measured 2026-12-07
+#: bucket spacing above 4 (vLLM's capture sizes are 1, 2, 4 and the multiples of 8): a padded
+#: row costs a row of every GEMM; with doubling buckets (a batch of 17 run as 32) the captured
+#: decode lost 8% of eager's tokens/s on the peer benchmark's shrinking-batch workload (W1)
+#: and nothing on its fixed-batch one (W2), measured 2026-12-07 (benchmarks/README.md)
 BUCKET_STEP = 8
 
 

@@ -199,7 +199,8 @@ def pooled_features(
                 missing=(
                     f"{SPARSE_ATTENTION} requires query_rope and key_rope of D "
                     f"{lim.MLA_ROPE_DIM} (不支持rope为空), the latent has no rope part "
-                    f"(qk_rope_head_dim {rope})"
+                    f"(qk_rope_head_dim {rope}); zero rope inputs would express it, as NoPE "
+                    "layers are converted, but no rewrite writes them for this model yet"
                     if rope != lim.MLA_ROPE_DIM
                     else ""
                 ),

@@ -42,7 +42,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvskill.analyzer.compressed_features import (
-    NOT_IN_WHEEL,
     SourceReader,
     features_text,
 )
@@ -142,11 +141,6 @@ def pooled_features(
     found: list[CompressedSubFeature] = []
     write = reader.first("update_indexer", indexers, "forward")
     if write is not None:
-        missing = [
-            f"no torch_npu 2.13.0 operator pools keys (torch.ops.custom.compressor is "
-            f"{NOT_IN_WHEEL} and takes cmp_ratio {' or '.join(map(str, COMPRESSOR_RATIOS))}; "
-            f"index_kpool is {pool}), and kvskill has no rewrite that writes pooled keys"
-        ]
         found.append(
             CompressedSubFeature(
                 name="pooled indexer keys",
@@ -160,12 +154,17 @@ def pooled_features(
                     f"(p + 1) // {pool}, sparse_count {topk // pool}, head_dim^-0.5 * "
                     "n_heads^-0.5 in its weights"
                 ),
-                missing="; ".join(missing),
             )
         )
     tail = reader.first("append_visible_tail", indexers, "forward")
+    bad_block = pool > MAX_SPARSE_BLOCK or pool & (pool - 1)
+    block_limit = (
+        f"sparse_block_size must be a power of two in [1, {MAX_SPARSE_BLOCK}], "
+        f"index_kpool is {pool}"
+        if bad_block
+        else ""
+    )
     if tail is not None and spec.indexer.get("select_tail"):
-        bad_block = pool > MAX_SPARSE_BLOCK or pool & (pool - 1)
         found.append(
             CompressedSubFeature(
                 name="open-pool tail",
@@ -176,11 +175,23 @@ def pooled_features(
                     f"open pool p // {pool} when (p + 1) % {pool} != 0, its later tokens cut by "
                     f"sparse_mode 3 (the paged block_size a multiple of {pool})"
                 ),
+                missing=block_limit,
+            )
+        )
+    elif tail is not None:
+        # the source then attends the kept pools only: a query before its first closed pool
+        # has every key masked, and its softmax spreads over the whole masked row (future
+        # tokens too), which no sparse selection reproduces
+        found.append(
+            CompressedSubFeature(
+                name="open pool not attended",
+                construct=f"{tail.owner}: if self.index_kpool_always_select_tail: ...",
+                where=where(tail.line),
+                needs=f"{SPARSE_ATTENTION}(sparse_block_size={pool}) over the kept pools only",
                 missing=(
-                    f"sparse_block_size must be a power of two in [1, {MAX_SPARSE_BLOCK}], "
-                    f"index_kpool is {pool}"
-                    if bad_block
-                    else ""
+                    "index_kpool_always_select_tail is False: a query with no closed pool "
+                    "attends no key, and the source's softmax then spreads over its whole "
+                    "masked row (future tokens too); the sparse attention returns zeros there"
                 ),
             )
         )
@@ -195,13 +206,17 @@ def pooled_features(
                     f"nope_cache (the {rank} latent, one head) written with "
                     f"npu_scatter_nd_update_; {SPARSE_ATTENTION} on the absorbed query with "
                     f"query_rope / key_rope of D {lim.MLA_ROPE_DIM}"
+                    + (
+                        " (zeros: a zero query part and a stride-0 zero view over the latent's "
+                        "blocks, no rope bytes stored)"
+                        if rope == 0
+                        else ""
+                    )
                 ),
                 missing=(
                     f"{SPARSE_ATTENTION} requires query_rope and key_rope of D "
-                    f"{lim.MLA_ROPE_DIM} (不支持rope为空), the latent has no rope part "
-                    f"(qk_rope_head_dim {rope}); zero rope inputs would express it, as NoPE "
-                    "layers are converted, but no rewrite writes them for this model yet"
-                    if rope != lim.MLA_ROPE_DIM
+                    f"{lim.MLA_ROPE_DIM}, the latent's rope part is {rope} wide"
+                    if rope not in (0, lim.MLA_ROPE_DIM)
                     else ""
                 ),
             )
@@ -265,13 +280,14 @@ def decide_pooled_indexer(
         missing = [
             f"no pooled-indexer construct (update_indexer, get_pooled_states) in {file_name}"
         ]
-    reason = (
-        f"{attention} ({where}) attends what a k-pool DSA indexer selects (one gated key per "
-        f"{pool} tokens, top {topk // pool} pools{' + the open pool' if tail else ''}): "
-        f"{'; '.join(missing)}"
-    )
-    book.warn(reason)
-    book.block(reason)
+    if missing:
+        reason = (
+            f"{attention} ({where}) attends what a k-pool DSA indexer selects (one gated key per "
+            f"{pool} tokens, top {topk // pool} pools{' + the open pool' if tail else ''}): "
+            f"{'; '.join(missing)}"
+        )
+        book.warn(reason)
+        book.block(reason)
     key_bytes = -(-dim * dtype_bytes(spec.dtype, 2) // pool)
     return IndexerPlan(
         n_heads=heads,

@@ -202,8 +202,8 @@ class IndexerCommand(ClassRewriteCommand):
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
-        if spec.indexer is None:
-            return []
+        if spec.indexer is None or spec.indexer.pool_size > 1:
+            return []  # a k-pool indexer is PooledIndexerCommand's
         found = [c for c in m.findall(module, m.ClassDef()) if is_indexer_class(c)]
         if not found:
             return [
@@ -213,7 +213,12 @@ class IndexerCommand(ClassRewriteCommand):
         return [p for c in found for p in indexer_facts(cst.ensure_type(c, cst.ClassDef)).problems]
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return self.spec.indexer is not None and is_indexer_class(cls) and not _is_paged(cls)
+        return (
+            self.spec.indexer is not None
+            and self.spec.indexer.pool_size == 1
+            and is_indexer_class(cls)
+            and not _is_paged(cls)
+        )
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = indexer_facts(original)

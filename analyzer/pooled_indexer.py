@@ -1,4 +1,4 @@
-"""GLM-5.3's k-pool DSA indexer (``glm5_next``): what the Plan says of it, and why apply refuses.
+"""GLM-5.3's k-pool DSA indexer (``glm5_next``): what the Plan says of it, and what it refuses.
 
 How transformers 5.24.0 builds it (``models/glm5_next/modeling_glm5_next.py``):
 
@@ -17,24 +17,30 @@ How transformers 5.24.0 builds it (``models/glm5_next/modeling_glm5_next.py``):
   1 (4-7) are whole and scored, the open pool holds 8-9. With ``index_topk`` 4 one pool is kept,
   say pool 1, and the attention reads 4, 5, 6, 7, 8, 9.
 
-What a paged conversion needs (the operators of the torch_npu 2.13.0 wheel):
+How the conversion expresses it (the operators of the torch_npu 2.13.0 wheel; KVR030 for the
+indexer, the DSA seam of KVR004 / KVR005 for the attention):
 
 - pooled keys in a paged cache of their own, one row per closed pool (``compress_ratio`` =
-  ``index_kpool``), written when a pool closes from its tokens' raw keys and gate scores,
-  which wait across steps in per-request rows; ``npu_lightning_indexer`` scores them, one
-  batch row per query token with key length ``(p + 1) // index_kpool`` (the pools it sees
-  whole), ``sparse_count`` ``index_topk // index_kpool``, the two scales folded into weights;
+  ``index_kpool``), written in plain torch when a pool closes from its tokens' raw keys and
+  gate scores, which wait across steps in per-request rows (a window of one pool); no wheel
+  operator pools keys (the framework's ``torch.ops.custom.compressor`` is its own build and
+  takes ratios 4 and 128 only);
+- ``npu_lightning_indexer`` scores them, one batch row per query token with key length
+  ``(p + 1) // index_kpool`` (the pools it sees whole), ``sparse_count`` ``index_topk //
+  index_kpool``, the two scales folded into its weights;
 - ``npu_sparse_flash_attention`` with ``sparse_block_size`` ``index_kpool`` over the kept pools
   and the open pool ``p // index_kpool`` (its later tokens cut by ``sparse_mode`` 3), reading
-  the absorbed latent; it requires ``query_rope`` / ``key_rope`` of D 64.
+  the absorbed latent; its ``query_rope`` / ``key_rope`` of D 64 are zeros (a zero query part
+  and a stride-0 zero view over the latent's blocks: no rope bytes are stored).
 
-NOTE: the scores are sums of relu terms and often tie at 0; ``torch.topk`` orders ties its own
+Refused, each with its line and limit: a pool size the sparse attention cannot take as
+``sparse_block_size`` (a power of two up to 128), and ``index_kpool_always_select_tail``
+False (a query with no closed pool then attends nothing, and the source's softmax spreads over
+its whole masked row).
+
+NOTE: the scores are sums of relu terms and can tie at 0; ``torch.topk`` orders ties its own
 way, the operator lower position first, so a selection may differ from the source's where
-scores tie even when the design above is followed.
-
-No operator of the wheel pools keys (the framework's ``torch.ops.custom.compressor`` is its
-own build and takes ratios 4 and 128), and the sparse attention takes no latent without rope,
-so apply refuses the layer with each part, its line and its limit named.
+scores tie even when the design above is followed (verify's twin keeps 16 indexer heads).
 """
 
 from __future__ import annotations

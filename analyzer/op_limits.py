@@ -190,6 +190,19 @@ def _dsa(spec: ModelSpec, book: Notebook | _LayerBook, heads: int, block_size: i
             f"{lim.SPARSE_BLOCK_MULTIPLE} up to {lim.SPARSE_MAX_BLOCK_SIZE} (› block_size取值为16的"
             "倍数，最大支持1024)",
         )
+    pool = int(indexer.get("kpool") or 1)
+    rows = block_size // pool
+    if pool > 1 and (block_size % pool or rows % lim.SPARSE_BLOCK_MULTIPLE):
+        # the pooled keys are a compressed entry: a block of block_size tokens holds one row
+        # per pool, and the indexer pages those rows
+        fit = next(b for b in range(128, 8193, 128) if (b // pool) % lim.SPARSE_BLOCK_MULTIPLE == 0)
+        _warn(
+            book,
+            f"block_size {block_size} with pools of {pool}: the pooled keys' cache holds "
+            f"{block_size / pool:g} rows per block; {_ON_NPU}; npu_lightning_indexer pages them "
+            f"in multiples of {lim.SPARSE_BLOCK_MULTIPLE} (› block_size取值为16的倍数): run with "
+            f"--block-size {fit} (a multiple of {fit})",
+        )
 
 
 def _mla(

@@ -162,6 +162,17 @@ def pooled_features(
                 ),
             )
         )
+    paged = reader.first("pooled_selection", indexers, "forward")
+    if write is None and paged is not None:
+        # a converted file (applying again rewrites nothing)
+        found.append(
+            CompressedSubFeature(
+                name="pooled indexer keys, already paged",
+                construct=f"{paged.owner}: {paged.construct}",
+                where=where(paged.line),
+                needs=f"{POOL_KEY_CACHE} and {POOL_STATE}, as written",
+            )
+        )
     tail = reader.first("append_visible_tail", indexers, "forward")
     bad_block = pool > MAX_SPARSE_BLOCK or pool & (pool - 1)
     block_limit = (

@@ -111,6 +111,12 @@ class MlaSpec:
             UnsupportedModelError: the Plan is not MLA, or its dims break the operator limits.
         """
         _check_supported(plan)
+        pool = plan.indexer.pool_size if plan.indexer is not None else 1
+        if (block_size or plan.block_size) % pool:
+            raise BadInputError(
+                f"--block-size {block_size or plan.block_size}: index_kpool {pool} does not "
+                "divide it; a block must hold whole pools (one pooled key row each)"
+            )
         modes = plan.sparse_mode[AttnType.FULL_ATTENTION.value]
         return cls(
             fa_version=FaVersion(plan.fa_version if fa_version == "auto" else fa_version),

@@ -28,10 +28,10 @@ from kvskill.analyzer.pooled_indexer import POOL_KEY_CACHE, POOL_STATE
 from kvskill.implementer._command import ClassRewriteCommand, replace_method, with_body
 from kvskill.implementer.facts import code
 from kvskill.implementer.mla.indexer import (
-    _CACHE_KEYWORDS,
+    CACHE_KEYWORDS,
     UPDATE_INDEXER,
-    _names,
     is_indexer_class,
+    read_names,
 )
 from kvskill.implementer.snippets import methods, statements
 
@@ -122,13 +122,21 @@ def pooled_indexer_facts(cls: cst.ClassDef) -> PooledIndexerFacts:
     masks = {p.name.value for p in forward.params.params if "mask" in p.name.value}
     # the paged call passes no mask (the runtime's requests are unpadded): statements that
     # read it (the valid-token channel of the packed rows) are dropped with the packing
-    facts.kept = [s for s in body[: packs[-1]] if not masks & _names(s)]
+    facts.kept = [s for s in body[: packs[-1]] if not masks & read_names(s)]
     rest = body[updates[0] + 1 :]
     _pooling_facts(facts, cls)
     _scoring_facts(facts, rest, where)
     _budget_facts(facts, rest, where)
-    dropped = {t for s in body[: packs[-1]] if masks & _names(s) for t in _targets(s)}
-    kept_reads = set().union(*(_names(s) for s in facts.kept)) if facts.kept else set()
+    bound = {t for s in facts.kept for t in _targets(s)}
+    unbound = [n for n in (facts.key, facts.gate, facts.query) if n and n not in bound]
+    if unbound:
+        # the rewrite keeps only the statements before the packing
+        facts.problems.append(
+            f"{where}: {unbound} are not computed before the rows are packed "
+            f"(`{packed} = torch.cat(...)`)"
+        )
+    dropped = {t for s in body[: packs[-1]] if masks & read_names(s) for t in _targets(s)}
+    kept_reads = set().union(*(read_names(s) for s in facts.kept)) if facts.kept else set()
     if dropped & (kept_reads | {facts.key, facts.gate, facts.query}):
         facts.problems.append(
             f"{where}: the mask-derived {sorted(dropped)} feed the key, gate or query"
@@ -192,8 +200,8 @@ def _scoring_facts(facts: PooledIndexerFacts, rest: list[cst.BaseStatement], whe
     scores = ""
     for stmt in rest:
         found = assigned_value(stmt)
-        if found and m.matches(found[1], _MATMUL) and pool_keys in _names(found[1]):
-            queries = _names(cst.ensure_type(found[1], cst.Call).args[0]) - {"self"}
+        if found and m.matches(found[1], _MATMUL) and pool_keys in read_names(found[1]):
+            queries = read_names(cst.ensure_type(found[1], cst.Call).args[0]) - {"self"}
             facts.query = next(iter(queries)) if len(queries) == 1 else ""
             scores = found[0]
             break
@@ -232,7 +240,7 @@ def _scoring_facts(facts: PooledIndexerFacts, rest: list[cst.BaseStatement], whe
         )
         return
     facts.weights_stmt, facts.weights = weights[0], _targets(weights[0])[0]
-    if not any(facts.weights in _names(s) and m.findall(s, _MATMUL) for s in rest):
+    if not any(facts.weights in read_names(s) and m.findall(s, _MATMUL) for s in rest):
         facts.problems.append(
             f"{where}: the weights `{facts.weights}` do not weight the scores by a matmul"
         )
@@ -258,7 +266,7 @@ def _cache_optional(params: cst.Parameters) -> cst.Parameters:
     """PARAMS with the source's cache parameter defaulting to None: the paged attention calls
     the indexer without it (``indexer.indexer_call``), as the paged forward reads none."""
     trailing = params.params
-    if not trailing or trailing[-1].name.value not in _CACHE_KEYWORDS or trailing[-1].default:
+    if not trailing or trailing[-1].name.value not in CACHE_KEYWORDS or trailing[-1].default:
         return params
     last = trailing[-1].with_changes(
         default=cst.Name("None"),

@@ -160,17 +160,9 @@ def _dsa(spec: ModelSpec, book: Notebook | _LayerBook, heads: int, block_size: i
     indexer = spec.indexer or {}
     rope = int(mla.get("qk_rope_head_dim") or 0)
     rank = int(mla.get("kv_lora_rank") or 0)
-    if rope == 0 and rank == lim.SFA_LATENT_DIM:
-        # zero rope inputs express a rope-less latent (zeros add nothing to q.k), as the NoPE
-        # layers of a roped model are converted; a model with no rope at all has no rewrite yet
-        _block(
-            book,
-            f"DSA latent {rank} without rope: npu_sparse_flash_attention takes query_rope / "
-            f"key_rope of {lim.MLA_ROPE_DIM} (› Dr值相等为64); zero rope inputs would express it "
-            "(as NoPE layers are converted), but no rewrite writes them for a model without "
-            "rope yet",
-        )
-    elif rope != lim.MLA_ROPE_DIM or rank != lim.SFA_LATENT_DIM:
+    # a rope-less latent (rope 0) takes zero query_rope / key_rope of the operator's width
+    # (zeros add nothing to q.k), as the NoPE layers of a roped model are converted
+    if rope not in (0, lim.MLA_ROPE_DIM) or rank != lim.SFA_LATENT_DIM:
         _block(
             book,
             f"DSA latent {rank} with rope {rope}: npu_sparse_flash_attention takes the "
@@ -197,6 +189,19 @@ def _dsa(spec: ModelSpec, book: Notebook | _LayerBook, heads: int, block_size: i
             f"block_size {block_size}: {_ON_NPU}; the DSA operators page in multiples of "
             f"{lim.SPARSE_BLOCK_MULTIPLE} up to {lim.SPARSE_MAX_BLOCK_SIZE} (› block_size取值为16的"
             "倍数，最大支持1024)",
+        )
+    pool = int(indexer.get("kpool") or 1)
+    rows = block_size // pool
+    if pool > 1 and (block_size % pool or rows % lim.SPARSE_BLOCK_MULTIPLE):
+        # the pooled keys are a compressed entry: a block of block_size tokens holds one row
+        # per pool, and the indexer pages those rows
+        fit = next(b for b in range(128, 8193, 128) if (b // pool) % lim.SPARSE_BLOCK_MULTIPLE == 0)
+        _warn(
+            book,
+            f"block_size {block_size} with pools of {pool}: the pooled keys' cache holds "
+            f"{block_size / pool:g} rows per block; {_ON_NPU}; npu_lightning_indexer pages them "
+            f"in multiples of {lim.SPARSE_BLOCK_MULTIPLE} (› block_size取值为16的倍数): run with "
+            f"--block-size {fit} (a multiple of {fit})",
         )
 
 

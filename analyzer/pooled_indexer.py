@@ -1,4 +1,4 @@
-"""GLM-5.3's k-pool DSA indexer (``glm5_next``): what the Plan says of it, and why apply refuses.
+"""GLM-5.3's k-pool DSA indexer (``glm5_next``): what the Plan says of it, and what it refuses.
 
 How transformers 5.24.0 builds it (``models/glm5_next/modeling_glm5_next.py``):
 
@@ -17,24 +17,30 @@ How transformers 5.24.0 builds it (``models/glm5_next/modeling_glm5_next.py``):
   1 (4-7) are whole and scored, the open pool holds 8-9. With ``index_topk`` 4 one pool is kept,
   say pool 1, and the attention reads 4, 5, 6, 7, 8, 9.
 
-What a paged conversion needs (the operators of the torch_npu 2.13.0 wheel):
+How the conversion expresses it (the operators of the torch_npu 2.13.0 wheel; KVR030 for the
+indexer, the DSA seam of KVR004 / KVR005 for the attention):
 
 - pooled keys in a paged cache of their own, one row per closed pool (``compress_ratio`` =
-  ``index_kpool``), written when a pool closes from its tokens' raw keys and gate scores,
-  which wait across steps in per-request rows; ``npu_lightning_indexer`` scores them, one
-  batch row per query token with key length ``(p + 1) // index_kpool`` (the pools it sees
-  whole), ``sparse_count`` ``index_topk // index_kpool``, the two scales folded into weights;
+  ``index_kpool``), written in plain torch when a pool closes from its tokens' raw keys and
+  gate scores, which wait across steps in per-request rows (a window of one pool); no wheel
+  operator pools keys (the framework's ``torch.ops.custom.compressor`` is its own build and
+  takes ratios 4 and 128 only);
+- ``npu_lightning_indexer`` scores them, one batch row per query token with key length
+  ``(p + 1) // index_kpool`` (the pools it sees whole), ``sparse_count`` ``index_topk //
+  index_kpool``, the two scales folded into its weights;
 - ``npu_sparse_flash_attention`` with ``sparse_block_size`` ``index_kpool`` over the kept pools
   and the open pool ``p // index_kpool`` (its later tokens cut by ``sparse_mode`` 3), reading
-  the absorbed latent; it requires ``query_rope`` / ``key_rope`` of D 64.
+  the absorbed latent; its ``query_rope`` / ``key_rope`` of D 64 are zeros (a zero query part
+  and a stride-0 zero view over the latent's blocks: no rope bytes are stored).
 
-NOTE: the scores are sums of relu terms and often tie at 0; ``torch.topk`` orders ties its own
+Refused, each with its line and limit: a pool size the sparse attention cannot take as
+``sparse_block_size`` (a power of two up to 128), and ``index_kpool_always_select_tail``
+False (a query with no closed pool then attends nothing, and the source's softmax spreads over
+its whole masked row).
+
+NOTE: the scores are sums of relu terms and can tie at 0; ``torch.topk`` orders ties its own
 way, the operator lower position first, so a selection may differ from the source's where
-scores tie even when the design above is followed.
-
-No operator of the wheel pools keys (the framework's ``torch.ops.custom.compressor`` is its
-own build and takes ratios 4 and 128), and the sparse attention takes no latent without rope,
-so apply refuses the layer with each part, its line and its limit named.
+scores tie even when the design above is followed (verify's twin keeps 16 indexer heads).
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvskill.analyzer.compressed_features import (
-    NOT_IN_WHEEL,
     SourceReader,
     features_text,
 )
@@ -142,11 +147,6 @@ def pooled_features(
     found: list[CompressedSubFeature] = []
     write = reader.first("update_indexer", indexers, "forward")
     if write is not None:
-        missing = [
-            f"no torch_npu 2.13.0 operator pools keys (torch.ops.custom.compressor is "
-            f"{NOT_IN_WHEEL} and takes cmp_ratio {' or '.join(map(str, COMPRESSOR_RATIOS))}; "
-            f"index_kpool is {pool}), and kvskill has no rewrite that writes pooled keys"
-        ]
         found.append(
             CompressedSubFeature(
                 name="pooled indexer keys",
@@ -160,12 +160,28 @@ def pooled_features(
                     f"(p + 1) // {pool}, sparse_count {topk // pool}, head_dim^-0.5 * "
                     "n_heads^-0.5 in its weights"
                 ),
-                missing="; ".join(missing),
+            )
+        )
+    paged = reader.first("pooled_selection", indexers, "forward")
+    if write is None and paged is not None:
+        # a converted file (applying again rewrites nothing)
+        found.append(
+            CompressedSubFeature(
+                name="pooled indexer keys, already paged",
+                construct=f"{paged.owner}: {paged.construct}",
+                where=where(paged.line),
+                needs=f"{POOL_KEY_CACHE} and {POOL_STATE}, as written",
             )
         )
     tail = reader.first("append_visible_tail", indexers, "forward")
+    bad_block = pool > MAX_SPARSE_BLOCK or pool & (pool - 1)
+    block_limit = (
+        f"sparse_block_size must be a power of two in [1, {MAX_SPARSE_BLOCK}], "
+        f"index_kpool is {pool}"
+        if bad_block
+        else ""
+    )
     if tail is not None and spec.indexer.get("select_tail"):
-        bad_block = pool > MAX_SPARSE_BLOCK or pool & (pool - 1)
         found.append(
             CompressedSubFeature(
                 name="open-pool tail",
@@ -176,11 +192,23 @@ def pooled_features(
                     f"open pool p // {pool} when (p + 1) % {pool} != 0, its later tokens cut by "
                     f"sparse_mode 3 (the paged block_size a multiple of {pool})"
                 ),
+                missing=block_limit,
+            )
+        )
+    elif tail is not None:
+        # the source then attends the kept pools only: a query before its first closed pool
+        # has every key masked, and its softmax spreads over the whole masked row (future
+        # tokens too), which no sparse selection reproduces
+        found.append(
+            CompressedSubFeature(
+                name="open pool not attended",
+                construct=f"{tail.owner}: if self.index_kpool_always_select_tail: ...",
+                where=where(tail.line),
+                needs=f"{SPARSE_ATTENTION}(sparse_block_size={pool}) over the kept pools only",
                 missing=(
-                    f"sparse_block_size must be a power of two in [1, {MAX_SPARSE_BLOCK}], "
-                    f"index_kpool is {pool}"
-                    if bad_block
-                    else ""
+                    "index_kpool_always_select_tail is False: a query with no closed pool "
+                    "attends no key, and the source's softmax then spreads over its whole "
+                    "masked row (future tokens too); the sparse attention returns zeros there"
                 ),
             )
         )
@@ -195,13 +223,17 @@ def pooled_features(
                     f"nope_cache (the {rank} latent, one head) written with "
                     f"npu_scatter_nd_update_; {SPARSE_ATTENTION} on the absorbed query with "
                     f"query_rope / key_rope of D {lim.MLA_ROPE_DIM}"
+                    + (
+                        " (zeros: a zero query part and a stride-0 zero view over the latent's "
+                        "blocks, no rope bytes stored)"
+                        if rope == 0
+                        else ""
+                    )
                 ),
                 missing=(
                     f"{SPARSE_ATTENTION} requires query_rope and key_rope of D "
-                    f"{lim.MLA_ROPE_DIM} (不支持rope为空), the latent has no rope part "
-                    f"(qk_rope_head_dim {rope}); zero rope inputs would express it, as NoPE "
-                    "layers are converted, but no rewrite writes them for this model yet"
-                    if rope != lim.MLA_ROPE_DIM
+                    f"{lim.MLA_ROPE_DIM}, the latent's rope part is {rope} wide"
+                    if rope not in (0, lim.MLA_ROPE_DIM)
                     else ""
                 ),
             )
@@ -265,13 +297,14 @@ def decide_pooled_indexer(
         missing = [
             f"no pooled-indexer construct (update_indexer, get_pooled_states) in {file_name}"
         ]
-    reason = (
-        f"{attention} ({where}) attends what a k-pool DSA indexer selects (one gated key per "
-        f"{pool} tokens, top {topk // pool} pools{' + the open pool' if tail else ''}): "
-        f"{'; '.join(missing)}"
-    )
-    book.warn(reason)
-    book.block(reason)
+    if missing:
+        reason = (
+            f"{attention} ({where}) attends what a k-pool DSA indexer selects (one gated key per "
+            f"{pool} tokens, top {topk // pool} pools{' + the open pool' if tail else ''}): "
+            f"{'; '.join(missing)}"
+        )
+        book.warn(reason)
+        book.block(reason)
     key_bytes = -(-dim * dtype_bytes(spec.dtype, 2) // pool)
     return IndexerPlan(
         n_heads=heads,

@@ -46,6 +46,7 @@ from kvskill.implementer.mla.codemods import (
     MlaCacheInfoCommand,
 )
 from kvskill.implementer.mla.indexer import IndexerCommand
+from kvskill.implementer.mla.pooled_indexer import PooledIndexerCommand
 from kvskill.implementer.model_class import CacheInfoCommand
 from kvskill.implementer.short_conv import ShortConvCommand
 from kvskill.implementer.standalone_legacy_codemods import (
@@ -139,6 +140,7 @@ REWRITES: tuple[Rewrite, ...] = (
     Rewrite("KVR027", IndexerCommand, _paths(MLA)),
     Rewrite("KVR028", CompressedAttentionInitCommand, _paths(COMPRESSED)),
     Rewrite("KVR029", CompressedAttentionForwardCommand, _paths(COMPRESSED)),
+    Rewrite("KVR030", PooledIndexerCommand, _paths(MLA)),
     # NOTE: the runtime imports stay last whatever the code: later layer kinds go before it
     Rewrite("KVR013", RuntimeImportsCommand, RUNTIME_PATHS),
 )

@@ -55,6 +55,7 @@ FAMILIES = [
     Family("glm_moe_dsa"),
     Family("mistral_large4"),
     Family("deepseek_v4"),
+    Family("glm5_next"),
     Family(
         "deepseek_v2",
         {"num_experts_per_tok": 2},
@@ -89,6 +90,8 @@ def _analyze_cell(plan) -> str:
         )
     if plan.indexer is not None:
         extra += f", DSA indexer top-{plan.indexer.topk} in {len(plan.indexer.layers)} layers"
+        if plan.indexer.pool_size > 1:
+            extra += f" (pools of {plan.indexer.pool_size} + the open pool)"
     return (
         f"{plan.kv_mode}, {plan.attention.upper()}, {plan.input_layout}, {modes}, "
         f"FA {plan.fa_version}{extra}"

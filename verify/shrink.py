@@ -319,8 +319,9 @@ def _head_dim(config: dict[str, Any], names: dict[str, str] | None = None) -> in
     heads = lookup(config, "num_heads", names)[0]
     head_dim = lookup(config, "head_dim", names)[0]
     hidden = lookup(config, "hidden_size", names)[0]
-    if isinstance(head_dim, int):
+    if isinstance(head_dim, int) and head_dim > 0:
         return head_dim
+    # head_dim 0 names no head width (glm5_next's rope-less MLA sizes its rotary by it)
     if isinstance(heads, int) and heads and isinstance(hidden, int):
         return hidden // heads
     return HEAD_DIM

@@ -27,6 +27,11 @@ Q_LORA_RANK = 32
 #: three short rows).
 INDEX_N_HEADS = 16
 INDEX_TOPK = 24
+#: a k-pool indexer (GLM-5.3's ``index_kpool``) of a shrunk twin: pools of 4 tokens (a power
+#: of two dividing the MLA block size, as the sparse attention's sparse_block_size must be),
+#: 2 of them kept, so prompts of a dozen tokens on already have pools the indexer drops
+INDEX_KPOOL = 4
+INDEX_POOLS_KEPT = 2
 
 
 def is_mla_config(config: dict[str, Any]) -> bool:
@@ -69,6 +74,10 @@ def shrink_mla(
         new["kv_lora_rank"] = config["kv_lora_rank"]
         new["index_n_heads"] = min(INDEX_N_HEADS, int(config.get("index_n_heads") or 1))
         new["index_topk"] = min(INDEX_TOPK, config["index_topk"])
+        if int(config.get("index_kpool") or 1) > 1:
+            # the config requires index_topk to be a multiple of index_kpool
+            new["index_kpool"] = INDEX_KPOOL
+            new["index_topk"] = INDEX_KPOOL * INDEX_POOLS_KEPT
     dense = config.get("first_k_dense_replace")
     if isinstance(dense, int):
         new["first_k_dense_replace"] = min(dense, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import libcst as cst
 import libcst.matchers as m
+from kvskill.analyzer.pooled_indexer import POOL_KEY_CACHE, POOL_STATE
 from kvskill.implementer._command import (
     AttentionForwardRewrite,
     AttentionInitRewrite,
@@ -25,7 +26,9 @@ from kvskill.implementer.attn_forward import seam_values
 from kvskill.implementer.fa_call import FA_OPS, fa_keywords, host_lengths
 from kvskill.implementer.facts import SeamFacts, init_owner, seam_forward
 from kvskill.implementer.mla.facts import MlaAttentionFacts, mla_attention_facts
-from kvskill.implementer.mla.spec import CacheWrite, MlaSpec
+from kvskill.implementer.mla.indexer import KEY_CACHE_ATTR
+from kvskill.implementer.mla.pooled_indexer import POOL_KEY_ATTR, POOL_STATE_ATTR
+from kvskill.implementer.mla.spec import CacheWrite, IndexerSpec, MlaSpec
 from kvskill.implementer.model_class import add_cache_info
 from kvskill.implementer.rotary import cover_positions, with_helper
 from kvskill.implementer.snippets import methods, statements
@@ -77,25 +80,64 @@ class MlaAttentionInitCommand(MlaCommand, AttentionInitRewrite):
             "kv_b_proj": facts.kv_b_proj,
             "scatter": self.spec.cache_write is CacheWrite.SCATTER,
             "nope_layers": self.spec.nope_layers,
+            "rope_less": self.spec.rope_less,
             "indexer_attr": "",
             "indexer_key_cache": "",
-            "optional_entry": None,
+            "indexer_setters": [],
+            "optional_entries": [],
         }
-        entries = [("nope_cache", f"{cfg}.kv_lora_rank"), ("rope_cache", f"{cfg}.qk_rope_head_dim")]
+        entries = [("nope_cache", f"{cfg}.kv_lora_rank", {})]
+        if not self.spec.rope_less:
+            entries.append(("rope_cache", f"{cfg}.qk_rope_head_dim", {}))
         indexer = self.spec.indexer
         if indexer is not None:
-            key_entry = (indexer.key_cache, f"{cfg}.index_head_dim")
+            indexer_entries = indexer_cache_entries(indexer, cfg)
             if facts.indexer is not None and facts.indexer.shared_from is not None:
                 # a layer without an indexer module (it reuses another layer's top-k) has no
-                # indexer keys: the entry is declared only where the module exists
-                values["optional_entry"] = key_entry
+                # indexer keys: the entries are declared only where the module exists
+                values["optional_entries"] = indexer_entries
             else:
-                entries.append(key_entry)
+                entries.extend(indexer_entries)
             values["indexer_attr"] = facts.indexer.attr if facts.indexer else ""
             values["indexer_key_cache"] = indexer.key_cache
+            values["indexer_setters"] = indexer_setters(indexer)
+        values["pooled"] = indexer is not None and indexer.pool_size > 1
         init_stmts = statements("mla_init.py.j2", config, entries=entries, **values)
         body = replace_method(updated, "__init__", lambda init: append_statements(init, init_stmts))
         return with_body(updated, [*body, *methods("mla_methods.py.j2", config, **values)])
+
+
+def indexer_cache_entries(indexer: IndexerSpec, cfg: str) -> list[tuple[str, str, dict]]:
+    """(cache name, dim, extra CacheEntry fields) of the indexer's caches: its paged keys, one
+    per token; or, for a k-pool indexer, one pooled key per closed pool (a compressed entry,
+    ``compress_ratio`` = the pool size, in a group of its own) and the open pool's [key |
+    gate] rows (a window of one pool per request: what a closing pool reads)."""
+    if indexer.pool_size == 1:
+        return [(indexer.key_cache, f"{cfg}.index_head_dim", {})]
+    return [
+        (
+            POOL_KEY_CACHE,
+            f"{cfg}.index_head_dim",
+            {"manager_key": f'"{POOL_KEY_CACHE}"', "compress_ratio": f"{cfg}.index_kpool"},
+        ),
+        (
+            POOL_STATE,
+            f"{cfg}.index_head_dim",
+            {
+                "attn_type": '"SlidingWindow"',
+                "num_head": "2",  # the key and the gate score
+                "manager_key": f'"{POOL_STATE}"',
+                "sliding_window": f"{cfg}.index_kpool",
+            },
+        ),
+    ]
+
+
+def indexer_setters(indexer: IndexerSpec) -> list[tuple[str, str]]:
+    """(cache entry, the indexer module's attribute its setter hands the tensor to)."""
+    if indexer.pool_size == 1:
+        return [(indexer.key_cache, KEY_CACHE_ATTR)]
+    return [(POOL_KEY_CACHE, POOL_KEY_ATTR), (POOL_STATE, POOL_STATE_ATTR)]
 
 
 def _scale(seam: SeamFacts) -> str:
@@ -196,11 +238,17 @@ class MlaAttentionForwardCommand(MlaCommand, AttentionForwardRewrite):
             "sin": fused.sin if fused else "",
             "kv_b_proj": facts.kv_b_proj,
             "nope_layers": self.spec.nope_layers,
+            "rope_less": self.spec.rope_less,
         }
         if facts.indexer is not None:
             # the sparse attention's keywords are the DSA template's own
             values["topk"] = facts.indexer.target
             values["scale"] = _scale(seam)
+            assert self.spec.indexer is not None
+            # a k-pool selection names pools: one entry reads a block of one pool's tokens
+            values["sparse_block_size"] = (
+                "self.mla_sparse_block_size" if self.spec.indexer.pool_size > 1 else "1"
+            )
             new = statements("mla_dsa_seam.py.j2", self.parser_config(), **values)
             # the indexer runs after the latent write, as in the source, on the same step
             new.insert(_after_write(new), facts.indexer.statement)

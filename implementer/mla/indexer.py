@@ -86,7 +86,8 @@ class _ReadNames(cst.CSTVisitor):
         self.names.add(node.value)
 
 
-def _names(node: cst.CSTNode) -> set[str]:
+def read_names(node: cst.CSTNode) -> set[str]:
+    """The variable names NODE reads (``q.float()`` reads ``q``)."""
     reader = _ReadNames()
     node.visit(reader)
     return reader.names
@@ -145,7 +146,7 @@ def _scores_facts(facts: IndexerFacts, rest: list[cst.BaseStatement], where: str
     """``scores = torch.matmul(q..., k...) * self.<scale>`` then ``relu(scores)``."""
     for stmt in rest:
         found = assigned_value(stmt)
-        if found is None or facts.key not in _names(stmt):
+        if found is None or facts.key not in read_names(stmt):
             continue
         target, value = found
         product = m.BinaryOperation(
@@ -154,10 +155,10 @@ def _scores_facts(facts: IndexerFacts, rest: list[cst.BaseStatement], where: str
         if not m.matches(value, product):
             break
         value = cst.ensure_type(value, cst.BinaryOperation)
-        queries = _names(cst.ensure_type(value.left, cst.Call).args[0]) - {"self"}
+        queries = read_names(cst.ensure_type(value.left, cst.Call).args[0]) - {"self"}
         facts.query = next(iter(queries)) if len(queries) == 1 else ""
         facts.scale = code(value.right)
-        relu = [s for s in rest if m.findall(s, _RELU) and target in _names(s)]
+        relu = [s for s in rest if m.findall(s, _RELU) and target in read_names(s)]
         if facts.query and relu:
             return
         break
@@ -186,7 +187,9 @@ def _weights_facts(facts: IndexerFacts, rest: list[cst.BaseStatement], where: st
         return
     facts.weights_stmt = found[0]
     facts.weights = _assigned(found[0]) or ""
-    if facts.query and not any(facts.weights in _names(s) and m.findall(s, _MATMUL) for s in rest):
+    if facts.query and not any(
+        facts.weights in read_names(s) and m.findall(s, _MATMUL) for s in rest
+    ):
         facts.problems.append(
             f"{where}: the weights `{facts.weights}` do not weight the scores by a matmul"
         )
@@ -202,8 +205,8 @@ class IndexerCommand(ClassRewriteCommand):
 
     @classmethod
     def problems(cls, module: cst.Module, spec) -> list[str]:
-        if spec.indexer is None:
-            return []
+        if spec.indexer is None or spec.indexer.pool_size > 1:
+            return []  # a k-pool indexer is PooledIndexerCommand's
         found = [c for c in m.findall(module, m.ClassDef()) if is_indexer_class(c)]
         if not found:
             return [
@@ -213,7 +216,12 @@ class IndexerCommand(ClassRewriteCommand):
         return [p for c in found for p in indexer_facts(cst.ensure_type(c, cst.ClassDef)).problems]
 
     def selects(self, cls: cst.ClassDef) -> bool:
-        return self.spec.indexer is not None and is_indexer_class(cls) and not _is_paged(cls)
+        return (
+            self.spec.indexer is not None
+            and self.spec.indexer.pool_size == 1
+            and is_indexer_class(cls)
+            and not _is_paged(cls)
+        )
 
     def rewrite(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
         facts = indexer_facts(original)
@@ -269,7 +277,7 @@ class IndexerCallFacts:
 
 
 #: keyword arguments that carry the source's own cache object
-_CACHE_KEYWORDS = frozenset({"cache", "past_key_values", "past_key_value"})
+CACHE_KEYWORDS = frozenset({"cache", "past_key_values", "past_key_value"})
 
 
 def indexer_call(
@@ -322,9 +330,9 @@ def _paged_call(stmt: cst.BaseStatement, forward: cst.FunctionDef) -> IndexerCal
     }  # the causal mask: the paged indexer is causal through sparse_mode 3
     args = []
     for arg in call.args:
-        if arg.keyword is not None and arg.keyword.value in _CACHE_KEYWORDS:
+        if arg.keyword is not None and arg.keyword.value in CACHE_KEYWORDS:
             continue
-        if masks & _names(arg.value):
+        if masks & read_names(arg.value):
             arg = arg.with_changes(value=cst.Name("None"))
         args.append(arg)
     if args and args[-1] is not call.args[-1]:

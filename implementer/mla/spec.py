@@ -58,6 +58,14 @@ class IndexerSpec:
     key_cache: str
     #: whether some layers reuse another layer's top-k and keep no key cache (GLM-5)
     shared_layers: bool = False
+    #: tokens per scored key (GLM-5.3's ``index_kpool``; 1: one key per token). Pooled keys
+    #: are a compressed entry (``compress_ratio`` = pool_size) beside the open pool's state rows
+    pool_size: int = 1
+
+    @property
+    def sparse_count(self) -> str:
+        """The converted code's expression of the operators' ``sparse_count``."""
+        return "self.index_topk // self.index_kpool" if self.pool_size > 1 else "self.index_topk"
 
 
 #: how the latent reaches the caches: the Plan's ``mla_cache_write`` (one enum for both)
@@ -85,6 +93,9 @@ class MlaSpec:
     #: whether some layers have no rope part (NoPE layers): their rope query and key are
     #: zero-padded to the caches' rope width
     nope_layers: bool = False
+    #: whether no layer has a rope part (qk_rope_head_dim 0): no rope cache is kept, the
+    #: operator's rope inputs are zeros made at call time
+    rope_less: bool = False
     #: whether the config proves every layer attends to its own latent (``kv_source_layers``
     #: naming no other layer): then a hand-off of the latent to later layers inside the seam
     #: (``shared_kv_states[...] = ...``) has no reader and is dropped with the seam
@@ -100,6 +111,12 @@ class MlaSpec:
             UnsupportedModelError: the Plan is not MLA, or its dims break the operator limits.
         """
         _check_supported(plan)
+        pool = plan.indexer.pool_size if plan.indexer is not None else 1
+        if (block_size or plan.block_size) % pool:
+            raise BadInputError(
+                f"--block-size {block_size or plan.block_size}: index_kpool {pool} does not "
+                "divide it; a block must hold whole pools (one pooled key row each)"
+            )
         modes = plan.sparse_mode[AttnType.FULL_ATTENTION.value]
         return cls(
             fa_version=FaVersion(plan.fa_version if fa_version == "auto" else fa_version),
@@ -112,11 +129,13 @@ class MlaSpec:
             has_state_layers=AttnType.MAMBA.value in plan.layer_attn_types(),
             pinned_state_dtypes=pinned_state_dtypes(plan),
             nope_layers=bool(plan.mla and plan.mla.nope_layers),
+            rope_less=plan.mla is not None and plan.mla.qk_rope_head_dim == 0,
             own_latent_only=plan.mla is not None and plan.mla.reused_latent == {},
             indexer=(
                 IndexerSpec(
                     key_cache=plan.indexer.key_cache,
                     shared_layers=bool(plan.indexer.shared_layers),
+                    pool_size=plan.indexer.pool_size,
                 )
                 if plan.indexer is not None
                 else None
@@ -174,9 +193,12 @@ def _check_supported(plan: Plan) -> None:
                 f"sparse_mode {found}; the DSA sparse attention needs 3 (causal) in prefill "
                 "and decode"
             )
-        if not npu_limits.sparse_count_allowed(plan.indexer.topk):
+        pool = plan.indexer.pool_size
+        if not npu_limits.sparse_count_allowed(plan.indexer.topk // pool):
             reasons.append(
-                f"index_topk {plan.indexer.topk}; npu_lightning_indexer keeps 1.."
+                f"index_topk {plan.indexer.topk}"
+                + (f" // index_kpool {pool}" if pool > 1 else "")
+                + "; npu_lightning_indexer keeps 1.."
                 f"{npu_limits.SPARSE_COUNT_MAX_RANGE} or one of "
                 f"{list(npu_limits.SPARSE_COUNT_EXTRA)} positions (sparse_count)"
             )
@@ -188,7 +210,12 @@ def _check_supported(plan: Plan) -> None:
     if plan.mla:
         rope = plan.mla.qk_rope_head_dim
         rank = plan.mla.kv_lora_rank
-        if rope != MLA_ROPE_DIM:
+        if rope == 0 and plan.indexer is None:
+            reasons.append(
+                "qk_rope_head_dim is 0 on dense MLA; the zero rope inputs of a rope-less latent "
+                "are emitted on the DSA path only"
+            )
+        elif rope not in (0, MLA_ROPE_DIM):
             reasons.append(f"qk_rope_head_dim is {rope}; the fused MLA attention needs 64")
         if rank not in MLA_QUERY_DIMS:
             reasons.append(

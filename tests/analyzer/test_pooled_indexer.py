@@ -1,5 +1,6 @@
 """GLM-5.3's glm5_next: a k-pool DSA indexer over a latent without rope, beside Kimi delta
-attention layers. The Plan names each part with its line; apply refuses with the limits."""
+attention layers. The Plan names each part with its line; apply refuses only what the
+operators cannot take (tests/implementer/test_pooled_indexer_rewrite.py converts the rest)."""
 
 from __future__ import annotations
 
@@ -50,29 +51,41 @@ def test_plan_caches_the_ropeless_latent_and_one_pooled_key_per_pool(plan):
     assert "chunk_kda" in mixer and "gk is 暂不支持" in mixer
 
 
-def test_plan_refuses_naming_each_part_its_line_and_its_limit(plan):
-    (reason,) = [b for b in plan.implementer_blockers if "k-pool DSA indexer" in b]
-    call = _line_of("topk_indices = self.indexer(")
-    assert f"Glm5NextTextAttention (modeling_glm5_next.py:{call})" in reason
-    write = _line_of("packed_states = cache.update_indexer(")
-    assert f"pooled indexer keys (modeling_glm5_next.py:{write})" in reason
-    assert "cmp_ratio 4 or 128; index_kpool is 16" in reason
-    update = _line_of("k_pass, k_rot = cache.update(")
-    assert f"latent without rope (modeling_glm5_next.py:{update})" in reason
-    assert "(不支持rope为空)" in reason
-    # the tail is expressible (sparse_block_size 16): listed as a part, not as a blocker
+def test_plan_names_each_part_with_its_line_and_blocks_none(plan):
+    assert not plan.implementer_blockers
     parts = {f.name: f for f in plan.indexer.sub_features}
-    assert parts["open-pool tail"].missing == ""
+    write = _line_of("packed_states = cache.update_indexer(")
+    assert parts["pooled indexer keys"].where == f"modeling_glm5_next.py:{write}"
+    update = _line_of("k_pass, k_rot = cache.update(")
+    latent = parts["latent without rope"]
+    assert latent.where == f"modeling_glm5_next.py:{update}"
+    assert "zeros" in latent.needs and "no rope bytes stored" in latent.needs
     assert "sparse_block_size=16" in parts["open-pool tail"].needs
-    assert not any("planned as FullAttention" in b for b in plan.implementer_blockers)
+    assert all(f.missing == "" for f in parts.values())
 
 
-def test_apply_exits_3_with_one_line(capsys, tmp_path):
+def test_a_config_that_never_attends_the_open_pool_is_refused_with_its_line(capsys, tmp_path):
+    # without the tail a query before its first closed pool attends nothing; the source's
+    # softmax then spreads over its whole masked row, which no sparse selection reproduces
+    Glm5NextConfig(text_config={"index_kpool_always_select_tail": False}).save_pretrained(
+        tmp_path / "model"
+    )
     with pytest.raises(SystemExit) as exc:
-        main(["apply", "glm5_next", "--mode", "framework", "--out", str(tmp_path / "out")])
+        main(
+            [
+                "apply",
+                str(tmp_path / "model"),
+                "--mode",
+                "framework",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 3
-    assert len(err.splitlines()) == 1 and "k-pool DSA indexer" in err
+    assert exc.value.code == 3 and len(err.splitlines()) == 1
+    tail = _line_of("topk_indices = self.append_visible_tail(")
+    assert f"open pool not attended (modeling_glm5_next.py:{tail})" in err
+    assert "index_kpool_always_select_tail is False" in err
     assert not (tmp_path / "out").exists()
 
 

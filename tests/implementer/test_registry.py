@@ -103,9 +103,11 @@ RUNS_BEFORE = {"KVR022": "KVR021"}
 #: do on real files: gated delta nets (qwen3_next, kimi_linear), the MLA files' relative
 #: imports and mask builders (deepseek_v3, deepseek_v2); the MLA toy has no vision wrapper;
 #: Mamba-1 mixers and short convs (jamba; tests/implementer/test_mamba_mixer.py); DSA indexers
-#: (the MLA toy has none: tests/implementer/test_dsa.py converts deepseek_v32's)
+#: (the MLA toy has none: tests/implementer/test_dsa.py converts deepseek_v32's, and
+#: tests/implementer/test_pooled_indexer_rewrite.py glm5_next's k-pool one)
 NO_WORK_IN_FIXTURE = {
     ("KVR027", "mla"),
+    ("KVR030", "mla"),
     ("KVR012", "framework_legacy"),
     ("KVR012", "standalone_legacy"),
     ("KVR008", "paged"),

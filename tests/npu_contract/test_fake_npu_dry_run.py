@@ -140,6 +140,26 @@ FAMILIES = {
             "kv_source_layers": [0, 1, 2, 3],
         }
     },
+    # GLM-5.3: a Kimi delta attention layer, then MLA without rope (zero rope inputs of 64)
+    # read through a k-pool indexer (pools of 16 as sparse_block_size, 128 pools kept)
+    "glm5_next": {
+        "text_config": {
+            **MLA_MOE,
+            "qk_rope_head_dim": 0,
+            "layer_types": ["linear_attention", "indexed_attention"],
+            "indexer_types": ["full", "full"],
+            "mlp_layer_types": ["dense", "sparse"],
+            "linear_num_heads": 4,
+            "linear_head_dim": 64,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 2048,
+            "index_kpool": 16,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    },
     # compressed attention: an HCA and a CSA layer with the operators' head dim 512 (one K = V
     # head), 64 query heads, the indexer's 64 heads of 128 and top-512; small elsewhere
     "deepseek_v4": {
@@ -157,6 +177,9 @@ FAMILIES = {
     # the remote-code row: its own config is NPU-sized already (4 / 2 heads of 64)
     REMOTE: {},
 }
+#: families whose paged caches need a larger block on the device: glm5_next's pooled keys
+#: hold block_size // 16 rows per block, and npu_lightning_indexer pages in multiples of 16
+FAMILY_BLOCK = {"glm5_next": 256}
 #: framework, standalone over the paged runner, standalone over the contiguous (BSH) runner
 MODES = ("framework", "standalone-paged", "standalone-contiguous")
 _STATE_LAYERS = "recurrent-state (Mamba) layers are converted in framework mode only"
@@ -178,6 +201,8 @@ REFUSED = {
     ("deepseek_v32", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("glm_moe_dsa", "standalone-contiguous"): _MLA_PAGED_ONLY,
     ("mistral_large4", "standalone-contiguous"): _MLA_PAGED_ONLY,
+    ("glm5_next", "standalone-paged"): _STATE_LAYERS,
+    ("glm5_next", "standalone-contiguous"): _STATE_LAYERS,
     ("deepseek_v4", "standalone-paged"): _V4_FRAMEWORK_ONLY,
     ("deepseek_v4", "standalone-contiguous"): _V4_FRAMEWORK_ONLY,
     ("mistral", "standalone-contiguous"): _BSH_WINDOW,
@@ -275,8 +300,9 @@ def test_conversion_makes_only_calls_the_npu_accepts(tmp_path, fake_npu, family,
         assert fake_npu.calls == []
         return
     out = _convert(tmp_path, family, mode)
+    block = FAMILY_BLOCK.get(family, BLOCK)
     if mode == "framework":
-        results = _generate(out)
+        results = _generate(out, block_size=block)
         assert [len(r.token_ids) for r in results] == [2, 2]
     else:
         options = VerifyOptions(
@@ -295,7 +321,7 @@ def test_conversion_makes_only_calls_the_npu_accepts(tmp_path, fake_npu, family,
     assert all(b["query"].dtype == torch.bfloat16 for b in calls)
     # (the sparse attention takes its page size from the cache's shape: no block_size)
     assert all(
-        b["block_size"] == BLOCK
+        b["block_size"] == block
         for b in calls
         if "block_size" in b and b.get("block_table") is not None
     )

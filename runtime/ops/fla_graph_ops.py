@@ -26,6 +26,7 @@ def _conv_update(
     bias: Tensor | None,
     activation: str | None,
     conv_state_indices: Tensor | None,
+    query_start_loc: Tensor | None,
     pad_slot_id: int,
 ) -> Tensor:
     return fla_reference.causal_conv1d_update(
@@ -35,6 +36,7 @@ def _conv_update(
         bias,
         activation,
         conv_state_indices=conv_state_indices,
+        query_start_loc=query_start_loc,
         pad_slot_id=pad_slot_id,
     )
 
@@ -46,6 +48,7 @@ def _conv_update_fake(
     bias: Tensor | None,
     activation: str | None,
     conv_state_indices: Tensor | None,
+    query_start_loc: Tensor | None,
     pad_slot_id: int,
 ) -> Tensor:
     return torch.empty_like(x)
@@ -125,10 +128,10 @@ def conv_update(
     validate_data: bool = False,
 ) -> Tensor | None:
     """``causal_conv1d_update`` as the registered operator, or None outside its scope (one
-    token or block per sequence, no speculative or packed arguments)."""
+    token or block per sequence, or packed tokens with ``query_start_loc`` as the converted
+    layers pass them; no speculative-decoding or prefix-block arguments)."""
     extras = (
         num_accepted_tokens,
-        query_start_loc,
         block_idx_last_scheduled_token,
         initial_state_idx,
         retrieve_parent_token,
@@ -139,7 +142,9 @@ def conv_update(
         activation = "silu"
     elif activation is False:
         activation = None
-    return CONV_UPDATE_OP(x, conv_state, weight, bias, activation, conv_state_indices, pad_slot_id)
+    return CONV_UPDATE_OP(
+        x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc, pad_slot_id
+    )
 
 
 def recurrent_in_place(

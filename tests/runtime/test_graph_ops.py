@@ -211,11 +211,11 @@ def test_state_update_fakes_match_eager_and_write_the_states():
     indices = torch.tensor([3, 1])
     before = conv_state.clone()
     real, fake = _fake_and_real(
-        ops.causal_conv1d_update, x, conv_state, weight, None, "silu", indices, -1
+        ops.causal_conv1d_update, x, conv_state, weight, None, "silu", indices, None, -1
     )
     _same_meta(real, fake)
     # the operator writes the state it declares (the helper ran it on a clone: run it here)
-    ops.causal_conv1d_update(x, conv_state, weight, None, "silu", indices, -1)
+    ops.causal_conv1d_update(x, conv_state, weight, None, "silu", indices, None, -1)
     assert not torch.equal(conv_state[3], before[3]) and torch.equal(conv_state[0], before[0])
 
     q, k = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
@@ -223,6 +223,40 @@ def test_state_update_fakes_match_eager_and_write_the_states():
     state = torch.randn(lines, 4, 4, 3)
     args = (q, k, v, g, None, None, state, torch.tensor([0, 1, 2]), indices, True)
     _same_meta(*_fake_and_real(fla_graph_ops.RECURRENT_OP, *args))
+
+
+def test_packed_conv_update_compiles_to_one_node_and_matches_eager():
+    """The converted gated-delta and KDA layers pass their decode tokens packed, with
+    ``query_start_loc``: under capture that call is the registered operator (the reference
+    reads the offsets on the host, which a traced step cannot), with eager's result and
+    state."""
+    from kvskill.runtime.ops import fla_graph_ops, fla_reference
+
+    torch.manual_seed(5)
+    dim, width, lines = 6, 4, 5
+    x, weight = torch.randn(3, dim), torch.randn(dim, width)
+    indices, starts = torch.tensor([4, 0, 2]), torch.tensor([0, 1, 2, 3])
+    state = torch.randn(lines, dim, width - 1)
+    expected_state = state.clone()
+    expected = fla_reference.causal_conv1d_update(
+        x, expected_state, weight, None, "silu", conv_state_indices=indices, query_start_loc=starts
+    )
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(x, state, indices, starts):
+        return fla_graph_ops.conv_update(
+            x, state, weight, None, "silu", conv_state_indices=indices, query_start_loc=starts
+        )
+
+    out = torch.compile(step, backend=backend, fullgraph=True)(x, state, indices, starts)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(state, expected_state)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert calls == ["kvskill.causal_conv1d_update.default"]
 
 
 def test_selective_state_update_fake_matches_eager():

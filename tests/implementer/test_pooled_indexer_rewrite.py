@@ -96,10 +96,20 @@ def _mutant(converted: Path, root: Path, name: str, old: str, new: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def shared_out(tmp_path_factory) -> Path:
+    """apply's framework output for glm5_next with "shared" layers."""
+    root = tmp_path_factory.mktemp("glm5_next")
+    out = root / "out"
+    apply_model(str(_shared_model(root)), out, ApplyOptions(deploy_mode="framework"))
+    return out
+
+
 @pytest.mark.slow
-def test_verify_passes_with_shared_layers_and_fails_when_every_pool_is_attended(tmp_path):
-    out = tmp_path / "out"
-    apply_model(str(_shared_model(tmp_path)), out, ApplyOptions(deploy_mode="framework"))
+def test_verify_passes_with_shared_layers_and_fails_when_every_pool_is_attended(
+    tmp_path, shared_out
+):
+    out = shared_out
     options = VerifyOptions(num_prompts=2, max_new_tokens=4, trust_remote_code=True)
     text = (out / f"modeling_{MODEL}.py").read_text()
     # the latent alone is cached; the operator's rope inputs are zeros
@@ -123,3 +133,43 @@ def test_verify_passes_with_shared_layers_and_fails_when_every_pool_is_attended(
     )
     bad = verify_directory(every, options)
     assert not bad.passed and bad.max_logit_diff > 100 * bad.atol
+
+
+@pytest.mark.slow
+def test_runtime_under_preemption_gives_the_roomy_runs_tokens(tmp_path, shared_out):
+    """The shrunk conversion served from a pool too small for its requests: they are preempted
+    and recomputed (pooled keys and open-pool rows rebuilt from their tokens), and every
+    token equals a roomy run's. Prefix caching stays off: the KDA layers keep recurrent
+    states."""
+    import json
+
+    import torch
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.verify.shrink import shrink_config
+
+    model_dir = tmp_path / "small"
+    shutil.copytree(shared_out, model_dir)
+    config = shrink_config(json.loads((model_dir / "config.json").read_text())).config
+    (model_dir / "config.json").write_text(json.dumps(config))
+    text = config["text_config"]
+    # prompts of 9 to 17 pools against the 2 pools the indexer keeps
+    assert text["index_topk"] // text["index_kpool"] == INDEX_POOLS_KEPT == 2
+    generator = torch.Generator().manual_seed(0)
+    batch = [
+        torch.randint(3, text["vocab_size"], (n,), generator=generator).tolist()
+        for n in (40, 45, 38, 70)
+    ]
+
+    def run(num_blocks: int):
+        llm = LLM(
+            model_dir, random_weights=True, seed=3, exact=True, block_size=16,
+            num_blocks=num_blocks, cpu_only_shapes=True,
+        )  # fmt: skip
+        outs = llm.generate(batch, SamplingParams(max_tokens=12, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.stats
+
+    roomy, roomy_stats = run(64)
+    tight, tight_stats = run(10)
+    assert roomy_stats.num_preemptions == 0 and tight_stats.num_preemptions > 0
+    assert tight == roomy
+    assert not tight_stats.prefix_caching

@@ -49,6 +49,7 @@ the graph replays, as an eager call does.
 from __future__ import annotations
 
 import itertools
+import math
 import types
 import weakref
 from collections.abc import Iterator
@@ -57,7 +58,9 @@ from dataclasses import dataclass
 
 import torch
 from kvskill.runtime import prepacked_linear
+from kvskill.runtime.forward_context import live_rows_of
 from kvskill.runtime.ops.reference.graph_ops import compiling, register
+from kvskill.runtime.prepacked_linear import on_live_rows
 from torch import Tensor, nn
 
 #: bf16 unit roundoff (8 significant bits, round to nearest even)
@@ -157,7 +160,8 @@ class ScreenedHead:
 
     def forward(self, x: Tensor) -> Tensor:
         if compiling():
-            return _SCREENED_HEAD(x, self.screen_id)
+            rows = live_rows_of(math.prod(x.shape[:-1]))
+            return _SCREENED_HEAD(x, self.screen_id, rows)
         return self.forward_now(x)
 
     def forward_now(self, x: Tensor) -> Tensor:
@@ -230,12 +234,15 @@ _SCREENS: weakref.WeakValueDictionary[int, ScreenedHead] = weakref.WeakValueDict
 _SCREEN_IDS = itertools.count()
 
 
-def _screened_head(x: Tensor, screen_id: int) -> Tensor:
-    """The head's logits as an eager call gives them: screened when the step screens."""
-    return _SCREENS[screen_id].forward_now(x)
+def _screened_head(x: Tensor, screen_id: int, live_rows: int = -1) -> Tensor:
+    """The head's logits as an eager call gives them: screened when the step screens; in a
+    captured decode step, of its live rows only (the padded rows' logits are zeros, which the
+    step drops), so padded rows neither cost a GEMM row nor add candidates to the screen."""
+    screen = _SCREENS[screen_id]
+    return on_live_rows(screen.forward_now, x, live_rows, screen.weight.shape[0])
 
 
-def _screened_head_shape(x: Tensor, screen_id: int) -> Tensor:
+def _screened_head_shape(x: Tensor, screen_id: int, live_rows: int = -1) -> Tensor:
     vocab = _SCREENS[screen_id].weight.shape[0]
     return x.new_empty(*x.shape[:-1], vocab, dtype=torch.float32)
 

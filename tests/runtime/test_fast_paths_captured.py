@@ -178,6 +178,7 @@ def test_with_a_live_count_the_packed_linear_and_head_give_the_live_rows_and_zer
     linear, head = operator("packed_linear"), operator("screened_head")
     with torch.inference_mode():
         full = linear(x, qkv.packed, qkv.bias, -1)
+        full_plain = head(x, screen.screen_id, -1)
         with screen.screening(True):
             full_logits = head(x, screen.screen_id, -1)
         assert torch.isinf(full_logits).any()  # screened
@@ -189,6 +190,9 @@ def test_with_a_live_count_the_packed_linear_and_head_give_the_live_rows_and_zer
                 logits = head(x, screen.screen_id, live)
             assert torch.equal(logits[:, :live], full_logits[:, :live])
             assert logits.shape == full_logits.shape and not logits[:, live:].any()
+            plain = head(x, screen.screen_id, live)  # not screening: the plain head
+            assert torch.equal(plain[:, :live], full_plain[:, :live])
+            assert plain.shape == full_plain.shape and not plain[:, live:].any()
 
 
 def test_two_live_counts_of_one_padded_step_replay_one_graph(fast_step):

@@ -45,9 +45,10 @@ NULL_SLOT = 0
 
 
 #: bucket spacing above 4 (vLLM's capture sizes are 1, 2, 4 and the multiples of 8): a padded
-#: row costs a row of every GEMM; with doubling buckets (a batch of 17 run as 32) the captured
+#: row cost a row of every GEMM; with doubling buckets (a batch of 17 run as 32) the captured
 #: decode lost 8% of eager's tokens/s on the peer benchmark's shrinking-batch workload (W1)
-#: and nothing on its fixed-batch one (W2), measured 2026-12-07 (benchmarks/README.md)
+#: and nothing on its fixed-batch one (W2), measured 2026-12-07 (benchmarks/README.md). The
+#: CPU fast paths now skip the padded rows' GEMM arithmetic; the rest of the step does not.
 BUCKET_STEP = 8
 
 

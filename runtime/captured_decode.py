@@ -9,7 +9,9 @@ exercised on this machine).
 
 Padded rows feed token 0 at position 0 of one key, write it to slot 0 (the null block, which
 no request reads: every table pads with it and no length reaches into it) and their logits
-are dropped. The sequence-length list twins the framework fills for its captured decode
+are dropped. The number of live rows enters the graph as a tensor read into a traced int, so
+the CPU fast paths' operators (the packed linear and the screened head) compute the live rows
+only and give the padded rows zeros: on the CPU a padded row would cost a row of every GEMM. The sequence-length list twins the framework fills for its captured decode
 (``actual_seq_lengths_list_kv``, ``_cu_list_q``, ``_cu_list_kv``) are read from the length
 tensors at the top of the graph (``tolist`` traced into unbacked ints), so the converted layers
 pass them as the operators' ``SymInt[]`` lengths and changing lengths never recompile.
@@ -43,9 +45,10 @@ NULL_SLOT = 0
 
 
 #: bucket spacing above 4 (vLLM's capture sizes are 1, 2, 4 and the multiples of 8): a padded
-#: row costs a row of every GEMM; with doubling buckets (a batch of 17 run as 32) the captured
+#: row cost a row of every GEMM; with doubling buckets (a batch of 17 run as 32) the captured
 #: decode lost 8% of eager's tokens/s on the peer benchmark's shrinking-batch workload (W1)
-#: and nothing on its fixed-batch one (W2), measured 2026-12-07 (benchmarks/README.md)
+#: and nothing on its fixed-batch one (W2), measured 2026-12-07 (benchmarks/README.md). The
+#: CPU fast paths now skip the padded rows' GEMM arithmetic; the rest of the step does not.
 BUCKET_STEP = 8
 
 
@@ -206,7 +209,12 @@ class CapturedDecode:
         return logits[:batch].float()
 
     def _forward(
-        self, input_ids: Tensor, position_ids: Tensor, logits_indices: Tensor, md: ForwardMetaData
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        logits_indices: Tensor,
+        md: ForwardMetaData,
+        num_live: Tensor,
     ) -> Tensor:
         # The list twins the framework fills for its captured decode, read once per step
         # here (traced ints) rather than once per layer from the tensors.
@@ -216,8 +224,11 @@ class CapturedDecode:
             actual_seq_lengths_cu_list_q=md.actual_seq_lengths_cu_q.tolist(),
             actual_seq_lengths_cu_list_kv=md.actual_seq_lengths_cu_kv.tolist(),
         )
-        # the traced step: the layers read md through the slot dynamo can follow
-        with captured_forward_context(md):
+        # the traced step: the layers read md through the slot dynamo can follow; the
+        # live count (a traced int, like the lengths) lets the CPU fast paths skip the
+        # padded rows' arithmetic
+        live_rows = num_live.item()
+        with captured_forward_context(md, live_rows=live_rows, padded_rows=input_ids.size(1)):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -265,4 +276,5 @@ class CapturedDecode:
             torch.nn.functional.pad(inputs.position_ids, pad_tokens),
             torch.arange(bucket, device=inputs.input_ids.device),
             padded_md,
+            torch.tensor(batch),
         )

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -121,16 +122,43 @@ def forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
         _current.reset(token)
 
 
+#: (live rows, padded rows) of the captured step being traced: set only by
+#: ``captured_forward_context`` when the caller padded its batch (kvskill's own; the
+#: framework's metadata has no such field)
+_captured_rows: list[tuple[Any, int] | None] = [None]
+
+
 @contextmanager
-def captured_forward_context(metadata: ForwardMetaData) -> Iterator[ForwardMetaData]:
+def captured_forward_context(
+    metadata: ForwardMetaData, *, live_rows: Any = None, padded_rows: int = 0
+) -> Iterator[ForwardMetaData]:
     """``forward_context`` for a step being compiled: the layers read METADATA through a
-    module-level slot that dynamo can trace (a graph input, like the step's tensors)."""
-    previous = _captured[0]
+    module-level slot that dynamo can trace (a graph input, like the step's tensors).
+
+    LIVE_ROWS (an int traced from a tensor, so it changes without a recompile) of the
+    PADDED_ROWS token rows of the step are real; ``live_rows_of`` hands it to the CPU fast
+    paths, which then skip the arithmetic of the others."""
+    previous, previous_rows = _captured[0], _captured_rows[0]
     _captured[0] = metadata
+    _captured_rows[0] = None if live_rows is None else (live_rows, padded_rows)
     try:
         yield metadata
     finally:
-        _captured[0] = previous
+        _captured[0], _captured_rows[0] = previous, previous_rows
+
+
+def live_rows_of(rows: Any) -> Any:
+    """How many leading rows of a ROWS-row activation the captured step being traced needs
+    computed: its live count when ROWS is the step's padded batch (a row per token, requests
+    in order, as every token-wise layer of a decode step has them), else ROWS (all). Outside
+    a traced step, ROWS.
+
+    A tensor with another row count (e.g. a mixture-of-experts' gathered tokens, whose count
+    is itself traced) is left whole: its rows are not the step's requests."""
+    padded = _captured_rows[0] if torch.compiler.is_compiling() else None
+    if padded is None or not isinstance(rows, int) or rows != padded[1]:
+        return rows
+    return padded[0]
 
 
 def in_paged_step() -> bool:

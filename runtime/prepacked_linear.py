@@ -30,10 +30,13 @@ froze itself, which these are not).
 
 from __future__ import annotations
 
+import math
 import types
+from collections.abc import Callable
 
 import torch
 from kvskill.runtime.exact_steps import in_exact_steps
+from kvskill.runtime.forward_context import live_rows_of
 from kvskill.runtime.ops.reference.graph_ops import compiling, register
 from torch import Tensor, nn
 
@@ -67,22 +70,49 @@ def packed_weight(weight: Tensor) -> Tensor:
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """``x @ weight.T + bias`` for ``packed`` = ``packed_weight(weight)``."""
+    """``x @ weight.T + bias`` for ``packed`` = ``packed_weight(weight)``.
+
+    In a captured decode step padded to its bucket, only the live rows are computed and the
+    padded rows are zeros (``forward_context.live_rows_of``)."""
     if compiling():
-        return _PACKED_LINEAR(x, packed, bias)
+        return _PACKED_LINEAR(x, packed, bias, live_rows_of(math.prod(x.shape[:-1])))
     return _packed_linear(x, packed, bias)
 
 
-def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, live_rows: int = -1) -> Tensor:
+    def linear(rows: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+    return on_live_rows(linear, x, live_rows, packed.shape[0])
+
+
+def on_live_rows(fn: Callable[[Tensor], Tensor], x: Tensor, live_rows: int, width: int) -> Tensor:
+    """``fn(x)`` (rows of ``x`` in, ``width`` columns out, row by row) for the first
+    LIVE_ROWS rows of ``x`` (all of them when negative or not fewer), zeros for the others.
+
+    Why: a captured decode step pads its batch to a static bucket, and on the CPU a padded
+    row costs a row of every GEMM (the step is GEMM-bound at decode batches); zeros give the
+    rows nobody reads defined values. CPU only: torchair's NPU graphs do not run these
+    kernels (a padded row there costs what the framework's padding costs)."""
+    rows = math.prod(x.shape[:-1])
+    if live_rows < 0 or live_rows >= rows:
+        return fn(x)
+    if live_rows == 0:
+        return x.new_zeros(*x.shape[:-1], width)
+    live = fn(x.reshape(rows, x.shape[-1])[:live_rows])
+    out = live.new_empty(rows, width)
+    out[:live_rows] = live
+    out[live_rows:].zero_()
+    return out.view(*x.shape[:-1], width)
 
 
 # oneDNN's linear as one opaque node of a captured graph; the packed weight keeps its
-# [out, in] shape (as torch's own meta function for the oneDNN op reads it)
+# [out, in] shape (as torch's own meta function for the oneDNN op reads it). LIVE_ROWS is an
+# int traced from a tensor in a captured decode step, so its changes never recompile.
 _PACKED_LINEAR = register(
     "packed_linear",
     _packed_linear,
-    lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]),
+    lambda x, packed, bias, live_rows=-1: x.new_empty(*x.shape[:-1], packed.shape[0]),
 )
 
 

@@ -1,5 +1,6 @@
 """The fast paths inside a captured step: each kernel is one node of the graph, the graph
-gives what the eager step gives, and an exact step's trace keeps the model's own code."""
+gives what the eager step gives, an exact step's trace keeps the model's own code, and a
+padded step's live count spares the padded rows' arithmetic without a graph per count."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections import Counter
 import pytest
 import torch
 from kvskill.runtime import fused_layers, prepacked_linear, screened_head
+from kvskill.runtime.captured_decode import traced_scalar_reads
 from kvskill.runtime.exact_steps import exact_steps
+from kvskill.runtime.forward_context import ForwardMetaData, captured_forward_context
 from kvskill.runtime.ops.cpu_kernels import fused_elementwise
-from kvskill.runtime.ops.reference.graph_ops import dispatched_operators
+from kvskill.runtime.ops.reference.graph_ops import dispatched_operators, operator
 from torch import nn
 
 TOKENS, HEADS, HEAD_DIM = 3, 2, 8
@@ -166,3 +169,59 @@ def test_a_graph_captured_fast_is_traced_again_for_an_exact_step(fast_step):
             exact = compiled(x)
     assert len(graphs) == 2  # the setting is guarded: the exact step did not replay the first
     torch.testing.assert_close(exact, own, rtol=0, atol=0)
+
+
+def test_with_a_live_count_the_packed_linear_and_head_give_the_live_rows_and_zeros(fast_step):
+    step, screen, _ = fast_step
+    x = torch.randn(1, 4, WIDTH)
+    qkv = step.q_proj._kvskill_fused
+    linear, head = operator("packed_linear"), operator("screened_head")
+    with torch.inference_mode():
+        full = linear(x, qkv.packed, qkv.bias, -1)
+        full_plain = head(x, screen.screen_id, -1)
+        with screen.screening(True):
+            full_logits = head(x, screen.screen_id, -1)
+        assert torch.isinf(full_logits).any()  # screened
+        for live in (0, 1, 3, 4):
+            rows = linear(x, qkv.packed, qkv.bias, live)
+            assert torch.equal(rows[:, :live], full[:, :live])
+            assert rows.shape == full.shape and not rows[:, live:].any()
+            with screen.screening(True):
+                logits = head(x, screen.screen_id, live)
+            assert torch.equal(logits[:, :live], full_logits[:, :live])
+            assert logits.shape == full_logits.shape and not logits[:, live:].any()
+            plain = head(x, screen.screen_id, live)  # not screening: the plain head
+            assert torch.equal(plain[:, :live], full_plain[:, :live])
+            assert plain.shape == full_plain.shape and not plain[:, live:].any()
+
+
+def test_two_live_counts_of_one_padded_step_replay_one_graph(fast_step):
+    step, screen, _ = fast_step
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def padded_step(x, num_live):
+        live_rows = num_live.item()
+        with captured_forward_context(ForwardMetaData(), live_rows=live_rows, padded_rows=TOKENS):
+            return step(x)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(padded_step, backend=keep, fullgraph=True, dynamic=False)
+    x = torch.randn(TOKENS, WIDTH)
+    with torch.inference_mode(), screen.screening(True), traced_scalar_reads():
+        full = step(x)
+        for live in (2, 1, TOKENS):
+            out = compiled(x, torch.tensor(live))
+            assert torch.equal(out[:live], full[:live]), live
+            assert not out[live:].any()
+    assert len(graphs) == 1  # the live count is a traced int: no recompile per value
+    (graph,) = graphs
+    live_args = [
+        node.args[-1]
+        for node in graph.graph.nodes
+        if str(node.target).startswith(("kvskill.packed_linear", "kvskill.screened_head"))
+    ]
+    assert len(live_args) == 4 and all(isinstance(a, torch.fx.Node) for a in live_args)

@@ -138,7 +138,16 @@ FAMILIES = {
             "indexer_types": ["full"] * 4,
             "no_rope_layers": [1, 1, 1, 0],
             "kv_source_layers": [0, 1, 2, 3],
-        }
+        },
+        # the vision tower has no cache; at its default size (30 layers of 2048) building it
+        # took most of these rows' time
+        "vision_config": {
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "head_dim": 32,
+        },
     },
     # GLM-5.3: a Kimi delta attention layer, then MLA without rope (zero rope inputs of 64)
     # read through a k-pool indexer (pools of 16 as sparse_block_size, 128 pools kept)
@@ -158,7 +167,14 @@ FAMILIES = {
             "pad_token_id": 0,
             "bos_token_id": 1,
             "eos_token_id": 2,
-        }
+        },
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "projection_intermediate_size": 64,
+        },
     },
     # compressed attention: an HCA and a CSA layer with the operators' head dim 512 (one K = V
     # head), 64 query heads, the indexer's 64 heads of 128 and top-512; small elsewhere

@@ -163,10 +163,18 @@ def test_plan_states_nope_layers_and_rescales_and_blocks_latent_reuse(plan, tmp_
     )
 
 
+@pytest.fixture(scope="module")
+def converted_out(tmp_path_factory) -> Path:
+    """apply's framework output for the 4-layer model (layer 3 NoPE)."""
+    root = tmp_path_factory.mktemp("converted")
+    out = root / "out"
+    apply_model(str(_small_config(root / "model")), out, ApplyOptions(deploy_mode="framework"))
+    return out
+
+
 @pytest.mark.slow
-def test_converted_model_is_token_exact_on_prompts_longer_than_the_top_k(tmp_path):
-    out = tmp_path / "out"
-    apply_model(str(_small_config(tmp_path / "model")), out, ApplyOptions(deploy_mode="framework"))
+def test_converted_model_is_token_exact_on_prompts_longer_than_the_top_k(converted_out):
+    out = converted_out
     converted = (out / "modeling_mistral_large4.py").read_text()
     # the rescale runs on both query parts, the NoPE layers pad their rope inputs
     assert "q_pass = self.softmax_scaling(q_pass, position_ids, head_dim_first=True)" in converted
@@ -176,6 +184,47 @@ def test_converted_model_is_token_exact_on_prompts_longer_than_the_top_k(tmp_pat
     # the shrunk twin keeps 24 of the positions: a longer prompt makes the indexer choose
     assert max(p.prompt_len for p in report.prompts) > 24
     assert report.passed, [(p.prompt_len, p.max_logit_diff) for p in report.prompts]
+
+
+@pytest.mark.slow
+def test_runtime_holds_under_preemption_and_prefix_caching(tmp_path, converted_out):
+    """The shrunk conversion served from a pool too small for its requests (preempted and
+    recomputed) gives a roomy run's tokens, and a rerun of the same prompts hits the prefix
+    cache (latent, rope and indexer keys together) with the same tokens again."""
+    import shutil
+
+    import torch
+    from kvskill.runtime import LLM, SamplingParams
+    from kvskill.verify.shrink import shrink_config
+
+    model_dir = tmp_path / "small"
+    shutil.copytree(converted_out, model_dir)
+    config = shrink_config(json.loads((model_dir / "config.json").read_text())).config
+    (model_dir / "config.json").write_text(json.dumps(config))
+    text = config["text_config"]
+    generator = torch.Generator().manual_seed(0)
+    # longer than the top-k the shrunk indexer keeps, and outgrowing their first block
+    batch = [
+        torch.randint(3, text["vocab_size"], (n,), generator=generator).tolist()
+        for n in (30, 31, 29, 46)
+    ]
+    assert min(map(len, batch)) > text["index_topk"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def serve(num_blocks: int):
+        llm = LLM(
+            model_dir, random_weights=True, seed=3, exact=True, block_size=16,
+            num_blocks=num_blocks, cpu_only_shapes=True,
+        )  # fmt: skip
+        return llm, [o.token_ids for o in llm.generate(batch, params)]
+
+    roomy_llm, roomy = serve(64)
+    tight_llm, tight = serve(11)
+    assert roomy_llm.stats.num_preemptions == 0 and tight_llm.stats.num_preemptions > 0
+    assert tight == roomy
+    again = tight_llm.generate(batch, params)
+    assert [o.token_ids for o in again] == roomy
+    assert sum(o.num_cached_tokens for o in again) > 0
 
 
 def test_nope_layers_are_refused_where_their_zero_rope_inputs_are_not_emitted(plan):

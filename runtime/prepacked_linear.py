@@ -80,15 +80,26 @@ def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, live_rows: int = -1) -> Tensor:
-    def linear(rows: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    def linear(rows: Tensor, out: Tensor | None) -> Tensor:
+        result = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        # oneDNN's linear takes no output tensor: the live rows are copied into the step's
+        return result if out is None else out.copy_(result)
 
     return on_live_rows(linear, x, live_rows, packed.shape[0])
 
 
-def on_live_rows(fn: Callable[[Tensor], Tensor], x: Tensor, live_rows: int, width: int) -> Tensor:
-    """``fn(x)`` (rows of ``x`` in, ``width`` columns out, row by row) for the first
-    LIVE_ROWS rows of ``x`` (all of them when negative or not fewer), zeros for the others.
+def on_live_rows(
+    fn: Callable[[Tensor, Tensor | None], Tensor],
+    x: Tensor,
+    live_rows: int,
+    width: int,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``fn`` (rows of ``x`` in, ``width`` columns out, row by row) over the first LIVE_ROWS
+    rows of ``x`` (all of them when negative or not fewer), zeros for the others.
+
+    ``fn(rows, out)`` returns its result, written into OUT (``[rows, width]``, a view of the
+    result this returns, of ``dtype`` or ``x``'s) unless OUT is None (every row live).
 
     Why: a captured decode step pads its batch to a static bucket, and on the CPU a padded
     row costs a row of every GEMM (the step is GEMM-bound at decode batches); zeros give the
@@ -96,13 +107,11 @@ def on_live_rows(fn: Callable[[Tensor], Tensor], x: Tensor, live_rows: int, widt
     kernels (a padded row there costs what the framework's padding costs)."""
     rows = math.prod(x.shape[:-1])
     if live_rows < 0 or live_rows >= rows:
-        return fn(x)
-    if live_rows == 0:
-        return x.new_zeros(*x.shape[:-1], width)
-    live = fn(x.reshape(rows, x.shape[-1])[:live_rows])
-    out = live.new_empty(rows, width)
-    out[:live_rows] = live
+        return fn(x, None)
+    out = x.new_empty(rows, width, dtype=dtype or x.dtype)
     out[live_rows:].zero_()
+    if live_rows:
+        fn(x.reshape(rows, x.shape[-1])[:live_rows], out[:live_rows])
     return out.view(*x.shape[:-1], width)
 
 

@@ -242,17 +242,11 @@ def _screened_head(x: Tensor, screen_id: int, live_rows: int = -1) -> Tensor:
     captured decode step, of its live rows only (the padded rows' logits are zeros, which the
     step drops), so padded rows neither cost a GEMM row nor add candidates to the screen."""
     screen = _SCREENS[screen_id]
-    rows = math.prod(x.shape[:-1])
-    if live_rows < 0 or live_rows >= rows:
-        return screen.forward_now(x)
     # the live rows' logits are written in place: at a vocabulary of 152k, a copy of them
-    # (prepacked_linear.on_live_rows) cost about 3 ms a step (measured, 17 of 24 rows)
-    vocab = screen.weight.shape[0]
-    out = x.new_empty(rows, vocab, dtype=torch.float32)
-    out[live_rows:].zero_()
-    if live_rows:
-        screen.forward_now(x.reshape(rows, x.shape[-1])[:live_rows], out=out[:live_rows])
-    return out.view(*x.shape[:-1], vocab)
+    # cost about 3 ms a step (measured, 17 of 24 rows)
+    return prepacked_linear.on_live_rows(
+        screen.forward_now, x, live_rows, screen.weight.shape[0], dtype=torch.float32
+    )
 
 
 def _screened_head_shape(x: Tensor, screen_id: int, live_rows: int = -1) -> Tensor:

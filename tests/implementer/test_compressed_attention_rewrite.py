@@ -6,6 +6,8 @@ every entry instead of the selection fails verify."""
 from __future__ import annotations
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 from kvskill.analyzer.compressed_features import converted_attention
@@ -13,6 +15,9 @@ from kvskill.implementer.writer import ApplyOptions, apply_model
 from kvskill.verify.flow import verify_directory
 from kvskill.verify.options import VerifyOptions
 from kvskill.verify.shrink import COMPRESSED_INDEX_TOPK
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from captured_runs import decode_eager_and_captured  # noqa: E402
 
 MODEL = "deepseek_v4"
 #: one layer of each kind
@@ -88,7 +93,6 @@ TINY_DIMS = {
 def test_the_decode_step_is_captured_whole_and_decodes_as_eager(tmp_path, converted, monkeypatch):
     import json
 
-    import torch
     from kvskill.runtime import LLM, SamplingParams
     from kvskill.runtime.captured_decode import BACKEND_ENV
 
@@ -97,25 +101,20 @@ def test_the_decode_step_is_captured_whole_and_decodes_as_eager(tmp_path, conver
     config = json.loads((tiny / "config.json").read_text())
     (tiny / "config.json").write_text(json.dumps({**config, **TINY_DIMS}))
     monkeypatch.setenv(BACKEND_ENV, "eager")
-    torch._dynamo.reset()
     # two requests decoding together (bucket 2): the first crosses positions 127 (an HCA
     # entry closes) and 131 (a CSA entry), so the captured step pools and writes both kinds
     prompts = [[(7 * i) % 63 + 1 for i in range(125)], [5, 9, 33, 7, 2, 8, 11]]
 
-    def run(graph: bool):
-        llm = LLM(tiny, random_weights=True, seed=1, block_size=16, num_blocks=64,
-                  max_num_seqs=2, max_model_len=256, cpu_only_shapes=True,
-                  trust_remote_code=True, graph=graph)  # fmt: skip
-        logits = []
-        llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-        return [o.token_ids for o in outs], logits, llm
+    def make_llm(graph: bool):
+        return LLM(tiny, random_weights=True, seed=1, block_size=16, num_blocks=64,
+                   max_num_seqs=2, max_model_len=256, cpu_only_shapes=True,
+                   trust_remote_code=True, graph=graph)  # fmt: skip
 
-    eager_tokens, eager_logits, _ = run(graph=False)
-    graph_tokens, graph_logits, llm = run(graph=True)
-    assert graph_tokens == eager_tokens
-    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
-    assert worst <= 1e-5
-    stats = llm.engine.captured_decode.stats
+    runs = decode_eager_and_captured(
+        make_llm, prompts, SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    assert runs.graph_tokens == runs.eager_tokens
+    assert runs.worst_logit_diff <= 1e-5
+    stats = runs.graph_llm.engine.captured_decode.stats
     assert stats.compiled_buckets == [2]
     assert stats.num_replays == 6 and stats.num_eager_decode_steps == 0

@@ -23,6 +23,7 @@ from kvskill.verify.options import VerifyOptions
 from kvskill.verify.shrink_mla import INDEX_N_HEADS, INDEX_TOPK, shrink_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from captured_runs import decode_eager_and_captured  # noqa: E402
 from mla_models import (  # noqa: E402
     build_pair,
     load_converted,
@@ -160,22 +161,17 @@ def test_captured_decode_has_no_graph_break_and_decodes_the_eager_tokens(
     torch.manual_seed(0)
     model = module.DeepseekV32ForCausalLM(config).eval()
     monkeypatch.setenv(BACKEND_ENV, "eager")
-    torch._dynamo.reset()
     batch = prompts(5, lengths=(6, 8, 5))
-
-    def run(graph: bool):
-        llm = LLM(model, exact=True, block_size=16, num_blocks=16, max_num_seqs=4, graph=graph)
-        logits = []
-        llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
-        outs = llm.generate(batch, SamplingParams(max_tokens=3, ignore_eos=True))
-        return [o.token_ids for o in outs], logits, llm
-
-    eager_tokens, eager_logits, _ = run(graph=False)
-    graph_tokens, graph_logits, llm = run(graph=True)
-    assert graph_tokens == eager_tokens
-    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
-    assert worst <= 1e-5
-    stats = llm.engine.captured_decode.stats
+    runs = decode_eager_and_captured(
+        lambda graph: LLM(
+            model, exact=True, block_size=16, num_blocks=16, max_num_seqs=4, graph=graph
+        ),
+        batch,
+        SamplingParams(max_tokens=3, ignore_eos=True),
+    )
+    assert runs.graph_tokens == runs.eager_tokens
+    assert runs.worst_logit_diff <= 1e-5
+    stats = runs.graph_llm.engine.captured_decode.stats
     # three requests decoding together: bucket 4 (one padded row), captured once, replayed
     assert stats.compiled_buckets == [4]
     assert stats.num_replays == 1 and stats.num_eager_decode_steps == 0

@@ -7,10 +7,16 @@ backend: inductor's code generation takes about 40 s on this CPU and is measured
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kvskill.runtime import fused_layers, prepacked_linear
 from kvskill.runtime.captured_decode import BACKEND_ENV, decode_buckets
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from captured_runs import decode_eager_and_captured  # noqa: E402
 
 TINY_LLAMA = {
     "num_hidden_layers": 2,
@@ -40,10 +46,10 @@ def tiny_llama(tmp_path_factory):
     return out
 
 
-def _run(model_dir, graph: bool):
-    from kvskill.runtime import LLM, SamplingParams
+def _llm(model_dir, graph: bool):
+    from kvskill.runtime import LLM
 
-    llm = LLM(
+    return LLM(
         model_dir,
         random_weights=True,
         seed=1,
@@ -54,26 +60,21 @@ def _run(model_dir, graph: bool):
         cpu_only_shapes=True,
         graph=graph,
     )
-    logits = []
-    llm.engine.step_hooks.append(lambda record: logits.append(record.logits))
-    # four requests (bucket 4), then three (bucket 4, one padded row), then two (bucket 2)
-    prompts = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17], [2, 3]]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 5, 7, 7)]
-    tokens = [o.token_ids for o in llm.generate(prompts, params)]
-    return tokens, logits, llm
 
 
 @pytest.mark.slow
 def test_captured_decode_is_token_exact_against_eager(tiny_llama, monkeypatch):
+    from kvskill.runtime import SamplingParams
+
     monkeypatch.setenv(BACKEND_ENV, "eager")
-    torch._dynamo.reset()
-    eager_tokens, eager_logits, _ = _run(tiny_llama, graph=False)
-    torch._dynamo.utils.counters.clear()
-    graph_tokens, graph_logits, llm = _run(tiny_llama, graph=True)
-    assert graph_tokens == eager_tokens
-    assert len(graph_logits) == len(eager_logits)
-    worst = max((g - e).abs().max().item() for g, e in zip(graph_logits, eager_logits, strict=True))
-    assert worst <= 1e-5
+    # four requests (bucket 4), then three (bucket 4, one padded row), then two (bucket 2)
+    prompts = [[1, 5, 9, 33, 7], [4, 4, 100, 3, 2, 8, 9, 10, 11], [17], [2, 3]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 5, 7, 7)]
+    runs = decode_eager_and_captured(lambda graph: _llm(tiny_llama, graph), prompts, params)
+    assert runs.graph_tokens == runs.eager_tokens
+    assert len(runs.graph_logits) == len(runs.eager_logits)
+    assert runs.worst_logit_diff <= 1e-5
+    llm = runs.graph_llm
     # the captured steps ran the fast paths the eager run had (their kernels are graph nodes)
     fast = {p.name: p.on for p in llm.fast_paths.paths}
     if all(m.unavailable_reason() is None for m in (prepacked_linear, fused_layers)):
